@@ -1,0 +1,43 @@
+"""Typed errors for user-facing problems (bad config, bad checkpoint, bad input).
+
+Every message names the problem and, where there is one, the fix. Scripts turn
+`UserInputError` subclasses into one stderr line and exit status 2; anything else
+is a runtime failure (exit 1).
+"""
+from __future__ import annotations
+
+
+class UserInputError(Exception):
+    """Base for problems the user can fix (exit status 2 in the CLI)."""
+
+
+class ConfigError(UserInputError, ValueError):
+    """An invalid or unreadable model config (names key, value and what is allowed)."""
+
+
+class CheckpointError(UserInputError):
+    """A checkpoint directory that is missing, incomplete, corrupt or does not match its config."""
+
+
+class MissingFileError(CheckpointError, FileNotFoundError):
+    """A directory, config, index or shard that does not exist."""
+
+
+class CorruptFileError(CheckpointError):
+    """A safetensors file that is truncated or unreadable."""
+
+
+class TensorMismatchError(CheckpointError):
+    """Tensors missing, unexpected, or with the wrong shape/dtype (lists up to 10)."""
+
+
+class InputError(UserInputError, ValueError):
+    """Bad prompt / token ids / generation arguments."""
+
+
+class CapacityError(InputError):
+    """prompt + max_new_tokens does not fit the cache capacity (raised before allocation)."""
+
+
+class DeviceError(UserInputError, RuntimeError):
+    """A requested device or mode that is not available (e.g. --mode graph without CUDA)."""

