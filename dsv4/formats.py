@@ -134,14 +134,15 @@ def quantize_fp8_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def dequantize_fp8_weight(w: torch.Tensor, scale: torch.Tensor,
                           dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """e4m3 [out, in] + ue8m0 [out/128, in/128] -> dense [out, in] (exact in float32 and bf16)."""
-    out_f, in_f = w.shape
-    if scale.shape != (out_f // FP8_BLOCK, in_f // FP8_BLOCK) or out_f % FP8_BLOCK or in_f % FP8_BLOCK:
-        raise FormatError(f"FP8 weight [{out_f}, {in_f}] needs a scale of shape "
-                          f"[{out_f // FP8_BLOCK}, {in_f // FP8_BLOCK}], got {tuple(scale.shape)}")
+    """e4m3 [..., out, in] + ue8m0 [..., out/128, in/128] -> dense [..., out, in] (exact in f32/bf16)."""
+    *lead, out_f, in_f = w.shape
+    want = (*lead, out_f // FP8_BLOCK, in_f // FP8_BLOCK)
+    if tuple(scale.shape) != want or out_f % FP8_BLOCK or in_f % FP8_BLOCK:
+        raise FormatError(f"FP8 weight {tuple(w.shape)} needs a scale of shape {want}, "
+                          f"got {tuple(scale.shape)}")
     s = e8m0_to_float(scale)
-    wf = w.to(torch.float32).reshape(out_f // FP8_BLOCK, FP8_BLOCK, in_f // FP8_BLOCK, FP8_BLOCK)
-    return (wf * s[:, None, :, None]).reshape(out_f, in_f).to(dtype)
+    wf = w.to(torch.float32).reshape(*lead, out_f // FP8_BLOCK, FP8_BLOCK, in_f // FP8_BLOCK, FP8_BLOCK)
+    return (wf * s[..., :, None, :, None]).reshape(*lead, out_f, in_f).to(dtype)
 
 
 def quantize_fp4_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

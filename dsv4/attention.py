@@ -1,0 +1,141 @@
+"""Attention of one layer: low-rank q, shared-KV MQA over a sliding window + compressed entries,
+attention sink, inverse RoPE and the grouped low-rank output projection (DSV4_SPEC §3.3).
+
+Legend: s = queries, h = heads, d = head_dim, k = attended entries, g = output groups,
+W = window, r = compress ratio. Prefill works on fresh tensors; `decode` is capture-safe.
+"""
+from __future__ import annotations
+
+import torch
+
+from .compressor import Compressor
+from .config import ModelConfig
+from .indexer import Indexer
+from .linear import Linear
+from .mhc import rms_norm
+from .quant import fp8_quant_dequant
+from .rope import apply_rope, cos_sin, rope_frequencies
+from .state import LayerState
+
+PREFILL_CHUNK = 64  # queries per sparse-attention chunk in prefill (bounds the gathered KV)
+
+
+class Attention:
+    def __init__(self, cfg: ModelConfig, ratio: int, fmt: str, device,
+                 hadamard_matrix: torch.Tensor | None = None):
+        self.cfg, self.ratio = cfg, ratio
+        H, Dh, G = cfg.n_heads, cfg.head_dim, cfg.o_groups
+        self.attn_sink = torch.empty(H, dtype=torch.float32, device=device)
+        self.wq_a = Linear(cfg.q_lora_rank, cfg.dim, fmt, device)
+        self.q_norm = torch.empty(cfg.q_lora_rank, dtype=torch.float32, device=device)
+        self.wq_b = Linear(H * Dh, cfg.q_lora_rank, fmt, device)
+        self.wkv = Linear(Dh, cfg.dim, fmt, device)
+        self.kv_norm = torch.empty(Dh, dtype=torch.float32, device=device)
+        self.wo_a = Linear(G * cfg.o_lora_rank, H * Dh // G, fmt, device)
+        self.wo_b = Linear(cfg.dim, G * cfg.o_lora_rank, fmt, device)
+        self.compressor = Compressor(cfg, ratio, Dh, rotate=False, device=device) if ratio else None
+        self.indexer = Indexer(cfg, fmt, device, hadamard_matrix) if ratio == 4 else None
+        self.freqs = rope_frequencies(cfg, ratio, device)
+
+    def tensors(self, prefix: str) -> dict[str, torch.Tensor]:
+        d = {f"{prefix}.attn_sink": self.attn_sink, f"{prefix}.q_norm.weight": self.q_norm,
+             f"{prefix}.kv_norm.weight": self.kv_norm}
+        for n in ("wq_a", "wq_b", "wkv", "wo_a", "wo_b"):
+            d.update(getattr(self, n).tensors(f"{prefix}.{n}"))
+        if self.compressor is not None:
+            d.update(self.compressor.tensors(f"{prefix}.compressor"))
+        if self.indexer is not None:
+            d.update(self.indexer.tensors(f"{prefix}.indexer"))
+        return d
+
+    # ---- shared pieces -----------------------------------------------------------------------
+    def _q_kv(self, x: torch.Tensor, cs):
+        """x [s, D] act -> qr [s, Rq], q [s, h, d] (RMS + RoPE), kv [s, d] (norm, RoPE, FP8 fake-quant)."""
+        cfg, act = self.cfg, x.dtype
+        qr = rms_norm(self.wq_a(x, act), self.q_norm, cfg.norm_eps)
+        q = self.wq_b(qr, act).unflatten(-1, (cfg.n_heads, cfg.head_dim))
+        q = q * torch.rsqrt(q.square().mean(-1, keepdim=True) + cfg.norm_eps)   # in act dtype
+        q = apply_rope(q, cs)
+        kv = rms_norm(self.wkv(x, act), self.kv_norm, cfg.norm_eps)
+        kv = apply_rope(kv, cs)
+        nope = cfg.head_dim - cfg.rope_head_dim
+        kv = torch.cat((fp8_quant_dequant(kv[:, :nope], 64), kv[:, nope:]), dim=-1)
+        return qr, q, kv
+
+    def _out(self, o: torch.Tensor, cs) -> torch.Tensor:
+        """o [s, h, d] -> inverse RoPE -> grouped wo_a (no act quant) -> wo_b -> [s, D]."""
+        cfg, act = self.cfg, o.dtype
+        o = apply_rope(o, cs, inverse=True)
+        G = cfg.o_groups
+        o = o.reshape(o.shape[0], G, -1)                                        # [s, g, h/g*d]
+        wo_a = self.wo_a.dense(act).view(G, cfg.o_lora_rank, -1)               # [g, R, h/g*d]
+        z = torch.einsum("sgd,grd->sgr", o, wo_a)
+        return self.wo_b(z.flatten(1), act)
+
+    # ---- prefill -----------------------------------------------------------------------------
+    def prefill(self, x: torch.Tensor, st: LayerState) -> torch.Tensor:
+        """Positions 0..s-1 from a reset state: x [s, D] -> [s, D]; fills the layer state."""
+        cfg, s, dev = self.cfg, x.shape[0], x.device
+        W, r = cfg.window_size, self.ratio
+        cs = cos_sin(torch.arange(s, device=dev), self.freqs)
+        qr, q, kv = self._q_kv(x, cs)
+        base = torch.arange(s, device=dev).unsqueeze(1)
+        win = (base - W + 1).clamp_min(0) + torch.arange(min(s, W), device=dev)
+        idx = torch.where(win > base, -1, win)                                 # [s, min(s, W)]
+        if r == 4:
+            idx = torch.cat((idx, self.indexer.prefill(x, qr, cs, st, self.freqs, offset=s)), -1)
+        elif r:
+            t = s // r
+            comp = torch.arange(t, device=dev).expand(s, t)
+            idx = torch.cat((idx, torch.where(comp >= (base + 1) // r, -1, comp + s)), -1)
+        keep = min(s, W)                                                       # ring write
+        tail = torch.arange(s - keep, s, device=dev)
+        st.kv_cache[tail % W] = kv[s - keep:]
+        kv_all = kv
+        if r:
+            entries = self.compressor.prefill(x, st.compressor, st.kv_cache[W:], self.freqs)
+            if entries is not None:
+                kv_all = torch.cat((kv, entries), dim=0)
+        o = torch.cat([sparse_attention(q[i:i + PREFILL_CHUNK], kv_all, idx[i:i + PREFILL_CHUNK],
+                                        self.attn_sink, cfg.head_dim ** -0.5)
+                       for i in range(0, s, PREFILL_CHUNK)], dim=0)
+        return self._out(o, cs)
+
+    # ---- decode ------------------------------------------------------------------------------
+    def decode(self, x: torch.Tensor, pos: torch.Tensor, st: LayerState) -> torch.Tensor:
+        """One token at device position `pos` ([1] int64): x [1, D] -> [1, D]. Capture-safe."""
+        cfg, dev = self.cfg, x.device
+        W, r = cfg.window_size, self.ratio
+        cs = cos_sin(pos, self.freqs)
+        qr, q, kv = self._q_kv(x, cs)
+        slots = torch.arange(W, device=dev)
+        idx = torch.where(slots <= pos, slots, -1).unsqueeze(0)               # [1, W] ring slots
+        if r == 4:
+            idx = torch.cat((idx, self.indexer.decode(x, qr, cs, pos, st, self.freqs, W)), -1)
+        elif r:
+            n = st.kv_cache.shape[0] - W - 1
+            comp = torch.arange(n, device=dev)
+            idx = torch.cat((idx, torch.where(comp < (pos + 1) // r, comp + W, -1).unsqueeze(0)), -1)
+        st.kv_cache.index_copy_(0, pos % W, kv)
+        if r:
+            self.compressor.decode(x, pos, st.compressor, st.kv_cache[W:], self.freqs)
+        o = sparse_attention(q, st.kv_cache, idx, self.attn_sink, cfg.head_dim ** -0.5)
+        return self._out(o, cs)
+
+
+def sparse_attention(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """Attention of q [s, h, d] over rows idx [s, k] of kv [n, d] (-1 = masked), with a per-head
+    sink logit in the denominator (official sparse_attn). Logits and sums in float32; in bf16 the
+    probabilities are rounded to bf16 for P.V as the kernel does. Returns [s, h, d] in q's dtype."""
+    valid = idx >= 0                                                          # [s, k]
+    g = kv[idx.clamp_min(0)].to(torch.float32)                                # [s, k, d]
+    logits = torch.einsum("shd,skd->shk", q.to(torch.float32), g) * scale
+    logits = logits.masked_fill(~valid.unsqueeze(1), float("-inf"))
+    m = logits.amax(dim=-1, keepdim=True)                                     # finite: slot p valid
+    p = torch.exp(logits - m)
+    denom = p.sum(dim=-1) + torch.exp(sink - m.squeeze(-1))                   # [s, h]
+    if q.dtype != torch.float32:
+        p = p.to(q.dtype).to(torch.float32)
+    o = torch.einsum("shk,skd->shd", p, g) / denom.unsqueeze(-1)
+    return o.to(q.dtype)

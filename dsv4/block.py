@@ -1,0 +1,59 @@
+"""One transformer block: hyper-connection mixing around attention and the MoE (DSV4_SPEC §3.2).
+
+Legend: s = tokens, c = hc_mult copies, D = dim. The residual stream h [s, c, D] is in the
+activation dtype. `decode` is capture-safe; `prefill` runs positions 0..s-1 from a reset state.
+"""
+from __future__ import annotations
+
+import torch
+
+from .attention import Attention
+from .config import ModelConfig
+from .mhc import hc_post, hc_pre, rms_norm
+from .moe import MoE
+from .state import LayerState
+
+
+class Block:
+    def __init__(self, cfg: ModelConfig, layer_id: int, device, hadamard_matrix=None):
+        self.cfg, self.layer_id, self.device = cfg, layer_id, torch.device(device)
+        self.ratio = cfg.ratio(layer_id)
+        fmt = "fp8" if cfg.quantized else "bf16"
+        self.attn = Attention(cfg, self.ratio, fmt, device, hadamard_matrix)
+        self.ffn = MoE(cfg, layer_id, fmt, cfg.expert_format, device)
+        D, mix = cfg.dim, cfg.mix_hc
+        f32 = dict(dtype=torch.float32, device=device)
+        self.attn_norm = torch.empty(D, **f32)
+        self.ffn_norm = torch.empty(D, **f32)
+        self.hc = {f"hc_{k}_{p}": torch.empty(*shape, **f32)
+                   for k in ("attn", "ffn")
+                   for p, shape in (("fn", (mix, cfg.hc_mult * D)), ("base", (mix,)), ("scale", (3,)))}
+
+    def tensors(self, prefix: str) -> dict[str, torch.Tensor]:
+        d = {f"{prefix}.attn_norm.weight": self.attn_norm, f"{prefix}.ffn_norm.weight": self.ffn_norm}
+        d.update({f"{prefix}.{k}": v for k, v in self.hc.items()})
+        d.update(self.attn.tensors(f"{prefix}.attn"))
+        d.update(self.ffn.tensors(f"{prefix}.ffn"))
+        return d
+
+    def _mix(self, h: torch.Tensor, kind: str, norm: torch.Tensor):
+        cfg = self.cfg
+        x, post, comb = hc_pre(h, self.hc[f"hc_{kind}_fn"], self.hc[f"hc_{kind}_scale"],
+                               self.hc[f"hc_{kind}_base"], cfg.norm_eps, cfg.hc_eps,
+                               cfg.hc_sinkhorn_iters)
+        return rms_norm(x, norm, cfg.norm_eps), post, comb
+
+    def prefill(self, h: torch.Tensor, ids: torch.Tensor, st: LayerState) -> torch.Tensor:
+        """h [s, c, D], ids [s] -> [s, c, D]; fills `st`."""
+        x, post, comb = self._mix(h, "attn", self.attn_norm)
+        h = hc_post(self.attn.prefill(x, st), h, post, comb)
+        x, post, comb = self._mix(h, "ffn", self.ffn_norm)
+        return hc_post(self.ffn.prefill(x, ids), h, post, comb)
+
+    def decode(self, h: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor, st: LayerState
+               ) -> torch.Tensor:
+        """h [1, c, D], ids [1], pos [1] (device tensors) -> [1, c, D]. Capture-safe."""
+        x, post, comb = self._mix(h, "attn", self.attn_norm)
+        h = hc_post(self.attn.decode(x, pos, st), h, post, comb)
+        x, post, comb = self._mix(h, "ffn", self.ffn_norm)
+        return hc_post(self.ffn.decode(x, ids), h, post, comb)

@@ -1,0 +1,113 @@
+"""Compressor: gated pooling of r consecutive tokens' KV into one compressed entry (DSV4_SPEC §3.4).
+
+Ratio 4 runs in overlap mode (c = 2: each entry also pools the first channel half of the previous
+block). Legend: s = tokens, r = ratio, dc = entry dim (head_dim, or index_head_dim for the
+indexer's rotating compressor), D = model dim.
+"""
+from __future__ import annotations
+
+import torch
+
+from .config import ModelConfig
+from .linear import Linear
+from .mhc import rms_norm
+from .quant import fp4_quant_dequant, fp8_quant_dequant, hadamard
+from .rope import apply_rope, cos_sin
+from .state import CompressorState
+
+
+class Compressor:
+    """Weights of one compressor; prefill (batched) and a capture-safe decode step."""
+
+    def __init__(self, cfg: ModelConfig, ratio: int, dc: int, rotate: bool, device):
+        self.cfg, self.ratio, self.dc, self.rotate = cfg, ratio, dc, rotate
+        self.overlap = ratio == 4
+        c = 2 if self.overlap else 1
+        # stored bf16, applied in float32 (the reference holds them as float32)
+        self.wkv = Linear(c * dc, cfg.dim, "bf16", device)
+        self.wgate = Linear(c * dc, cfg.dim, "bf16", device)
+        self.ape = torch.empty(ratio, c * dc, dtype=torch.float32, device=device)
+        self.norm = torch.empty(dc, dtype=torch.float32, device=device)
+        self.hadamard = None  # set by the owner when rotate (shared matrix)
+
+    def tensors(self, prefix: str) -> dict[str, torch.Tensor]:
+        d = {**self.wkv.tensors(f"{prefix}.wkv"), **self.wgate.tensors(f"{prefix}.wgate")}
+        d[f"{prefix}.ape"] = self.ape
+        d[f"{prefix}.norm.weight"] = self.norm
+        return d
+
+    def _project(self, x: torch.Tensor):
+        return self.wkv(x, torch.float32), self.wgate(x, torch.float32)   # [s, c*dc] f32 each
+
+    def _finish(self, c: torch.Tensor, first_pos: torch.Tensor, freqs: torch.Tensor,
+                act: torch.dtype) -> torch.Tensor:
+        """Pooled f32 [n, dc] -> norm, RoPE at the block's first position, fake-quant -> act [n, dc]."""
+        cfg = self.cfg
+        e = rms_norm(c.to(act), self.norm, cfg.norm_eps)
+        e = apply_rope(e, cos_sin(first_pos, freqs))
+        if self.rotate:
+            return fp4_quant_dequant(hadamard(e, self.hadamard), 32)
+        nope = cfg.head_dim - cfg.rope_head_dim
+        return torch.cat((fp8_quant_dequant(e[:, :nope], 64), e[:, nope:]), dim=-1)
+
+    def prefill(self, x: torch.Tensor, st: CompressorState, cache: torch.Tensor,
+                freqs: torch.Tensor) -> torch.Tensor | None:
+        """Tokens 0..s-1 (x [s, D] act): fill state, write entries to cache[:s//r]; returns them."""
+        r, dc, s = self.ratio, self.dc, x.shape[0]
+        kv, sc = self._project(x)
+        rem = s % r
+        cut = s - rem
+        off = r if self.overlap else 0
+        if self.overlap and cut >= r:                 # keep the last full block as "previous"
+            st.kv[:r] = kv[cut - r:cut]
+            st.score[:r] = sc[cut - r:cut] + self.ape
+        if rem:
+            st.kv[off:off + rem] = kv[cut:]
+            st.score[off:off + rem] = sc[cut:] + self.ape[:rem]
+        if s < r:
+            return None
+        kv = kv[:cut].unflatten(0, (-1, r))                          # [n, r, c*dc]
+        sc = sc[:cut].unflatten(0, (-1, r)) + self.ape
+        if self.overlap:
+            kv = _overlap(kv, dc, 0.0)
+            sc = _overlap(sc, dc, float("-inf"))
+        c = (kv * sc.softmax(dim=1)).sum(dim=1)                      # [n, dc] f32
+        first = torch.arange(0, cut, r, device=x.device)
+        entries = self._finish(c, first, freqs, x.dtype)
+        cache[:cut // r] = entries
+        return entries
+
+    def decode(self, x: torch.Tensor, pos: torch.Tensor, st: CompressorState, cache: torch.Tensor,
+               freqs: torch.Tensor) -> None:
+        """One token at `pos` ([1] int64): update state; when (pos+1) % r == 0 write entry pos//r,
+        else write the same computation to the scratch row (cache[-1]). Capture-safe."""
+        r, dc = self.ratio, self.dc
+        kv, sc = self._project(x)                                    # [1, c*dc]
+        slot = pos % r
+        sc = sc + self.ape.index_select(0, slot)
+        row = slot + r if self.overlap else slot
+        st.kv.index_copy_(0, row, kv)
+        st.score.index_copy_(0, row, sc)
+        if self.overlap:
+            kvc = torch.cat((st.kv[:r, :dc], st.kv[r:, dc:]), dim=0)   # [2r, dc]
+            scc = torch.cat((st.score[:r, :dc], st.score[r:, dc:]), dim=0)
+        else:
+            kvc, scc = st.kv, st.score
+        c = (kvc * scc.softmax(dim=0)).sum(dim=0, keepdim=True)       # [1, dc] f32
+        emit = (pos + 1) % r == 0                                      # [1] bool
+        if self.overlap:                                               # current block -> previous
+            st.kv[:r] = torch.where(emit, st.kv[r:], st.kv[:r])
+            st.score[:r] = torch.where(emit, st.score[r:], st.score[:r])
+        entry = self._finish(c, (pos + 1 - r).clamp_min(0), freqs, x.dtype)
+        scratch = cache.shape[0] - 1
+        dst = torch.where(emit, pos // r, torch.full_like(pos, scratch))
+        cache.index_copy_(0, dst, entry)
+
+
+def _overlap(t: torch.Tensor, dc: int, fill: float) -> torch.Tensor:
+    """[n, r, 2dc] -> [n, 2r, dc]: rows r.. = block t's second half, rows ..r = block t-1's first."""
+    n, r, _ = t.shape
+    out = t.new_full((n, 2 * r, dc), fill)
+    out[:, r:] = t[:, :, dc:]
+    out[1:, :r] = t[:-1, :, :dc]
+    return out

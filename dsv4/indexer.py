@@ -1,0 +1,72 @@
+"""Lightning indexer of ratio-4 layers: scores compressed positions and picks the top-k (DSV4_SPEC §3.5).
+
+Legend: s = queries, h = index heads, di = index_head_dim, t = compressed entries, k = top-k.
+Selected entries come back as indices into the attention KV (offset added), -1 for none.
+"""
+from __future__ import annotations
+
+import torch
+
+from .compressor import Compressor
+from .config import ModelConfig
+from .linear import Linear
+from .quant import fp4_quant_dequant, hadamard
+from .rope import apply_rope
+from .state import LayerState
+
+
+class Indexer:
+    def __init__(self, cfg: ModelConfig, fmt: str, device, hadamard_matrix: torch.Tensor):
+        self.cfg = cfg
+        self.n_heads, self.head_dim = cfg.index_n_heads, cfg.index_head_dim
+        self.wq_b = Linear(self.n_heads * self.head_dim, cfg.q_lora_rank, fmt, device)
+        self.weights_proj = Linear(self.n_heads, cfg.dim, "bf16", device)
+        self.compressor = Compressor(cfg, 4, self.head_dim, rotate=True, device=device)
+        self.compressor.hadamard = hadamard_matrix
+        self.hadamard = hadamard_matrix
+
+    def tensors(self, prefix: str) -> dict[str, torch.Tensor]:
+        return {**self.wq_b.tensors(f"{prefix}.wq_b"),
+                **self.weights_proj.tensors(f"{prefix}.weights_proj"),
+                **self.compressor.tensors(f"{prefix}.compressor")}
+
+    def _query(self, x, qr, cs, act):
+        """q [s, h, di] (RoPE, Hadamard, FP4 fake-quant) and head weights [s, h]."""
+        q = self.wq_b(qr, act).unflatten(-1, (self.n_heads, self.head_dim))
+        q = apply_rope(q, cs)
+        q = fp4_quant_dequant(hadamard(q, self.hadamard), 32)
+        w = self.weights_proj(x, act) * (self.head_dim ** -0.5 * self.n_heads ** -0.5)
+        return q, w
+
+    @staticmethod
+    def _scores(q, w, keys):
+        """sum_h relu(q_h . k_t) * w_h in the activation dtype: [s, t]."""
+        sc = torch.einsum("shd,td->sht", q, keys)
+        return (sc.relu() * w.unsqueeze(-1)).sum(dim=1)
+
+    def prefill(self, x, qr, cs, st: LayerState, freqs, offset: int) -> torch.Tensor:
+        """Queries 0..s-1 -> compressed indices [s, min(k, s//4)] (+offset, -1 where not visible)."""
+        s, act = x.shape[0], x.dtype
+        q, w = self._query(x, qr, cs, act)
+        self.compressor.prefill(x, st.index_compressor, st.index_cache, freqs)
+        t = s // 4
+        sc = self._scores(q, w, st.index_cache[:t])                  # [s, t]
+        visible = torch.arange(1, s + 1, device=x.device).unsqueeze(1) // 4   # [s, 1]
+        cols = torch.arange(t, device=x.device)
+        sc = sc.masked_fill(cols >= visible, float("-inf"))
+        idx = sc.topk(min(self.cfg.index_topk, t), dim=-1).indices
+        return torch.where(idx >= visible, -1, idx + offset)
+
+    def decode(self, x, qr, cs, pos, st: LayerState, freqs, offset: int) -> torch.Tensor:
+        """One query at `pos` -> [1, min(k, n)] indices over the whole fixed-size cache. Capture-safe."""
+        act = x.dtype
+        q, w = self._query(x, qr, cs, act)
+        self.compressor.decode(x, pos, st.index_compressor, st.index_cache, freqs)
+        keys = st.index_cache[:-1]                                    # [n, di], scratch row excluded
+        sc = self._scores(q, w, keys)                                 # [1, n]
+        visible = (pos + 1) // 4                                      # [1]
+        cols = torch.arange(keys.shape[0], device=x.device)
+        sc = sc.masked_fill(cols >= visible, float("-inf"))
+        k = min(self.cfg.index_topk, keys.shape[0])
+        idx = sc.topk(k, dim=-1).indices
+        return torch.where(idx >= visible, -1, idx + offset)

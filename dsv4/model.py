@@ -1,0 +1,168 @@
+"""The DSV4 transformer for batch-1 decoding: embedding -> blocks -> hc_head/norm/head logits.
+
+Weights stay in their stored formats on the device that owns their layer; all decode state is
+preallocated at the cache capacity. `prefill` runs positions 0..s-1; `decode_step` is the eager,
+capture-safe one-token step (device tensors for token and position). Legend: s = tokens,
+c = hc_mult, D = dim, V = vocab.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from .block import Block
+from .config import ModelConfig
+from .errors import CapacityError, ConfigError
+from .mhc import hc_head, rms_norm
+from .quant import hadamard_matrix
+from .state import LayerState
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+HEAD_CHUNK = 16384  # vocab rows per float32 head matmul (bounds the transient of the fp32 copy)
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """Runtime knobs, apart from the model hyper-parameters."""
+    max_seq_len: int = 4096
+    dtype: torch.dtype = torch.bfloat16          # activation dtype: bfloat16 or float32
+    devices: tuple = ("cpu",)                    # layer devices in pipeline order; head on [0]
+
+    def __post_init__(self):
+        if self.dtype not in (torch.bfloat16, torch.float32):
+            raise ConfigError(f"dtype = {self.dtype}; allowed: bfloat16, float32")
+        if isinstance(self.max_seq_len, bool) or not isinstance(self.max_seq_len, int) \
+                or self.max_seq_len < 1:
+            raise ConfigError(f"max_seq_len = {self.max_seq_len!r}; expected a positive integer")
+        object.__setattr__(self, "devices", tuple(torch.device(d) for d in self.devices))
+
+
+class Transformer:
+    """Weights + state of the whole model. Build, then `load(source)`, then prefill/decode."""
+
+    def __init__(self, cfg: ModelConfig, rt: RuntimeConfig, placement: Sequence | None = None):
+        self.cfg, self.rt = cfg, rt
+        self.act = rt.dtype
+        self.head_device = rt.devices[0]
+        self.placement = [torch.device(d) for d in (placement or [rt.devices[0]] * cfg.n_layers)]
+        if len(self.placement) != cfg.n_layers:
+            raise ConfigError(f"placement has {len(self.placement)} entries; expected n_layers = "
+                              f"{cfg.n_layers}")
+        hdev = self.head_device
+        D, V = cfg.dim, cfg.vocab_size
+        self.embed = torch.empty(V, D, dtype=torch.bfloat16, device=hdev)
+        self.head = torch.empty(V, D, dtype=torch.bfloat16, device=hdev)
+        self.norm = torch.empty(D, dtype=torch.float32, device=hdev)
+        self.hc_head = {"hc_head_fn": torch.empty(cfg.hc_mult, cfg.hc_mult * D, dtype=torch.float32,
+                                                  device=hdev),
+                        "hc_head_base": torch.empty(cfg.hc_mult, dtype=torch.float32, device=hdev),
+                        "hc_head_scale": torch.empty(1, dtype=torch.float32, device=hdev)}
+        had = {}
+        self.layers: list[Block] = []
+        self.states: list[LayerState] = []
+        for l, dev in enumerate(self.placement):
+            if dev not in had:
+                had[dev] = hadamard_matrix(cfg.index_head_dim, dev)
+            self.layers.append(Block(cfg, l, dev, had[dev]))
+            self.states.append(LayerState.allocate(cfg, cfg.ratio(l), rt.max_seq_len, self.act, dev))
+
+    # ---- weights -----------------------------------------------------------------------------
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Checkpoint name -> destination tensor for every weight the runtime holds (no MTP)."""
+        d = {"embed.weight": self.embed, "head.weight": self.head, "norm.weight": self.norm}
+        d.update(self.hc_head)
+        for l, blk in enumerate(self.layers):
+            d.update(blk.tensors(f"layers.{l}"))
+        return d
+
+    def load(self, source, progress: bool | None = None) -> None:
+        """Fill every weight from `source` (a Checkpoint, or anything with get/load_into)."""
+        items = list(self.tensors().items())
+        if hasattr(source, "load_many"):
+            source.load_many(items, desc="load", progress=progress)
+        else:
+            for name, dst in items:
+                source.load_into(name, dst)
+
+    def weight_bytes(self, layer: int | None = None) -> int:
+        tensors = self.layers[layer].tensors("") if layer is not None else self.tensors()
+        return sum(t.numel() * t.element_size() for t in tensors.values())
+
+    # ---- pieces shared by prefill and decode -------------------------------------------------
+    def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [s] int64 -> h [s, c, D] (the embedding repeated hc_mult times), act dtype."""
+        h = self.embed.index_select(0, ids).to(self.act)
+        return h.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """h [1, c, D] (last position) -> logits [V] float32 (hc_head, final norm, head in fp32)."""
+        cfg = self.cfg
+        x = hc_head(h, self.hc_head["hc_head_fn"], self.hc_head["hc_head_scale"],
+                    self.hc_head["hc_head_base"], cfg.norm_eps, cfg.hc_eps)
+        x = rms_norm(x, self.norm, cfg.norm_eps)[0].to(torch.float32)          # [D]
+        return torch.cat([self.head[i:i + HEAD_CHUNK].to(torch.float32) @ x
+                          for i in range(0, cfg.vocab_size, HEAD_CHUNK)])
+
+    def reset(self) -> None:
+        """Start a new sequence (all layer state back to its fill values, in place)."""
+        for st in self.states:
+            st.reset()
+
+    def check_capacity(self, n_prompt: int, n_new: int) -> None:
+        cap = self.rt.max_seq_len
+        if n_prompt + n_new > cap:
+            raise CapacityError(f"prompt ({n_prompt} tokens) + max-new-tokens ({n_new}) = "
+                                f"{n_prompt + n_new} exceeds the cache capacity {cap}; raise "
+                                f"--max-seq-len to at least {n_prompt + n_new} or lower "
+                                f"--max-new-tokens")
+
+    # ---- prefill / decode --------------------------------------------------------------------
+    @torch.inference_mode()
+    def prefill(self, ids: torch.Tensor) -> torch.Tensor:
+        """Positions 0..s-1 of a fresh sequence (resets state). ids [s] int64 -> logits [V] f32."""
+        s = ids.shape[0]
+        if not 1 <= s <= self.rt.max_seq_len:
+            raise CapacityError(f"prefill of {s} tokens; capacity is {self.rt.max_seq_len} "
+                                f"(--max-seq-len)")
+        self.reset()
+        ids = ids.to(self.head_device)
+        h = self.embed_tokens(ids)
+        ids_on = {ids.device: ids}
+        for blk, st in zip(self.layers, self.states):
+            dev = blk.device
+            if dev not in ids_on:
+                ids_on[dev] = ids.to(dev)
+            h = blk.prefill(h.to(dev), ids_on[dev], st)
+        return self.logits(h[-1:].to(self.head_device))
+
+    @torch.inference_mode()
+    def decode_step(self, token: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """One token: token, pos [1] int64 on the head device -> logits [V] f32. No host sync."""
+        h = self.embed_tokens(token)
+        inputs = {token.device: (token, pos)}
+        for blk, st in zip(self.layers, self.states):
+            dev = blk.device
+            if dev not in inputs:
+                inputs[dev] = (token.to(dev, non_blocking=True), pos.to(dev, non_blocking=True))
+            tok_d, pos_d = inputs[dev]
+            h = blk.decode(h.to(dev, non_blocking=True), tok_d, pos_d, st)
+        return self.logits(h.to(self.head_device, non_blocking=True))
+
+
+def balanced_placement(layer_bytes: Sequence[int], devices: Sequence) -> list[torch.device]:
+    """Contiguous layer ranges per device, balanced by weight bytes (one hand-off per boundary)."""
+    devices = [torch.device(d) for d in devices]
+    n, k = len(layer_bytes), len(devices)
+    if k == 1 or n == 0:
+        return [devices[0]] * n
+    total = float(sum(layer_bytes))
+    out, acc, d = [], 0.0, 0
+    for l, b in enumerate(layer_bytes):
+        # move to the next device when this layer's midpoint passes the device's share
+        while d < k - 1 and acc + b / 2 > total * (d + 1) / k and n - l >= k - d - 1 > 0:
+            d += 1
+        out.append(devices[d])
+        acc += b
+    return out

@@ -1,0 +1,105 @@
+"""MoE of one layer: the gate (score / hash routing), routed experts (clamped SwiGLU) and the shared
+expert (DSV4_SPEC §3.6). Legend: t = tokens, e = routed experts, k = activated per token,
+D = dim, I = moe_inter_dim. `decode` never syncs with the host; `prefill` may (it is not captured).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .config import ModelConfig
+from .linear import ExpertBank, Linear
+from .quant import fp8_quant_dequant
+
+
+class MoE:
+    def __init__(self, cfg: ModelConfig, layer_id: int, fmt: str, expert_fmt: str, device):
+        self.cfg = cfg
+        self.hash = layer_id < cfg.n_hash_layers
+        E, D, I = cfg.n_routed_experts, cfg.dim, cfg.moe_inter_dim
+        self.gate = Linear(E, D, "bf16", device)
+        # the file stores tid2eid as int64; the gate only gathers from it
+        self.tid2eid = (torch.empty(cfg.vocab_size, cfg.n_activated_experts, dtype=torch.int64,
+                                    device=device) if self.hash else None)
+        self.bias = None if self.hash else torch.empty(E, dtype=torch.float32, device=device)
+        self.experts = ExpertBank(E, D, I, expert_fmt, device)
+        self.shared = {w: Linear(*((D, I) if w == "w2" else (I, D)), fmt, device)
+                       for w in ("w1", "w2", "w3")}
+
+    def tensors(self, prefix: str) -> dict[str, torch.Tensor]:
+        d = dict(self.gate.tensors(f"{prefix}.gate"))
+        if self.hash:
+            d[f"{prefix}.gate.tid2eid"] = self.tid2eid
+        else:
+            d[f"{prefix}.gate.bias"] = self.bias
+        d.update(self.experts.tensors(f"{prefix}.experts"))
+        for w, lin in self.shared.items():
+            d.update(lin.tensors(f"{prefix}.shared_experts.{w}"))
+        return d
+
+    def route(self, x: torch.Tensor, ids: torch.Tensor):
+        """x [t, D] act, ids [t] int64 -> weights [t, k] f32, indices [t, k] int64. Capture-safe."""
+        cfg = self.cfg
+        logits = self.gate(x, torch.float32)                                 # [t, e] f32
+        if cfg.score_func == "softmax":
+            scores = logits.softmax(dim=-1)
+        elif cfg.score_func == "sigmoid":
+            scores = logits.sigmoid()
+        else:
+            scores = F.softplus(logits).sqrt()
+        if self.hash:
+            idx = self.tid2eid.index_select(0, ids)
+        else:  # the bias only steers selection; weights use the raw scores
+            idx = (scores + self.bias).topk(cfg.n_activated_experts, dim=-1).indices
+        w = scores.gather(1, idx)
+        if cfg.score_func != "softmax":
+            w = w / w.sum(dim=-1, keepdim=True)
+        return w * cfg.route_scale, idx
+
+    def _ffn(self, x: torch.Tensor, w1, w3, w2, route_w: torch.Tensor | None, quant: bool
+             ) -> torch.Tensor:
+        """Clamped SwiGLU over dense weights [I, D], [I, D], [D, I]; x [t, D] act -> [t, D] act.
+        `quant`: W8A8 (inputs of w1/w3 and of w2 quantized to e4m3 per 128, as fp8/fp4_gemm)."""
+        act, lim = x.dtype, self.cfg.swiglu_limit
+        xq = fp8_quant_dequant(x, 128) if quant else x
+        g = F.linear(xq, w1).float()
+        u = F.linear(xq, w3).float()
+        if lim > 0:
+            u = u.clamp(-lim, lim)
+            g = g.clamp(max=lim)
+        a = F.silu(g) * u
+        if route_w is not None:
+            a = route_w.unsqueeze(-1) * a
+        a = a.to(act)
+        return F.linear(fp8_quant_dequant(a, 128) if quant else a, w2)
+
+    def _routed(self, x: torch.Tensor, e: torch.Tensor, route_w: torch.Tensor) -> torch.Tensor:
+        """Expert `e` ([1] int64 device tensor) applied to rows x [t, D] -> [t, D] act."""
+        act, bank = x.dtype, self.experts
+        return self._ffn(x, bank.dense("w1", e, act)[0], bank.dense("w3", e, act)[0],
+                         bank.dense("w2", e, act)[0], route_w, bank.fmt in ("fp8", "fp4"))
+
+    def _shared(self, x: torch.Tensor) -> torch.Tensor:
+        act = x.dtype
+        return self._ffn(x, *(self.shared[w].dense(act) for w in ("w1", "w3", "w2")), None,
+                         self.shared["w1"].quantized)
+
+    def decode(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """One token: x [1, D], ids [1] -> [1, D]. Fixed shapes, no host sync (capture-safe)."""
+        w, idx = self.route(x, ids)
+        idx, order = idx[0].sort()              # the reference adds experts in ascending id order
+        w = w[0].index_select(0, order)
+        y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        for j in range(idx.shape[0]):
+            y = y + self._routed(x, idx[j:j + 1], w[j:j + 1])
+        return (y + self._shared(x)).to(x.dtype)
+
+    def prefill(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """x [t, D], ids [t] -> [t, D]. Groups tokens by expert (host sync: prefill only)."""
+        w, idx = self.route(x, ids)
+        y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        for e in torch.unique(idx).tolist():
+            rows, slot = torch.where(idx == e)
+            e_t = torch.tensor([e], device=x.device)
+            y[rows] += self._routed(x[rows], e_t, w[rows, slot]).float()
+        return (y + self._shared(x)).to(x.dtype)
