@@ -87,7 +87,8 @@ def e2m1_decode(code: torch.Tensor) -> torch.Tensor:
     """e2m1 codes (any integer dtype, 0..15) -> float32 values."""
     lut = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), dtype=torch.float32,
                        device=code.device)
-    return lut[(code.to(torch.int64) & 0xF)]
+    # index_select, not advanced indexing: the latter is ~300x slower on CPU for this gather
+    return lut.index_select(0, (code.to(torch.int64) & 0xF).flatten()).view(code.shape)
 
 
 def round_e2m1(y: torch.Tensor) -> torch.Tensor:

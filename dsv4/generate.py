@@ -1,0 +1,210 @@
+"""A decode session: build and load the model, prefill, then the decode loop (eager or CUDA graphs)
+with streaming text, stop checks and timings.
+
+The decode loop always goes through `graphs.CUDAGraphDecoder` (eager mode on the CPU), so the
+graph and eager paths run the same segment functions. Token ids reach the host one step late
+(pinned copies of `out_ids`), off the critical path of the next launch.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from graphs import CUDAGraphDecoder
+
+from .checkpoint import open_checkpoint
+from .errors import DeviceError, InputError
+from .profiling import nvtx_range
+from .model import RuntimeConfig, Transformer, balanced_placement
+from .sampling import SamplingParams, sample
+from .segments import DecodeBuffers, build_segments
+
+FIX_HINTS = ("lower --max-seq-len (smaller caches and graph memory)", "--mode eager")
+
+
+@dataclass
+class GenerationResult:
+    prompt_ids: list
+    output_ids: list
+    finish_reason: str                     # "eos" | "length"
+    logits: torch.Tensor | None = None     # [n_generated, V] f32 when requested
+    timings: dict = field(default_factory=dict)
+
+
+def resolve_devices(device: str) -> list[str]:
+    """--device auto|cpu|cuda|cuda:0,cuda:1 -> device names; never touches CUDA for 'cpu'."""
+    if device == "cpu":
+        return ["cpu"]
+    if device == "auto":
+        return ["cuda:0"] if torch.cuda.is_available() else ["cpu"]
+    devs = [d.strip() for d in device.split(",") if d.strip()]
+    if not devs:
+        raise InputError(f"--device {device!r}: expected auto, cpu, cuda or cuda:0,cuda:1,...")
+    for d in devs:
+        if d.startswith("cuda"):
+            if not torch.cuda.is_available():
+                raise DeviceError(f"--device {device}: CUDA is not available on this machine; use "
+                                  f"--device cpu (or auto)")
+            try:
+                idx = torch.device(d).index or 0
+            except RuntimeError:
+                raise InputError(f"--device {d!r}: not a device name") from None
+            if idx >= torch.cuda.device_count():
+                raise DeviceError(f"--device {d}: only {torch.cuda.device_count()} CUDA device(s)")
+        elif d != "cpu":
+            raise InputError(f"--device {d!r}: expected cpu or cuda[:i]")
+    if "cpu" in devs and len(devs) > 1:
+        raise InputError(f"--device {device}: cannot mix cpu with CUDA devices")
+    return ["cuda:0" if d == "cuda" else d for d in devs]
+
+
+def resolve_mode(mode: str, devices: Sequence[str]) -> str:
+    on_cuda = devices[0].startswith("cuda")
+    if mode == "auto":
+        return "graph" if on_cuda else "eager"
+    if mode == "graph" and not on_cuda:
+        raise DeviceError("--mode graph needs CUDA (no CUDA device in use); use --mode eager or "
+                          "--mode auto")
+    if mode not in ("graph", "eager"):
+        raise InputError(f"--mode {mode!r}: allowed auto, graph, eager")
+    return mode
+
+
+def load_model(ckpt_dir, rt: RuntimeConfig, progress: bool | None = None):
+    """Open + validate a checkpoint, place layers over rt.devices by weight bytes, load weights."""
+    ckpt = open_checkpoint(ckpt_dir)
+    cfg = ckpt.config
+    devices = list(rt.devices)
+    placement = None
+    if len(devices) > 1:
+        per_layer = [ckpt.nbytes(ckpt.prefix_names(f"layers.{l}.")) for l in range(cfg.n_layers)]
+        placement = balanced_placement(per_layer, devices)
+    model = Transformer(cfg, rt, placement)
+    model.load(ckpt, progress=progress)
+    return model, ckpt
+
+
+class Session:
+    """Prefill + decode of one sequence at a time over a loaded model (eager or graph mode)."""
+
+    def __init__(self, model: Transformer, params: SamplingParams, mode: str = "eager",
+                 granularity: str = "segment", debug: bool = False, nvtx_domain: str = "dsv4"):
+        self.model, self.params, self.mode = model, params, mode
+        self.bufs = DecodeBuffers.allocate(model)
+        segs = build_segments(model, self.bufs, params)
+        self.decoder = CUDAGraphDecoder(
+            segs, inputs={"token": self.bufs.token, "pos": self.bufs.pos},
+            outputs={"logits": self.bufs.logits, "token": self.bufs.token},
+            mode=mode, granularity=granularity, reset_fn=self.reset, debug=debug,
+            nvtx_domain=nvtx_domain, fix_hints=FIX_HINTS)
+        self.decoder.allocate()
+        self.capture_s = 0.0
+        self.step_hook = None           # profiling: hook(step, before: bool)
+        if mode == "graph":
+            t = time.perf_counter()
+            self.decoder.warmup()
+            self.decoder.capture()
+            self.capture_s = time.perf_counter() - t
+
+    def reset(self) -> None:
+        self.model.reset()
+        self.bufs.token.zero_()
+        self.bufs.pos.fill_(1)
+        self.bufs.out_ids.fill_(-1)
+
+    def close(self) -> None:
+        self.decoder.close()
+
+    def generate(self, prompt_ids: Sequence[int], max_new_tokens: int,
+                 force_ids: Sequence[int] | None = None, eos_id: int | None = None,
+                 on_token: Callable[[int], None] | None = None,
+                 keep_logits: bool = False) -> GenerationResult:
+        model, cfg = self.model, self.model.cfg
+        prompt_ids = list(prompt_ids)
+        if not prompt_ids:
+            raise InputError("empty prompt: give at least one token")
+        if force_ids is not None:
+            force_ids = list(force_ids)
+            if not force_ids:
+                raise InputError("--force-ids is empty; give at least one token id")
+            max_new_tokens = len(force_ids)
+        if max_new_tokens < 1:
+            raise InputError(f"--max-new-tokens {max_new_tokens}: must be >= 1")
+        for tid in prompt_ids + (force_ids or []):
+            if not 0 <= tid < cfg.vocab_size:
+                raise InputError(f"token id {tid} is out of range: the vocabulary has "
+                                 f"{cfg.vocab_size} ids (0..{cfg.vocab_size - 1})")
+        model.check_capacity(len(prompt_ids), max_new_tokens)
+        hd, n0 = model.head_device, len(prompt_ids)
+        sync = torch.cuda.synchronize if hd.type == "cuda" else (lambda: None)
+
+        self.reset()
+        sync()
+        t0 = time.perf_counter()
+        with nvtx_range("prefill"):
+            logits = model.prefill(torch.tensor(prompt_ids, dtype=torch.int64, device=hd))
+        b = self.bufs
+        b.pos.fill_(n0 - 1)
+        first = sample(logits, b.pos, self.params)
+        b.token.copy_(first if force_ids is None else
+                      torch.tensor(force_ids[:1], dtype=torch.int64, device=hd))
+        b.out_ids[n0:n0 + 1].copy_(b.token)
+        b.pos.fill_(n0)
+        rows = [logits.to("cpu", copy=True)] if keep_logits else None
+        sync()
+        t1 = time.perf_counter()
+
+        pinned = hd.type == "cuda"
+        host = torch.empty(max_new_tokens, dtype=torch.int64, pin_memory=pinned)
+        host[0:1].copy_(b.out_ids[n0:n0 + 1])
+        out = []
+
+        def take(i, ev=None) -> bool:   # token i reached the host: stream it; stop at EOS?
+            if ev is not None:
+                ev.synchronize()
+            tid = int(host[i])
+            out.append(tid)
+            if on_token is not None:
+                on_token(tid)
+            return force_ids is None and eos_id is not None and tid == eos_id
+
+        stop = take(0)
+        pending = None                  # step whose token copy to the host is in flight
+        for i in range(1, max_new_tokens):
+            if stop:
+                break
+            # step i feeds token i-1 (already in b.token unless forced) and chooses token i
+            if self.step_hook is not None:
+                self.step_hook(i, True)
+            with nvtx_range(f"decode/step{i}"):
+                self.decoder.step(**({"token": [force_ids[i - 1]]} if force_ids is not None else {}))
+            if self.step_hook is not None:
+                self.step_hook(i, False)
+            if keep_logits:
+                rows.append(b.logits.to("cpu", copy=True))
+            ev = None
+            if force_ids is not None:   # the output is the forced id, whatever was sampled
+                host[i] = force_ids[i]
+            else:
+                host[i:i + 1].copy_(b.out_ids[n0 + i:n0 + i + 1], non_blocking=pinned)
+                if pinned:
+                    ev = torch.cuda.Event()
+                    ev.record()
+            if pending is not None:     # one step late: the next launch is already queued
+                stop = take(*pending)
+            pending = (i, ev)
+        if pending is not None and not stop:
+            stop = take(*pending)
+        finish = "eos" if stop else "length"
+        sync()
+        t2 = time.perf_counter()
+        n_dec = max(len(out) - 1, 0)
+        timings = {"prefill_s": t1 - t0, "decode_s": t2 - t1,
+                   "prefill_tok_per_s": n0 / max(t1 - t0, 1e-9),
+                   "decode_tok_per_s": n_dec / (t2 - t1) if n_dec else 0.0,
+                   "ms_per_token": 1000 * (t2 - t1) / n_dec if n_dec else 0.0}
+        return GenerationResult(prompt_ids, out, finish,
+                                torch.stack(rows[:len(out)]) if keep_logits else None, timings)

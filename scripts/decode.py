@@ -1,0 +1,14 @@
+#!/usr/bin/env python
+"""One-shot DeepSeek-V4 inference: `python scripts/decode.py --ckpt DIR --prompt "..."` (or --demo).
+
+Flags, outputs and exit codes: ../shared/docs/USERS.md; the logic lives in dsv4/cli.py.
+"""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from dsv4.cli import main  # noqa: E402
+
+if __name__ == "__main__":
+    sys.exit(main())
