@@ -1,0 +1,14 @@
+#!/usr/bin/env python
+"""Decode benchmark: `python scripts/bench.py --preset flash --layers 8 --mode both --json -`.
+
+Method and results: BENCHMARKS.md; the logic lives in dsv4/bench.py.
+"""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from dsv4.bench import main  # noqa: E402
+
+if __name__ == "__main__":
+    sys.exit(main())

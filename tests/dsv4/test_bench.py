@@ -1,0 +1,167 @@
+"""Benchmark harness on the CPU: DeviceWeights equals a written synthetic checkpoint, the tiny preset
+end to end (eager), the byte count against a hand count, partial labelling, the memory check."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from dsv4 import bench
+from dsv4.checkpoint import open_checkpoint
+from dsv4.device_weights import DeviceWeights
+from dsv4.errors import TensorMismatchError
+from dsv4.model import RuntimeConfig, Transformer
+from dsv4.presets import TINY, get_preset
+from dsv4.synthetic import write_checkpoint
+
+SMALL = TINY.replace(vocab_size=1024)
+KEYS = ("eager_ms_per_token", "graph_ms_per_token", "bytes_per_token", "floor_ms", "copy_TBps",
+        "kernels_per_layer", "kernels_per_layer_method", "capture_s", "graph_bytes",
+        "ratio_to_floor", "tokens_per_s", "spread_ms", "preset", "layers", "full_layers",
+        "partial", "devices", "context", "steps", "gpu_name", "torch", "triton", "date",
+        "command", "bytes_breakdown", "per_granularity", "runs", "extrapolated")
+FAST = ["--devices", "cpu", "--steps", "2", "--warmup", "1", "--context", "40", "--json", "-"]
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.element_size() == 1 else t
+
+
+def hand_count(cfg, L: int) -> int:
+    """Bytes per token at position L, from the config alone (the floor's definition)."""
+    D, H, Dh, Rq, G, Ro = cfg.dim, cfg.n_heads, cfg.head_dim, cfg.q_lora_rank, cfg.o_groups, \
+        cfg.o_lora_rank
+    I, E, k, hc, W, V = cfg.moe_inter_dim, cfg.n_routed_experts, cfg.n_activated_experts, \
+        cfg.hc_mult, cfg.window_size, cfg.vocab_size
+    ih, di, mix = cfg.index_n_heads, cfg.index_head_dim, (2 + cfg.hc_mult) * cfg.hc_mult
+
+    def fp8(o, i):                      # e4m3 weight + 128x128 e8m0 scales
+        return o * i + -(-o // 128) * -(-i // 128)
+
+    def fp4(o, i):                      # packed e2m1 + per-32 e8m0 scales
+        return o * i // 2 + o * i // 32
+
+    def comp(r, dc):                    # wkv + wgate (bf16), ape (f32), norm (f32)
+        c = 2 if r == 4 else 1
+        return 2 * c * dc * D * 2 + r * c * dc * 4 + dc * 4
+
+    total = 0
+    for l in range(cfg.n_layers):
+        r = cfg.compress_ratios[l]
+        total += fp8(Rq, D) + fp8(H * Dh, Rq) + fp8(Dh, D) + fp8(G * Ro, H * Dh // G) + fp8(D, G * Ro)
+        total += (2 * D + Rq + Dh + H) * 4                        # norms + sink, float32
+        total += 2 * (mix * hc * D + mix + 3) * 4                  # mHC attn + ffn
+        total += E * D * 2 + (k * 8 if l < cfg.n_hash_layers else E * 4)   # gate + ids | bias
+        total += k * (2 * fp4(I, D) + fp4(D, I))                   # k routed experts
+        total += 2 * fp8(I, D) + fp8(D, I)                         # shared expert
+        total += comp(r, Dh) if r else 0
+        total += fp8(ih * di, Rq) + ih * D * 2 + comp(4, di) if r == 4 else 0
+        vis = (L + 1) // r if r else 0
+        total += min(W, L + 1) * Dh * 2                            # window rows, bf16
+        total += (min(cfg.index_topk, vis) * Dh * 2 + vis * di * 2) if r == 4 else vis * Dh * 2
+    return total + V * D * 2 + D * 2 + D * 4 + (hc * hc * D + hc + 1) * 4
+
+
+# ---- DeviceWeights ----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def small_ckpt(tmp_path_factory):
+    return open_checkpoint(write_checkpoint(SMALL, tmp_path_factory.mktemp("bench") / "ck",
+                                            seed=7, shards=1))
+
+
+def test_device_weights_equal_checkpoint(small_ckpt):
+    names = ["layers.1.attn.wq_b.weight", "layers.1.attn.wq_b.scale",           # FP8 pair
+             "layers.2.ffn.experts.3.w2.scale", "layers.2.ffn.experts.3.w2.weight",  # FP4, scale first
+             "layers.2.attn_norm.weight", "layers.0.ffn.gate.tid2eid", "layers.1.hc_attn_fn",
+             "layers.3.attn.indexer.compressor.ape", "embed.weight"]
+    dw = DeviceWeights(SMALL, seed=7)
+    for n in names:
+        assert torch.equal(_raw(dw.get(n)), _raw(small_ckpt.get(n))), n
+    norm = torch.empty(SMALL.dim, dtype=torch.float32)          # BF16-stored, f32 destination
+    dw.load_into("layers.2.attn_norm.weight", norm)
+    assert torch.equal(norm, small_ckpt.get("layers.2.attn_norm.weight").float())
+    # whole model: every destination equals a checkpoint load (any order, views into banks)
+    a = Transformer(SMALL, RuntimeConfig(max_seq_len=256))
+    b = Transformer(SMALL, RuntimeConfig(max_seq_len=256))
+    a.load(small_ckpt)
+    b.load(DeviceWeights(SMALL, seed=7))
+    tb = b.tensors()
+    for n, t in a.tensors().items():
+        assert torch.equal(_raw(t), _raw(tb[n])), n
+
+
+def test_device_weights_seed_and_errors():
+    dw = DeviceWeights(SMALL, seed=1)
+    w = dw.get("layers.0.attn.wkv.weight")
+    assert torch.equal(_raw(w), _raw(DeviceWeights(SMALL, seed=1).get("layers.0.attn.wkv.weight")))
+    assert not torch.equal(_raw(w), _raw(DeviceWeights(SMALL, seed=2).get("layers.0.attn.wkv.weight")))
+    with pytest.raises(TensorMismatchError, match=r"layers.0.attn.wkv.weight.*\[128, 128\]"):
+        dw.load_into("layers.0.attn.wkv.weight", torch.empty(64, 128, dtype=torch.float8_e4m3fn))
+    with pytest.raises(TensorMismatchError, match="not a tensor of this config"):
+        dw.load_into("layers.9.attn.wkv.weight", torch.empty(1))
+
+
+# ---- the benchmark ----------------------------------------------------------------------------
+
+def _run(capsys, *args) -> dict:
+    rc = bench.main(["--preset", "tiny", *args])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert "dsv4 bench: tiny" in err            # the table goes to stderr with --json -
+    return json.loads(out)                      # exactly one JSON object on stdout
+
+
+def test_tiny_eager_end_to_end(capsys):
+    rep = _run(capsys, *FAST)
+    assert all(k in rep for k in KEYS), [k for k in KEYS if k not in rep]
+    assert rep["eager_ms_per_token"] > 0 and rep["tokens_per_s"]["eager"] > 0
+    lo, hi = rep["spread_ms"]["eager"]
+    assert lo <= rep["eager_ms_per_token"] <= hi
+    for k in ("graph_ms_per_token", "floor_ms", "copy_TBps", "capture_s", "graph_bytes",
+              "gpu_name", "per_granularity", "extrapolated"):
+        assert rep[k] is None, k
+    assert rep["kernels_per_layer"] == {"eager": None, "graph": None}
+    assert rep["ratio_to_floor"] == {"eager": None, "graph": None}
+    assert rep["partial"] is False and rep["layers"] == rep["full_layers"] == 4
+    assert rep["bytes_per_token"] == hand_count(TINY, 40) == sum(rep["bytes_breakdown"].values())
+    assert rep["capacity"] == 256 and rep["valid"] is False
+    assert rep["command"].startswith("python scripts/bench.py --preset tiny")
+    assert [r["mode"] for r in rep["runs"]] == ["eager"]
+
+
+def test_partial_layers_labelled_and_extrapolated(capsys):
+    rep = _run(capsys, "--layers", "2", "--mode", "eager", *FAST)
+    assert rep["partial"] is True and rep["layers"] == 2 and rep["full_layers"] == 4
+    assert rep["bytes_per_token"] == hand_count(get_preset("tiny", 2), 40)
+    ext, r = rep["extrapolated"], rep["runs"][0]
+    assert ext["layers"] == 4 and ext["bytes_per_token"] == hand_count(TINY, 40)
+    assert ext["eager_ms_per_token"] == pytest.approx(r["per_layer_ms"] * 4 + r["head_embed_ms"])
+    assert r["per_layer_ms"] == pytest.approx((r["ms_per_token"] - r["head_embed_ms"]) / 2)
+
+
+def test_memory_check_names_device_and_fixes(capsys, monkeypatch):
+    meta = Transformer(TINY, RuntimeConfig(max_seq_len=256, devices=("meta",)))
+    _, est = bench.memory_estimate(bench.layer_sizes(meta), 2, [torch.device("cpu")], 0)
+    monkeypatch.setattr(bench, "free_memory", lambda d: est["cpu"]["total"] + 1)
+    rc = bench.main(["--preset", "tiny", "--reserve-gib", "0", *FAST])
+    out, err = capsys.readouterr()
+    assert rc == 2 and out == "" and len(err.strip().splitlines()) == 1
+    for part in ("cpu needs an estimated", "GiB free", "--layers 2 (the most that fit here)",
+                 "more --devices", "smaller --context", "--reserve-gib 0"):
+        assert part in err, part
+
+
+def test_bad_arguments_exit_2(capsys):
+    assert bench.main(["--preset", "tiny", "--devices", "cpu", "--mode", "graph"]) == 2
+    assert "needs CUDA" in capsys.readouterr().err
+    assert bench.main(["--preset", "tiny", "--devices", "cpu", "--layers", "9"]) == 2
+    assert "layers = 9" in capsys.readouterr().err
+    assert bench.main(["--preset", "nope"]) == 2
+
+
+def test_capacity():
+    assert bench.capacity_for(40, 2, 1) == 256
+    assert bench.capacity_for(4096, 100, 10) == 4352          # 4207 rounded up to 256
+    assert bench.capacity_for(65536, 100, 10) % 256 == 0
