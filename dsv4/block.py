@@ -36,6 +36,18 @@ class Block:
         d.update(self.ffn.tensors(f"{prefix}.ffn"))
         return d
 
+    def weights(self) -> list:
+        """Every Linear / ExpertBank of the block (for per-weight settings such as dense caching)."""
+        a = self.attn
+        out = [a.wq_a, a.wq_b, a.wkv, a.wo_a, a.wo_b, self.ffn.gate, self.ffn.experts,
+               *self.ffn.shared.values()]
+        for c in (a.compressor, a.indexer and a.indexer.compressor):
+            if c:
+                out += [c.wkv, c.wgate]
+        if a.indexer:
+            out += [a.indexer.wq_b, a.indexer.weights_proj]
+        return out
+
     def _mix(self, h: torch.Tensor, kind: str, norm: torch.Tensor):
         cfg = self.cfg
         x, post, comb = hc_pre(h, self.hc[f"hc_{kind}_fn"], self.hc[f"hc_{kind}_scale"],

@@ -110,6 +110,11 @@ def run(args) -> int:
     devices = resolve_devices(args.device)
     mode = resolve_mode(args.mode, devices)
     force = _parse_ids(args.force_ids, "--force-ids") if args.force_ids is not None else None
+    from .profiling import parse_steps
+    if args.profile != "none":
+        parse_steps(args.profile_steps)
+        if args.profile == "nsys" and not devices[0].startswith("cuda"):
+            raise InputError("--profile nsys needs CUDA; use --profile torch on the CPU")
 
     demo = args.demo or not args.ckpt
     if demo and not args.demo:

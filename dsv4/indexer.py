@@ -14,6 +14,8 @@ from .quant import fp4_quant_dequant, hadamard
 from .rope import apply_rope
 from .state import LayerState
 
+SCORE_ELEMS = 1 << 26  # prefill: bound on the [queries, heads, entries] index-score tensor
+
 
 class Indexer:
     def __init__(self, cfg: ModelConfig, fmt: str, device, hadamard_matrix: torch.Tensor):
@@ -50,12 +52,19 @@ class Indexer:
         q, w = self._query(x, qr, cs, act)
         self.compressor.prefill(x, st.index_compressor, st.index_cache, freqs)
         t = s // 4
-        sc = self._scores(q, w, st.index_cache[:t])                  # [s, t]
+        k = min(self.cfg.index_topk, t)
+        keys = st.index_cache[:t]
         visible = torch.arange(1, s + 1, device=x.device).unsqueeze(1) // 4   # [s, 1]
         cols = torch.arange(t, device=x.device)
-        sc = sc.masked_fill(cols >= visible, float("-inf"))
-        idx = sc.topk(min(self.cfg.index_topk, t), dim=-1).indices
-        return torch.where(idx >= visible, -1, idx + offset)
+        # chunk the queries so the [c, h, t] score tensor stays bounded for long prompts
+        c = max(1, SCORE_ELEMS // max(1, self.n_heads * t))
+        out = []
+        for i in range(0, s, c):
+            sc = self._scores(q[i:i + c], w[i:i + c], keys)                   # [c, t]
+            sc = sc.masked_fill(cols >= visible[i:i + c], float("-inf"))
+            idx = sc.topk(k, dim=-1).indices
+            out.append(torch.where(idx >= visible[i:i + c], -1, idx + offset))
+        return torch.cat(out, dim=0)
 
     def decode(self, x, qr, cs, pos, st: LayerState, freqs, offset: int) -> torch.Tensor:
         """One query at `pos` -> [1, min(k, n)] indices over the whole fixed-size cache. Capture-safe."""

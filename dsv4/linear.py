@@ -29,6 +29,7 @@ class Linear:
             raise ValueError(f"unknown weight format {fmt!r}; allowed {FORMATS}")
         self.out_features, self.in_features, self.fmt = out_features, in_features, fmt
         self.weight, self.scale = _alloc(fmt, (), out_features, in_features, device)
+        self.dense_cache: dict | None = None   # dtype -> dense weight; set to {} to enable
 
     @property
     def quantized(self) -> bool:
@@ -42,8 +43,13 @@ class Linear:
         return d
 
     def dense(self, dtype: torch.dtype) -> torch.Tensor:
-        """The dequantized weight [out, in] in `dtype` (exact for bf16 and float32)."""
-        return dequantize(self.fmt, self.weight, self.scale, dtype)
+        """The dequantized weight [out, in] in `dtype` (exact for bf16 and float32). Cached when
+        `dense_cache` is enabled (small models on the CPU, where op overhead dominates)."""
+        if self.dense_cache is None:
+            return dequantize(self.fmt, self.weight, self.scale, dtype)
+        if dtype not in self.dense_cache:
+            self.dense_cache[dtype] = dequantize(self.fmt, self.weight, self.scale, dtype)
+        return self.dense_cache[dtype]
 
     def __call__(self, x: torch.Tensor, act_dtype: torch.dtype) -> torch.Tensor:
         """y = x @ W^T with official semantics; x [..., in] -> [..., out] in act_dtype. Capture-safe."""
@@ -62,6 +68,7 @@ class ExpertBank:
         self.w1, self.w1_scale = _alloc(fmt, (n_experts,), inter_dim, dim, device)
         self.w3, self.w3_scale = _alloc(fmt, (n_experts,), inter_dim, dim, device)
         self.w2, self.w2_scale = _alloc(fmt, (n_experts,), dim, inter_dim, device)
+        self.dense_cache: dict | None = None   # (which, dtype) -> dense bank; {} enables
 
     def tensors(self, prefix: str) -> dict[str, torch.Tensor]:
         d = {}
@@ -75,6 +82,12 @@ class ExpertBank:
 
     def dense(self, which: str, idx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Dequantized weights of experts `idx` ([k] int64, device) -> [k, out, in]. Capture-safe."""
+        if self.dense_cache is not None:
+            key = (which, dtype)
+            if key not in self.dense_cache:
+                s = getattr(self, f"{which}_scale")
+                self.dense_cache[key] = dequantize(self.fmt, getattr(self, which), s, dtype)
+            return self.dense_cache[key].index_select(0, idx)
         w = getattr(self, which).index_select(0, idx)
         s = getattr(self, f"{which}_scale")
         return dequantize(self.fmt, w, None if s is None else s.index_select(0, idx), dtype)

@@ -29,6 +29,7 @@ class RuntimeConfig:
     max_seq_len: int = 4096
     dtype: torch.dtype = torch.bfloat16          # activation dtype: bfloat16 or float32
     devices: tuple = ("cpu",)                    # layer devices in pipeline order; head on [0]
+    cache_dense: bool | None = None              # keep dequantized weights (default: CPU only)
 
     def __post_init__(self):
         if self.dtype not in (torch.bfloat16, torch.float32):
@@ -85,6 +86,17 @@ class Transformer:
         else:
             for name, dst in items:
                 source.load_into(name, dst)
+        self._reset_dense_caches()
+
+    def _reset_dense_caches(self) -> None:
+        """On the CPU, keep dequantized weights (op overhead, not bytes, bounds small models there);
+        on GPUs weights stay in their stored formats and are dequantized on use."""
+        on = self.rt.cache_dense if self.rt.cache_dense is not None else all(
+            d.type == "cpu" for d in self.rt.devices)
+
+        for blk in self.layers:
+            for w in blk.weights():
+                w.dense_cache = {} if on else None
 
     def weight_bytes(self, layer: int | None = None) -> int:
         tensors = self.layers[layer].tensors("") if layer is not None else self.tensors()

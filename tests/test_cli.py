@@ -1,0 +1,130 @@
+"""scripts/decode.py as users drive it: the flag contract, JSON, exit codes and every bad input."""
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+from helpers import small_checkpoint
+
+SCRIPT = str(REPO / "scripts" / "decode.py")
+
+
+def run(*args, env=None, timeout=300):
+    import os
+    e = dict(os.environ, **(env or {}))
+    return subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True,
+                          timeout=timeout, env=e)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return small_checkpoint(tmp_path_factory.mktemp("cli"), "fp8")
+
+
+def _one_error_line(p, *words):
+    assert p.returncode == 2, (p.returncode, p.stderr)
+    lines = [ln for ln in p.stderr.strip().splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1, p.stderr
+    for w in words:
+        assert w in lines[0], (w, lines[0])
+    assert "Traceback" not in p.stderr
+    return lines[0]
+
+
+def test_json_contract(ckpt):
+    p = run("--ckpt", str(ckpt), "--prompt-ids", "5,6,7,8", "--max-new-tokens", "6", "--json",
+            "--temperature", "0.7", "--seed", "123", "--device", "cpu")
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)                            # exactly one JSON object on stdout
+    for k in ("prompt_ids", "output_ids", "text", "finish_reason", "device", "mode", "dtype",
+              "seed", "timings"):
+        assert k in out
+    for k in ("load_s", "capture_s", "prefill_s", "decode_s", "decode_tok_per_s", "ms_per_token"):
+        assert k in out["timings"]
+    assert out["prompt_ids"] == [5, 6, 7, 8] and len(out["output_ids"]) <= 6
+    assert out["seed"] == 123 and out["mode"] == "eager" and out["device"] == "cpu"
+    again = json.loads(run("--ckpt", str(ckpt), "--prompt-ids", "5,6,7,8", "--max-new-tokens", "6",
+                           "--json", "--temperature", "0.7", "--seed", "123").stdout)
+    assert again["output_ids"] == out["output_ids"]      # seeded sampling is reproducible
+
+
+def test_force_ids_run_exactly_that_many_steps(ckpt, tmp_path):
+    dump = tmp_path / "l.npy"
+    p = run("--ckpt", str(ckpt), "--prompt-ids", "1,2,3", "--force-ids", "1,1,9", "--json",
+            "--dump-logits", str(dump))
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    assert out["output_ids"] == [1, 1, 9] and out["finish_reason"] == "length"
+    import numpy as np
+    assert np.load(dump).shape == (3, 2048)
+
+
+@pytest.mark.parametrize("args,words", [
+    (["--prompt", ""], ["empty"]),
+    (["--prompt-ids", "1,2,x"], ["--prompt-ids", "integers"]),
+    (["--prompt-ids", "5,99999"], ["99999", "2048"]),
+    (["--prompt-ids", "-3"], ["-3", "2048"]),
+    (["--force-ids", "1,70000", "--prompt-ids", "1"], ["70000", "2048"]),
+    (["--prompt-ids", "1,2,3", "--max-new-tokens", "300", "--max-seq-len", "64"],
+     ["303", "64", "--max-seq-len", "--max-new-tokens"]),
+    (["--prompt-ids", "1,2", "--mode", "graph", "--device", "cpu"], ["CUDA", "--mode"]),
+    (["--prompt-ids", "1,2", "--temperature", "-1"], ["--temperature"]),
+    (["--prompt-ids", "1,2", "--top-p", "0"], ["--top-p"]),
+    (["--prompt-ids", "1,2", "--bogus"], ["--bogus"]),
+    (["--prompt-file", "/nonexistent/p.txt"], ["--prompt-file", "/nonexistent/p.txt"]),
+    (["--prompt-ids", "1,2", "--profile-steps", "9-3", "--profile", "torch"], ["--profile-steps"]),
+])
+def test_bad_inputs_exit_2(ckpt, args, words):
+    _one_error_line(run("--ckpt", str(ckpt), *args), *words)
+
+
+def test_no_prompt_with_ckpt(ckpt):
+    _one_error_line(run("--ckpt", str(ckpt)), "no prompt")
+
+
+def test_bad_checkpoints_exit_2(ckpt, tmp_path):
+    _one_error_line(run("--ckpt", str(tmp_path / "missing"), "--prompt-ids", "1,2"), str(tmp_path / "missing"))
+    bad = tmp_path / "c1"
+    shutil.copytree(ckpt, bad)
+    (bad / "config.json").unlink()
+    _one_error_line(run("--ckpt", str(bad), "--prompt-ids", "1,2"), "config")
+    bad = tmp_path / "c2"
+    shutil.copytree(ckpt, bad)
+    (bad / "model-00002-of-00002.safetensors").unlink()
+    _one_error_line(run("--ckpt", str(bad), "--prompt-ids", "1,2"), "model-00002-of-00002.safetensors")
+    bad = tmp_path / "c3"
+    shutil.copytree(ckpt, bad)
+    f = bad / "model-00001-of-00002.safetensors"
+    f.write_bytes(f.read_bytes()[:-1000])
+    _one_error_line(run("--ckpt", str(bad), "--prompt-ids", "1,2"), "model-00001-of-00002.safetensors")
+    bad = tmp_path / "c4"
+    shutil.copytree(ckpt, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["scoring_func"] = "tanh"
+    (bad / "config.json").write_text(json.dumps(cfg))
+    _one_error_line(run("--ckpt", str(bad), "--prompt-ids", "1,2"), "score_func", "tanh")
+    bad = tmp_path / "c5"
+    shutil.copytree(ckpt, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["moe_intermediate_size"] = 256              # every expert tensor now has the wrong shape
+    (bad / "config.json").write_text(json.dumps(cfg))
+    line = _one_error_line(run("--ckpt", str(bad), "--prompt-ids", "1,2"), "expected", "found")
+
+
+def test_demo_builds_once_and_runs(tmp_path):
+    env = {"XDG_CACHE_HOME": str(tmp_path)}
+    p = run("--demo", "--max-new-tokens", "3", "--json", env=env)
+    assert p.returncode == 0, p.stderr
+    assert (tmp_path / "dsv4" / "demo-tiny-v1" / "tokenizer.json").exists()
+    out = json.loads(p.stdout)
+    assert out["prompt_ids"][0] == 0 and out["prompt_ids"].count(0) == 1   # exactly one BOS
+    p2 = run("--max-new-tokens", "2", env=env)                             # demo is the default
+    assert p2.returncode == 0 and "building" not in p2.stderr and "demo" in p2.stderr
+    # chat-encoded text prompt on the real-vocabulary model: streams, then the summary
+    p3 = run("--prompt", "Hello there", "--system", "Be brief.", "--thinking", "--max-new-tokens",
+             "4", "--mode", "auto", env=env)
+    assert p3.returncode == 0, p3.stderr
+    assert "seed=" in p3.stderr and "ms/token" in p3.stderr and "load" in p3.stderr
