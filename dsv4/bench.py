@@ -275,8 +275,8 @@ def measure(model: Transformer, mode: str, granularity: str, context: int, steps
                **_stats(time_steps(dec.step, steps, devices))}
         at_context()    # the capture's warm-up below writes out_ids[pos + 1]: stay in range
         segs = build_segments(model, bufs, SamplingParams())
-        he = CUDAGraphDecoder([segs[0], segs[-1]], inputs={"token": bufs.token, "pos": bufs.pos},
-                              outputs={"logits": bufs.logits}, mode=mode, granularity=granularity)
+        he = CUDAGraphDecoder([s for s in segs if not s.name.startswith("layer")],
+                              inputs={"token": bufs.token, "pos": bufs.pos}, outputs={"logits": bufs.logits}, mode=mode, granularity=granularity)
         he.allocate()
         if mode == "graph":
             he.capture()

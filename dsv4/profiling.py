@@ -65,6 +65,7 @@ class Profiler:
             self._stop()
 
     def _start(self) -> None:
+        self.session.decoder.record_ranges = True
         if self.kind == "nsys":
             torch.cuda.synchronize()
             torch.cuda.cudart().cudaProfilerStart()
@@ -76,6 +77,7 @@ class Profiler:
             self._prof.__enter__()
 
     def _stop(self) -> None:
+        self.session.decoder.record_ranges = False
         if self.kind == "nsys":
             torch.cuda.synchronize()
             torch.cuda.cudart().cudaProfilerStop()
@@ -98,39 +100,53 @@ class Profiler:
         stamp = time.strftime("%Y%m%d-%H%M%S")
         trace = self.out_dir / f"trace-{stamp}.json"
         self._prof.export_chrome_trace(str(trace))
-        summary = per_segment_summary(self._prof, self.last - self.first + 1)
+        summary = per_segment_summary(trace, self.last - self.first + 1)
         summary["trace"] = str(trace)
         path = self.out_dir / f"summary-{stamp}.json"
         path.write_text(json.dumps(summary, indent=1))
         self.summary_path = str(path)
 
 
-def per_segment_summary(prof, n_steps: int) -> dict:
-    """Kernels and device time per segment (layer) per step, from `replay/.../<segment>` ranges.
+def per_segment_summary(trace_path, n_steps: int) -> dict:
+    """Kernels and device time per segment per step, from an exported torch.profiler chrome trace.
 
-    Device kernels are attributed to the innermost enclosing CPU range of the launch that issued
-    them (torch.profiler links each kernel to its launching runtime call)."""
-    kernels = defaultdict(int)
-    gpu_us = defaultdict(float)
-    events = list(prof.events())
-    ranges = [e for e in events if e.name.startswith("replay/") or e.name.startswith("eager/")]
-    for e in events:
-        if e.device_type != torch.autograd.DeviceType.CUDA:
-            continue
-        parent = getattr(e, "cpu_parent", None) or getattr(e, "parent", None)
-        seg = None
-        while parent is not None and seg is None:
-            if parent.name.startswith(("replay/", "eager/")):
-                seg = parent.name.split("/")[-1]
-            parent = getattr(parent, "cpu_parent", None) or getattr(parent, "parent", None)
-        seg = seg or "other"
+    Each host-side call of the decoder is a `replay/dev{d}/{segment}` (or `eager/...`) range
+    (decoder.record_ranges). A GPU kernel belongs to the range enclosing the runtime call that
+    launched it (cudaLaunchKernel or cudaGraphLaunch, matched by correlation id). On the CPU,
+    where there are no kernels, top-level aten ops inside each range are counted instead."""
+    events = [e for e in json.loads(Path(trace_path).read_text()).get("traceEvents", [])
+              if e.get("ph") == "X"]
+    ranges = sorted(((e["ts"], e["ts"] + e.get("dur", 0), e.get("tid"), e["name"].split("/")[-1])
+                     for e in events if e.get("cat") == "user_annotation"
+                     and e["name"].startswith(("replay/", "eager/"))), key=lambda r: r[1] - r[0])
+
+    def segment_at(ts, tid):
+        for lo, hi, t, name in ranges:          # narrowest first = innermost
+            if t == tid and lo <= ts <= hi:
+                return name
+        return "other"
+
+    runtime = {e.get("args", {}).get("correlation"): (e["ts"], e.get("tid"))
+               for e in events if e.get("cat") == "cuda_runtime"}
+    kernels, gpu_us = defaultdict(float), defaultdict(float)
+    gpu = [e for e in events if e.get("cat") == "kernel"]
+    for e in gpu:
+        ts, tid = runtime.get(e.get("args", {}).get("correlation"), (None, None))
+        seg = segment_at(ts, tid) if ts is not None else "other"
         kernels[seg] += 1
-        gpu_us[seg] += e.device_time if hasattr(e, "device_time") else e.cuda_time
-    per = {k: {"kernels_per_step": kernels[k] / n_steps, "gpu_us_per_step": gpu_us[k] / n_steps}
+        gpu_us[seg] += e.get("dur", 0)
+    unit = "kernels"
+    if not gpu:                                  # CPU: top-level aten ops per range
+        unit = "aten_ops"
+        ops = sorted((e for e in events if e.get("cat") == "cpu_op"), key=lambda e: e["ts"])
+        end = -1.0
+        for e in ops:
+            if e["ts"] >= end:                   # not nested in the previous top-level op
+                kernels[segment_at(e["ts"], e.get("tid"))] += 1
+                end = e["ts"] + e.get("dur", 0)
+    per = {k: {f"{unit}_per_step": kernels[k] / n_steps, "gpu_us_per_step": gpu_us[k] / n_steps}
            for k in sorted(kernels)}
     layers = [v for k, v in per.items() if k.startswith("layer")]
-    return {"steps": n_steps, "segments": per, "n_ranges": len(ranges),
-            "kernels_per_layer": (sum(v["kernels_per_step"] for v in layers) / len(layers))
-            if layers else None,
-            "gpu_us_per_layer": (sum(v["gpu_us_per_step"] for v in layers) / len(layers))
-            if layers else None}
+    mean = (lambda key: sum(v[key] for v in layers) / len(layers)) if layers else (lambda key: None)
+    return {"steps": n_steps, "unit": unit, "segments": per,
+            "kernels_per_layer": mean(f"{unit}_per_step"), "gpu_us_per_layer": mean("gpu_us_per_step")}

@@ -1,8 +1,8 @@
 """Glue between the model and the graphs/ runtime: static decode buffers and one segment per layer.
 
 A decode step is: `embed` (head device) -> `layer{l}` (each on its device, hidden state handed
-off at device boundaries) -> `head` (head device: hc_head, norm, logits, sampling, writes the
-next token and position back into the static inputs). Every fn is capture-safe.
+off at device boundaries) -> `lm_head` (hc_head, norm, logits) -> `sample` (writes the next token
+and position back into the static inputs), both on the head device. Every fn is capture-safe.
 """
 from __future__ import annotations
 
@@ -53,10 +53,11 @@ def build_segments(model: Transformer, bufs: DecodeBuffers, params: SamplingPara
         h, tok, pos = bufs.h[dev], bufs.token_on[dev], bufs.pos_on[dev]
         segs.append(Segment(f"layer{l}", dev, _layer_fn(blk, st, h, tok, pos),
                             reads={"h": h, "token": tok, "pos": pos}, writes={"h": h}))
-    segs.append(Segment("head", hd, _head_fn(model, bufs, params),
-                        reads={"h": bufs.h[hd], "pos": bufs.pos},
-                        writes={"logits": bufs.logits, "token": bufs.token, "pos": bufs.pos,
-                                "out_ids": bufs.out_ids}))
+    segs.append(Segment("lm_head", hd, _lm_head_fn(model, bufs),
+                        reads={"h": bufs.h[hd]}, writes={"logits": bufs.logits}))
+    segs.append(Segment("sample", hd, _sample_fn(bufs, params),
+                        reads={"logits": bufs.logits, "pos": bufs.pos},
+                        writes={"token": bufs.token, "pos": bufs.pos, "out_ids": bufs.out_ids}))
     return segs
 
 
@@ -74,11 +75,18 @@ def _layer_fn(blk, st, h, tok, pos):
     return fn
 
 
-def _head_fn(model, bufs, params):
-    h, pos, token = bufs.h[model.head_device], bufs.pos, bufs.token
+def _lm_head_fn(model, bufs):
+    h = bufs.h[model.head_device]
 
     def fn():
         bufs.logits.copy_(model.logits(h))
+    return fn
+
+
+def _sample_fn(bufs, params):
+    pos, token = bufs.pos, bufs.token
+
+    def fn():
         nxt = sample(bufs.logits, pos, params)
         token.copy_(nxt)
         bufs.out_ids.index_copy_(0, pos + 1, nxt)

@@ -54,6 +54,10 @@ class CUDAGraphDecoder:
         self._debug = debug
         self._fix_hints = tuple(fix_hints)
         self._ranges = Ranges(nvtx_domain)
+        # when True (set by profilers), each host-side call is also a torch.profiler range
+        # named like its NVTX range, so traces can attribute kernels per segment; off by default
+        # because record_function costs a few microseconds per call
+        self.record_ranges = False
         self._plan: Plan | None = None
         self._units: list[list[int]] = []
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
@@ -382,6 +386,13 @@ class CUDAGraphDecoder:
                     self._run_op(op)
 
     def _run_op(self, op: Op) -> None:
+        if self.record_ranges and op.nvtx is not None:
+            with torch.profiler.record_function(op.nvtx):
+                self._run_op_inner(op)
+        else:
+            self._run_op_inner(op)
+
+    def _run_op_inner(self, op: Op) -> None:
         if op.nvtx is not None:
             self._ranges.push(op.nvtx)
         try:
