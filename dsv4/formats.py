@@ -84,9 +84,11 @@ def e2m1_encode(y: torch.Tensor) -> torch.Tensor:
 
 
 def e2m1_decode(code: torch.Tensor) -> torch.Tensor:
-    """e2m1 codes (any integer dtype, 0..15) -> float32 values."""
-    lut = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), dtype=torch.float32,
-                       device=code.device)
+    """e2m1 codes (any integer dtype, 0..15) -> float32 values. Capture-safe (no host copies)."""
+    c = torch.arange(16, device=code.device, dtype=torch.int32)   # the 16-entry table, built on
+    e, m = (c >> 1) & 3, (c & 1).to(torch.float32)                # the device: code = s|e e|m
+    mag = torch.where(e == 0, 0.5 * m, (1.0 + 0.5 * m) * (1 << e).to(torch.float32) * 0.5)
+    lut = torch.where((c & 8) != 0, -mag, mag)
     # index_select, not advanced indexing: the latter is ~300x slower on CPU for this gather
     return lut.index_select(0, (code.to(torch.int64) & 0xF).flatten()).view(code.shape)
 

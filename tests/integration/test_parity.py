@@ -31,11 +31,13 @@ def margins(golden):
     return top2[:, 1] - top2[:, 0]
 
 
-def check_logits(logits, golden, tol, what):
+def check_logits(logits, golden, tol, what, exact_argmax=True):
     err = np.linalg.norm(logits - golden, axis=1) / np.linalg.norm(golden, axis=1)
     med, p95 = float(np.median(err)), float(np.percentile(err, 95))
     assert med < tol["median"] and p95 < tol["p95"], \
         f"{what}: relative L2 median {med:.3g} / p95 {p95:.3g} vs tolerance {tol}"
+    if not exact_argmax:      # bfloat16: only the loose bounds hold (parity README)
+        return
     sure = margins(golden) > 1e-3
     bad = np.nonzero(sure & (logits.argmax(1) != golden.argmax(1)))[0]
     assert bad.size == 0, f"{what}: argmax differs on rows {bad.tolist()} (margin > 1e-3)"
@@ -59,9 +61,10 @@ def test_parity_api(name, mode, device):
     forced = s.generate(case["prompt_ids"], n, force_ids=gtokens, keep_logits=True)
     assert forced.output_ids == gtokens and forced.logits.shape == golden.shape
     check_logits(forced.logits.numpy(), golden, case["modes"][mode]["tolerance"],
-                 f"{name}/{mode}/{device}")
-    free = s.generate(case["prompt_ids"], n, eos_id=None)
-    check_free_running(free.output_ids, golden, gtokens, f"{name}/{mode}/{device}")
+                 f"{name}/{mode}/{device}", exact_argmax=mode == "fp32")
+    if mode == "fp32":
+        free = s.generate(case["prompt_ids"], n, eos_id=None)
+        check_free_running(free.output_ids, golden, gtokens, f"{name}/{mode}/{device}")
     s.close()
 
 
@@ -84,7 +87,10 @@ def test_parity_cli(name, mode, tmp_path):
     assert out["output_ids"] == gtokens and out["prompt_ids"] == case["prompt_ids"]
     assert out["finish_reason"] == "length" and out["mode"] == "eager" and out["dtype"] in (
         "float32", "bfloat16")
-    check_logits(np.load(dump), golden, case["modes"][mode]["tolerance"], f"cli {name}/{mode}")
+    check_logits(np.load(dump), golden, case["modes"][mode]["tolerance"], f"cli {name}/{mode}",
+                 exact_argmax=mode == "fp32")
+    if mode != "fp32":
+        return
     p = run_cli("--ckpt", str(d), "--prompt-ids", ids, "--max-new-tokens", str(len(gtokens)),
                 "--dtype", {"fp32": "float32", "bf16": "bfloat16"}[mode], "--device", "cpu",
                 "--temperature", "0", "--json")
