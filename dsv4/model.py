@@ -12,7 +12,7 @@ from typing import Sequence
 
 import torch
 
-from .block import Block
+from .block import Block, fused_mhc
 from .config import ModelConfig
 from .errors import CapacityError, ConfigError
 from .mhc import hc_head, rms_norm
@@ -111,9 +111,13 @@ class Transformer:
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """h [1, c, D] (last position) -> logits [V] float32 (hc_head, final norm, head in fp32)."""
         cfg = self.cfg
-        x = hc_head(h, self.hc_head["hc_head_fn"], self.hc_head["hc_head_scale"],
-                    self.hc_head["hc_head_base"], cfg.norm_eps, cfg.hc_eps)
-        x = rms_norm(x, self.norm, cfg.norm_eps)[0].to(torch.float32)          # [D]
+        hc = (self.hc_head["hc_head_fn"], self.hc_head["hc_head_scale"], self.hc_head["hc_head_base"])
+        if fused_mhc(h):
+            from .kernels.mhc import hc_head_norm
+            x = hc_head_norm(h, *hc, self.norm, cfg.norm_eps, cfg.hc_eps)[0].to(torch.float32)
+        else:
+            x = hc_head(h, *hc, cfg.norm_eps, cfg.hc_eps)
+            x = rms_norm(x, self.norm, cfg.norm_eps)[0].to(torch.float32)      # [D]
         return torch.cat([self.head[i:i + HEAD_CHUNK].to(torch.float32) @ x
                           for i in range(0, cfg.vocab_size, HEAD_CHUNK)])
 

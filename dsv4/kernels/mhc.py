@@ -1,0 +1,156 @@
+"""Fused hyper-connection kernels for one decode token: hc_pre + Sinkhorn split + RMSNorm in two
+launches, hc_post in one, hc_head + final norm in two (instead of ~250 torch ops per sublayer).
+
+h [c, D] bf16 (c = hc_mult = 4), fn [M, c*D] f32 (M = 24, or 4 for the head), x/out bf16.
+References: dsv4.mhc (hc_pre, hc_post, hc_head, rms_norm). Test: tests/dsv4/test_kernels_mhc.py.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import round_bf16
+
+BK = 256       # flattened-h elements per program of the partial mix GEMV
+
+
+@triton.jit
+def _mix_partial_kernel(h_ptr, fn_ptr, part_ptr, K: tl.constexpr, M: tl.constexpr,
+                        MP: tl.constexpr, BK: tl.constexpr):
+    # part[pid, :M] = fn[:, chunk] @ h[chunk]; part[pid, M] = sum(h[chunk]^2)   (float32)
+    pid = tl.program_id(0)
+    kk = pid * BK + tl.arange(0, BK)
+    h = tl.load(h_ptr + kk).to(tl.float32)
+    m = tl.arange(0, MP)
+    f = tl.load(fn_ptr + m[:, None] * K + kk[None, :], mask=(m < M)[:, None], other=0.0)
+    dots = tl.sum(f * h[None, :], axis=1)
+    tl.store(part_ptr + pid * (MP + 1) + m, dots)
+    tl.store(part_ptr + pid * (MP + 1) + MP, tl.sum(h * h, axis=0))
+
+
+@triton.jit
+def _reduce(part_ptr, idx, NCH: tl.constexpr, MP: tl.constexpr):
+    """Sum the per-chunk partials of the mixes at `idx` (any shape), fixed order."""
+    acc = tl.zeros(idx.shape, tl.float32)
+    for c in range(NCH):
+        acc += tl.load(part_ptr + c * (MP + 1) + idx)
+    return acc
+
+
+@triton.jit
+def _pre_finish_kernel(h_ptr, part_ptr, scale_ptr, base_ptr, normw_ptr, x_ptr, post_ptr, comb_ptr,
+                       D: tl.constexpr, C: tl.constexpr, NCH: tl.constexpr, MP: tl.constexpr,
+                       BD: tl.constexpr, ITERS: tl.constexpr, norm_eps, hc_eps,
+                       HEAD: tl.constexpr, ROUND: tl.constexpr):
+    # one program: mixes -> (pre, post, comb) -> x = sum_k pre_k h_k -> RMSNorm(x) * w
+    rho = tl.rsqrt(_reduce(part_ptr, tl.full([1], MP, tl.int32), NCH, MP) / (C * D) + norm_eps)
+    kc = tl.arange(0, C)
+    s0 = tl.load(scale_ptr)
+    pre = tl.sigmoid(_reduce(part_ptr, kc, NCH, MP) * rho * s0 + tl.load(base_ptr + kc)) + hc_eps
+    if not HEAD:
+        post = 2.0 * tl.sigmoid(_reduce(part_ptr, C + kc, NCH, MP) * rho * tl.load(scale_ptr + 1)
+                                + tl.load(base_ptr + C + kc))
+        tl.store(post_ptr + kc, post)
+        ij = 2 * C + kc[:, None] * C + kc[None, :]                      # row-major [C, C]
+        cm = _reduce(part_ptr, ij, NCH, MP) * rho * tl.load(scale_ptr + 2) + tl.load(base_ptr + ij)
+        cm = tl.exp(cm - tl.max(cm, axis=1)[:, None])
+        cm = cm / tl.sum(cm, axis=1)[:, None] + hc_eps
+        cm = cm / (tl.sum(cm, axis=0)[None, :] + hc_eps)
+        for _ in range(ITERS - 1):
+            cm = cm / (tl.sum(cm, axis=1)[:, None] + hc_eps)
+            cm = cm / (tl.sum(cm, axis=0)[None, :] + hc_eps)
+        tl.store(comb_ptr + kc[:, None] * C + kc[None, :], cm)
+    d = tl.arange(0, BD)
+    dm = d < D
+    h = tl.load(h_ptr + kc[:, None] * D + d[None, :], mask=dm[None, :], other=0.0).to(tl.float32)
+    x = tl.sum(pre[:, None] * h, axis=0)
+    if ROUND:
+        x = round_bf16(x)
+    r = tl.rsqrt(tl.sum(x * x, axis=0) / D + norm_eps)
+    y = tl.load(normw_ptr + d, mask=dm, other=0.0) * (x * r)
+    if ROUND:
+        y = round_bf16(y)
+    tl.store(x_ptr + d, y.to(x_ptr.dtype.element_ty), mask=dm)
+
+
+@triton.jit
+def _post_kernel(x_ptr, res_ptr, post_ptr, comb_ptr, out_ptr, D: tl.constexpr, C: tl.constexpr,
+                 BD: tl.constexpr, ROUND: tl.constexpr):
+    # out[j, d] = post_j * x[d] + sum_i comb[i, j] * res[i, d]
+    d = tl.program_id(0) * BD + tl.arange(0, BD)
+    dm = d < D
+    kc = tl.arange(0, C)
+    x = tl.load(x_ptr + d, mask=dm, other=0.0).to(tl.float32)
+    res = tl.load(res_ptr + kc[:, None] * D + d[None, :], mask=dm[None, :], other=0.0).to(tl.float32)
+    comb = tl.load(comb_ptr + kc[:, None] * C + kc[None, :])                 # [i, j]
+    y = tl.load(post_ptr + kc)[:, None] * x[None, :] + tl.sum(comb[:, :, None] * res[:, None, :], axis=0)
+    if ROUND:
+        y = round_bf16(y)
+    tl.store(out_ptr + kc[:, None] * D + d[None, :], y.to(out_ptr.dtype.element_ty), mask=dm[None, :])
+
+
+def _mix(h2, fn):
+    K = h2.numel()
+    M = fn.shape[0]
+    MP = triton.next_power_of_2(M)
+    nch = K // BK
+    part = torch.empty(nch, MP + 1, dtype=torch.float32, device=h2.device)
+    _mix_partial_kernel[(nch,)](h2, fn, part, K=K, M=M, MP=MP, BK=BK, num_warps=4)
+    return part, nch, MP
+
+
+def hc_pre_norm(h, fn, scale, base, norm_w, norm_eps, hc_eps, iters):
+    """h [1, c, D] -> (RMSNorm(hc_pre(h)) [1, D] in h's dtype, post [1, c], comb [1, c, c] f32)."""
+    _, C, D = h.shape
+    if (C * D) % BK:
+        raise ValueError(f"hc_pre_norm: c*D = {C * D} must be a multiple of {BK}")
+    h2 = h.reshape(C, D).contiguous()
+    part, nch, MP = _mix(h2, fn)
+    x = torch.empty(1, D, dtype=h.dtype, device=h.device)
+    post = torch.empty(1, C, dtype=torch.float32, device=h.device)
+    comb = torch.empty(1, C, C, dtype=torch.float32, device=h.device)
+    _pre_finish_kernel[(1,)](h2, part, scale, base, norm_w, x, post, comb, D=D, C=C, NCH=nch, MP=MP,
+                             BD=triton.next_power_of_2(D), ITERS=iters, norm_eps=norm_eps,
+                             hc_eps=hc_eps, HEAD=False, ROUND=h.dtype == torch.bfloat16,
+                             num_warps=8)
+    return x, post, comb
+
+
+def hc_head_norm(h, fn, scale, base, norm_w, norm_eps, hc_eps):
+    """h [1, c, D] -> RMSNorm(hc_head(h)) [1, D] in h's dtype (the head's sigmoid mix, no Sinkhorn)."""
+    _, C, D = h.shape
+    h2 = h.reshape(C, D).contiguous()
+    part, nch, MP = _mix(h2, fn)
+    x = torch.empty(1, D, dtype=h.dtype, device=h.device)
+    _pre_finish_kernel[(1,)](h2, part, scale, base, norm_w, x, x, x, D=D, C=C, NCH=nch, MP=MP,
+                             BD=triton.next_power_of_2(D), ITERS=1, norm_eps=norm_eps,
+                             hc_eps=hc_eps, HEAD=True, ROUND=h.dtype == torch.bfloat16,
+                             num_warps=8)
+    return x
+
+
+def hc_post(x, res, post, comb):
+    """x [1, D], res [1, c, D], post [1, c], comb [1, c, c] -> [1, c, D] in x's dtype."""
+    _, C, D = res.shape
+    out = torch.empty_like(res)
+    bd = 256
+    _post_kernel[(triton.cdiv(D, bd),)](x, res.contiguous(), post, comb, out, D=D, C=C, BD=bd,
+                                        ROUND=x.dtype == torch.bfloat16, num_warps=4)
+    return out
+
+
+def hc_pre_norm_reference(h, fn, scale, base, norm_w, norm_eps, hc_eps, iters):
+    from ..mhc import hc_pre, rms_norm
+    x, post, comb = hc_pre(h, fn, scale, base, norm_eps, hc_eps, iters)
+    return rms_norm(x, norm_w, norm_eps), post, comb
+
+
+def hc_head_norm_reference(h, fn, scale, base, norm_w, norm_eps, hc_eps):
+    from ..mhc import hc_head, rms_norm
+    return rms_norm(hc_head(h, fn, scale, base, norm_eps, hc_eps), norm_w, norm_eps)
+
+
+def hc_post_reference(x, res, post, comb):
+    from ..mhc import hc_post as ref
+    return ref(x, res, post, comb)
