@@ -110,7 +110,7 @@ def layer_sizes(meta: Transformer) -> dict:
 def memory_estimate(sizes: dict, n_layers: int, devices, reserve: int):
     """(placement, {device: {weights, state, reserve, total}}) for the first n_layers; reserve:
     per-device workspace on top of the largest float32 master generated there."""
-    placement = balanced_placement(sizes["weights"][:n_layers], devices)
+    placement = balanced_placement(sizes["weights"][:n_layers], devices, sizes["global"])
     est = {str(d): {"weights": 0, "state": 0, "reserve": reserve} for d in devices}
     master = dict.fromkeys(est, 0)
     for l, d in enumerate(map(str, placement)):

@@ -81,7 +81,8 @@ def load_model(ckpt_dir, rt: RuntimeConfig, progress: bool | None = None):
     placement = None
     if len(devices) > 1:
         per_layer = [ckpt.nbytes(ckpt.prefix_names(f"layers.{l}.")) for l in range(cfg.n_layers)]
-        placement = balanced_placement(per_layer, devices)
+        head = ckpt.nbytes([n for n in ckpt.global_names() if not n.startswith("mtp.")])
+        placement = balanced_placement(per_layer, devices, head)
     model = Transformer(cfg, rt, placement)
     model.load(ckpt, progress=progress)
     return model, ckpt

@@ -167,18 +167,32 @@ class Transformer:
         return self.logits(h.to(self.head_device, non_blocking=True))
 
 
-def balanced_placement(layer_bytes: Sequence[int], devices: Sequence) -> list[torch.device]:
-    """Contiguous layer ranges per device, balanced by weight bytes (one hand-off per boundary)."""
+def balanced_placement(layer_bytes: Sequence[int], devices: Sequence, head_bytes: int = 0
+                       ) -> list[torch.device]:
+    """Contiguous layer ranges per device (one hand-off per boundary, not per layer) minimising the
+    largest device's bytes; device 0 also holds the embedding and head (`head_bytes`)."""
     devices = [torch.device(d) for d in devices]
     n, k = len(layer_bytes), len(devices)
     if k == 1 or n == 0:
         return [devices[0]] * n
-    total = float(sum(layer_bytes))
-    out, acc, d = [], 0.0, 0
-    for l, b in enumerate(layer_bytes):
-        # move to the next device when this layer's midpoint passes the device's share
-        while d < k - 1 and acc + b / 2 > total * (d + 1) / k and n - l >= k - d - 1 > 0:
-            d += 1
-        out.append(devices[d])
-        acc += b
-    return out
+    k = min(k, n)
+
+    def fill(cap):          # greedy from the front: device index per layer, or None if > k devices
+        out, d, load = [], 0, head_bytes
+        for b in layer_bytes:
+            if load + b > cap and load > (head_bytes if d == 0 else 0):
+                d, load = d + 1, 0
+                if d >= k:
+                    return None
+            out.append(d)
+            load += b
+        return out
+
+    lo, hi = max(max(layer_bytes), head_bytes), head_bytes + sum(layer_bytes)
+    while lo < hi:          # smallest feasible cap (integer bisection)
+        mid = (lo + hi) // 2
+        if fill(mid) is None:
+            lo = mid + 1
+        else:
+            hi = mid
+    return [devices[i] for i in fill(lo)]
