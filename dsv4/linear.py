@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import kernels
 from .formats import FP4_BLOCK, FP8_BLOCK, dequantize_fp4_weight, dequantize_fp8_weight
 from .quant import fp8_quant_dequant
 
@@ -52,12 +53,31 @@ class Linear:
         return self.dense_cache[dtype]
 
     def __call__(self, x: torch.Tensor, act_dtype: torch.dtype) -> torch.Tensor:
-        """y = x @ W^T with official semantics; x [..., in] -> [..., out] in act_dtype. Capture-safe."""
+        """y = x @ W^T with official semantics; x [..., in] -> [..., out] in act_dtype. Capture-safe.
+        One bf16 decode row on CUDA goes to the Triton GEMV (dsv4.kernels; DSV4_KERNELS=0: off)."""
+        if x.device.type == "cuda" and x.numel() == self.in_features and kernels.available(x.device):
+            y = self._kernel(x, act_dtype)
+            if y is not None:
+                return y.view(*x.shape[:-1], self.out_features)
         if self.quantized:
             x = fp8_quant_dequant(x, FP8_BLOCK, out_dtype=act_dtype)
         else:
             x = x.to(act_dtype)
         return F.linear(x, self.dense(act_dtype))
+
+    def _kernel(self, x: torch.Tensor, act_dtype: torch.dtype) -> torch.Tensor | None:
+        """The GEMV kernel for one row in bf16 mode, or None (torch path). float32 mode (x and
+        act float32) stays on torch; bf16 weights in bf16 mode may ask for float32 output."""
+        if (self.fmt == "fp8" and act_dtype == torch.bfloat16 and x.dtype in (torch.bfloat16,
+                                                                              torch.float32)
+                and self.out_features % FP8_BLOCK == 0 and self.in_features % FP8_BLOCK == 0):
+            from .kernels.fp8_linear import fp8_linear
+            return fp8_linear(x, self.weight, self.scale)
+        if self.fmt == "bf16" and x.dtype == torch.bfloat16 and act_dtype in (torch.bfloat16,
+                                                                              torch.float32):
+            from .kernels.bf16_linear import bf16_linear
+            return bf16_linear(x, self.weight, out_dtype=act_dtype)
+        return None
 
 
 class ExpertBank:

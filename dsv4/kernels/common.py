@@ -1,0 +1,125 @@
+"""Triton helpers shared by the kernels: bit-exact act_quant (ue8m0, e4m3 RNE), bf16 rounding, e8m0 /
+e4m3 / e2m1 decoding with integer ops (identical in the interpreter and on sm_90), launch configs.
+Tested through the kernels: `TRITON_INTERPRET=1 python -m pytest tests/dsv4/test_kernels_interp.py`.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import triton
+import triton.language as tl
+
+from ..formats import ACT_AMAX_FLOOR, FP8_MAX, FP8_MAX_INV
+
+# jit code may only read constexpr globals
+RNE_MAGIC = tl.constexpr(12582912.0)   # 1.5 * 2^23: (y + M) - M rounds |y| < 2^22 to nearest-even
+AMAX_FLOOR = tl.constexpr(ACT_AMAX_FLOOR)
+E4M3_MAX = tl.constexpr(FP8_MAX)
+E4M3_MAX_INV = tl.constexpr(FP8_MAX_INV)  # fp32(1/448): act_quant multiplies by it
+TARGET_PROGRAMS = 512    # ~4 programs per SM on H100/H200 (132 SMs): fills the machine, evens waves
+MAX_NB = 32              # at most 32 blocks of 128 along K per step (x values per thread stay small)
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@dataclass(frozen=True)
+class Config:
+    """A fixed launch config: BN output rows per program, NB blocks of 128 K-elements per step."""
+    bn: int
+    nb: int
+    num_warps: int = 4
+
+
+def pow2_floor(v: int) -> int:
+    return 1 << (max(int(v), 1).bit_length() - 1)
+
+
+def pick_config(rows: int, k: int, tile_bytes: int, bytes_per_elem: float, programs_per_row: int = 1,
+                bn_max: int = 32) -> Config:
+    """Heuristic: the largest BN (<= bn_max, power of two dividing `rows`) still giving about
+    TARGET_PROGRAMS programs, then NB so one step reads about `tile_bytes` of weight per matrix.
+    Prefers an NB dividing K (no masks) unless that needs more than 4 steps."""
+    bn = bn_max
+    while bn > 1 and (rows % bn or (rows // bn) * programs_per_row < TARGET_PROGRAMS):
+        bn //= 2
+    kb = -(-k // 128)
+    cap = max(1, min(MAX_NB, pow2_floor(tile_bytes / (bn * 128 * bytes_per_elem))))
+    nb_even = 1
+    while nb_even * 2 <= cap and kb % (nb_even * 2) == 0:
+        nb_even *= 2
+    nb_mask = min(cap, 1 << (kb - 1).bit_length())
+    nb = nb_even if -(-kb // nb_even) <= 4 else nb_mask
+    return Config(bn, nb)
+
+
+# ---- scalar / elementwise helpers (float32 in, float32 out) ----------------------------------
+
+@triton.jit
+def pow2(e):
+    """2^e as float32 for int32 -126 <= e <= 127, built from the bits (exact)."""
+    return ((e + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def round_bf16(x):
+    """Round float32 onto the bf16 grid (RNE) and return float32 (the interpreter's cast truncates)."""
+    b = x.to(tl.int32, bitcast=True)
+    b = (b + 0x7FFF + ((b >> 16) & 1)) & -65536
+    return b.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def round_e4m3(v):
+    """Round float32 |v| <= 448 onto the e4m3 grid, nearest-even (normal and subnormal)."""
+    e = ((v.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127     # floor(log2|v|)
+    e = tl.maximum(e, -6) - 3                                   # log2 of the quantum (>= 2^-9)
+    r = (v * pow2(-e) + RNE_MAGIC) - RNE_MAGIC
+    return r * pow2(e)
+
+
+@triton.jit
+def block_exponent(xb):
+    """xb [nb, 128] float32 -> [nb] int32 e: act_quant's ue8m0 scale is 2^e (amax floored at 1e-4,
+    e = ceil(log2(amax * fp32(1/448))) from the float32 bits)."""
+    amax = tl.maximum(tl.max(tl.abs(xb), axis=1), AMAX_FLOOR)
+    b = (amax * E4M3_MAX_INV).to(tl.int32, bitcast=True)
+    return ((b >> 23) & 0xFF) - 127 + ((b & 0x7FFFFF) != 0).to(tl.int32)
+
+
+@triton.jit
+def quant_dequant(x, e):
+    """e4m3(clamp(x / 2^e, +-448)) * 2^e: the exact value an FP8 GEMM sees for x (e broadcastable)."""
+    v = tl.minimum(tl.maximum(x * pow2(-e), -E4M3_MAX), E4M3_MAX)
+    return round_e4m3(v) * pow2(e)
+
+
+@triton.jit
+def e8m0_to_f32(b):
+    """ue8m0 bytes (uint8) -> 2^(b-127) float32. Byte 0 (2^-127, never used by checkpoints) -> 0."""
+    return (b.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def e4m3_to_f32(b, NATIVE: tl.constexpr):
+    """e4m3 bytes (uint8) -> float32. NATIVE: the hardware cast (exact value). Otherwise the bits
+    are moved into an fp16 (exact, fp16 subnormals cover e4m3 subnormals): the result is the value
+    times 2^-8, which the caller folds into its activation. NaN bytes are not special-cased."""
+    if NATIVE:
+        return b.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    else:
+        bi = b.to(tl.int32)
+        h = ((bi & 0x7F) << 7) | ((bi & 0x80) << 8)
+        return h.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def e2m1_pair_to_f32(p):
+    """int32 words p -> the e2m1 nibbles at bits 0-3 and 16-19 as float32 (value * 2^-14 each).
+    Both go to fp16 bit patterns at once (sign -> bit 15, exponent/mantissa -> bits 9-11)."""
+    t = ((p & 0x00070007) << 9) | ((p & 0x00080008) << 12)
+    lo = t.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    hi = (t >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    return lo, hi

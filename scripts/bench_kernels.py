@@ -1,0 +1,53 @@
+"""Benchmark the dsv4 decode kernels (FP8 / bf16 GEMV, routed FP4 experts) at the real shapes on CUDA.
+
+  python scripts/bench_kernels.py [--preset flash|pro] [--reps 50] [--only wq_b,experts]
+                                  [--sweep] [--no-torch] [--json PATH]
+Prints copy bandwidth, then per kernel: shape, weight+scale bytes, median us [min-max], TB/s, % of copy
+bandwidth and the torch-path time. --sweep also times neighbouring launch configs (tuning aid).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="flash", choices=("flash", "pro"))
+    p.add_argument("--reps", type=int, default=50, help="timed graph replays per kernel (>= 50)")
+    p.add_argument("--only", default="", help="comma-separated substrings of kernel names")
+    p.add_argument("--sweep", action="store_true", help="also time neighbouring configs")
+    p.add_argument("--no-torch", action="store_true", help="skip the torch-path timings")
+    p.add_argument("--json", default=None, help="write the rows as JSON here")
+    p.add_argument("--device", default="cuda")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        print("bench_kernels: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    import triton
+
+    from dsv4.kernels import bench
+    dev = torch.device(args.device)
+    bw = bench.copy_bandwidth(dev)
+    name = torch.cuda.get_device_name(dev)
+    print(f"{name}, torch {torch.__version__}, triton {triton.__version__}; preset {args.preset}; "
+          f"copy bandwidth {bw / 1e12:.2f} TB/s (read+write)")
+    print(bench.HEADER)
+    rows = []
+    only = [s for s in args.only.split(",") if s]
+    for case in bench.build_cases(args.preset, dev, only):
+        row = bench.run_case(case, bw, args.reps, args.sweep, not args.no_torch)
+        rows.append(row)
+        print(bench.format_row(row), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": name, "torch": torch.__version__, "triton": triton.__version__,
+                       "preset": args.preset, "copy_bw": bw, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,319 @@
+"""dsv4.kernels (FP8 / bf16 GEMV, routed FP4 experts) against the plain-torch references: the Triton
+interpreter on the CPU (test_kernels_interp.py in a subprocess), and CUDA at the real Flash / Pro
+shapes, determinism, capture, and the Linear / MoE dispatch. Helpers here are shared with the
+interpreter module. GPU: `python -m pytest tests/dsv4/test_kernels.py -q -m cuda`.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dsv4 import kernels
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+SEED = int.from_bytes(os.urandom(4), "little")    # fresh inputs each run; printed on failure
+
+
+def fresh_gen(device="cpu") -> torch.Generator:
+    return torch.Generator(device=device).manual_seed(SEED)
+
+
+def poisoned(*shape, dtype=torch.bfloat16, device="cpu"):
+    return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+
+def spiky_x(k: int, gen, dtype, device="cpu") -> torch.Tensor:
+    """[1, k] activation with per-128 scales over 1e-3..1e3, one zero block, negative zeros,
+    an outlier: exercises the amax floor, ties and the clamp of act_quant."""
+    nb = k // 128
+    scale = 10.0 ** (torch.rand(nb, 1, generator=gen, device=device) * 6 - 3)
+    x = torch.randn(nb, 128, generator=gen, device=device) * scale
+    if nb > 1:
+        x[1] = 0.0
+    x[0, ::3] = -0.0
+    x[-1, 5] = 50 * scale[-1, 0]
+    return x.reshape(1, k).to(dtype)
+
+
+def fp8_weight(n: int, k: int, gen, gain: float = 1.0, device="cpu"):
+    """Random e4m3 bytes (every finite code, subnormals included) + ue8m0 scales around 2^-9."""
+    b = torch.randint(0, 256, (n, k), generator=gen, device=device, dtype=torch.int32)
+    b = torch.where((b & 0x7F) == 0x7F, b - 1, b).to(torch.uint8)       # no NaN codes
+    e = 118 + int(round(torch.tensor(gain).log2().item()))
+    s = torch.randint(e - 2, e + 3, (n // 128, k // 128), generator=gen, device=device,
+                      dtype=torch.int32).to(torch.uint8)
+    return b.view(torch.float8_e4m3fn), s.view(torch.float8_e8m0fnu)
+
+
+def fp4_bank(E: int, inter: int, dim: int, gen, gain: float = 1.0, up: bool = True, device="cpu"):
+    """Random routed experts: (w1, s1, w3, s3, w2, s2), packed e2m1 bytes + ue8m0 scales ~2^-4."""
+    e = 123 + int(round(torch.tensor(gain).log2().item()))
+
+    def one(n, kk):
+        w = torch.randint(-128, 128, (E, n, kk // 2), generator=gen, device=device,
+                          dtype=torch.int32).to(torch.int8)
+        s = torch.randint(e - 2, e + 3, (E, n, kk // 32), generator=gen, device=device,
+                          dtype=torch.int32).to(torch.uint8).view(torch.float8_e8m0fnu)
+        return w, s
+    w1, s1 = one(inter, dim) if up else (None, None)
+    w3, s3 = one(inter, dim) if up else (None, None)
+    w2, s2 = (None, None) if up else one(dim, inter)
+    return w1, s1, w3, s3, w2, s2
+
+
+def _fp8_absdot(x, w, s, quant, group_k=None):
+    """|x_q| @ |W|^T in float32: the scale of the rounding error of a float32 accumulation."""
+    from dsv4.kernels.fp8_linear import fp8_linear_reference
+    wabs = (w.view(torch.uint8) & 0x7F).view(torch.float8_e4m3fn)
+    return fp8_linear_reference(x.abs(), wabs, s, quant_act=quant, group_k=group_k,
+                                out_dtype=torch.float32).float()
+
+
+def assert_close_bf16(y, ref, x=None, w=None, s=None, quant=True, group_k=None, absdot=None,
+                      rtol=2 ** -7, min_equal=0.95):
+    """bf16 results: no NaN (the output was poisoned), every element within one bf16 rounding
+    (rtol) plus float32 summation error (1e-5 * |x||W|), and most bit-identical to the reference."""
+    yf, rf = y.float(), ref.float()
+    assert not yf.isnan().any(), f"unwritten / NaN outputs (seed {SEED})"
+    if absdot is None and w is not None:
+        absdot = _fp8_absdot(x, w, s, quant, group_k)
+    bound = rtol * rf.abs() + (0.0 if absdot is None else 1e-5 * absdot) + 1e-30
+    bad = (yf - rf).abs() > bound
+    assert not bad.any(), (f"{int(bad.sum())} / {bad.numel()} outside tolerance (seed {SEED}); "
+                           f"max err {(yf - rf).abs().max().item():.3g}")
+    eq = (yf == rf).float().mean().item()
+    assert eq >= min_equal, f"only {eq:.3f} bit-identical to the reference (seed {SEED})"
+
+
+def assert_close_f32(y, ref, x, w, s, quant):
+    assert not y.isnan().any(), f"unwritten / NaN outputs (seed {SEED})"
+    bound = 1e-5 * _fp8_absdot(x, w, s, quant) + 1e-30
+    assert ((y - ref).abs() <= bound).all(), f"seed {SEED}"
+
+
+# ---- CPU ----------------------------------------------------------------------------------------
+
+def test_available_needs_cuda_and_the_switch(monkeypatch):
+    assert not kernels.available("cpu")
+    monkeypatch.setenv(kernels.ENV_SWITCH, "0")
+    assert not kernels.available("cuda")
+
+
+@pytest.mark.skipif(not kernels.triton_importable(), reason="triton is not installed")
+def test_configs_fit_the_real_shapes():
+    from dsv4.kernels.bf16_linear import bf16_config
+    from dsv4.kernels.fp4_experts import down_config, up_config
+    from dsv4.kernels.fp8_linear import fp8_config
+    for n, k in [(1024, 4096), (512, 4096), (32768, 1024), (4096, 8192), (2048, 4096),
+                 (4096, 2048), (1536, 7168), (512, 7168), (65536, 1536), (7168, 16384), (128, 128)]:
+        for dual in (False, True):
+            c = fp8_config(n, k, n, dual)
+            assert 128 % c.bn == 0 and 1 <= c.nb <= 32, (n, k, c)
+            assert n // c.bn >= min(512, n), (n, k, c)
+    c = fp8_config(8192, 4096, 1024)                       # grouped wo_a, G = 8
+    assert 1024 % c.bn == 0
+    for n, k in [(129280, 4096), (256, 4096), (64, 4096), (100, 384)]:
+        assert bf16_config(n, k).nb >= 1
+    for k, inter, dim in [(6, 2048, 4096), (6, 3072, 7168)]:
+        assert inter % up_config(k, inter, dim).bn == 0
+        assert dim % down_config(k, inter, dim).bn == 0
+
+
+@pytest.mark.skipif(not kernels.triton_importable(), reason="triton is not installed")
+def test_kernels_under_interpreter():
+    """TRITON_INTERPRET must be set before triton is imported: run the cases in a fresh process."""
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                        str(HERE / "test_kernels_interp.py")], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
+    assert " passed" in r.stdout and "skipped" not in r.stdout.splitlines()[-1], r.stdout[-2000:]
+
+
+# ---- CUDA ---------------------------------------------------------------------------------------
+
+FP8_SHAPES = {   # name: (N, K, G)
+    "flash.wq_a": (1024, 4096, 1), "flash.wkv": (512, 4096, 1), "flash.wq_a+wkv": (1536, 4096, 1),
+    "flash.wq_b": (32768, 1024, 1), "flash.wo_a": (8192, 4096, 8), "flash.wo_b": (4096, 8192, 1),
+    "flash.shared.w1": (2048, 4096, 1), "flash.shared.w2": (4096, 2048, 1),
+    "pro.wq_a": (1536, 7168, 1), "pro.wkv": (512, 7168, 1), "pro.wq_b": (65536, 1536, 1),
+    "pro.wo_a": (16384, 4096, 16), "pro.wo_b": (7168, 16384, 1), "pro.shared.w1": (3072, 7168, 1),
+    "pro.shared.w2": (7168, 3072, 1), "small": (128, 128, 1), "odd": (384, 640, 1),
+    "odd.grouped": (768, 384, 3),
+}
+BF16_SHAPES = {"flash.gate": (256, 4096), "pro.gate": (384, 7168), "compressor": (1024, 4096),
+               "indexer.compressor": (256, 4096), "weights_proj": (64, 4096),
+               "flash.head": (129280, 4096), "pro.head": (129280, 7168), "odd": (100, 384),
+               "one": (1, 128)}
+EXPERTS = {"flash": (256, 2048, 4096), "pro": (384, 3072, 7168), "small": (16, 256, 384)}
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", list(FP8_SHAPES))
+def test_fp8_linear_cuda(name):
+    from dsv4.kernels.fp8_linear import fp8_linear, fp8_linear_reference
+    n, k, G = FP8_SHAPES[name]
+    dev, gen = torch.device("cuda"), fresh_gen("cuda")
+    w, s = fp8_weight(n, k, gen, device=dev)
+    quants = (False,) if G > 1 else (True, False)
+    for quant in quants:
+        x = spiky_x(k * G, gen, torch.bfloat16, dev)
+        gk = k if G > 1 else None
+        y = fp8_linear(x, w, s, quant_act=quant, group_k=gk, out=poisoned(1, n, device=dev))
+        ref = fp8_linear_reference(x, w, s, quant_act=quant, group_k=gk)
+        assert_close_bf16(y, ref, x, w, s, quant, group_k=gk)
+        again = fp8_linear(x, w, s, quant_act=quant, group_k=gk)
+        assert torch.equal(y, again), "not deterministic"
+        bits = fp8_linear(x, w, s, quant_act=quant, group_k=gk, native=False)
+        assert torch.equal(y, bits), "native e4m3 cast and the bit path disagree"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", ["flash.shared.w1", "pro.shared.w1", "small"])
+@pytest.mark.parametrize("limit", [0.0, 10.0])
+def test_fp8_swiglu_cuda(name, limit):
+    from dsv4.kernels.fp8_linear import fp8_swiglu, fp8_swiglu_reference
+    n, k, _ = FP8_SHAPES[name]
+    dev, gen = torch.device("cuda"), fresh_gen("cuda")
+    (w1, s1), (w3, s3) = fp8_weight(n, k, gen, 8.0, dev), fp8_weight(n, k, gen, 8.0, dev)
+    x = spiky_x(k, gen, torch.bfloat16, dev)
+    a = fp8_swiglu(x, w1, s1, w3, s3, limit, out=poisoned(1, n, device=dev))
+    assert_close_bf16(a, fp8_swiglu_reference(x, w1, s1, w3, s3, limit), rtol=2 ** -5,
+                      min_equal=0.9)
+    assert torch.equal(a, fp8_swiglu(x, w1, s1, w3, s3, limit))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", list(BF16_SHAPES))
+def test_bf16_linear_cuda(name):
+    from dsv4.kernels.bf16_linear import bf16_linear, bf16_linear_reference
+    n, k = BF16_SHAPES[name]
+    dev, gen = torch.device("cuda"), fresh_gen("cuda")
+    w = (torch.randn(n, k, generator=gen, device=dev) * k ** -0.5).to(torch.bfloat16)
+    xdt = torch.float32 if "head" in name else torch.bfloat16
+    x = spiky_x(k, gen, xdt, dev)
+    absdot = (w.double().abs() @ x.reshape(-1).double().abs()).reshape(1, -1).float()
+    y = bf16_linear(x, w, out=poisoned(1, n, dtype=torch.float32, device=dev))
+    ref = bf16_linear_reference(x, w)
+    assert not y.isnan().any() and ((y - ref).abs() <= 1e-5 * absdot + 1e-30).all()
+    assert torch.equal(y, bf16_linear(x, w)), "not deterministic"
+    yb = bf16_linear(x, w, out_dtype=torch.bfloat16, out=poisoned(1, n, device=dev))
+    assert_close_bf16(yb, bf16_linear_reference(x, w, out_dtype=torch.bfloat16), absdot=absdot)
+
+
+@pytest.fixture(scope="module", params=list(EXPERTS))
+def bank(request):
+    E, inter, dim = EXPERTS[request.param]
+    gen = fresh_gen("cuda")
+    up = fp4_bank(E, inter, dim, gen, gain=4.0, device="cuda")
+    down = fp4_bank(E, inter, dim, gen, up=False, device="cuda")
+    yield request.param, (E, inter, dim), up[:4] + down[4:]
+    torch.cuda.empty_cache()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("limit", [10.0, 0.0])
+def test_fp4_experts_cuda(bank, limit):
+    from dsv4.kernels.fp4_experts import (fp4_experts_down, fp4_experts_down_reference,
+                                          fp4_experts_up, fp4_experts_up_reference)
+    _, (E, inter, dim), (w1, s1, w3, s3, w2, s2) = bank
+    dev, gen = torch.device("cuda"), fresh_gen("cuda")
+    k = 6
+    idx = torch.cat((torch.randperm(E - 1, generator=gen, device=dev)[:k - 1],
+                     torch.tensor([E - 1], device=dev))).sort().values   # the last expert: int64 offsets
+    rw = torch.rand(k, generator=gen, device=dev) + 0.5
+    x = spiky_x(dim, gen, torch.bfloat16, dev)
+    a = fp4_experts_up(x, idx, rw, w1, s1, w3, s3, limit, out=poisoned(k, inter, device=dev))
+    assert_close_bf16(a, fp4_experts_up_reference(x, idx, rw, w1, s1, w3, s3, limit),
+                      rtol=2 ** -5, min_equal=0.9)
+    assert torch.equal(a, fp4_experts_up(x, idx, rw, w1, s1, w3, s3, limit)), "not deterministic"
+    y = fp4_experts_down(a, idx, w2, s2, out=poisoned(1, dim, dtype=torch.float32, device=dev))
+    ref = fp4_experts_down_reference(a, idx, w2, s2)
+    scale = sum(fp4_experts_down_reference(a[j:j + 1], idx[j:j + 1], w2, s2).abs()
+                for j in range(k))
+    assert not y.isnan().any() and ((y - ref).abs() <= 2 ** -7 * scale + 1e-30).all(), SEED
+    assert (y == ref).float().mean() >= 0.8, SEED
+    assert torch.equal(y, fp4_experts_down(a, idx, w2, s2)), "not deterministic"
+
+
+@pytest.mark.cuda
+def test_kernels_capture_in_a_cuda_graph():
+    """Warm up (compile), capture, then replay on new inputs: the same results as eager calls."""
+    from dsv4.kernels.bf16_linear import bf16_linear
+    from dsv4.kernels.fp4_experts import fp4_experts_down, fp4_experts_up
+    from dsv4.kernels.fp8_linear import fp8_linear
+    dev, gen = torch.device("cuda"), fresh_gen("cuda")
+    w, s = fp8_weight(1024, 4096, gen, device=dev)
+    hw = torch.randn(1000, 4096, generator=gen, device=dev).to(torch.bfloat16)
+    w1, s1, w3, s3, _, _ = fp4_bank(16, 256, 4096, gen, device=dev)
+    *_, w2, s2 = fp4_bank(16, 256, 4096, gen, up=False, device=dev)
+    x = spiky_x(4096, gen, torch.bfloat16, dev)
+    idx = torch.tensor([1, 4, 5, 9, 12, 15], device=dev)
+    rw = torch.rand(6, generator=gen, device=dev)
+
+    def step():
+        a = fp4_experts_up(x, idx, rw, w1, s1, w3, s3, 10.0)
+        return (fp8_linear(x, w, s), bf16_linear(x, hw), fp4_experts_down(a, idx, w2, s2))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.cuda.graph(g):
+            outs = step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    x.copy_(spiky_x(4096, gen, torch.bfloat16, dev))
+    idx.copy_(torch.tensor([0, 2, 3, 7, 8, 11], device=dev))
+    g.replay()
+    for got, want in zip(outs, step()):
+        assert torch.equal(got, want)
+
+
+def _fill_moe(cfg, layer_id, dev):
+    from dsv4.device_weights import DeviceWeights
+    from dsv4.moe import MoE
+    moe = MoE(cfg, layer_id, "fp8", cfg.expert_format, dev)
+    src = DeviceWeights(cfg, seed=SEED)
+    for name, t in moe.tensors(f"layers.{layer_id}.ffn").items():
+        src.load_into(name, t)
+    return moe
+
+
+@pytest.mark.cuda
+def test_linear_and_moe_dispatch_match_the_torch_path(monkeypatch):
+    from dsv4.kernels.fp8_linear import fp8_linear
+    from dsv4.linear import Linear
+    from dsv4.presets import get_preset
+    dev, gen = torch.device("cuda"), fresh_gen("cuda")
+    cfg = get_preset("flash", n_layers=4)
+    lin = Linear(1024, 4096, "fp8", dev)
+    lin.weight, lin.scale = fp8_weight(1024, 4096, gen, device=dev)
+    gate = Linear(256, 4096, "bf16", dev)
+    gate.weight = (torch.randn(256, 4096, generator=gen, device=dev) / 64).to(torch.bfloat16)
+    x = torch.randn(1, 4096, generator=gen, device=dev).to(torch.bfloat16)
+    y = lin(x, torch.bfloat16)
+    assert torch.equal(y, fp8_linear(x, lin.weight, lin.scale)), "Linear did not use the kernel"
+    g = gate(x, torch.float32)
+    moes = [_fill_moe(cfg, layer, dev) for layer in (0, 3)]      # a hash layer and a scored one
+    ids = torch.tensor([1234], device=dev)
+    got = [m.decode(x, ids) for m in moes]
+    monkeypatch.setenv(kernels.ENV_SWITCH, "0")
+    assert_close_bf16(y, lin(x, torch.bfloat16), rtol=2 ** -7, min_equal=0.9)
+    gt = gate(x, torch.float32)
+    assert ((g - gt).abs() <= 1e-5 * (gate.weight.float().abs() @ x.float().abs()[0])).all()
+    for m, k in zip(moes, got):
+        t = m.decode(x, ids)
+        assert k.dtype == t.dtype == torch.bfloat16 and not k.isnan().any()
+        rel = ((k.float() - t.float()).norm() / t.float().norm()).item()
+        assert rel < 1e-2, f"MoE kernel path vs torch path: relative error {rel:.3g} (seed {SEED})"

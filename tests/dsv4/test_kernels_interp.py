@@ -1,0 +1,195 @@
+"""dsv4.kernels under the Triton interpreter (CPU) at small, awkward shapes vs the plain-torch references.
+
+Runs only with TRITON_INTERPRET=1 (set before triton is imported); test_kernels.py launches it in
+a subprocess: `TRITON_INTERPRET=1 python -m pytest tests/dsv4/test_kernels_interp.py -q`.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("interpreter tests run in a subprocess from test_kernels.py", allow_module_level=True)
+triton = pytest.importorskip("triton")
+import triton.language as tl  # noqa: E402
+
+from dsv4.formats import e2m1_decode  # noqa: E402
+from dsv4.kernels import common  # noqa: E402
+from dsv4.kernels.bf16_linear import bf16_linear, bf16_linear_reference  # noqa: E402
+from dsv4.kernels.common import Config  # noqa: E402
+from dsv4.kernels.fp4_experts import (fp4_experts_down, fp4_experts_down_reference,  # noqa: E402
+                                      fp4_experts_up, fp4_experts_up_reference)
+from dsv4.kernels.fp8_linear import (fp8_linear, fp8_linear_reference, fp8_swiglu,  # noqa: E402
+                                     fp8_swiglu_reference)
+from dsv4.quant import fp8_quant_dequant  # noqa: E402
+
+from test_kernels import (assert_close_bf16, assert_close_f32, fp4_bank, fp8_weight,  # noqa: E402
+                          fresh_gen, poisoned, spiky_x)
+
+GEN = fresh_gen()
+pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # silu(-large)
+
+
+# ---- the bit-level helpers, exactly -------------------------------------------------------------
+
+@triton.jit
+def _helpers_kernel(x_ptr, q_ptr, b_ptr, NB: tl.constexpr):
+    off = tl.arange(0, NB)[:, None] * 128 + tl.arange(0, 128)[None, :]
+    x = tl.load(x_ptr + off)
+    tl.store(q_ptr + off, common.quant_dequant(x, common.block_exponent(x)[:, None]))
+    tl.store(b_ptr + off, common.round_bf16(x))
+
+
+@triton.jit
+def _decode_kernel(u8_ptr, e4_ptr, w_ptr, lo_ptr, hi_ptr, sc_ptr):
+    i = tl.arange(0, 256)
+    b = tl.load(u8_ptr + i)
+    tl.store(e4_ptr + i, common.e4m3_to_f32(b, False) * 256.0)
+    tl.store(sc_ptr + i, common.e8m0_to_f32(b))
+    lo, hi = common.e2m1_pair_to_f32(tl.load(w_ptr + i))
+    tl.store(lo_ptr + i, lo * 16384.0)
+    tl.store(hi_ptr + i, hi * 16384.0)
+
+
+def test_act_quant_and_bf16_rounding_are_bit_exact():
+    nb = 16
+    x = torch.randn(nb, 128, generator=GEN) * torch.logspace(-8, 8, nb)[:, None]
+    x[0] = 0.0                                                 # all-zero block (amax floor)
+    x[1, ::2] = -0.0
+    x[2] = torch.randn(128, generator=GEN) * 1e-6              # amax below the 1e-4 floor
+    # exact e4m3 ties (x / s with 4 mantissa bits, last one set) and subnormal-range values
+    x[3] = torch.tensor([1.0 + (2 * k + 1) / 16 for k in range(8)] * 16) * 2.0 ** torch.arange(
+        -12, 4).repeat_interleave(8)
+    x[4, :64] = 448.0 * 2.0 ** -12 * torch.arange(64) / 64
+    x = x.flatten()
+    q, b = torch.full_like(x, float("nan")), torch.full_like(x, float("nan"))
+    _helpers_kernel[(1,)](x, q, b, NB=nb)
+    ref = fp8_quant_dequant(x, 128)
+    assert torch.equal(q, ref), (q - ref).abs().max()
+    assert torch.equal(b, x.to(torch.bfloat16).float())
+    hi = torch.randint(0, 0x7F7F, (nb * 128,), generator=GEN, dtype=torch.int32)
+    lo = torch.where(torch.arange(nb * 128) % 2 == 0, 0x8000,          # exact bf16 ties
+                     torch.randint(0, 0x10000, (nb * 128,), generator=GEN, dtype=torch.int32))
+    sign = torch.randint(0, 2, (nb * 128,), generator=GEN, dtype=torch.int32) << 31
+    ties = ((hi << 16) | lo | sign).view(torch.float32)
+    _helpers_kernel[(1,)](ties, q, b, NB=nb)
+    assert torch.equal(b, ties.to(torch.bfloat16).float())
+
+
+def test_decoders_cover_every_code():
+    u8 = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    words = torch.randint(-2 ** 31, 2 ** 31 - 1, (256,), generator=GEN, dtype=torch.int64).to(torch.int32)
+    outs = [torch.full((256,), float("nan")) for _ in range(4)]
+    _decode_kernel[(1,)](u8, outs[0], words, outs[1], outs[2], outs[3])
+    e4, lo, hi, sc = outs
+    ref = u8.view(torch.float8_e4m3fn).float()
+    finite = ~ref.isnan()
+    assert torch.equal(e4[finite], ref[finite])
+    assert torch.equal(sc[1:255], (u8[1:255].int() << 23).view(torch.float32))
+    assert torch.equal(lo, e2m1_decode(words & 0xF))
+    assert torch.equal(hi, e2m1_decode((words >> 16) & 0xF))
+
+
+# ---- fp8_linear / fp8_swiglu ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("n,k,cfg", [(256, 384, Config(64, 2)),    # K tail masked (384 % 256)
+                                     (384, 256, Config(128, 2)),   # N = 3 * 128 (concatenated)
+                                     (128, 640, None)])            # default heuristic config
+def test_fp8_linear(n, k, cfg):
+    w, s = fp8_weight(n, k, GEN)
+    many = cfg is not None      # the default config launches ~N programs: slow in the interpreter
+    for xdt in (torch.bfloat16, torch.float32) if many else (torch.bfloat16,):
+        x = spiky_x(k, GEN, xdt)
+        for quant in (True, False) if many else (True,):
+            out = poisoned(1, n)
+            y = fp8_linear(x, w, s, quant_act=quant, out=out, config=cfg)
+            assert y is out
+            assert_close_bf16(y, fp8_linear_reference(x, w, s, quant_act=quant), x, w, s, quant)
+    if not many:
+        return
+    y = fp8_linear(x, w, s, out=poisoned(1, n, dtype=torch.float32), out_dtype=torch.float32,
+                   config=cfg)
+    assert_close_f32(y, fp8_linear_reference(x, w, s, out_dtype=torch.float32), x, w, s, True)
+
+
+def test_fp8_linear_concatenated_rows_equal_separate_calls():
+    (wa, sa), (wb, sb) = fp8_weight(128, 384, GEN), fp8_weight(256, 384, GEN)
+    x = spiky_x(384, GEN, torch.bfloat16)
+    cat = fp8_linear(x, torch.cat((wa, wb)), torch.cat((sa.view(torch.uint8), sb.view(torch.uint8))
+                                                       ).view(torch.float8_e8m0fnu),
+                     config=Config(64, 1))
+    sep = torch.cat((fp8_linear(x, wa, sa, config=Config(64, 1)),
+                     fp8_linear(x, wb, sb, config=Config(64, 1))), dim=1)
+    assert torch.equal(cat, sep)
+
+
+@pytest.mark.parametrize("groups,cfg", [(2, Config(64, 2)), (3, Config(128, 1))])
+def test_fp8_linear_grouped_wo_a(groups, cfg):
+    kg = 256
+    w, s = fp8_weight(groups * 128, kg, GEN)
+    x = spiky_x(groups * kg, GEN, torch.bfloat16)
+    y = fp8_linear(x, w, s, quant_act=False, group_k=kg, out=poisoned(1, groups * 128), config=cfg)
+    ref = fp8_linear_reference(x, w, s, quant_act=False, group_k=kg)
+    assert_close_bf16(y, ref, x, w, s, False, group_k=kg)
+
+
+@pytest.mark.parametrize("limit", [0.0, 10.0])
+def test_fp8_swiglu(limit):
+    (w1, s1), (w3, s3) = fp8_weight(256, 384, GEN, gain=8.0), fp8_weight(256, 384, GEN, gain=8.0)
+    x = spiky_x(384, GEN, torch.bfloat16)
+    a = fp8_swiglu(x, w1, s1, w3, s3, limit, out=poisoned(1, 256), config=Config(128, 4))
+    ref = fp8_swiglu_reference(x, w1, s1, w3, s3, limit)
+    if limit:
+        g = fp8_linear_reference(x, w1, s1).float()
+        assert (g > limit).any(), "test data should exercise the clamp"
+    assert_close_bf16(a, ref, rtol=2 ** -5)
+
+
+# ---- bf16_linear ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("n,k,cfg", [(100, 384, Config(16, 2)), (64, 256, Config(64, 2)),
+                                     (5, 128, None)])
+def test_bf16_linear(n, k, cfg):
+    w = (torch.randn(n, k, generator=GEN) * k ** -0.5).to(torch.bfloat16)
+    w[0, :7] = -0.0
+    for xdt in (torch.float32, torch.bfloat16):
+        x = spiky_x(k, GEN, xdt)
+        for odt in (torch.float32, torch.bfloat16):
+            y = bf16_linear(x, w, out_dtype=odt, out=poisoned(1, n, dtype=odt), config=cfg)
+            ref = bf16_linear_reference(x, w, out_dtype=odt)
+            absdot = (w.double().abs() @ x.reshape(-1).double().abs()).reshape(1, -1)
+            if odt == torch.float32:
+                assert (y - ref).abs().le(1e-6 * absdot + 1e-30).all()
+            else:
+                assert_close_bf16(y, ref, absdot=absdot)
+
+
+# ---- routed FP4 experts ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("limit,cfg", [(10.0, Config(64, 2)), (0.0, Config(128, 1))])
+def test_fp4_experts_up(limit, cfg):
+    E, I, D, k = 8, 128, 384, 6
+    w1, s1, w3, s3, _, _ = fp4_bank(E, I, D, GEN, gain=4.0)
+    x = spiky_x(D, GEN, torch.bfloat16)
+    idx = torch.randperm(E, generator=GEN)[:k].sort().values
+    rw = torch.rand(k, generator=GEN) + 0.5
+    a = fp4_experts_up(x, idx, rw, w1, s1, w3, s3, limit, out=poisoned(k, I), config=cfg)
+    ref = fp4_experts_up_reference(x, idx, rw, w1, s1, w3, s3, limit)
+    assert_close_bf16(a, ref, rtol=2 ** -5, min_equal=0.9)
+
+
+@pytest.mark.parametrize("cfg", [Config(128, 1), Config(64, 4)])   # even K / masked K tail
+def test_fp4_experts_down(cfg):
+    E, I, D, k = 8, 384, 256, 6
+    *_, w2, s2 = fp4_bank(E, I, D, GEN, up=False)
+    a = torch.stack([spiky_x(I, GEN, torch.bfloat16)[0] for _ in range(k)])
+    idx = torch.tensor([0, 2, 3, 5, 6, 7])
+    y = fp4_experts_down(a, idx, w2, s2, out=poisoned(1, D, dtype=torch.float32), config=cfg)
+    ref = fp4_experts_down_reference(a, idx, w2, s2)
+    scale = sum(fp4_experts_down_reference(a[j:j + 1], idx[j:j + 1], w2, s2).abs()
+                for j in range(k))
+    assert not y.isnan().any()
+    assert (y - ref).abs().le(2 ** -7 * scale + 1e-30).all()
+    assert (y == ref).float().mean() >= 0.8
