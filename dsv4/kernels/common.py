@@ -38,12 +38,12 @@ def pow2_floor(v: int) -> int:
 
 
 def pick_config(rows: int, k: int, tile_bytes: int, bytes_per_elem: float, programs_per_row: int = 1,
-                bn_max: int = 32) -> Config:
+                bn_max: int = 32, target: int = TARGET_PROGRAMS) -> Config:
     """Heuristic: the largest BN (<= bn_max, power of two dividing `rows`) still giving about
-    TARGET_PROGRAMS programs, then NB so one step reads about `tile_bytes` of weight per matrix.
+    `target` programs, then NB so one step reads about `tile_bytes` of weight per matrix.
     Prefers an NB dividing K (no masks) unless that needs more than 4 steps."""
     bn = bn_max
-    while bn > 1 and (rows % bn or (rows // bn) * programs_per_row < TARGET_PROGRAMS):
+    while bn > 1 and (rows % bn or (rows // bn) * programs_per_row < target):
         bn //= 2
     kb = -(-k // 128)
     cap = max(1, min(MAX_NB, pow2_floor(tile_bytes / (bn * 128 * bytes_per_elem))))

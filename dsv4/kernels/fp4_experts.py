@@ -15,36 +15,35 @@ from ..quant import fp8_quant_dequant
 from .common import (Config, block_exponent, e2m1_pair_to_f32, e8m0_to_f32, pick_config,
                      quant_dequant, round_bf16)
 
-TILE_BYTES = 8192   # packed weight bytes per program, step and matrix
+# Sized from the sm_90 SASS (python -m dsv4.kernels.aot): ~5.6 (up) / ~6.5 (down) instructions per
+# weight element with <= 128 registers, so several programs per SM keep two steps of loads in flight.
+UP_TILE_BYTES = 4096     # packed bytes per program, step and matrix (w1 and w3: twice that)
+DOWN_TILE_BYTES = 8192
+BN_MAX = 16              # rows per program: more rows amortize the act quant, fewer keep programs many
+DOWN_TARGET = 256        # the down kernel keeps BN = 16 (x work per row) over more programs
 
 
 @triton.jit
-def _x_step(x_ptr, k0, K: tl.constexpr, NB: tl.constexpr, EVEN_K: tl.constexpr):
-    """The activation chunk [k0, k0 + NB*128): per-128 act_quant exponents as [G, 1] (G = NB*4
-    groups of 32) and the element offsets [G, 4] of word w's first element in group g."""
+def _x_quant(x_ptr, k0, K: tl.constexpr, NB: tl.constexpr, EVEN_K: tl.constexpr):
+    """act_quant of the chunk [k0, k0 + NB*128) in a compact layout (each value quantized once),
+    split by position inside the 8-element words: lo[p] / hi[p] [G, 4] hold elements 8q+p /
+    8q+p+4 of word q = 4g+w, times 2^14 (e2m1_pair_to_f32 returns value * 2^-14)."""
     G: tl.constexpr = NB * 4
     xoff = k0 + tl.arange(0, NB)[:, None] * 128 + tl.arange(0, 128)[None, :]
     if EVEN_K:
         xb = tl.load(x_ptr + xoff).to(tl.float32)
     else:
         xb = tl.load(x_ptr + xoff, mask=xoff < K, other=0).to(tl.float32)
-    e = block_exponent(xb)                                                   # [NB]
-    eg = tl.reshape(tl.broadcast_to(e[:, None], [NB, 4]), [G])[:, None]      # [G, 1]
-    xo = k0 + tl.arange(0, G)[:, None] * 32 + tl.arange(0, 4)[None, :] * 8   # [G, 4]
-    return eg, xo
-
-
-@triton.jit
-def _x_pair(x_ptr, xo, eg, p: tl.constexpr, K: tl.constexpr, EVEN_K: tl.constexpr):
-    """Quantized activations of nibbles p and p+4 of every word: elements 8q+p, 8q+p+4 ([G, 4]),
-    times 2^14 (e2m1_pair_to_f32 returns value * 2^-14)."""
-    if EVEN_K:
-        lo = tl.load(x_ptr + xo + p).to(tl.float32)
-        hi = tl.load(x_ptr + xo + (p + 4)).to(tl.float32)
-    else:
-        lo = tl.load(x_ptr + xo + p, mask=xo < K, other=0).to(tl.float32)
-        hi = tl.load(x_ptr + xo + (p + 4), mask=xo < K, other=0).to(tl.float32)
-    return quant_dequant(lo, eg) * 16384.0, quant_dequant(hi, eg) * 16384.0
+    xq = quant_dequant(xb, block_exponent(xb)[:, None]) * 16384.0             # [NB, 128]
+    x5 = tl.reshape(xq, [G, 4, 2, 2, 2])          # [g, w, a, b, c]: element 8q + 4a + 2b + c
+    c0, c1 = tl.split(x5)
+    c0b0, c0b1 = tl.split(c0)
+    c1b0, c1b1 = tl.split(c1)
+    l0, h0 = tl.split(c0b0)
+    l1, h1 = tl.split(c1b0)
+    l2, h2 = tl.split(c0b1)
+    l3, h3 = tl.split(c1b1)
+    return (l0, l1, l2, l3), (h0, h1, h2, h3)
 
 
 @triton.jit
@@ -83,18 +82,24 @@ def _fp4_up_kernel(x_ptr, idx_ptr, rw_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, a_ptr
     wrow = e * I * (D // 8) + rows * (D // 8)
     srow = e * I * (D // 32) + rows * (D // 32)
     G: tl.constexpr = NB * 4
+    BK: tl.constexpr = NB * 128
+    STEPS: tl.constexpr = (D + BK - 1) // BK
     acc1 = tl.zeros([BN, G], tl.float32)
     acc3 = tl.zeros([BN, G], tl.float32)
-    for k0 in range(0, D, NB * 128):
-        eg, xo = _x_step(x_ptr, k0, D, NB, EVEN_K)
-        w1, sc1 = _w_load(w1_ptr, s1_ptr, wrow, srow, k0, D, NB, EVEN_K)
-        w3, sc3 = _w_load(w3_ptr, s3_ptr, wrow, srow, k0, D, NB, EVEN_K)
+    w1n, s1n = _w_load(w1_ptr, s1_ptr, wrow, srow, 0, D, NB, EVEN_K)
+    w3n, s3n = _w_load(w3_ptr, s3_ptr, wrow, srow, 0, D, NB, EVEN_K)
+    for st in range(STEPS):
+        k0 = st * BK
+        w1, sc1, w3, sc3 = w1n, s1n, w3n, s3n
+        if st + 1 < STEPS:   # prefetch: the next chunk's loads overlap this chunk's math
+            w1n, s1n = _w_load(w1_ptr, s1_ptr, wrow, srow, k0 + BK, D, NB, EVEN_K)
+            w3n, s3n = _w_load(w3_ptr, s3_ptr, wrow, srow, k0 + BK, D, NB, EVEN_K)
+        xl, xh = _x_quant(x_ptr, k0, D, NB, EVEN_K)
         t1 = tl.zeros([BN, G, 4], tl.float32)
         t3 = tl.zeros([BN, G, 4], tl.float32)
         for p in tl.static_range(4):
-            xlo, xhi = _x_pair(x_ptr, xo, eg, p, D, EVEN_K)
-            t1 = _nibble_fma(t1, w1, p, xlo, xhi)
-            t3 = _nibble_fma(t3, w3, p, xlo, xhi)
+            t1 = _nibble_fma(t1, w1, p, xl[p], xh[p])
+            t3 = _nibble_fma(t3, w3, p, xl[p], xh[p])
         acc1 += tl.sum(t1, axis=2) * sc1      # per-32 weight scale on each group's partial dot
         acc3 += tl.sum(t3, axis=2) * sc3
     g = round_bf16(tl.sum(acc1, axis=1))      # fp4_gemm outputs bf16
@@ -107,38 +112,49 @@ def _fp4_up_kernel(x_ptr, idx_ptr, rw_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, a_ptr
 
 
 @triton.jit
+def _down_load(idx_ptr, w2_ptr, s2_ptr, rows, t, D: tl.constexpr, I: tl.constexpr,
+               NB: tl.constexpr, STEPS: tl.constexpr, EVEN_K: tl.constexpr):
+    """Words and scales of flattened step t = (expert slot t // STEPS, K-chunk t % STEPS)."""
+    e = tl.load(idx_ptr + t // STEPS).to(tl.int64)
+    wrow = e * D * (I // 8) + rows * (I // 8)
+    srow = e * D * (I // 32) + rows * (I // 32)
+    return _w_load(w2_ptr, s2_ptr, wrow, srow, (t % STEPS) * (NB * 128), I, NB, EVEN_K)
+
+
+@triton.jit
 def _fp4_down_kernel(a_ptr, idx_ptr, w2_ptr, s2_ptr, y_ptr, D: tl.constexpr, I: tl.constexpr,
                      TOPK: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr,
                      EVEN_K: tl.constexpr):
     # a [k, I] bf16; idx [k] int64; w2 [E, D, I/8] int32; s2 [E, D, I/32] u8; y [D] f32.
-    # One program: BN output rows, all k experts in slot order (fixed fp32 summation order).
+    # One program: BN output rows, all k experts in slot order (fixed fp32 summation order);
+    # the (expert, K-chunk) steps run as one loop so the next step's weights load during this one.
     rows = tl.program_id(0) * BN + tl.arange(0, BN)
     G: tl.constexpr = NB * 4
+    STEPS: tl.constexpr = (I + NB * 128 - 1) // (NB * 128)
     y = tl.zeros([BN], tl.float32)
-    for j in range(TOPK):
-        e = tl.load(idx_ptr + j).to(tl.int64)
-        wrow = e * D * (I // 8) + rows * (I // 8)
-        srow = e * D * (I // 32) + rows * (I // 32)
-        xj = a_ptr + j * I
-        acc = tl.zeros([BN, G], tl.float32)
-        for k0 in range(0, I, NB * 128):
-            eg, xo = _x_step(xj, k0, I, NB, EVEN_K)
-            w, sc = _w_load(w2_ptr, s2_ptr, wrow, srow, k0, I, NB, EVEN_K)
-            t = tl.zeros([BN, G, 4], tl.float32)
-            for p in tl.static_range(4):
-                xlo, xhi = _x_pair(xj, xo, eg, p, I, EVEN_K)
-                t = _nibble_fma(t, w, p, xlo, xhi)
-            acc += tl.sum(t, axis=2) * sc
-        y += round_bf16(tl.sum(acc, axis=1))  # each expert's output is bf16, summed in fp32
+    acc = tl.zeros([BN, G], tl.float32)
+    wn, sn = _down_load(idx_ptr, w2_ptr, s2_ptr, rows, 0, D, I, NB, STEPS, EVEN_K)
+    for t in range(TOPK * STEPS):
+        w, sc = wn, sn
+        if t + 1 < TOPK * STEPS:
+            wn, sn = _down_load(idx_ptr, w2_ptr, s2_ptr, rows, t + 1, D, I, NB, STEPS, EVEN_K)
+        xl, xh = _x_quant(a_ptr + (t // STEPS) * I, (t % STEPS) * (NB * 128), I, NB, EVEN_K)
+        tt = tl.zeros([BN, G, 4], tl.float32)
+        for p in tl.static_range(4):
+            tt = _nibble_fma(tt, w, p, xl[p], xh[p])
+        acc += tl.sum(tt, axis=2) * sc
+        if t % STEPS == STEPS - 1:             # expert done: its output is bf16, summed in fp32
+            y += round_bf16(tl.sum(acc, axis=1))
+            acc = tl.zeros([BN, G], tl.float32)
     tl.store(y_ptr + rows, y)
 
 
 def up_config(k: int, inter: int, dim: int) -> Config:
-    return pick_config(inter, dim, TILE_BYTES, 0.5, programs_per_row=k)
+    return pick_config(inter, dim, UP_TILE_BYTES, 0.5, programs_per_row=k, bn_max=BN_MAX)
 
 
 def down_config(k: int, inter: int, dim: int) -> Config:
-    return pick_config(dim, inter, 2 * TILE_BYTES, 0.5)
+    return pick_config(dim, inter, DOWN_TILE_BYTES, 0.5, bn_max=BN_MAX, target=DOWN_TARGET)
 
 
 def _check(w, s, what):

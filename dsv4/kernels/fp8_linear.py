@@ -91,8 +91,8 @@ def _launch(x, w, s, w3, s3, out, limit, quant, group_k, out_dtype, config, nati
                          f"with both dims multiples of {FP8_BLOCK}")
     if tuple(s.shape) != (N // FP8_BLOCK, K // FP8_BLOCK):
         raise ValueError(f"fp8 GEMV: scale {tuple(s.shape)}; expected {(N // 128, K // 128)}")
-    G = 1 if group_k is None else x.shape[-1] // group_k
-    if group_k is not None and (group_k != K or x.shape[-1] % K or N % (G * FP8_BLOCK)):
+    G = 1 if group_k is None else x.numel() // group_k
+    if group_k is not None and (group_k != K or x.numel() % K or N % (G * FP8_BLOCK)):
         raise ValueError(f"grouped fp8 GEMV: x {tuple(x.shape)}, group_k {group_k}, weight "
                          f"{tuple(w.shape)}; need group_k == K and N a multiple of 128 * G")
     if x.numel() != G * K:

@@ -6,6 +6,7 @@ interpreter module. GPU: `python -m pytest tests/dsv4/test_kernels.py -q -m cuda
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -135,6 +136,31 @@ def test_kernels_under_interpreter():
                        capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
     assert " passed" in r.stdout and "skipped" not in r.stdout.splitlines()[-1], r.stdout[-2000:]
+
+
+def _aot_supported() -> bool:
+    if not kernels.triton_importable():
+        return False
+    import importlib.util
+    spec = importlib.util.find_spec("triton")
+    root = Path(spec.origin).parent
+    return (root / "backends" / "nvidia" / "bin" / "ptxas").exists()
+
+
+@pytest.mark.skipif(not _aot_supported(), reason="triton with its bundled ptxas is not installed")
+def test_kernels_compile_for_sm90_without_spills():
+    """Every launch the Flash and Pro decode makes compiles for sm_90 (no GPU needed) without
+    register spills (a few stack bytes outside the loops are tolerated)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
+    r = subprocess.run([sys.executable, "-m", "dsv4.kernels.aot", "flash", "pro"], cwd=REPO,
+                       env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    lines = [ln for ln in r.stdout.splitlines() if ln.strip()]
+    assert len(lines) == 28, r.stdout
+    for ln in lines:   # cuobjdump figures (absent when the tool is not bundled)
+        res = dict(re.findall(r"'(\w+)': (\d+)", ln.split("warps=")[-1]))
+        assert int(res.get("local", 0)) == 0 and int(res.get("stack", 0)) <= 16, f"spills: {ln}"
 
 
 # ---- CUDA ---------------------------------------------------------------------------------------

@@ -1,0 +1,95 @@
+"""Ahead-of-time compile of the kernels for sm_90 with no GPU (Triton's bundled ptxas): catches compile
+errors and register spills of the launch configs the real Flash / Pro shapes use, on any machine.
+Run: `python -m dsv4.kernels.aot` (prints registers / spills per variant); tested in test_kernels.py.
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from ..presets import get_preset
+from .bf16_linear import _bf16_gemv_kernel, bf16_config
+from .fp4_experts import _fp4_down_kernel, _fp4_up_kernel, down_config, up_config
+from .fp8_linear import _fp8_gemv_kernel, fp8_config
+
+FP8_SIG = {"x_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*u8", "w3_ptr": "*u8", "s3_ptr": "*u8",
+           "y_ptr": "*bf16", "limit": "fp32"}
+BF16_SIG = {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*fp32", "N": "i32"}
+UP_SIG = {"x_ptr": "*bf16", "idx_ptr": "*i64", "rw_ptr": "*fp32", "w1_ptr": "*i32", "s1_ptr": "*u8",
+          "w3_ptr": "*i32", "s3_ptr": "*u8", "a_ptr": "*bf16", "limit": "fp32"}
+DOWN_SIG = {"a_ptr": "*bf16", "idx_ptr": "*i64", "w2_ptr": "*i32", "s2_ptr": "*u8", "y_ptr": "*fp32"}
+
+
+def variants(preset: str) -> list[tuple[str, object, dict, dict, int]]:
+    """(name, kernel, signature, constexprs, num_warps) for every launch the preset's decode makes."""
+    c = get_preset(preset)
+    D, Rq, H, Dh, G, R, I = (c.dim, c.q_lora_rank, c.n_heads, c.head_dim, c.o_groups, c.o_lora_rank,
+                             c.moe_inter_dim)
+    out = []
+    fp8 = [("wq_a", Rq, D, 1, True, False), ("wkv", Dh, D, 1, True, False),
+           ("wq_b", H * Dh, Rq, 1, True, False), ("idx.wq_b", c.index_n_heads * c.index_head_dim,
+                                                  Rq, 1, True, False),
+           ("wo_a", G * R, H * Dh // G, G, False, False), ("wo_b", D, G * R, 1, True, False),
+           ("shared.w1+w3", I, D, 1, True, True), ("shared.w2", D, I, 1, True, False)]
+    for name, n, k, groups, quant, dual in fp8:
+        cfg = fp8_config(n, k, n // groups, dual)
+        ce = dict(K=k, NG=n // groups, QUANT=quant, SWIGLU=dual, HAS_LIMIT=dual, NATIVE=True,
+                  BN=cfg.bn, NB=cfg.nb, EVEN_K=k % (cfg.nb * 128) == 0)
+        out.append((f"fp8.{name}", _fp8_gemv_kernel, FP8_SIG, ce, cfg.num_warps))
+    for name, n, xdt in [("gate", c.n_routed_experts, "*bf16"), ("compressor", 2 * Dh, "*bf16"),
+                         ("weights_proj", c.index_n_heads, "*bf16"), ("head", c.vocab_size, "*fp32")]:
+        cfg = bf16_config(n, D)
+        bk = cfg.nb * 128
+        ce = dict(K=D, BN=cfg.bn, BK=bk, EVEN_N=n % cfg.bn == 0, EVEN_K=D % bk == 0)
+        out.append((f"bf16.{name}", _bf16_gemv_kernel, dict(BF16_SIG, x_ptr=xdt), ce, cfg.num_warps))
+    k = c.n_activated_experts
+    cu, cd = up_config(k, I, D), down_config(k, I, D)
+    out.append(("fp4.up", _fp4_up_kernel, UP_SIG, dict(I=I, D=D, HAS_LIMIT=True, BN=cu.bn, NB=cu.nb,
+                                                         EVEN_K=D % (cu.nb * 128) == 0), cu.num_warps))
+    out.append(("fp4.down", _fp4_down_kernel, DOWN_SIG, dict(D=D, I=I, TOPK=k, BN=cd.bn, NB=cd.nb,
+                                                             EVEN_K=I % (cd.nb * 128) == 0), cd.num_warps))
+    return out
+
+
+def compile_variant(kernel, sig: dict, constexprs: dict, num_warps: int, arch: int = 90):
+    """Compile for cuda sm_`arch` with the 16-byte pointer alignment the JIT would specialize on."""
+    names = kernel.arg_names
+    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a, t in sig.items() if t.startswith("*")}
+    sig = dict(sig, **{a: "constexpr" for a in constexprs})
+    src = ASTSource(fn=kernel, signature=sig, constexprs=constexprs, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
+
+
+def resources(compiled) -> dict:
+    """Registers / stack / local bytes from cuobjdump (empty when the tool is not bundled)."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(tool):
+        return {}
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(compiled.asm["cubin"])
+    try:
+        txt = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
+    finally:
+        os.unlink(f.name)
+    return {k.lower(): int(v) for k, v in re.findall(r"(REG|STACK|LOCAL):(\d+)", txt)}
+
+
+def main(argv=None) -> int:
+    presets = (argv or sys.argv[1:]) or ["flash", "pro"]
+    for p in presets:
+        for name, kern, sig, ce, nw in variants(p):
+            r = resources(compile_variant(kern, sig, ce, nw))
+            shown = {k: v for k, v in ce.items() if k in ("K", "BN", "NB", "BK", "EVEN_K")}
+            print(f"{p:6} {name:18} {shown} warps={nw} {r}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
