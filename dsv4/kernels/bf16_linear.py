@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import Config, pick_config, round_bf16
+from .common import Config, on_device, pick_config, round_bf16
 
 TILE_BYTES = 16384   # weight bytes per program and step
 BN_MAX = 16
@@ -65,9 +65,10 @@ def bf16_linear(x: torch.Tensor, w: torch.Tensor, *, out_dtype: torch.dtype = to
     bk = cfg.nb * 128
     if out is None:
         out = torch.empty(1, N, dtype=out_dtype, device=x.device)
-    _bf16_gemv_kernel[(triton.cdiv(N, cfg.bn),)](
-        x.contiguous(), w, out, N, K=K, BN=cfg.bn, BK=bk, EVEN_N=N % cfg.bn == 0,
-        EVEN_K=K % bk == 0, num_warps=cfg.num_warps)
+    with on_device(out):
+        _bf16_gemv_kernel[(triton.cdiv(N, cfg.bn),)](
+            x.contiguous(), w, out, N, K=K, BN=cfg.bn, BK=bk, EVEN_N=N % cfg.bn == 0,
+            EVEN_K=K % bk == 0, num_warps=cfg.num_warps)
     return out
 
 

@@ -4,9 +4,11 @@ Tested through the kernels: `TRITON_INTERPRET=1 python -m pytest tests/dsv4/test
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 
+import torch
 import triton
 import triton.language as tl
 
@@ -23,6 +25,11 @@ MAX_NB = 32              # at most 32 blocks of 128 along K per step (x values p
 
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def on_device(t: torch.Tensor):
+    """Triton launches on the *current* CUDA device: make it t's (layers live on several GPUs)."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,8 @@ import triton.language as tl
 
 from ..formats import FP4_BLOCK, dequantize_fp4_weight
 from ..quant import fp8_quant_dequant
-from .common import (Config, block_exponent, e2m1_pair_to_f32, e8m0_to_f32, pick_config,
-                     quant_dequant, round_bf16)
+from .common import (Config, block_exponent, e2m1_pair_to_f32, e8m0_to_f32, on_device,
+                     pick_config, quant_dequant, round_bf16)
 
 # Sized from the sm_90 SASS (python -m dsv4.kernels.aot): ~5.6 (up) / ~6.5 (down) instructions per
 # weight element with <= 128 registers, so several programs per SM keep two steps of loads in flight.
@@ -179,11 +179,13 @@ def fp4_experts_up(x: torch.Tensor, idx: torch.Tensor, route_w: torch.Tensor, w1
     cfg = config or up_config(k, I, D)
     if out is None:
         out = torch.empty(k, I, dtype=torch.bfloat16, device=x.device)
-    _fp4_up_kernel[(I // cfg.bn, k)](
-        x.contiguous(), idx, route_w.to(torch.float32), w1.view(torch.int32), s1.view(torch.uint8),
-        w3.view(torch.int32), s3.view(torch.uint8), out, float(limit), I=I, D=D,
-        HAS_LIMIT=limit > 0, BN=cfg.bn, NB=cfg.nb, EVEN_K=D % (cfg.nb * 128) == 0,
-        num_warps=cfg.num_warps)
+    with on_device(out):
+        _fp4_up_kernel[(I // cfg.bn, k)](
+            x.contiguous(), idx, route_w.to(torch.float32), w1.view(torch.int32),
+            s1.view(torch.uint8), w3.view(torch.int32), s3.view(torch.uint8), out, float(limit),
+            I=I, D=D,
+            HAS_LIMIT=limit > 0, BN=cfg.bn, NB=cfg.nb, EVEN_K=D % (cfg.nb * 128) == 0,
+            num_warps=cfg.num_warps)
     return out
 
 
@@ -198,9 +200,10 @@ def fp4_experts_down(a: torch.Tensor, idx: torch.Tensor, w2: torch.Tensor, s2: t
     cfg = config or down_config(k, I, D)
     if out is None:
         out = torch.empty(1, D, dtype=torch.float32, device=a.device)
-    _fp4_down_kernel[(D // cfg.bn,)](
-        a.contiguous(), idx, w2.view(torch.int32), s2.view(torch.uint8), out, D=D, I=I, TOPK=k,
-        BN=cfg.bn, NB=cfg.nb, EVEN_K=I % (cfg.nb * 128) == 0, num_warps=cfg.num_warps)
+    with on_device(out):
+        _fp4_down_kernel[(D // cfg.bn,)](
+            a.contiguous(), idx, w2.view(torch.int32), s2.view(torch.uint8), out, D=D, I=I, TOPK=k,
+            BN=cfg.bn, NB=cfg.nb, EVEN_K=I % (cfg.nb * 128) == 0, num_warps=cfg.num_warps)
     return out
 
 

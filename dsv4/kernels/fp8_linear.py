@@ -10,8 +10,8 @@ import triton.language as tl
 
 from ..formats import FP8_BLOCK, dequantize_fp8_weight
 from ..quant import fp8_quant_dequant
-from .common import (Config, block_exponent, e4m3_to_f32, e8m0_to_f32, interpreting, pick_config,
-                     quant_dequant, round_bf16)
+from .common import (Config, block_exponent, e4m3_to_f32, e8m0_to_f32, interpreting, on_device,
+                     pick_config, quant_dequant, round_bf16)
 
 TILE_BYTES = 16384   # weight bytes per program and step (one matrix); half of it for fp8_swiglu
 
@@ -106,11 +106,12 @@ def _launch(x, w, s, w3, s3, out, limit, quant, group_k, out_dtype, config, nati
     native = (not interpreting()) if native is None else native
     w3 = w if w3 is None else w3
     s3 = s if s3 is None else s3
-    _fp8_gemv_kernel[(N // cfg.bn,)](
-        x.contiguous(), w.view(torch.uint8), s.view(torch.uint8), w3.view(torch.uint8),
-        s3.view(torch.uint8), out, float(limit), K=K, NG=ng,
-        QUANT=quant, SWIGLU=w3 is not w, HAS_LIMIT=limit > 0, NATIVE=native, BN=cfg.bn,
-        NB=cfg.nb, EVEN_K=K % (cfg.nb * 128) == 0, num_warps=cfg.num_warps)
+    with on_device(out):
+        _fp8_gemv_kernel[(N // cfg.bn,)](
+            x.contiguous(), w.view(torch.uint8), s.view(torch.uint8), w3.view(torch.uint8),
+            s3.view(torch.uint8), out, float(limit), K=K, NG=ng,
+            QUANT=quant, SWIGLU=w3 is not w, HAS_LIMIT=limit > 0, NATIVE=native, BN=cfg.bn,
+            NB=cfg.nb, EVEN_K=K % (cfg.nb * 128) == 0, num_warps=cfg.num_warps)
     return out
 
 
