@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from . import kernels
 from .compressor import Compressor
 from .config import ModelConfig
 from .indexer import Indexer
@@ -102,10 +103,17 @@ class Attention:
         return self._out(o, cs)
 
     # ---- decode ------------------------------------------------------------------------------
-    def decode(self, x: torch.Tensor, pos: torch.Tensor, st: LayerState) -> torch.Tensor:
-        """One token at device position `pos` ([1] int64): x [1, D] -> [1, D]. Capture-safe."""
+    def decode(self, x: torch.Tensor, pos: torch.Tensor, st: LayerState, fused: bool | None = None
+               ) -> torch.Tensor:
+        """One token at device position `pos` ([1] int64): x [1, D] -> [1, D]. Capture-safe.
+        fused (default: bf16, one token, dsv4.kernels.available): everything between the GEMVs in
+        Triton kernels (dsv4/kernels/attention_decode.py, compressor_decode.py, indexer_decode.py)."""
         cfg, dev = self.cfg, x.device
         W, r = cfg.window_size, self.ratio
+        if fused is None:
+            fused = x.dtype == torch.bfloat16 and x.shape[0] == 1 and kernels.available(dev)
+        if fused:
+            return self._decode_fused(x, pos, st)
         cs = cos_sin(pos, self.freqs)
         qr, q, kv = self._q_kv(x, cs)
         slots = torch.arange(W, device=dev)
@@ -121,6 +129,32 @@ class Attention:
             self.compressor.decode(x, pos, st.compressor, st.kv_cache[W:], self.freqs)
         o = sparse_attention(q, st.kv_cache, idx, self.attn_sink, cfg.head_dim ** -0.5)
         return self._out(o, cs)
+
+    def _decode_fused(self, x: torch.Tensor, pos: torch.Tensor, st: LayerState) -> torch.Tensor:
+        """decode with the Triton kernels: same math and state updates (bf16 activations)."""
+        from .kernels import attention_decode as K
+        cfg, act, H = self.cfg, x.dtype, self.cfg.n_heads
+        W, r, eps = cfg.window_size, self.ratio, cfg.norm_eps
+        qr = K.rms_norm_row(self.wq_a(x, act), self.q_norm, eps)
+        q = K.attention_prep(self.wq_b(qr, act), self.wkv(x, act), self.kv_norm, st.kv_cache, pos,
+                             self.freqs, eps, H, W)                     # also kv -> ring slot
+        idx, n = None, (st.kv_cache.shape[0] - W - 1 if r else 0)      # compressed entries
+        if r == 4:
+            idx = self.indexer.decode(x, qr, None, pos, st, self.freqs, W, fused=True, raw=True)
+            n = idx.shape[-1]
+        if r:
+            self.compressor.decode(x, pos, st.compressor, st.kv_cache[W:], self.freqs, fused=True)
+        o = K.sparse_attention_decode(q, st.kv_cache, self.attn_sink, pos, self.freqs,
+                                      cfg.head_dim ** -0.5, H, W, r, n, idx)  # inverse RoPE done
+        G = cfg.o_groups
+        if self.wo_a.fmt == "fp8" and o.device.type == "cuda":
+            from .kernels.fp8_linear import fp8_linear
+            z = fp8_linear(o, self.wo_a.weight, self.wo_a.scale, quant_act=False,
+                           group_k=o.shape[-1] // G)
+        else:
+            wo_a = self.wo_a.dense(act).view(G, cfg.o_lora_rank, -1)
+            z = torch.einsum("sgd,grd->sgr", o.view(1, G, -1), wo_a).flatten(1)
+        return self.wo_b(z, act)
 
 
 def sparse_attention(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor,

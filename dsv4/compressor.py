@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from . import kernels
 from .config import ModelConfig
 from .linear import Linear
 from .mhc import rms_norm
@@ -78,11 +79,20 @@ class Compressor:
         return entries
 
     def decode(self, x: torch.Tensor, pos: torch.Tensor, st: CompressorState, cache: torch.Tensor,
-               freqs: torch.Tensor) -> None:
+               freqs: torch.Tensor, fused: bool | None = None) -> None:
         """One token at `pos` ([1] int64): update state; when (pos+1) % r == 0 write entry pos//r,
-        else write the same computation to the scratch row (cache[-1]). Capture-safe."""
+        else write the same computation to the scratch row (cache[-1]). Capture-safe.
+        fused (default: bf16, one token, dsv4.kernels.available): one Triton launch after the
+        projections (dsv4/kernels/compressor_decode.py); it leaves the scratch row alone."""
         r, dc = self.ratio, self.dc
         kv, sc = self._project(x)                                    # [1, c*dc]
+        if fused is None:
+            fused = x.dtype == torch.bfloat16 and x.shape[0] == 1 and kernels.available(x.device)
+        if fused:
+            from .kernels.compressor_decode import compressor_decode
+            compressor_decode(kv, sc, self.ape, st.kv, st.score, self.norm, freqs, pos, cache,
+                              self.cfg.norm_eps, r, self.rotate, dc - self.cfg.rope_head_dim)
+            return
         slot = pos % r
         sc = sc + self.ape.index_select(0, slot)
         row = slot + r if self.overlap else slot

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from . import kernels
 from .compressor import Compressor
 from .config import ModelConfig
 from .linear import Linear
@@ -66,16 +67,34 @@ class Indexer:
             out.append(torch.where(idx >= visible[i:i + c], -1, idx + offset))
         return torch.cat(out, dim=0)
 
-    def decode(self, x, qr, cs, pos, st: LayerState, freqs, offset: int) -> torch.Tensor:
-        """One query at `pos` -> [1, min(k, n)] indices over the whole fixed-size cache. Capture-safe."""
+    def decode(self, x, qr, cs, pos, st: LayerState, freqs, offset: int, fused: bool | None = None,
+               raw: bool = False) -> torch.Tensor:
+        """One query at `pos` -> [1, min(k, n)] indices over the whole fixed-size cache. Capture-safe.
+        fused (default: bf16, one token, dsv4.kernels.available): Triton query prep and scores
+        (cs unused), torch.topk. raw: the top-k entry numbers themselves (sorted by score; valid
+        iff < (pos+1)//4), without the offset and the -1 mask (the fused attention takes those)."""
         act = x.dtype
-        q, w = self._query(x, qr, cs, act)
-        self.compressor.decode(x, pos, st.index_compressor, st.index_cache, freqs)
+        if fused is None:
+            fused = act == torch.bfloat16 and x.shape[0] == 1 and kernels.available(x.device)
         keys = st.index_cache[:-1]                                    # [n, di], scratch row excluded
-        sc = self._scores(q, w, keys)                                 # [1, n]
-        visible = (pos + 1) // 4                                      # [1]
-        cols = torch.arange(keys.shape[0], device=x.device)
-        sc = sc.masked_fill(cols >= visible, float("-inf"))
+        visible = None
+        if fused:
+            from .kernels.indexer_decode import index_query, index_scores
+            q = index_query(self.wq_b(qr, act), pos, freqs, self.n_heads)
+            w = self.weights_proj(x, act)
+            self.compressor.decode(x, pos, st.index_compressor, st.index_cache, freqs, fused=True)
+            sc = index_scores(q, w, keys, pos, self.head_dim ** -0.5 * self.n_heads ** -0.5)
+        else:
+            q, w = self._query(x, qr, cs, act)
+            self.compressor.decode(x, pos, st.index_compressor, st.index_cache, freqs, fused=False)
+            sc = self._scores(q, w, keys)                                 # [1, n]
+            visible = (pos + 1) // 4                                      # [1]
+            cols = torch.arange(keys.shape[0], device=x.device)
+            sc = sc.masked_fill(cols >= visible, float("-inf"))
         k = min(self.cfg.index_topk, keys.shape[0])
         idx = sc.topk(k, dim=-1).indices
+        if raw:
+            return idx
+        if visible is None:
+            visible = (pos + 1) // 4
         return torch.where(idx >= visible, -1, idx + offset)

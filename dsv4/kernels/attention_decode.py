@@ -1,0 +1,325 @@
+"""Fused attention kernels for one decode token: q_norm RMSNorm (1 launch), q/kv prep + ring write
+(1), sparse attention over window + compressed entries with sink and inverse RoPE (1, or split-K +
+combine = 2). q [1, h*d] bf16, kv_cache [W + n (+1), d] bf16, pos [1] int64. References:
+dsv4.attention (_q_kv, sparse_attention, _out). Test: tests/dsv4/test_kernels_attention.py.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import interpreting, on_device, round_bf16
+from .compressor_decode import (NEG_INF, dot_bf16, fp8_fake_quant_rows, from_pairs, load_pos,
+                                rope_cos_sin, rope_pairs, to_pairs)
+
+MODE_WINDOW, MODE_RATIO, MODE_INDEXED = 0, 1, 2   # compressed entries: none / implicit / top-k
+HATCH = "DSV4_KERNELS=0 runs the torch path"
+
+
+@dataclass(frozen=True)
+class AttnConfig:
+    """Sparse-attention launch: hb heads x bn KV rows per tile, ~rows_per_split rows per program,
+    at most max_programs programs in the split pass; combine: hc heads x bd dims per program."""
+    hb: int = 16
+    bn: int = 32
+    rows_per_split: int = 128
+    max_programs: int = 264
+    num_warps: int = 4
+    hc: int = 4
+    bd: int = 128
+
+
+# ---- q_norm (RMSNorm with weight of one row) -----------------------------------------------
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, eps, D: tl.constexpr, BD: tl.constexpr):
+    d = tl.arange(0, BD)
+    x = tl.load(x_ptr + d, mask=d < D, other=0.0).to(tl.float32)
+    rs = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
+    y = round_bf16(tl.load(w_ptr + d, mask=d < D, other=0.0) * (x * rs))
+    tl.store(y_ptr + d, y.to(y_ptr.dtype.element_ty), mask=d < D)
+
+
+def rms_norm_row(x: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor | None = None
+                 ) -> torch.Tensor:
+    """dsv4.mhc.rms_norm for one bf16 row x [1, D] (f32 weight) -> [1, D] bf16. Capture-safe."""
+    y = torch.empty_like(x) if out is None else out
+    D = x.shape[-1]
+    with on_device(x):
+        _rms_norm_kernel[(1,)](x, w, y, eps, D=D, BD=triton.next_power_of_2(D), num_warps=4)
+    return y
+
+
+# ---- q / kv prep ---------------------------------------------------------------------------
+
+@triton.jit
+def _prep_q(q_ptr, qo_ptr, hb0, eps, cos, sin, pair, DH: tl.constexpr, HB: tl.constexpr,
+            NOPE: tl.constexpr):
+    """Heads [hb0, hb0+HB): q * rsqrt(mean(q^2) + eps) with every torch op rounded to bf16, RoPE."""
+    off = (hb0 + tl.arange(0, HB))[:, None] * DH + tl.arange(0, DH)[None, :]
+    q = tl.load(q_ptr + off).to(tl.float32)                                   # [HB, DH]
+    ms = round_bf16(tl.sum(round_bf16(q * q), axis=1) / DH)
+    rs = round_bf16(tl.rsqrt(round_bf16(ms + eps)))
+    q = round_bf16(q * rs[:, None])
+    a, b = to_pairs(q, HB, DH // 2)
+    a, b = rope_pairs(a, b, cos, sin, pair >= NOPE // 2, False)
+    tl.store(qo_ptr + off, from_pairs(a, b, HB, DH // 2).to(qo_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _prep_kv(kv_ptr, kvw_ptr, cache_ptr, row, eps, cos, sin, pair, DH: tl.constexpr,
+             NOPE: tl.constexpr):
+    """kv: RMSNorm (f32 weight), RoPE, FP8 fake-quant of the nope dims -> cache[row]."""
+    d = tl.arange(0, DH)[None, :]
+    x = tl.load(kv_ptr + d).to(tl.float32)                                    # [1, DH]
+    rs = tl.rsqrt(tl.sum(x * x, axis=1) / DH + eps)
+    e = round_bf16(tl.load(kvw_ptr + d) * (x * rs[:, None]))
+    a, b = to_pairs(e, 1, DH // 2)
+    a, b = rope_pairs(a, b, cos, sin, pair >= NOPE // 2, False)
+    out = fp8_fake_quant_rows(from_pairs(a, b, 1, DH // 2), 1, DH, NOPE)
+    tl.store(cache_ptr + row * DH + d, out.to(cache_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _prep_kernel(q_ptr, qo_ptr, kv_ptr, kvw_ptr, cache_ptr, freqs_ptr, pos_ptr, eps,
+                 H: tl.constexpr, DH: tl.constexpr, HB: tl.constexpr, W: tl.constexpr,
+                 NOPE: tl.constexpr):
+    # programs 0..H/HB-1: q heads; program H/HB: kv, written to ring slot pos % W
+    pid = tl.program_id(0)
+    pos = load_pos(pos_ptr)
+    pair = tl.arange(0, DH // 2)[None, :]
+    cos, sin = rope_cos_sin(pos.to(tl.float32), freqs_ptr, pair, NOPE // 2)
+    if pid < H // HB:
+        _prep_q(q_ptr, qo_ptr, pid * HB, eps, cos, sin, pair, DH, HB, NOPE)
+    else:
+        _prep_kv(kv_ptr, kvw_ptr, cache_ptr, pos % W, eps, cos, sin, pair, DH, NOPE)
+
+
+def attention_prep(q: torch.Tensor, kv: torch.Tensor, kv_norm: torch.Tensor,
+                   kv_cache: torch.Tensor, pos: torch.Tensor, freqs: torch.Tensor, eps: float,
+                   n_heads: int, window: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """q [1, h*d] bf16 (wq_b output) -> q [1, h*d] bf16 (per-head RMS, RoPE); kv [1, d] bf16 (wkv
+    output) -> RMSNorm(kv_norm), RoPE, FP8 fake-quant -> kv_cache[pos % window]. One launch.
+    Capture-safe, deterministic. As Attention._q_kv after the GEMVs, plus the ring write."""
+    DH = kv.shape[-1]
+    nope = DH - 2 * freqs.numel()
+    if q.numel() != n_heads * DH or DH & (DH - 1) or nope % 64 or q.dtype != torch.bfloat16:
+        raise ValueError(f"attention_prep: q {tuple(q.shape)} {q.dtype}, kv {tuple(kv.shape)}, "
+                         f"{n_heads} heads; expected bf16 [1, h*d], d a power of two, "
+                         f"nope % 64 == 0 ({HATCH})")
+    hb = min(n_heads, 16)
+    if n_heads % hb:
+        raise ValueError(f"attention_prep: {n_heads} heads not a multiple of {hb} ({HATCH})")
+    qo = torch.empty_like(q) if out is None else out
+    with on_device(q):
+        _prep_kernel[(n_heads // hb + 1,)](q, qo, kv, kv_norm, kv_cache, freqs, pos, eps,
+                                           H=n_heads, DH=DH, HB=hb, W=window, NOPE=nope,
+                                           num_warps=4)
+    return qo
+
+
+# ---- sparse attention ----------------------------------------------------------------------
+
+@triton.jit
+def _finish(acc, m, l, sink, pos_f, freqs_ptr, pair, ROWS: tl.constexpr, P: tl.constexpr,
+            NOPE: tl.constexpr):
+    """o = acc / (l + e^(sink - m)) -> bf16 -> inverse RoPE at pos on pairs `pair`: [ROWS, 2P]."""
+    o = round_bf16(acc / (l + tl.exp(sink - m))[:, None])
+    cos, sin = rope_cos_sin(pos_f, freqs_ptr, pair, NOPE // 2)
+    a, b = to_pairs(o, ROWS, P)
+    a, b = rope_pairs(a, b, cos, sin, pair >= NOPE // 2, True)
+    return from_pairs(a, b, ROWS, P)
+
+
+@triton.jit
+def _attn_kernel(q_ptr, kv_ptr, idx_ptr, sink_ptr, freqs_ptr, pos_ptr, o_ptr, pm_ptr, pl_ptr,
+                 pacc_ptr, scale, H: tl.constexpr, DH: tl.constexpr, W: tl.constexpr,
+                 R: tl.constexpr, KC: tl.constexpr, MODE: tl.constexpr, HB: tl.constexpr,
+                 BN: tl.constexpr, BPS: tl.constexpr, NSPLIT: tl.constexpr, NOPE: tl.constexpr,
+                 F32: tl.constexpr):
+    # program (split, head block): online softmax over BPS tiles of BN entries; entries [0, W) are
+    # ring slots (valid iff slot <= pos), entries W + j compressed entry j (valid iff j <
+    # (pos+1)//R: row W + j, or row W + idx[j] for the indexer's top-k). Tiles with no valid entry
+    # are skipped. NSPLIT == 1: the epilogue runs here; else partial (m, l, acc) go to pm/pl/pacc.
+    split = tl.program_id(0)
+    hh = tl.program_id(1) * HB + tl.arange(0, HB)
+    d = tl.arange(0, DH)
+    pos = load_pos(pos_ptr)
+    q = tl.load(q_ptr + hh[:, None] * DH + d[None, :], mask=(hh < H)[:, None], other=0.0)
+    nw = tl.minimum(pos + 1, W)                                  # valid ring slots: 0 .. nw-1
+    if R > 0:
+        vis = (pos + 1) // R                                     # visible compressed entries
+        nc = tl.minimum(vis, KC)
+    else:
+        vis = 0
+        nc = 0
+    NWB: tl.constexpr = W // BN
+    NBLK: tl.constexpr = NWB + (KC + BN - 1) // BN
+    m = tl.full([HB], NEG_INF, tl.float32)
+    l = tl.zeros([HB], tl.float32)
+    acc = tl.zeros([HB, DH], tl.float32)
+    e = tl.arange(0, BN)
+    for i in range(BPS):
+        blk = split * BPS + i
+        win = blk < NWB
+        live = (blk < NBLK) & tl.where(win, blk * BN < nw, (blk - NWB) * BN < nc)
+        if live:
+            j = (blk - NWB) * BN + e
+            if MODE == 2:
+                t = tl.load(idx_ptr + j, mask=(~win) & (j < KC), other=-1).to(tl.int32)
+                cvalid = (j < nc) & (t >= 0) & (t < vis)
+            else:
+                t = j
+                cvalid = j < nc
+            rows = tl.where(win, blk * BN + e, W + t)
+            valid = tl.where(win, blk * BN + e < nw, cvalid)
+            k = tl.load(kv_ptr + rows[:, None] * DH + d[None, :], mask=valid[:, None], other=0.0)
+            s = dot_bf16(q, tl.trans(k), F32) * scale                            # [HB, BN]
+            s = tl.where(valid[None, :], s, NEG_INF)
+            m_new = tl.maximum(m, tl.max(s, axis=1))
+            m_safe = tl.where(m_new == NEG_INF, 0.0, m_new)
+            alpha = tl.exp(m - m_safe)
+            p = tl.exp(s - m_safe[:, None])
+            l = l * alpha + tl.sum(p, axis=1)
+            # P is rounded to bf16 for P.V, as the official kernel
+            acc = acc * alpha[:, None] + dot_bf16(round_bf16(p), k, F32)
+            m = m_new
+    hm = hh < H
+    if NSPLIT == 1:
+        sink = tl.load(sink_ptr + hh, mask=hm, other=0.0)
+        o = _finish(acc, m, l, sink, pos.to(tl.float32), freqs_ptr, tl.arange(0, DH // 2)[None, :],
+                    HB, DH // 2, NOPE)
+        tl.store(o_ptr + hh[:, None] * DH + d[None, :], o.to(o_ptr.dtype.element_ty),
+                 mask=hm[:, None])
+    else:
+        tl.store(pm_ptr + split * H + hh, m, mask=hm)
+        tl.store(pl_ptr + split * H + hh, l, mask=hm)
+        tl.store(pacc_ptr + (split * H + hh)[:, None] * DH + d[None, :], acc, mask=hm[:, None])
+
+
+@triton.jit
+def _combine_kernel(pm_ptr, pl_ptr, pacc_ptr, sink_ptr, freqs_ptr, pos_ptr, o_ptr,
+                    H: tl.constexpr, DH: tl.constexpr, HC: tl.constexpr, BD: tl.constexpr,
+                    NSPLIT: tl.constexpr, NOPE: tl.constexpr):
+    # program (head block, dim block): merge the splits in a fixed order, sink, bf16, inverse RoPE
+    hh = tl.program_id(0) * HC + tl.arange(0, HC)
+    dd = tl.program_id(1) * BD + tl.arange(0, BD)
+    hm = hh < H
+    mx = tl.full([HC], NEG_INF, tl.float32)
+    for s in range(NSPLIT):
+        mx = tl.maximum(mx, tl.load(pm_ptr + s * H + hh, mask=hm, other=NEG_INF))
+    l = tl.zeros([HC], tl.float32)
+    acc = tl.zeros([HC, BD], tl.float32)
+    for s in range(NSPLIT):
+        w = tl.exp(tl.load(pm_ptr + s * H + hh, mask=hm, other=NEG_INF) - mx)
+        l += w * tl.load(pl_ptr + s * H + hh, mask=hm, other=0.0)
+        acc += w[:, None] * tl.load(pacc_ptr + (s * H + hh)[:, None] * DH + dd[None, :],
+                                    mask=hm[:, None], other=0.0)
+    sink = tl.load(sink_ptr + hh, mask=hm, other=0.0)
+    pair = tl.program_id(1) * (BD // 2) + tl.arange(0, BD // 2)[None, :]
+    o = _finish(acc, mx, l, sink, load_pos(pos_ptr).to(tl.float32), freqs_ptr, pair, HC, BD // 2,
+                NOPE)
+    tl.store(o_ptr + hh[:, None] * DH + dd[None, :], o.to(o_ptr.dtype.element_ty), mask=hm[:, None])
+
+
+def plan_attention(n_heads: int, head_dim: int, window: int, n_comp: int,
+                   config: AttnConfig | None = None) -> dict:
+    """Fixed launch geometry for a layer (host-only, from shapes): tile sizes, splits, grids."""
+    c = config or AttnConfig()
+    hb = max(16, min(c.hb, triton.next_power_of_2(n_heads)))
+    bn = max(16, min(c.bn, window))
+    while window % bn:
+        bn //= 2
+    if bn < 16:
+        raise ValueError(f"sparse attention: window {window} needs a tile of >= 16 dividing it "
+                         f"({HATCH})")
+    nblk = window // bn + triton.cdiv(n_comp, bn)
+    nhb = triton.cdiv(n_heads, hb)
+    nsplit = min(triton.cdiv(nblk * bn, c.rows_per_split), max(1, c.max_programs // nhb), nblk)
+    bps = triton.cdiv(nblk, nsplit)
+    nsplit = triton.cdiv(nblk, bps)
+    hc = min(c.hc, triton.next_power_of_2(n_heads))
+    bd = min(c.bd, head_dim)
+    return dict(hb=hb, bn=bn, bps=bps, nsplit=nsplit, grid=(nsplit, nhb), num_warps=c.num_warps,
+                hc=hc, bd=bd, combine_grid=(triton.cdiv(n_heads, hc), head_dim // bd))
+
+
+def sparse_attention_decode(q: torch.Tensor, kv_cache: torch.Tensor, sink: torch.Tensor,
+                            pos: torch.Tensor, freqs: torch.Tensor, scale: float, n_heads: int,
+                            window: int, ratio: int, n_comp: int, idx: torch.Tensor | None = None,
+                            config: AttnConfig | None = None, out: torch.Tensor | None = None
+                            ) -> torch.Tensor:
+    """Attention of q [1, h*d] (prepped) over the window ring and the compressed entries of
+    kv_cache, with the sink, then inverse RoPE at pos: -> [1, h*d] bf16.
+
+    ratio 0: window only. ratio > 0: n_comp compressed entries, entry j valid iff
+    j < (pos+1)//ratio; idx None: entry j is row window + j (get_compress_topk_idxs); idx
+    [1, n_comp] int64 (the indexer's raw top-k, sorted by score): entry j is row window + idx[j]
+    (invalid if idx[j] is not visible either). Same math as sparse_attention + apply_rope(inverse).
+    Capture-safe, deterministic.
+    """
+    DH = kv_cache.shape[-1]
+    nope = DH - 2 * freqs.numel()
+    if q.numel() != n_heads * DH or q.dtype != torch.bfloat16 or kv_cache.dtype != torch.bfloat16:
+        raise ValueError(f"sparse_attention_decode: q {tuple(q.shape)} {q.dtype}, kv_cache "
+                         f"{tuple(kv_cache.shape)} {kv_cache.dtype}; expected bf16, q [1, h*d] "
+                         f"({HATCH})")
+    if idx is not None and idx.numel() != n_comp:
+        raise ValueError(f"sparse_attention_decode: idx {tuple(idx.shape)}; expected {n_comp} "
+                         f"entries")
+    mode = MODE_WINDOW if not ratio else (MODE_RATIO if idx is None else MODE_INDEXED)
+    pl = plan_attention(n_heads, DH, window, n_comp if ratio else 0, config)
+    out = torch.empty_like(q) if out is None else out
+    ns = pl["nsplit"]
+    f32 = dict(dtype=torch.float32, device=q.device)
+    pm = torch.empty(ns, n_heads, **f32) if ns > 1 else out
+    pls = torch.empty(ns, n_heads, **f32) if ns > 1 else out
+    pacc = torch.empty(ns, n_heads, DH, **f32) if ns > 1 else out
+    with on_device(q):
+        _attn_kernel[pl["grid"]](q, kv_cache, idx if idx is not None else pos, sink, freqs, pos,
+                                 out, pm, pls, pacc, scale, H=n_heads, DH=DH, W=window, R=ratio,
+                                 KC=n_comp if ratio else 0, MODE=mode, HB=pl["hb"], BN=pl["bn"],
+                                 BPS=pl["bps"], NSPLIT=ns, NOPE=nope, F32=interpreting(),
+                                 num_warps=pl["num_warps"])
+        if ns > 1:
+            _combine_kernel[pl["combine_grid"]](pm, pls, pacc, sink, freqs, pos, out, H=n_heads,
+                                                DH=DH, HC=pl["hc"], BD=pl["bd"], NSPLIT=ns,
+                                                NOPE=nope, num_warps=4)
+    return out
+
+
+# ---- plain-torch references (the code the kernels replace) -----------------------------------
+
+def attention_prep_reference(q, kv, kv_norm, kv_cache, pos, freqs, eps, n_heads, window):
+    """Attention._q_kv after its GEMVs + the ring write of Attention.decode (torch ops)."""
+    from ..mhc import rms_norm
+    from ..quant import fp8_quant_dequant
+    from ..rope import apply_rope, cos_sin
+    cs = cos_sin(pos, freqs)
+    q = q.unflatten(-1, (n_heads, -1))
+    q = q * torch.rsqrt(q.square().mean(-1, keepdim=True) + eps)
+    q = apply_rope(q, cs)
+    kv = apply_rope(rms_norm(kv, kv_norm, eps), cs)
+    nope = kv.shape[-1] - 2 * freqs.numel()
+    kv = torch.cat((fp8_quant_dequant(kv[:, :nope], 64), kv[:, nope:]), dim=-1)
+    kv_cache.index_copy_(0, pos % window, kv)
+    return q.flatten(1)
+
+
+def sparse_attention_decode_reference(q, kv_cache, sink, pos, freqs, scale, n_heads, window, ratio,
+                                      n_comp, idx=None):
+    """Attention.decode's index construction + sparse_attention + inverse RoPE (torch ops)."""
+    from ..attention import sparse_attention
+    from ..rope import apply_rope, cos_sin
+    dev = q.device
+    slots = torch.arange(window, device=dev)
+    full = torch.where(slots <= pos, slots, -1).unsqueeze(0)
+    if ratio:
+        vis = (pos + 1) // ratio                      # as Attention.decode / Indexer.decode
+        t = torch.arange(n_comp, device=dev) if idx is None else idx.reshape(-1)
+        full = torch.cat((full, torch.where(t < vis, t + window, -1).unsqueeze(0)), -1)
+    o = sparse_attention(q.unflatten(-1, (n_heads, -1)), kv_cache, full, sink, scale)
+    return apply_rope(o, cos_sin(pos, freqs), inverse=True).flatten(1)

@@ -1,0 +1,112 @@
+"""Fused lightning-indexer kernels for one decode token: query prep (RoPE + Hadamard + FP4
+fake-quant, 1 launch) and scores over the fixed-capacity cache (1 launch; torch.topk after).
+q [1, h*di] bf16, w [1, h] bf16, index_cache [n, di] bf16. Test: tests/dsv4/test_kernels_attention.py.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import interpreting, on_device, round_bf16
+from .compressor_decode import (NEG_INF, dot_bf16, fp4_fake_quant_rows, from_pairs, load_pos,
+                                rope_cos_sin, rope_pairs, sylvester, to_pairs)
+
+BT = 64     # cache entries per program of the score kernel
+HATCH = "DSV4_KERNELS=0 runs the torch path"
+
+
+@triton.jit
+def _query_kernel(q_ptr, qo_ptr, freqs_ptr, pos_ptr, H: tl.constexpr, DI: tl.constexpr,
+                  HQ: tl.constexpr, NOPE: tl.constexpr, F32: tl.constexpr):
+    # HQ heads per program: RoPE (bf16) -> normalized Sylvester Hadamard (bf16) -> FP4 fake-quant
+    hh = tl.program_id(0) * HQ + tl.arange(0, HQ)
+    hm = (hh < H)[:, None]
+    d = tl.arange(0, DI)
+    off = hh[:, None] * DI + d[None, :]
+    q = tl.load(q_ptr + off, mask=hm, other=0.0).to(tl.float32)
+    P: tl.constexpr = DI // 2
+    pair = tl.arange(0, P)[None, :]
+    cos, sin = rope_cos_sin(load_pos(pos_ptr).to(tl.float32), freqs_ptr, pair, NOPE // 2)
+    a, b = to_pairs(q, HQ, P)
+    a, b = rope_pairs(a, b, cos, sin, pair >= NOPE // 2, False)
+    h = sylvester(d[:, None], d[None, :])                              # [DI, DI] +-1, symmetric
+    y = round_bf16(dot_bf16(from_pairs(a, b, HQ, P), h, F32) * (DI ** -0.5))
+    tl.store(qo_ptr + off, fp4_fake_quant_rows(y, HQ, DI).to(qo_ptr.dtype.element_ty), mask=hm)
+
+
+@triton.jit
+def _scores_kernel(q_ptr, w_ptr, k_ptr, pos_ptr, out_ptr, wscale, N, H: tl.constexpr,
+                   HP: tl.constexpr, DI: tl.constexpr, BT: tl.constexpr, F32: tl.constexpr):
+    # entries [t0, t0+BT): sum_h relu(q_h . k_t) * w_h with bf16 rounding after each torch op;
+    # -inf for t >= (pos+1)//4 (blocks wholly past it load nothing)
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    vis = (load_pos(pos_ptr) + 1) // 4
+    s = tl.full([BT], NEG_INF, tl.float32)
+    if tl.program_id(0) * BT < vis:
+        hh = tl.arange(0, HP)
+        d = tl.arange(0, DI)
+        q = tl.load(q_ptr + hh[:, None] * DI + d[None, :], mask=(hh < H)[:, None], other=0.0)
+        w = round_bf16(tl.load(w_ptr + hh, mask=hh < H, other=0.0).to(tl.float32) * wscale)
+        k = tl.load(k_ptr + t[:, None] * DI + d[None, :], mask=(t < vis)[:, None], other=0.0)
+        sc = round_bf16(dot_bf16(q, tl.trans(k), F32))                      # [HP, BT]
+        sc = round_bf16(tl.maximum(sc, 0.0) * w[:, None])
+        s = tl.where(t < vis, round_bf16(tl.sum(sc, axis=0)), NEG_INF)
+    tl.store(out_ptr + t, s.to(out_ptr.dtype.element_ty), mask=t < N)
+
+
+def index_query(q: torch.Tensor, pos: torch.Tensor, freqs: torch.Tensor, n_heads: int,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """q [1, h*di] bf16 (indexer.wq_b output) -> RoPE(pos), Hadamard, FP4 fake-quant: [1, h*di]
+    bf16 (Indexer._query's q). One launch. Capture-safe, deterministic."""
+    DI = q.shape[-1] // n_heads
+    nope = DI - 2 * freqs.numel()
+    if q.numel() != n_heads * DI or DI & (DI - 1) or DI < 32 or q.dtype != torch.bfloat16:
+        raise ValueError(f"index_query: q {tuple(q.shape)} {q.dtype}, {n_heads} heads; expected "
+                         f"bf16 [1, h*di] with di a power of two >= 32 ({HATCH})")
+    hq = 16
+    out = torch.empty_like(q) if out is None else out
+    with on_device(q):
+        _query_kernel[(triton.cdiv(n_heads, hq),)](q, out, freqs, pos, H=n_heads, DI=DI, HQ=hq,
+                                                   NOPE=nope, F32=interpreting(), num_warps=4)
+    return out
+
+
+def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, pos: torch.Tensor,
+                 wscale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Index scores [1, n] bf16 of the prepped q [1, h*di] against keys [n, di] (the index cache
+    without its scratch row) with head weights w [1, h] * wscale; -inf for entries not yet visible
+    (t >= (pos+1)//4). As Indexer._scores + the decode mask. Capture-safe, deterministic."""
+    n, DI = keys.shape
+    H = w.numel()
+    if q.numel() != H * DI or keys.dtype != torch.bfloat16:
+        raise ValueError(f"index_scores: q {tuple(q.shape)}, w {tuple(w.shape)}, keys "
+                         f"{tuple(keys.shape)} {keys.dtype}; expected q [1, h*di], bf16 keys "
+                         f"({HATCH})")
+    if out is None:
+        out = torch.empty(1, n, dtype=torch.bfloat16, device=q.device)
+    with on_device(q):
+        _scores_kernel[(triton.cdiv(n, BT),)](q, w, keys, pos, out, wscale, n, H=H,
+                                              HP=max(16, triton.next_power_of_2(H)), DI=DI, BT=BT,
+                                              F32=interpreting(), num_warps=4)
+    return out
+
+
+# ---- plain-torch references (the code the kernels replace) -----------------------------------
+
+def index_query_reference(q, pos, freqs, n_heads):
+    """Indexer._query's q after the GEMV (torch ops)."""
+    from ..quant import fp4_quant_dequant, hadamard, hadamard_matrix
+    from ..rope import apply_rope, cos_sin
+    q = apply_rope(q.unflatten(-1, (n_heads, -1)), cos_sin(pos, freqs))
+    h = hadamard_matrix(q.shape[-1], q.device)
+    return fp4_quant_dequant(hadamard(q, h), 32).flatten(1)
+
+
+def index_scores_reference(q, w, keys, pos, wscale):
+    """Indexer.decode's scores: Indexer._scores + the visibility mask (torch ops)."""
+    from ..indexer import Indexer
+    H = w.numel()
+    sc = Indexer._scores(q.unflatten(-1, (H, -1)), w * wscale, keys)
+    cols = torch.arange(keys.shape[0], device=q.device)
+    return sc.masked_fill(cols >= (pos + 1) // 4, float("-inf"))
