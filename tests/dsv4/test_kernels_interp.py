@@ -193,3 +193,38 @@ def test_fp4_experts_down(cfg):
     assert not y.isnan().any()
     assert (y - ref).abs().le(2 ** -7 * scale + 1e-30).all()
     assert (y == ref).float().mean() >= 0.8
+
+
+# ---- the dispatch points' kernel paths (called directly: dispatch itself needs CUDA) -------------
+
+def test_moe_and_linear_kernel_paths_match_the_torch_path(monkeypatch):
+    from dsv4.device_weights import DeviceWeights
+    from dsv4.kernels import bf16_linear as bl, fp4_experts as fe, fp8_linear as fl
+    from dsv4.moe import MoE
+    from dsv4.presets import get_preset
+    from test_kernels import SEED
+    for mod, name in ((fe, "up_config"), (fe, "down_config"), (fl, "fp8_config"),
+                      (bl, "bf16_config")):   # few programs: the interpreter pays per program
+        monkeypatch.setattr(mod, name, lambda *a, **k: Config(64, 1))
+    cfg = get_preset("tiny")
+    layer = cfg.n_hash_layers                                   # a scored (non-hash) layer
+    moe = MoE(cfg, layer, "fp8", cfg.expert_format, "cpu")
+    src = DeviceWeights(cfg, seed=SEED)
+    for name, t in moe.tensors(f"layers.{layer}.ffn").items():
+        src.load_into(name, t)
+    x = torch.randn(1, cfg.dim, generator=GEN).to(torch.bfloat16)
+    ids = torch.tensor([7])
+    ref = moe.decode(x, ids)                                    # CPU: the torch loop
+    w, idx = moe.route(x, ids)
+    idx, order = idx[0].sort()
+    got = moe._decode_kernels(x, idx, w[0].index_select(0, order))
+    assert got.dtype == ref.dtype == torch.bfloat16 and not got.isnan().any()
+    rel = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
+    assert rel < 1e-2 and (got == ref).float().mean() >= 0.8, (rel, SEED)
+    lin = moe.shared["w2"]
+    a = torch.randn(1, lin.in_features, generator=GEN).to(torch.bfloat16)
+    assert_close_bf16(lin._kernel(a, torch.bfloat16), lin(a, torch.bfloat16), a, lin.weight,
+                      lin.scale, True)
+    g = moe.gate._kernel(x, torch.float32)
+    assert torch.allclose(g, moe.gate(x, torch.float32), rtol=1e-5, atol=1e-6)
+    assert moe.gate._kernel(x.float(), torch.float32) is None   # float32 mode stays on torch
