@@ -241,15 +241,23 @@ def time_steps(step, n: int, devices) -> list[float]:
     return [a.elapsed_time(b) for a, b in evs]
 
 
-def count_kernels(step, devices) -> int:
-    """CUDA kernels launched by one step() (memcpy/memset excluded), from torch.profiler."""
+def count_kernels(step, devices, top: dict | None = None) -> int:
+    """CUDA kernels launched by one step() (memcpy/memset excluded), from torch.profiler; with
+    `top`, also fills it with kernel name -> [launches, device µs] of that step."""
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     _sync(devices)
     with torch.profiler.profile(activities=acts) as prof:
         step()
         _sync(devices)
-    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
-               and not e.name.startswith(NOT_KERNELS))
+    n = 0
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith(NOT_KERNELS):
+            n += 1
+            if top is not None:
+                t = top.setdefault(e.name[:60], [0, 0.0])
+                t[0] += 1
+                t[1] += getattr(e, "device_time", 0.0) or getattr(e, "cuda_time", 0.0)
+    return n
 
 
 def _stats(ms: list[float]) -> dict:
@@ -276,7 +284,8 @@ def measure(model: Transformer, mode: str, granularity: str, context: int, steps
         at_context()    # the capture's warm-up below writes out_ids[pos + 1]: stay in range
         segs = build_segments(model, bufs, SamplingParams())
         he = CUDAGraphDecoder([s for s in segs if not s.name.startswith("layer")],
-                              inputs={"token": bufs.token, "pos": bufs.pos}, outputs={"logits": bufs.logits}, mode=mode, granularity=granularity)
+                              inputs={"token": bufs.token, "pos": bufs.pos},
+                              outputs={"logits": bufs.logits}, mode=mode, granularity=granularity)
         he.allocate()
         if mode == "graph":
             he.capture()
@@ -289,7 +298,12 @@ def measure(model: Transformer, mode: str, granularity: str, context: int, steps
         res["kernels_per_step"] = res["kernels_head_embed"] = res["kernels_per_layer"] = None
         if kernels and model.head_device.type == "cuda":
             at_context()
-            total = count_kernels(dec.step, devices)
+            top: dict = {}
+            total = count_kernels(dec.step, devices, top)
+            res["top_kernels"] = sorted(([k, n, round(us, 1)] for k, (n, us) in top.items()),
+                                        key=lambda r: -r[2])[:20]
+            for k, n, us in res["top_kernels"][:12]:
+                _log(f"{mode}/{granularity}: {us:9.1f} us {n:5d}x {k}")
             at_context()
             res["kernels_head_embed"] = count_kernels(he.step, devices)
             res["kernels_per_step"] = total

@@ -118,6 +118,10 @@ class Transformer:
         else:
             x = hc_head(h, *hc, cfg.norm_eps, cfg.hc_eps)
             x = rms_norm(x, self.norm, cfg.norm_eps)[0].to(torch.float32)      # [D]
+        from . import kernels
+        if kernels.available(x.device):     # one float32-accumulating GEMV over the bf16 head
+            from .kernels.bf16_linear import bf16_linear
+            return bf16_linear(x[None], self.head, out_dtype=torch.float32)[0]
         return torch.cat([self.head[i:i + HEAD_CHUNK].to(torch.float32) @ x
                           for i in range(0, cfg.vocab_size, HEAD_CHUNK)])
 
