@@ -71,8 +71,8 @@ class Indexer:
                raw: bool = False) -> torch.Tensor:
         """One query at `pos` -> [1, min(k, n)] indices over the whole fixed-size cache. Capture-safe.
         fused (default: bf16, one token, dsv4.kernels.available): Triton query prep and scores
-        (cs unused), torch.topk. raw: the top-k entry numbers themselves (sorted by score; valid
-        iff < (pos+1)//4), without the offset and the -1 mask (the fused attention takes those)."""
+        (cs unused), torch.topk. raw: the top-k entry numbers themselves (unsorted; valid iff
+        < (pos+1)//4), without the offset and the -1 mask (the fused attention takes those)."""
         act = x.dtype
         if fused is None:
             fused = act == torch.bfloat16 and x.shape[0] == 1 and kernels.available(x.device)
@@ -92,7 +92,7 @@ class Indexer:
             cols = torch.arange(keys.shape[0], device=x.device)
             sc = sc.masked_fill(cols >= visible, float("-inf"))
         k = min(self.cfg.index_topk, keys.shape[0])
-        idx = sc.topk(k, dim=-1).indices
+        idx = sc.topk(k, dim=-1, sorted=False).indices   # the set matters, not the order
         if raw:
             return idx
         if visible is None:

@@ -51,7 +51,7 @@ class MoE:
         if self.hash:
             idx = self.tid2eid.index_select(0, ids)
         else:  # the bias only steers selection; weights use the raw scores
-            idx = (scores + self.bias).topk(cfg.n_activated_experts, dim=-1).indices
+            idx = (scores + self.bias).topk(cfg.n_activated_experts, dim=-1, sorted=False).indices
         w = scores.gather(1, idx)
         if cfg.score_func != "softmax":
             w = w / w.sum(dim=-1, keepdim=True)

@@ -150,7 +150,10 @@ def _attn_kernel(q_ptr, kv_ptr, idx_ptr, sink_ptr, freqs_ptr, pos_ptr, o_ptr, pm
     pos = load_pos(pos_ptr)
     q = tl.load(q_ptr + hh[:, None] * DH + d[None, :], mask=(hh < H)[:, None], other=0.0)
     nw = tl.minimum(pos + 1, W)                                  # valid ring slots: 0 .. nw-1
-    if R > 0:
+    if MODE == 2:   # the indexer's top-k comes unsorted: any of the KC entries may be valid
+        vis = (pos + 1) // R
+        nc = KC
+    elif R > 0:
         vis = (pos + 1) // R                                     # visible compressed entries
         nc = tl.minimum(vis, KC)
     else:
@@ -170,7 +173,7 @@ def _attn_kernel(q_ptr, kv_ptr, idx_ptr, sink_ptr, freqs_ptr, pos_ptr, o_ptr, pm
             j = (blk - NWB) * BN + e
             if MODE == 2:
                 t = tl.load(idx_ptr + j, mask=(~win) & (j < KC), other=-1).to(tl.int32)
-                cvalid = (j < nc) & (t >= 0) & (t < vis)
+                cvalid = (j < KC) & (t >= 0) & (t < vis)
             else:
                 t = j
                 cvalid = j < nc
@@ -257,7 +260,7 @@ def sparse_attention_decode(q: torch.Tensor, kv_cache: torch.Tensor, sink: torch
 
     ratio 0: window only. ratio > 0: n_comp compressed entries, entry j valid iff
     j < (pos+1)//ratio; idx None: entry j is row window + j (get_compress_topk_idxs); idx
-    [1, n_comp] int64 (the indexer's raw top-k, sorted by score): entry j is row window + idx[j]
+    [1, n_comp] int64 (the indexer's raw top-k, in any order): entry j is row window + idx[j]
     (invalid if idx[j] is not visible either). Same math as sparse_attention + apply_rope(inverse).
     Capture-safe, deterministic.
     """

@@ -30,30 +30,33 @@ def _mix_partial_kernel(h_ptr, fn_ptr, part_ptr, K: tl.constexpr, M: tl.constexp
 
 
 @triton.jit
-def _reduce(part_ptr, idx, NCH: tl.constexpr, MP: tl.constexpr):
-    """Sum the per-chunk partials of the mixes at `idx` (any shape), fixed order."""
-    acc = tl.zeros(idx.shape, tl.float32)
-    for c in range(NCH):
-        acc += tl.load(part_ptr + c * (MP + 1) + idx)
-    return acc
+def _reduce(part_ptr, idx, NCH: tl.constexpr, NCHP: tl.constexpr, MP: tl.constexpr):
+    """Sum the per-chunk partials of the mixes at `idx` ([n] int32): one 2-D load, fixed order."""
+    c = tl.arange(0, NCHP)
+    v = tl.load(part_ptr + c[:, None] * (MP + 1) + idx[None, :], mask=(c < NCH)[:, None], other=0.0)
+    return tl.sum(v, axis=0)
 
 
 @triton.jit
 def _pre_finish_kernel(h_ptr, part_ptr, scale_ptr, base_ptr, normw_ptr, x_ptr, post_ptr, comb_ptr,
-                       D: tl.constexpr, C: tl.constexpr, NCH: tl.constexpr, MP: tl.constexpr,
+                       D: tl.constexpr, C: tl.constexpr, NCH: tl.constexpr, NCHP: tl.constexpr,
+                       MP: tl.constexpr,
                        BD: tl.constexpr, ITERS: tl.constexpr, norm_eps, hc_eps,
                        HEAD: tl.constexpr, ROUND: tl.constexpr):
     # one program: mixes -> (pre, post, comb) -> x = sum_k pre_k h_k -> RMSNorm(x) * w
-    rho = tl.rsqrt(_reduce(part_ptr, tl.full([1], MP, tl.int32), NCH, MP) / (C * D) + norm_eps)
+    rho = tl.rsqrt(_reduce(part_ptr, tl.full([1], MP, tl.int32), NCH, NCHP, MP) / (C * D)
+                   + norm_eps)
     kc = tl.arange(0, C)
     s0 = tl.load(scale_ptr)
-    pre = tl.sigmoid(_reduce(part_ptr, kc, NCH, MP) * rho * s0 + tl.load(base_ptr + kc)) + hc_eps
+    pre = tl.sigmoid(_reduce(part_ptr, kc, NCH, NCHP, MP) * rho * s0 + tl.load(base_ptr + kc)) + hc_eps
     if not HEAD:
-        post = 2.0 * tl.sigmoid(_reduce(part_ptr, C + kc, NCH, MP) * rho * tl.load(scale_ptr + 1)
-                                + tl.load(base_ptr + C + kc))
+        post = 2.0 * tl.sigmoid(_reduce(part_ptr, C + kc, NCH, NCHP, MP) * rho
+                                * tl.load(scale_ptr + 1) + tl.load(base_ptr + C + kc))
         tl.store(post_ptr + kc, post)
         ij = 2 * C + kc[:, None] * C + kc[None, :]                      # row-major [C, C]
-        cm = _reduce(part_ptr, ij, NCH, MP) * rho * tl.load(scale_ptr + 2) + tl.load(base_ptr + ij)
+        flat = 2 * C + tl.arange(0, C * C)
+        cm = tl.reshape(_reduce(part_ptr, flat, NCH, NCHP, MP), (C, C))
+        cm = cm * rho * tl.load(scale_ptr + 2) + tl.load(base_ptr + ij)
         cm = tl.exp(cm - tl.max(cm, axis=1)[:, None])
         cm = cm / tl.sum(cm, axis=1)[:, None] + hc_eps
         cm = cm / (tl.sum(cm, axis=0)[None, :] + hc_eps)
@@ -110,7 +113,8 @@ def hc_pre_norm(h, fn, scale, base, norm_w, norm_eps, hc_eps, iters):
     x = torch.empty(1, D, dtype=h.dtype, device=h.device)
     post = torch.empty(1, C, dtype=torch.float32, device=h.device)
     comb = torch.empty(1, C, C, dtype=torch.float32, device=h.device)
-    _pre_finish_kernel[(1,)](h2, part, scale, base, norm_w, x, post, comb, D=D, C=C, NCH=nch, MP=MP,
+    _pre_finish_kernel[(1,)](h2, part, scale, base, norm_w, x, post, comb, D=D, C=C, NCH=nch,
+                             NCHP=triton.next_power_of_2(nch), MP=MP,
                              BD=triton.next_power_of_2(D), ITERS=iters, norm_eps=norm_eps,
                              hc_eps=hc_eps, HEAD=False, ROUND=h.dtype == torch.bfloat16,
                              num_warps=8)
@@ -123,7 +127,8 @@ def hc_head_norm(h, fn, scale, base, norm_w, norm_eps, hc_eps):
     h2 = h.reshape(C, D).contiguous()
     part, nch, MP = _mix(h2, fn)
     x = torch.empty(1, D, dtype=h.dtype, device=h.device)
-    _pre_finish_kernel[(1,)](h2, part, scale, base, norm_w, x, x, x, D=D, C=C, NCH=nch, MP=MP,
+    _pre_finish_kernel[(1,)](h2, part, scale, base, norm_w, x, x, x, D=D, C=C, NCH=nch,
+                             NCHP=triton.next_power_of_2(nch), MP=MP,
                              BD=triton.next_power_of_2(D), ITERS=1, norm_eps=norm_eps,
                              hc_eps=hc_eps, HEAD=True, ROUND=h.dtype == torch.bfloat16,
                              num_warps=8)
