@@ -110,13 +110,14 @@ def test_available_needs_cuda_and_the_switch(monkeypatch):
 def test_configs_fit_the_real_shapes():
     from dsv4.kernels.bf16_linear import bf16_config
     from dsv4.kernels.fp4_experts import down_config, up_config
-    from dsv4.kernels.fp8_linear import fp8_config
+    from dsv4.kernels.fp8_linear import TUNED, fp8_config
     for n, k in [(1024, 4096), (512, 4096), (32768, 1024), (4096, 8192), (2048, 4096),
                  (4096, 2048), (1536, 7168), (512, 7168), (65536, 1536), (7168, 16384), (128, 128)]:
         for dual in (False, True):
             c = fp8_config(n, k, n, dual)
             assert 128 % c.bn == 0 and 1 <= c.nb <= 32, (n, k, c)
-            assert n // c.bn >= min(512, n), (n, k, c)
+            if (n, k, n, dual) not in TUNED:    # measured configs may use fewer programs
+                assert n // c.bn >= min(512, n), (n, k, c)
     c = fp8_config(8192, 4096, 1024)                       # grouped wo_a, G = 8
     assert 1024 % c.bn == 0
     for n, k in [(129280, 4096), (256, 4096), (64, 4096), (100, 384)]:
