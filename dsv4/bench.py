@@ -19,7 +19,7 @@ import torch
 from graphs import CUDAGraphDecoder
 
 from .device_weights import DeviceWeights
-from .errors import DeviceError, InputError, UserInputError
+from .errors import DeviceError, InputError, exit_code
 from .generate import Session, resolve_devices
 from .model import DTYPES, RuntimeConfig, Transformer, balanced_placement
 from .presets import PRESETS, get_preset
@@ -501,15 +501,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    try:
-        args = build_parser().parse_args(argv)
-        rep = run(args, command="python scripts/bench.py " + shlex.join(argv))
-    except UserInputError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    return exit_code(lambda: _main(argv))
+
+
+def _main(argv) -> int:
+    args = build_parser().parse_args(argv)
+    rep = run(args, command="python scripts/bench.py " + shlex.join(argv))
     table = format_table(rep)
     if args.json == "-":
         print(table, file=sys.stderr)

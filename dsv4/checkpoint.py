@@ -375,6 +375,20 @@ def _names(items: list[str]) -> str:
 
 # ---- loading ---------------------------------------------------------------------------------
 
+def load_with_progress(source, items, desc: str, progress: bool | None) -> None:
+    """`source.load_into(name, dst)` for each (name, dst), with a progress bar over the stored
+    bytes (`source.nbytes([name])`) on stderr; progress None shows it only above
+    PROGRESS_MIN_BYTES. Shared by Checkpoint and DeviceWeights."""
+    items = list(items)
+    sizes = [source.nbytes([n]) for n, _ in items]
+    show = progress if progress is not None else sum(sizes) > PROGRESS_MIN_BYTES
+    with tqdm(total=sum(sizes), desc=desc, unit="B", unit_scale=True, unit_divisor=1024,
+              file=sys.stderr, disable=not show) as bar:
+        for (name, dst), n in zip(items, sizes):
+            source.load_into(name, dst)
+            bar.update(n)
+
+
 class Checkpoint:
     """A validated checkpoint; tensors are read lazily from memory-mapped shards, one at a time.
 
@@ -454,18 +468,8 @@ class Checkpoint:
         return dst
 
     def load_many(self, items, desc: str = "load", progress: bool | None = None) -> None:
-        """load_into for each (name, dst) with a byte progress bar on stderr.
-
-        progress None shows the bar only when the total exceeds PROGRESS_MIN_BYTES.
-        """
-        items = list(items)
-        total = self.nbytes(n for n, _ in items)
-        show = progress if progress is not None else total > PROGRESS_MIN_BYTES
-        with tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024,
-                  file=sys.stderr, disable=not show) as bar:
-            for name, dst in items:
-                self.load_into(name, dst)
-                bar.update(self._infos[name].nbytes)
+        """load_into for each (name, dst) with a byte progress bar on stderr."""
+        load_with_progress(self, items, desc, progress)
 
     # ---- lifetime ----------------------------------------------------------------------------
     def close(self) -> None:

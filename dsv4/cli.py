@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import InputError, UserInputError
+from .errors import InputError, exit_code
 
 DEMO_PROMPT = "Write one sentence about the sea."
 
@@ -231,18 +231,4 @@ def _summary(res, t, mem, mode, devices, sampling, prompt_ids, prof) -> None:
 
 
 def main(argv=None) -> int:
-    try:
-        args = build_parser().parse_args(argv)
-        return run(args)
-    except UserInputError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
-    except Exception as e:  # runtime failure: say what broke, exit 1
-        if os.environ.get("DSV4_TRACEBACK"):
-            raise
-        print(f"runtime error: {type(e).__name__}: {e} (set DSV4_TRACEBACK=1 for the traceback)",
-              file=sys.stderr)
-        return 1
+    return exit_code(lambda: run(build_parser().parse_args(argv)))

@@ -6,14 +6,12 @@ Values depend only on (seed, name) and the device's generator: on the CPU they e
 """
 from __future__ import annotations
 
-import sys
 from collections import OrderedDict
 
 import torch
-from tqdm import tqdm
 
-from .checkpoint import (EXACT_CASTS, ITEMSIZE, PROGRESS_MIN_BYTES, TORCH_DTYPES,
-                         expected_tensor_table)
+from .checkpoint import (EXACT_CASTS, ITEMSIZE, TORCH_DTYPES, expected_tensor_table,
+                         load_with_progress)
 from .config import ModelConfig
 from .errors import TensorMismatchError
 from .formats import FP8_BLOCK, quantize_fp4_weight, quantize_fp8_weight
@@ -138,16 +136,8 @@ class DeviceWeights:
                                                 device=torch.device(device)))
 
     def load_many(self, items, desc: str = "generate", progress: bool | None = None) -> None:
-        """load_into for each (name, dst), with a progress bar over stored bytes on stderr
-        (shown when progress is True, or None and the total exceeds PROGRESS_MIN_BYTES)."""
-        items = list(items)
-        total = self.nbytes(n for n, _ in items)
-        show = progress if progress is not None else total > PROGRESS_MIN_BYTES
-        with tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024,
-                  file=sys.stderr, disable=not show) as bar:
-            for name, dst in items:
-                self.load_into(name, dst)
-                bar.update(_stored_bytes(self.table[name]))
+        """load_into for each (name, dst), with a progress bar over stored bytes on stderr."""
+        load_with_progress(self, items, desc, progress)
 
 
 def _stored_bytes(spec) -> int:

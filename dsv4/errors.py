@@ -41,3 +41,24 @@ class CapacityError(InputError):
 
 class DeviceError(UserInputError, RuntimeError):
     """A requested device or mode that is not available (e.g. --mode graph without CUDA)."""
+
+
+def exit_code(fn) -> int:
+    """Run a CLI body: 0 (or its return value) on success, 2 with one stderr line for a
+    UserInputError, 130 on Ctrl-C, 1 with the cause for anything else (DSV4_TRACEBACK=1 re-raises)."""
+    import os
+    import sys
+    try:
+        return fn() or 0
+    except UserInputError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:
+        if os.environ.get("DSV4_TRACEBACK"):
+            raise
+        print(f"runtime error: {type(e).__name__}: {e} (set DSV4_TRACEBACK=1 for the traceback)",
+              file=sys.stderr)
+        return 1
