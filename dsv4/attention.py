@@ -65,13 +65,22 @@ class Attention:
 
     def _out(self, o: torch.Tensor, cs) -> torch.Tensor:
         """o [s, h, d] -> inverse RoPE -> grouped wo_a (no act quant) -> wo_b -> [s, D]."""
-        cfg, act = self.cfg, o.dtype
-        o = apply_rope(o, cs, inverse=True)
-        G = cfg.o_groups
-        o = o.reshape(o.shape[0], G, -1)                                        # [s, g, h/g*d]
-        wo_a = self.wo_a.dense(act).view(G, cfg.o_lora_rank, -1)               # [g, R, h/g*d]
-        z = torch.einsum("sgd,grd->sgr", o, wo_a)
-        return self.wo_b(z.flatten(1), act)
+        return self._project_out(apply_rope(o, cs, inverse=True))
+
+    def _project_out(self, o: torch.Tensor) -> torch.Tensor:
+        """Grouped low-rank output projection of the de-rotated o ([s, h, d] or [s, h*d]): wo_a per
+        group on the unquantized activation (one Triton launch for a bf16 token), then wo_b."""
+        cfg, act, G = self.cfg, o.dtype, self.cfg.o_groups
+        o = o.reshape(o.shape[0], -1)                                           # [s, h*d]
+        if self.wo_a.fmt == "fp8" and act == torch.bfloat16 and o.shape[0] == 1 \
+                and kernels.available(o.device):
+            from .kernels.fp8_linear import fp8_linear
+            z = fp8_linear(o, self.wo_a.weight, self.wo_a.scale, quant_act=False,
+                           group_k=o.shape[-1] // G)
+        else:
+            wo_a = self.wo_a.dense(act).view(G, cfg.o_lora_rank, -1)           # [g, R, h/g*d]
+            z = torch.einsum("sgd,grd->sgr", o.view(o.shape[0], G, -1), wo_a).flatten(1)
+        return self.wo_b(z, act)
 
     # ---- prefill -----------------------------------------------------------------------------
     def prefill(self, x: torch.Tensor, st: LayerState) -> torch.Tensor:
@@ -146,16 +155,7 @@ class Attention:
             self.compressor.decode(x, pos, st.compressor, st.kv_cache[W:], self.freqs, fused=True)
         o = K.sparse_attention_decode(q, st.kv_cache, self.attn_sink, pos, self.freqs,
                                       cfg.head_dim ** -0.5, H, W, r, n, idx)  # inverse RoPE done
-        G = cfg.o_groups
-        if self.wo_a.fmt == "fp8" and o.device.type == "cuda":
-            from .kernels.fp8_linear import fp8_linear
-            z = fp8_linear(o, self.wo_a.weight, self.wo_a.scale, quant_act=False,
-                           group_k=o.shape[-1] // G)
-        else:
-            wo_a = self.wo_a.dense(act).view(G, cfg.o_lora_rank, -1)
-            z = torch.einsum("sgd,grd->sgr", o.view(1, G, -1), wo_a).flatten(1)
-        return self.wo_b(z, act)
-
+        return self._project_out(o)
 
 def sparse_attention(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor,
                      scale: float) -> torch.Tensor:
