@@ -148,3 +148,24 @@ class FakeNvtx:
             def pop_range(self):
                 fake.events.append((name, ")"))
         return Domain()
+
+
+def run(dec, n: int, forced=None, eager_every: int = 0):
+    """n steps of a decoder (optionally teacher-forced, or eager every k-th step) -> tokens, logits."""
+    tokens, logits = [], []
+    for t in range(n):
+        kw = {"token": forced[t]} if forced is not None else {}
+        out = dec.eager_step(**kw) if eager_every and t % eager_every == 0 else dec.step(**kw)
+        tokens.append(out["token"].clone())
+        logits.append(out["logits"].clone())  # a view: copy before the next step overwrites it
+    return torch.cat(tokens).cpu(), torch.cat(logits).cpu()
+
+
+def assert_graph_equals_eager(eager, graph, n: int) -> None:
+    """Graph replay gives the eager decoder's tokens and logits bit for bit; then close both."""
+    e_tok, e_log = run(eager, n)
+    g_tok, g_log = run(graph, n)
+    assert torch.equal(g_tok, e_tok)
+    assert torch.equal(g_log, e_log)
+    assert len(set(g_tok.tolist())) > 3
+    eager.close(), graph.close()

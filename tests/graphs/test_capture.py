@@ -5,7 +5,8 @@ import gc
 
 import pytest
 import torch
-from graphs_toy import START_TOKEN, FakeNvtx, ToyModel, reference
+from graphs_toy import (START_TOKEN, FakeNvtx, ToyModel, assert_graph_equals_eager, reference,
+                        run)
 
 from graphs import CaptureError, CUDAGraphDecoder, DebugPointerError, LifecycleError, Segment
 
@@ -22,16 +23,6 @@ def build(model: ToyModel, **kw) -> CUDAGraphDecoder:
     return dec
 
 
-def run(dec: CUDAGraphDecoder, n: int, forced=None, eager_every: int = 0):
-    tokens, logits = [], []
-    for t in range(n):
-        kw = {"token": forced[t]} if forced is not None else {}
-        out = dec.eager_step(**kw) if eager_every and t % eager_every == 0 else dec.step(**kw)
-        tokens.append(out["token"].clone())
-        logits.append(out["logits"].clone())  # a view: copy before the next step overwrites it
-    return torch.cat(tokens).cpu(), torch.cat(logits).cpu()
-
-
 @pytest.mark.parametrize("granularity", ["segment", "device"])
 def test_graph_replay_equals_eager_bitwise(granularity):
     dev = torch.device("cuda:0")
@@ -40,12 +31,7 @@ def test_graph_replay_equals_eager_bitwise(granularity):
                   granularity=granularity)
     assert eager.mode == "eager" and graph.mode == "graph"
     assert graph.n_graphs == (5 if granularity == "segment" else 1)
-    e_tok, e_log = run(eager, N_STEPS)
-    g_tok, g_log = run(graph, N_STEPS)
-    assert torch.equal(g_tok, e_tok)
-    assert torch.equal(g_log, e_log)
-    assert len(set(g_tok.tolist())) > 3
-    eager.close(), graph.close()
+    assert_graph_equals_eager(eager, graph, N_STEPS)
 
 
 def test_graph_matches_cpu_reference_within_tolerance():

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from graphs_toy import START_TOKEN, ToyModel, reference
+from graphs_toy import START_TOKEN, ToyModel, assert_graph_equals_eager, reference, run
 
 from graphs import CUDAGraphDecoder
 
@@ -23,15 +23,6 @@ def build(model: ToyModel, **kw) -> CUDAGraphDecoder:
     return dec
 
 
-def run(dec: CUDAGraphDecoder, n: int, forced=None):
-    tokens, logits = [], []
-    for t in range(n):
-        out = dec.step(token=forced[t]) if forced is not None else dec.step()
-        tokens.append(out["token"].clone())
-        logits.append(out["logits"].clone())
-    return torch.cat(tokens).cpu(), torch.cat(logits).cpu()
-
-
 @pytest.mark.parametrize("granularity", ["segment", "device"])
 def test_split_graph_equals_eager(granularity):
     d0, d1 = torch.device("cuda:0"), torch.device("cuda:1")
@@ -46,12 +37,7 @@ def test_split_graph_equals_eager(granularity):
     assert graph.n_graphs == (6 if granularity == "segment" else 3)
     assert set(graph.capture_seconds) == {"cuda:0", "cuda:1"}
     assert all(s > 0 for s in graph.capture_seconds.values())
-    e_tok, e_log = run(eager, N_STEPS)
-    g_tok, g_log = run(graph, N_STEPS)
-    assert torch.equal(g_tok, e_tok)
-    assert torch.equal(g_log, e_log)
-    assert len(set(g_tok.tolist())) > 3
-    eager.close(), graph.close()
+    assert_graph_equals_eager(eager, graph, N_STEPS)
 
 
 def test_split_graph_matches_cpu_reference():
