@@ -144,18 +144,46 @@ class Attention:
         from .kernels import attention_decode as K
         cfg, act, H = self.cfg, x.dtype, self.cfg.n_heads
         W, r, eps = cfg.window_size, self.ratio, cfg.norm_eps
-        qr = K.rms_norm_row(self.wq_a(x, act), self.q_norm, eps)
-        q = K.attention_prep(self.wq_b(qr, act), self.wkv(x, act), self.kv_norm, st.kv_cache, pos,
+        qr, kv = self._q_kv_rows(x)
+        qr = K.rms_norm_row(qr, self.q_norm, eps)
+        q = K.attention_prep(self.wq_b(qr, act), kv, self.kv_norm, st.kv_cache, pos,
                              self.freqs, eps, H, W)                     # also kv -> ring slot
+        proj = self._side_projections(x) if r else None
         idx, n = None, (st.kv_cache.shape[0] - W - 1 if r else 0)      # compressed entries
         if r == 4:
-            idx = self.indexer.decode(x, qr, None, pos, st, self.freqs, W, fused=True, raw=True)
+            idx = self.indexer.decode(x, qr, None, pos, st, self.freqs, W, fused=True, raw=True,
+                                      proj=proj[2:])
             n = idx.shape[-1]
         if r:
-            self.compressor.decode(x, pos, st.compressor, st.kv_cache[W:], self.freqs, fused=True)
+            self.compressor.decode(x, pos, st.compressor, st.kv_cache[W:], self.freqs, fused=True,
+                                   proj=proj[:2])
         o = K.sparse_attention_decode(q, st.kv_cache, self.attn_sink, pos, self.freqs,
                                       cfg.head_dim ** -0.5, H, W, r, n, idx)  # inverse RoPE done
         return self._project_out(o)
+
+    def _q_kv_rows(self, x: torch.Tensor):
+        """wq_a(x), wkv(x) of one bf16 row: one FP8 launch when both are FP8 on CUDA, else two."""
+        if self.wq_a.fmt == "fp8" and self.wkv.fmt == "fp8" and x.is_cuda:
+            from .kernels.fp8_linear import fp8_linear2
+            return fp8_linear2(x, self.wq_a.weight, self.wq_a.scale, self.wkv.weight,
+                               self.wkv.scale)
+        return self.wq_a(x, x.dtype), self.wkv(x, x.dtype)
+
+    def _side_projections(self, x: torch.Tensor) -> list:
+        """The bf16 projections of x besides attention's own, in one launch: compressor wkv, wgate
+        (float32), then for ratio 4 the indexer compressor's wkv, wgate (float32) and the indexer
+        weights_proj (activation dtype)."""
+        from .kernels.bf16_linear import bf16_linear_multi
+        c = self.compressor
+        lins, dts = [c.wkv, c.wgate], [torch.float32, torch.float32]
+        if self.indexer is not None:
+            ic = self.indexer.compressor
+            lins += [ic.wkv, ic.wgate, self.indexer.weights_proj]
+            dts += [torch.float32, torch.float32, x.dtype]
+        if not x.is_cuda:   # the interpreter tests of the fused path: torch linears
+            return [lin(x, dt) for lin, dt in zip(lins, dts)]
+        return bf16_linear_multi(x, [lin.weight for lin in lins], dts)
+
 
 def sparse_attention(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor,
                      scale: float) -> torch.Tensor:

@@ -79,13 +79,14 @@ class Compressor:
         return entries
 
     def decode(self, x: torch.Tensor, pos: torch.Tensor, st: CompressorState, cache: torch.Tensor,
-               freqs: torch.Tensor, fused: bool | None = None) -> None:
+               freqs: torch.Tensor, fused: bool | None = None, proj: list | None = None) -> None:
         """One token at `pos` ([1] int64): update state; when (pos+1) % r == 0 write entry pos//r,
         else write the same computation to the scratch row (cache[-1]). Capture-safe.
         fused (default: bf16, one token, dsv4.kernels.available): one Triton launch after the
-        projections (dsv4/kernels/compressor_decode.py); it leaves the scratch row alone."""
+        projections (dsv4/kernels/compressor_decode.py); it leaves the scratch row alone.
+        proj: (wkv(x), wgate(x)) float32 when the caller computed them already."""
         r, dc = self.ratio, self.dc
-        kv, sc = self._project(x)                                    # [1, c*dc]
+        kv, sc = self._project(x) if proj is None else proj             # [1, c*dc]
         if fused is None:
             fused = x.dtype == torch.bfloat16 and x.shape[0] == 1 and kernels.available(x.device)
         if fused:

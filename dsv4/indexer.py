@@ -68,11 +68,12 @@ class Indexer:
         return torch.cat(out, dim=0)
 
     def decode(self, x, qr, cs, pos, st: LayerState, freqs, offset: int, fused: bool | None = None,
-               raw: bool = False) -> torch.Tensor:
+               raw: bool = False, proj: list | None = None) -> torch.Tensor:
         """One query at `pos` -> [1, min(k, n)] indices over the whole fixed-size cache. Capture-safe.
         fused (default: bf16, one token, dsv4.kernels.available): Triton query prep and scores
         (cs unused), torch.topk. raw: the top-k entry numbers themselves (unsorted; valid iff
-        < (pos+1)//4), without the offset and the -1 mask (the fused attention takes those)."""
+        < (pos+1)//4), without the offset and the -1 mask (the fused attention takes those).
+        proj (fused): [compressor wkv(x), wgate(x), weights_proj(x)] computed by the caller."""
         act = x.dtype
         if fused is None:
             fused = act == torch.bfloat16 and x.shape[0] == 1 and kernels.available(x.device)
@@ -81,8 +82,9 @@ class Indexer:
         if fused:
             from .kernels.indexer_decode import index_query, index_scores
             q = index_query(self.wq_b(qr, act), pos, freqs, self.n_heads)
-            w = self.weights_proj(x, act)
-            self.compressor.decode(x, pos, st.index_compressor, st.index_cache, freqs, fused=True)
+            w = self.weights_proj(x, act) if proj is None else proj[2]
+            self.compressor.decode(x, pos, st.index_compressor, st.index_cache, freqs, fused=True,
+                                   proj=None if proj is None else proj[:2])
             sc = index_scores(q, w, keys, pos, self.head_dim ** -0.5 * self.n_heads ** -0.5)
         else:
             q, w = self._query(x, qr, cs, act)

@@ -87,20 +87,30 @@ class MoE:
 
     def decode(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """One token: x [1, D], ids [1] -> [1, D]. Fixed shapes, no host sync (capture-safe)."""
+        if (x.device.type == "cuda" and x.dtype == torch.bfloat16 and self.experts.fmt == "fp4"
+                and kernels.available(x.device)):
+            return self._decode_kernels(x, *self.route_decode(x, ids))
         w, idx = self.route(x, ids)
         idx, order = idx[0].sort()              # the reference adds experts in ascending id order
         w = w[0].index_select(0, order)
-        if (x.device.type == "cuda" and x.dtype == torch.bfloat16 and self.experts.fmt == "fp4"
-                and kernels.available(x.device)):
-            return self._decode_kernels(x, idx, w)
         y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         for j in range(idx.shape[0]):
             y = y + self._routed(x, idx[j:j + 1], w[j:j + 1])
         return (y + self._shared(x)).to(x.dtype)
 
-    def _decode_kernels(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    def route_decode(self, x: torch.Tensor, ids: torch.Tensor):
+        """decode's routing as two launches (gate GEMV, dsv4.kernels.route): -> (weights [k] f32,
+        experts [k] int64 ascending), as route + sort."""
+        from .kernels.route import route_decode
+        cfg = self.cfg
+        return route_decode(self.gate(x, torch.float32), cfg.n_activated_experts, cfg.score_func,
+                            cfg.route_scale, bias=self.bias, tid2eid=self.tid2eid,
+                            ids=ids if self.hash else None)
+
+    def _decode_kernels(self, x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         """decode's experts as Triton launches: routed FP4 up + down (idx [k] sorted, w [k] f32),
-        the FP8 shared expert as fused w1/w3 SwiGLU + w2. Same math as the loop. Capture-safe."""
+        the FP8 shared expert as fused w1/w3 SwiGLU + w2 with the routed sum added in its epilogue.
+        Same math as the loop. Capture-safe."""
         from .kernels.fp4_experts import fp4_experts_down, fp4_experts_up
         from .kernels.fp8_linear import fp8_linear, fp8_swiglu
         bank, lim, sh = self.experts, self.cfg.swiglu_limit, self.shared
@@ -108,10 +118,8 @@ class MoE:
         y = fp4_experts_down(a, idx, bank.w2, bank.w2_scale)                  # [1, D] f32
         if sh["w1"].fmt == "fp8":
             a = fp8_swiglu(x, sh["w1"].weight, sh["w1"].scale, sh["w3"].weight, sh["w3"].scale, lim)
-            shared = fp8_linear(a, sh["w2"].weight, sh["w2"].scale)
-        else:
-            shared = self._shared(x)
-        return (y + shared).to(x.dtype)
+            return fp8_linear(a, sh["w2"].weight, sh["w2"].scale, add=y, out_dtype=x.dtype)
+        return (y + self._shared(x)).to(x.dtype)
 
     def prefill(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [t, D], ids [t] -> [t, D]. Groups tokens by expert (host sync: prefill only)."""

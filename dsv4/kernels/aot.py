@@ -18,10 +18,15 @@ from ..presets import get_preset
 from .bf16_linear import _bf16_gemv_kernel, bf16_config
 from .fp4_experts import _fp4_down_kernel, _fp4_up_kernel, down_config, up_config
 from .fp8_linear import _fp8_gemv_kernel, fp8_config
+from .route import SCORE_FUNCS, _route_kernel
 
 FP8_SIG = {"x_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*u8", "w3_ptr": "*u8", "s3_ptr": "*u8",
-           "y_ptr": "*bf16", "limit": "fp32"}
-BF16_SIG = {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*fp32", "N": "i32"}
+           "y_ptr": "*bf16", "wb_ptr": "*u8", "sb_ptr": "*u8", "yb_ptr": "*bf16", "add_ptr": "*fp32",
+           "limit": "fp32"}
+BF16_SIG = {"x_ptr": "*bf16", **{f"{w}{i}": f"*{'bf16' if w == 'w' else 'fp32'}"
+                                 for i in range(5) for w in "wy"}}
+ROUTE_SIG = {"logits_ptr": "*fp32", "bias_ptr": "*fp32", "tid2eid_ptr": "*i64", "ids_ptr": "*i64",
+             "w_ptr": "*fp32", "idx_ptr": "*i64", "route_scale": "fp32"}
 UP_SIG = {"x_ptr": "*bf16", "idx_ptr": "*i64", "rw_ptr": "*fp32", "w1_ptr": "*i32", "s1_ptr": "*u8",
           "w3_ptr": "*i32", "s3_ptr": "*u8", "a_ptr": "*bf16", "limit": "fp32"}
 DOWN_SIG = {"a_ptr": "*bf16", "idx_ptr": "*i64", "w2_ptr": "*i32", "s2_ptr": "*u8", "y_ptr": "*fp32"}
@@ -33,28 +38,39 @@ def variants(preset: str) -> list[tuple[str, object, dict, dict, int]]:
     D, Rq, H, Dh, G, R, I = (c.dim, c.q_lora_rank, c.n_heads, c.head_dim, c.o_groups, c.o_lora_rank,
                              c.moe_inter_dim)
     out = []
-    fp8 = [("wq_a", Rq, D, 1, True, False), ("wkv", Dh, D, 1, True, False),
-           ("wq_b", H * Dh, Rq, 1, True, False), ("idx.wq_b", c.index_n_heads * c.index_head_dim,
-                                                  Rq, 1, True, False),
+    fp8 = [("wq_a+wkv", Rq + Dh, D, 1, True, False), ("wq_b", H * Dh, Rq, 1, True, False),
+           ("idx.wq_b", c.index_n_heads * c.index_head_dim, Rq, 1, True, False),
            ("wo_a", G * R, H * Dh // G, G, False, False), ("wo_b", D, G * R, 1, True, False),
-           ("shared.w1+w3", I, D, 1, True, True), ("shared.w2", D, I, 1, True, False)]
+           ("shared.w1+w3", I, D, 1, True, True), ("shared.w2+add", D, I, 1, True, False)]
     for name, n, k, groups, quant, dual in fp8:
         cfg = fp8_config(n, k, n // groups, dual)
-        ce = dict(K=k, NG=n // groups, QUANT=quant, SWIGLU=dual, HAS_LIMIT=dual, NATIVE=True,
-                  BN=cfg.bn, NB=cfg.nb, EVEN_K=k % (cfg.nb * 128) == 0)
+        ce = dict(K=k, NG=n // groups, PA=(Rq if name == "wq_a+wkv" else n) // cfg.bn, QUANT=quant,
+                  SWIGLU=dual, HAS_LIMIT=dual, TWO=name == "wq_a+wkv", HAS_ADD=name.endswith("add"),
+                  NATIVE=True, BN=cfg.bn, NB=cfg.nb, EVEN_K=k % (cfg.nb * 128) == 0, PDL=True)
         out.append((f"fp8.{name}", _fp8_gemv_kernel, FP8_SIG, ce, cfg.num_warps))
-    for name, n, xdt in [("gate", c.n_routed_experts, "*bf16"), ("compressor", 2 * Dh, "*bf16"),
-                         ("weights_proj", c.index_n_heads, "*bf16"), ("head", c.vocab_size, "*fp32")]:
-        cfg = bf16_config(n, D)
+    side = [2 * Dh, 2 * Dh, 2 * c.index_head_dim, 2 * c.index_head_dim, c.index_n_heads]
+    for name, ns, xdt in [("gate", [c.n_routed_experts], "*bf16"), ("side.r4", side, "*bf16"),
+                          ("side.r128", [Dh, Dh], "*bf16"), ("head", [c.vocab_size], "*fp32")]:
+        cfg = bf16_config(sum(ns), D)
         bk = cfg.nb * 128
-        ce = dict(K=D, BN=cfg.bn, BK=bk, EVEN_N=n % cfg.bn == 0, EVEN_K=D % bk == 0)
+        nz = ns + [0] * (5 - len(ns))
+        ce = dict(**{f"N{i}": n for i, n in enumerate(nz)}, NSEG=len(ns), K=D, BN=cfg.bn, BK=bk,
+                  EVEN_K=D % bk == 0, PDL=True)
         out.append((f"bf16.{name}", _bf16_gemv_kernel, dict(BF16_SIG, x_ptr=xdt), ce, cfg.num_warps))
+    E = c.n_routed_experts
+    for hashed in (False, True):
+        ce = dict(E=E, EP=triton.next_power_of_2(E), K=c.n_activated_experts,
+                  KP=triton.next_power_of_2(c.n_activated_experts),
+                  SCORE=SCORE_FUNCS[c.score_func], HASH=hashed, ACC=True, PDL=True)
+        out.append((f"route.{'hash' if hashed else 'score'}", _route_kernel, ROUTE_SIG, ce, 4))
     k = c.n_activated_experts
     cu, cd = up_config(k, I, D), down_config(k, I, D)
     out.append(("fp4.up", _fp4_up_kernel, UP_SIG, dict(I=I, D=D, HAS_LIMIT=True, BN=cu.bn, NB=cu.nb,
-                                                         EVEN_K=D % (cu.nb * 128) == 0), cu.num_warps))
+                                                         EVEN_K=D % (cu.nb * 128) == 0, PDL=True),
+                cu.num_warps))
     out.append(("fp4.down", _fp4_down_kernel, DOWN_SIG, dict(D=D, I=I, TOPK=k, BN=cd.bn, NB=cd.nb,
-                                                             EVEN_K=I % (cd.nb * 128) == 0), cd.num_warps))
+                                                             EVEN_K=I % (cd.nb * 128) == 0, PDL=True),
+                cd.num_warps))
     return out
 
 

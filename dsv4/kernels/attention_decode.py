@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import interpreting, on_device, round_bf16
+from .common import launch_args, pdl_wait, interpreting, on_device, round_bf16
 from .compressor_decode import (NEG_INF, dot_bf16, fp8_fake_quant_rows, from_pairs, load_pos,
                                 rope_cos_sin, rope_pairs, to_pairs)
 
@@ -35,7 +35,8 @@ class AttnConfig:
 # ---- q_norm (RMSNorm with weight of one row) -----------------------------------------------
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, eps, D: tl.constexpr, BD: tl.constexpr):
+def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, eps, D: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
     d = tl.arange(0, BD)
     x = tl.load(x_ptr + d, mask=d < D, other=0.0).to(tl.float32)
     rs = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
@@ -49,7 +50,8 @@ def rms_norm_row(x: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor
     y = torch.empty_like(x) if out is None else out
     D = x.shape[-1]
     with on_device(x):
-        _rms_norm_kernel[(1,)](x, w, y, eps, D=D, BD=triton.next_power_of_2(D), num_warps=4)
+        _rms_norm_kernel[(1,)](x, w, y, eps, D=D, BD=triton.next_power_of_2(D), num_warps=4,
+                               **launch_args(y))
     return y
 
 
@@ -86,8 +88,9 @@ def _prep_kv(kv_ptr, kvw_ptr, cache_ptr, row, eps, cos, sin, pair, DH: tl.conste
 @triton.jit
 def _prep_kernel(q_ptr, qo_ptr, kv_ptr, kvw_ptr, cache_ptr, freqs_ptr, pos_ptr, eps,
                  H: tl.constexpr, DH: tl.constexpr, HB: tl.constexpr, W: tl.constexpr,
-                 NOPE: tl.constexpr):
+                 NOPE: tl.constexpr, PDL: tl.constexpr):
     # programs 0..H/HB-1: q heads; program H/HB: kv, written to ring slot pos % W
+    pdl_wait(PDL)
     pid = tl.program_id(0)
     pos = load_pos(pos_ptr)
     pair = tl.arange(0, DH // 2)[None, :]
@@ -117,7 +120,7 @@ def attention_prep(q: torch.Tensor, kv: torch.Tensor, kv_norm: torch.Tensor,
     with on_device(q):
         _prep_kernel[(n_heads // hb + 1,)](q, qo, kv, kv_norm, kv_cache, freqs, pos, eps,
                                            H=n_heads, DH=DH, HB=hb, W=window, NOPE=nope,
-                                           num_warps=4)
+                                           num_warps=4, **launch_args(qo))
     return qo
 
 
@@ -139,11 +142,12 @@ def _attn_kernel(q_ptr, kv_ptr, idx_ptr, sink_ptr, freqs_ptr, pos_ptr, o_ptr, pm
                  pacc_ptr, scale, H: tl.constexpr, DH: tl.constexpr, W: tl.constexpr,
                  R: tl.constexpr, KC: tl.constexpr, MODE: tl.constexpr, HB: tl.constexpr,
                  BN: tl.constexpr, BPS: tl.constexpr, NSPLIT: tl.constexpr, NOPE: tl.constexpr,
-                 F32: tl.constexpr):
+                 F32: tl.constexpr, PDL: tl.constexpr):
     # program (split, head block): online softmax over BPS tiles of BN entries; entries [0, W) are
     # ring slots (valid iff slot <= pos), entries W + j compressed entry j (valid iff j <
     # (pos+1)//R: row W + j, or row W + idx[j] for the indexer's top-k). Tiles with no valid entry
     # are skipped. NSPLIT == 1: the epilogue runs here; else partial (m, l, acc) go to pm/pl/pacc.
+    pdl_wait(PDL)
     split = tl.program_id(0)
     hh = tl.program_id(1) * HB + tl.arange(0, HB)
     d = tl.arange(0, DH)
@@ -206,8 +210,9 @@ def _attn_kernel(q_ptr, kv_ptr, idx_ptr, sink_ptr, freqs_ptr, pos_ptr, o_ptr, pm
 @triton.jit
 def _combine_kernel(pm_ptr, pl_ptr, pacc_ptr, sink_ptr, freqs_ptr, pos_ptr, o_ptr,
                     H: tl.constexpr, DH: tl.constexpr, HC: tl.constexpr, BD: tl.constexpr,
-                    NSPLIT: tl.constexpr, NOPE: tl.constexpr):
+                    NSPLIT: tl.constexpr, NOPE: tl.constexpr, PDL: tl.constexpr):
     # program (head block, dim block): merge the splits in a fixed order, sink, bf16, inverse RoPE
+    pdl_wait(PDL)
     hh = tl.program_id(0) * HC + tl.arange(0, HC)
     dd = tl.program_id(1) * BD + tl.arange(0, BD)
     hm = hh < H
@@ -286,11 +291,11 @@ def sparse_attention_decode(q: torch.Tensor, kv_cache: torch.Tensor, sink: torch
                                  out, pm, pls, pacc, scale, H=n_heads, DH=DH, W=window, R=ratio,
                                  KC=n_comp if ratio else 0, MODE=mode, HB=pl["hb"], BN=pl["bn"],
                                  BPS=pl["bps"], NSPLIT=ns, NOPE=nope, F32=interpreting(),
-                                 num_warps=pl["num_warps"])
+                                 num_warps=pl["num_warps"], **launch_args(out))
         if ns > 1:
             _combine_kernel[pl["combine_grid"]](pm, pls, pacc, sink, freqs, pos, out, H=n_heads,
                                                 DH=DH, HC=pl["hc"], BD=pl["bd"], NSPLIT=ns,
-                                                NOPE=nope, num_warps=4)
+                                                NOPE=nope, num_warps=4, **launch_args(out))
     return out
 
 

@@ -8,34 +8,48 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import Config, on_device, pick_config, round_bf16
+from .common import Config, launch_args, on_device, pdl_wait, pick_config, round_bf16
 
 TILE_BYTES = 16384   # weight bytes per program and step
 BN_MAX = 16
 
 
 @triton.jit
-def _bf16_gemv_kernel(x_ptr, w_ptr, y_ptr, N, K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                      EVEN_N: tl.constexpr, EVEN_K: tl.constexpr):
-    # x [K]; w [N, K] bf16; y [N]. One program: BN rows, K in steps of BK as [C, 8] 16-byte chunks.
-    rows = tl.program_id(0) * BN + tl.arange(0, BN)
+def _bf16_wload(wrow, kk, K: tl.constexpr, EVEN_K: tl.constexpr):
+    if EVEN_K:
+        return tl.load(wrow + kk[None, :, :])
+    return tl.load(wrow + kk[None, :, :], mask=(kk < K)[None, :, :], other=0)
+
+
+@triton.jit
+def _bf16_fma(acc, x_ptr, kk, w, K: tl.constexpr, EVEN_K: tl.constexpr):
+    if EVEN_K:
+        x = tl.load(x_ptr + kk).to(tl.float32)
+    else:
+        x = tl.load(x_ptr + kk, mask=kk < K, other=0).to(tl.float32)
+    return acc + tl.sum(w.to(tl.float32) * x[None, :, :], axis=2)
+
+
+@triton.jit
+def _bf16_rows(x_ptr, w_ptr, y_ptr, pid, N: tl.constexpr, K: tl.constexpr, BN: tl.constexpr,
+               BK: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
+    """Program `pid` of one matrix: y[rows] = w[rows] @ x, BN rows, K in steps of BK as [C, 8]
+    16-byte chunks (rows past N are clamped for the loads and not stored)."""
+    rows = pid * BN + tl.arange(0, BN)
+    EVEN_N: tl.constexpr = N % BN == 0
     if not EVEN_N:
         rows_ld = tl.minimum(rows, N - 1)     # clamp instead of masking the weight loads
     else:
         rows_ld = rows
     C: tl.constexpr = BK // 8
     koff = tl.arange(0, C)[:, None] * 8 + tl.arange(0, 8)[None, :]                # [C, 8]
-    acc = tl.zeros([BN, C], tl.float32)
-    for k0 in range(0, K, BK):
+    wrow = w_ptr + rows_ld[:, None, None] * K
+    w = _bf16_wload(wrow, koff, K, EVEN_K)     # immutable: loads before the PDL wait
+    pdl_wait(PDL)
+    acc = _bf16_fma(tl.zeros([BN, C], tl.float32), x_ptr, koff, w, K, EVEN_K)
+    for k0 in range(BK, K, BK):
         kk = k0 + koff
-        if EVEN_K:
-            x = tl.load(x_ptr + kk).to(tl.float32)
-            w = tl.load(w_ptr + rows_ld[:, None, None] * K + kk[None, :, :])
-        else:
-            x = tl.load(x_ptr + kk, mask=kk < K, other=0).to(tl.float32)
-            w = tl.load(w_ptr + rows_ld[:, None, None] * K + kk[None, :, :],
-                        mask=(kk < K)[None, :, :], other=0)
-        acc += tl.sum(w.to(tl.float32) * x[None, :, :], axis=2)
+        acc = _bf16_fma(acc, x_ptr, kk, _bf16_wload(wrow, kk, K, EVEN_K), K, EVEN_K)
     y = tl.sum(acc, axis=1)
     if y_ptr.dtype.element_ty == tl.bfloat16:
         y = round_bf16(y)
@@ -43,6 +57,33 @@ def _bf16_gemv_kernel(x_ptr, w_ptr, y_ptr, N, K: tl.constexpr, BN: tl.constexpr,
         tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty))
     else:
         tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=rows < N)
+
+
+@triton.jit
+def _bf16_gemv_kernel(x_ptr, w0, y0, w1, y1, w2, y2, w3, y3, w4, y4,
+                      N0: tl.constexpr, N1: tl.constexpr, N2: tl.constexpr, N3: tl.constexpr,
+                      N4: tl.constexpr, NSEG: tl.constexpr, K: tl.constexpr, BN: tl.constexpr,
+                      BK: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
+    # x [K]; up to 5 matrices wi [Ni, K] bf16 -> yi [Ni] on the same x, one after the other
+    # along the grid (cdiv(Ni, BN) programs each).
+    pid = tl.program_id(0)
+    P0: tl.constexpr = (N0 + BN - 1) // BN
+    P1: tl.constexpr = P0 + (N1 + BN - 1) // BN
+    P2: tl.constexpr = P1 + (N2 + BN - 1) // BN
+    P3: tl.constexpr = P2 + (N3 + BN - 1) // BN
+    if NSEG == 1:
+        _bf16_rows(x_ptr, w0, y0, pid, N0, K, BN, BK, EVEN_K, PDL)
+    else:   # unused trailing matrices have N = 0: their branch is never taken
+        if pid < P0:
+            _bf16_rows(x_ptr, w0, y0, pid, N0, K, BN, BK, EVEN_K, PDL)
+        elif pid < P1:
+            _bf16_rows(x_ptr, w1, y1, pid - P0, N1, K, BN, BK, EVEN_K, PDL)
+        elif pid < P2:
+            _bf16_rows(x_ptr, w2, y2, pid - P1, N2, K, BN, BK, EVEN_K, PDL)
+        elif pid < P3:
+            _bf16_rows(x_ptr, w3, y3, pid - P2, N3, K, BN, BK, EVEN_K, PDL)
+        else:
+            _bf16_rows(x_ptr, w4, y4, pid - P3, N4, K, BN, BK, EVEN_K, PDL)
 
 
 # measured best on an H200 by `bench_kernels.py --sweep` (2026-11-22); other shapes: heuristic
@@ -55,6 +96,40 @@ def bf16_config(n: int, k: int) -> Config:
         return TUNED[(n, k)]
     padded = -(-n // 128) * 128
     return pick_config(padded, k, TILE_BYTES, 2.0, bn_max=BN_MAX)
+
+
+MAX_MATRICES = 5
+
+
+def bf16_linear_multi(x: torch.Tensor, weights: list, out_dtypes: list, *,
+                      config: Config | None = None) -> list:
+    """[x @ w^T for w in weights] in one launch (the bf16 projections of one activation row:
+    compressor wkv/wgate, the indexer's compressor and weights_proj). Each like bf16_linear with
+    its out dtype; the config is that of the concatenated rows."""
+    if not 1 <= len(weights) <= MAX_MATRICES or len(out_dtypes) != len(weights):
+        raise ValueError(f"bf16_linear_multi: {len(weights)} weights / {len(out_dtypes)} dtypes; "
+                         f"expected 1..{MAX_MATRICES} of each")
+    K = weights[0].shape[1]
+    for w in weights:
+        if w.dtype != torch.bfloat16 or w.dim() != 2 or w.shape[1] != K or x.numel() != K:
+            raise ValueError(f"bf16_linear: weight {tuple(w.shape)} {w.dtype}, x {tuple(x.shape)};"
+                             f" expected bfloat16 weights [N, {K}] and {K} activation values")
+        if w.shape[0] * K >= 2 ** 31:
+            raise ValueError(f"bf16_linear: weight {tuple(w.shape)} too large for int32 offsets")
+    ns = [w.shape[0] for w in weights]
+    cfg = config or bf16_config(sum(ns), K)
+    bk = cfg.nb * 128
+    outs = [torch.empty(1, n, dtype=dt, device=x.device) for n, dt in zip(ns, out_dtypes)]
+    pad = MAX_MATRICES - len(weights)
+    ws, ys = list(weights) + [weights[0]] * pad, outs + [outs[0]] * pad
+    nz = ns + [0] * pad
+    grid = (sum(triton.cdiv(n, cfg.bn) for n in ns),)
+    with on_device(outs[0]):
+        _bf16_gemv_kernel[grid](
+            x.contiguous(), ws[0], ys[0], ws[1], ys[1], ws[2], ys[2], ws[3], ys[3], ws[4], ys[4],
+            N0=nz[0], N1=nz[1], N2=nz[2], N3=nz[3], N4=nz[4], NSEG=len(weights), K=K, BN=cfg.bn,
+            BK=bk, EVEN_K=K % bk == 0, num_warps=cfg.num_warps, **launch_args(outs[0]))
+    return outs
 
 
 def bf16_linear(x: torch.Tensor, w: torch.Tensor, *, out_dtype: torch.dtype = torch.float32,
@@ -73,8 +148,9 @@ def bf16_linear(x: torch.Tensor, w: torch.Tensor, *, out_dtype: torch.dtype = to
         out = torch.empty(1, N, dtype=out_dtype, device=x.device)
     with on_device(out):
         _bf16_gemv_kernel[(triton.cdiv(N, cfg.bn),)](
-            x.contiguous(), w, out, N, K=K, BN=cfg.bn, BK=bk, EVEN_N=N % cfg.bn == 0,
-            EVEN_K=K % bk == 0, num_warps=cfg.num_warps)
+            x.contiguous(), w, out, w, out, w, out, w, out, w, out, N0=N, N1=0, N2=0, N3=0, N4=0,
+            NSEG=1, K=K, BN=cfg.bn, BK=bk, EVEN_K=K % bk == 0, num_warps=cfg.num_warps,
+            **launch_args(out))
     return out
 
 

@@ -5,12 +5,15 @@ Tested through the kernels: `TRITON_INTERPRET=1 python -m pytest tests/dsv4/test
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+
+from triton.language.extra import cuda as tl_cuda
 
 from ..formats import ACT_AMAX_FLOOR, FP8_MAX, FP8_MAX_INV
 
@@ -25,6 +28,30 @@ MAX_NB = 32              # at most 32 blocks of 128 along K per step (x values p
 
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+PDL_SWITCH = "DSV4_PDL"  # "0" launches every kernel without programmatic dependent launch
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple:
+    return torch.cuda.get_device_capability(index)
+
+
+def pdl(t: torch.Tensor) -> bool:
+    """Launch with programmatic dependent launch (PDL) on t's device: CUDA sm_90+, not under the
+    interpreter, DSV4_PDL != "0". The kernel may then start while the previous one finishes; every
+    kernel calls `pdl_wait` before it touches data another kernel writes (see there)."""
+    if not t.is_cuda or interpreting() or os.environ.get(PDL_SWITCH, "1") == "0":
+        return False
+    return _capability(t.device.index if t.device.index is not None
+                       else torch.cuda.current_device()) >= (9, 0)
+
+
+def launch_args(t: torch.Tensor) -> dict:
+    """Keyword arguments of a launch on t's device: the kernel's PDL constexpr and, when on,
+    Triton's `launch_pdl` (the launch attribute; stream capture turns it into a graph edge)."""
+    return {"PDL": True, "launch_pdl": True} if pdl(t) else {"PDL": False}
 
 
 def on_device(t: torch.Tensor):
@@ -60,6 +87,17 @@ def pick_config(rows: int, k: int, tile_bytes: int, bytes_per_elem: float, progr
     nb_mask = min(cap, 1 << (kb - 1).bit_length())
     nb = nb_even if -(-kb // nb_even) <= 4 else nb_mask
     return Config(bn, nb)
+
+
+@triton.jit
+def pdl_wait(PDL: tl.constexpr):
+    """PDL point of a kernel: wait until the previous kernel has finished and its writes are
+    visible, then allow the next kernel to launch (its programs queue up behind our last wave).
+    Only loads of immutable data (weights, constants) may come before this; every other load and
+    every store comes after it, so the stream order of memory effects is unchanged."""
+    if PDL:
+        tl_cuda.gdc_wait()
+        tl_cuda.gdc_launch_dependents()
 
 
 # ---- scalar / elementwise helpers (float32 in, float32 out) ----------------------------------

@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 from ..formats import FP4_AMAX_FLOOR, FP4_MAX, FP4_MAX_INV
-from .common import (RNE_MAGIC, block_exponent, interpreting, on_device, pow2, quant_dequant,
+from .common import (launch_args, pdl_wait, RNE_MAGIC, block_exponent, interpreting, on_device, pow2, quant_dequant,
                      round_bf16)
 
 E2M1_MAX = tl.constexpr(FP4_MAX)
@@ -136,8 +136,9 @@ def _pool(m, l, acc, kvt, sct):
 @triton.jit
 def _compressor_kernel(kv_ptr, sc_ptr, ape_ptr, skv_ptr, ssc_ptr, norm_ptr, freqs_ptr, pos_ptr,
                        cache_ptr, eps, R: tl.constexpr, DC: tl.constexpr, OVERLAP: tl.constexpr,
-                       ROTATE: tl.constexpr, NOPE: tl.constexpr, RB: tl.constexpr):
+                       ROTATE: tl.constexpr, NOPE: tl.constexpr, RB: tl.constexpr, PDL: tl.constexpr):
     # one program: state row write; on emit ((pos+1) % R == 0) pool, shift, finish, cache write
+    pdl_wait(PDL)
     CD: tl.constexpr = 2 * DC if OVERLAP else DC
     pos = load_pos(pos_ptr)
     slot = pos % R
@@ -206,7 +207,7 @@ def compressor_decode(kv: torch.Tensor, sc: torch.Tensor, ape: torch.Tensor, sta
     with on_device(cache):
         _compressor_kernel[(1,)](kv, sc, ape, state_kv, state_score, norm, freqs, pos, cache, eps,
                                  R=ratio, DC=dc, OVERLAP=overlap, ROTATE=rotate, NOPE=nope, RB=rb,
-                                 num_warps=4 if dc <= 128 else 8)
+                                 num_warps=4 if dc <= 128 else 8, **launch_args(cache))
 
 
 def compressor_decode_reference(comp, x: torch.Tensor, pos: torch.Tensor, st, cache: torch.Tensor,

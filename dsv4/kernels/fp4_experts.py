@@ -12,7 +12,7 @@ import triton.language as tl
 
 from ..formats import FP4_BLOCK, dequantize_fp4_weight
 from ..quant import fp8_quant_dequant
-from .common import (Config, block_exponent, e2m1_pair_to_f32, e8m0_to_f32, on_device,
+from .common import (launch_args, pdl_wait, Config, block_exponent, e2m1_pair_to_f32, e8m0_to_f32, on_device,
                      pick_config, quant_dequant, round_bf16)
 
 # Sized from the sm_90 SASS (python -m dsv4.kernels.aot): ~5.6 (up) / ~6.5 (down) instructions per
@@ -73,9 +73,10 @@ def _nibble_fma(t, w, p: tl.constexpr, xlo, xhi):
 @triton.jit
 def _fp4_up_kernel(x_ptr, idx_ptr, rw_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, a_ptr, limit,
                    I: tl.constexpr, D: tl.constexpr, HAS_LIMIT: tl.constexpr, BN: tl.constexpr,
-                   NB: tl.constexpr, EVEN_K: tl.constexpr):
+                   NB: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
     # x [D] bf16; idx [k] int64; rw [k] f32; w1, w3 [E, I, D/8] int32; s1, s3 [E, I, D/32] u8;
     # a [k, I] bf16. Program (i, j): rows [i*BN, (i+1)*BN) of expert idx[j].
+    pdl_wait(PDL)
     j = tl.program_id(1)
     e = tl.load(idx_ptr + j).to(tl.int64)
     rows = tl.program_id(0) * BN + tl.arange(0, BN)
@@ -124,10 +125,11 @@ def _down_load(idx_ptr, w2_ptr, s2_ptr, rows, t, D: tl.constexpr, I: tl.constexp
 @triton.jit
 def _fp4_down_kernel(a_ptr, idx_ptr, w2_ptr, s2_ptr, y_ptr, D: tl.constexpr, I: tl.constexpr,
                      TOPK: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr,
-                     EVEN_K: tl.constexpr):
+                     EVEN_K: tl.constexpr, PDL: tl.constexpr):
     # a [k, I] bf16; idx [k] int64; w2 [E, D, I/8] int32; s2 [E, D, I/32] u8; y [D] f32.
     # One program: BN output rows, all k experts in slot order (fixed fp32 summation order);
     # the (expert, K-chunk) steps run as one loop so the next step's weights load during this one.
+    pdl_wait(PDL)
     rows = tl.program_id(0) * BN + tl.arange(0, BN)
     G: tl.constexpr = NB * 4
     STEPS: tl.constexpr = (I + NB * 128 - 1) // (NB * 128)
@@ -194,7 +196,7 @@ def fp4_experts_up(x: torch.Tensor, idx: torch.Tensor, route_w: torch.Tensor, w1
             s1.view(torch.uint8), w3.view(torch.int32), s3.view(torch.uint8), out, float(limit),
             I=I, D=D,
             HAS_LIMIT=limit > 0, BN=cfg.bn, NB=cfg.nb, EVEN_K=D % (cfg.nb * 128) == 0,
-            num_warps=cfg.num_warps)
+            num_warps=cfg.num_warps, **launch_args(out))
     return out
 
 
@@ -212,7 +214,8 @@ def fp4_experts_down(a: torch.Tensor, idx: torch.Tensor, w2: torch.Tensor, s2: t
     with on_device(out):
         _fp4_down_kernel[(D // cfg.bn,)](
             a.contiguous(), idx, w2.view(torch.int32), s2.view(torch.uint8), out, D=D, I=I, TOPK=k,
-            BN=cfg.bn, NB=cfg.nb, EVEN_K=I % (cfg.nb * 128) == 0, num_warps=cfg.num_warps)
+            BN=cfg.bn, NB=cfg.nb, EVEN_K=I % (cfg.nb * 128) == 0, num_warps=cfg.num_warps,
+            **launch_args(out))
     return out
 
 

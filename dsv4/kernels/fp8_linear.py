@@ -10,61 +10,90 @@ import triton.language as tl
 
 from ..formats import FP8_BLOCK, dequantize_fp8_weight
 from ..quant import fp8_quant_dequant
-from .common import (Config, block_exponent, e4m3_to_f32, e8m0_to_f32, interpreting, on_device,
-                     pick_config, quant_dequant, round_bf16)
+from .common import (Config, block_exponent, e4m3_to_f32, e8m0_to_f32, interpreting, launch_args,
+                     on_device, pdl_wait, pick_config, quant_dequant, round_bf16)
 
 TILE_BYTES = 16384   # weight bytes per program and step (one matrix); half of it for fp8_swiglu
 
 
 @triton.jit
-def _fp8_step(acc, xb, w_ptr, s_ptr, rows, k0, K: tl.constexpr, srow, NATIVE: tl.constexpr, NB: tl.constexpr,
-              EVEN_K: tl.constexpr):
-    """acc [BN, C] += 16-wide partial dots of rows x K-chunk [k0, k0 + NB*128) (C = NB*8)."""
+def _fp8_wload(w_ptr, s_ptr, rows, k0, K: tl.constexpr, srow, NB: tl.constexpr,
+               EVEN_K: tl.constexpr):
+    """Weight bytes [BN, C, 16] (u8) and block scales [NB] (f32) of rows x K-chunk [k0, k0+NB*128)."""
     C: tl.constexpr = NB * 8
     kb = tl.arange(0, NB)
-    cc = tl.arange(0, C)
-    ii = tl.arange(0, 16)
-    koff = k0 + cc[:, None] * 16 + ii[None, :]                                   # [C, 16]
+    koff = k0 + tl.arange(0, C)[:, None] * 16 + tl.arange(0, 16)[None, :]       # [C, 16]
     if EVEN_K:
-        sw = e8m0_to_f32(tl.load(s_ptr + srow + k0 // 128 + kb))                 # [NB]
-        w = tl.load(w_ptr + rows[:, None, None] * K + koff[None, :, :])          # [BN, C, 16] u8
+        sw = e8m0_to_f32(tl.load(s_ptr + srow + k0 // 128 + kb))
+        w = tl.load(w_ptr + rows[:, None, None] * K + koff[None, :, :])
     else:
         sw = e8m0_to_f32(tl.load(s_ptr + srow + k0 // 128 + kb, mask=k0 + kb * 128 < K, other=0))
         w = tl.load(w_ptr + rows[:, None, None] * K + koff[None, :, :],
                     mask=(koff < K)[None, :, :], other=0)
-    xe = tl.reshape(xb * sw[:, None], [C, 16])                                  # x * weight scale
+    return w, sw
+
+
+@triton.jit
+def _fp8_x(xg, k0, K: tl.constexpr, NB: tl.constexpr, EVEN_K: tl.constexpr, QUANT: tl.constexpr,
+           NATIVE: tl.constexpr):
+    """Activation chunk [NB, 128] (float32), act-quantized (QUANT), pre-scaled for the decode."""
+    xoff = k0 + tl.arange(0, NB)[:, None] * 128 + tl.arange(0, 128)[None, :]
+    if EVEN_K:
+        xb = tl.load(xg + xoff).to(tl.float32)
+    else:
+        xb = tl.load(xg + xoff, mask=xoff < K, other=0).to(tl.float32)
+    if QUANT:   # act_quant per 128: exact e4m3 * 2^e values
+        xb = quant_dequant(xb, block_exponent(xb)[:, None])
+    if not NATIVE:
+        xb = xb * 256.0   # the bit-path decode returns w * 2^-8
+    return xb
+
+
+@triton.jit
+def _fp8_fma(acc, xb, w, sw, NATIVE: tl.constexpr, NB: tl.constexpr):
+    """acc [BN, C] += 16-wide partial dots of the weight chunk w with xb (C = NB*8)."""
+    xe = tl.reshape(xb * sw[:, None], [NB * 8, 16])                             # x * weight scale
     return acc + tl.sum(e4m3_to_f32(w, NATIVE) * xe[None, :, :], axis=2)
 
 
 @triton.jit
-def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, w3_ptr, s3_ptr, y_ptr, limit, K: tl.constexpr,
-                     NG: tl.constexpr,
+def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, w3_ptr, s3_ptr, y_ptr, wb_ptr, sb_ptr, yb_ptr, add_ptr,
+                     limit, K: tl.constexpr, NG: tl.constexpr, PA: tl.constexpr,
                      QUANT: tl.constexpr, SWIGLU: tl.constexpr, HAS_LIMIT: tl.constexpr,
+                     TWO: tl.constexpr, HAS_ADD: tl.constexpr,
                      NATIVE: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr,
-                     EVEN_K: tl.constexpr):
+                     EVEN_K: tl.constexpr, PDL: tl.constexpr):
     # x [G*K] (G = N / NG groups: rows [g*NG, (g+1)*NG) read x[g*K, (g+1)*K)); w, w3 [N, K] u8;
     # s, s3 [N/128, K/128] u8; y [N]. One program: BN rows (inside one 128-row scale block).
-    n0 = tl.program_id(0) * BN
+    # TWO: programs >= PA compute a second matrix wb/sb -> yb on the same x (ungrouped).
+    # HAS_ADD: y = out_dtype(add + bf16(x @ w^T)) with add [N] float32.
+    pid = tl.program_id(0)
+    wp, sp, yp = w_ptr, s_ptr, y_ptr
+    if TWO:
+        if pid >= PA:
+            pid -= PA
+            wp, sp, yp = wb_ptr, sb_ptr, yb_ptr
+    n0 = pid * BN
     rows = n0 + tl.arange(0, BN)
     xg = x_ptr + (n0 // NG) * K
     srow = (n0 // 128) * (K // 128)
-    C: tl.constexpr = NB * 8
-    acc = tl.zeros([BN, C], tl.float32)
-    acc3 = tl.zeros([BN, C], tl.float32)
-    kb = tl.arange(0, NB)
-    for k0 in range(0, K, NB * 128):
-        xoff = k0 + kb[:, None] * 128 + tl.arange(0, 128)[None, :]               # [NB, 128]
-        if EVEN_K:
-            xb = tl.load(xg + xoff).to(tl.float32)
-        else:
-            xb = tl.load(xg + xoff, mask=xoff < K, other=0).to(tl.float32)
-        if QUANT:   # act_quant per 128: exact e4m3 * 2^e values
-            xb = quant_dequant(xb, block_exponent(xb)[:, None])
-        if not NATIVE:
-            xb = xb * 256.0   # the bit-path decode returns w * 2^-8
-        acc = _fp8_step(acc, xb, w_ptr, s_ptr, rows, k0, K, srow, NATIVE, NB, EVEN_K)
+    BK: tl.constexpr = NB * 128
+    # the first weight chunk is immutable: it loads before the PDL wait (overlaps the previous kernel)
+    w, sw = _fp8_wload(wp, sp, rows, 0, K, srow, NB, EVEN_K)
+    if SWIGLU:
+        w3, sw3 = _fp8_wload(w3_ptr, s3_ptr, rows, 0, K, srow, NB, EVEN_K)
+    pdl_wait(PDL)
+    xb = _fp8_x(xg, 0, K, NB, EVEN_K, QUANT, NATIVE)
+    acc = _fp8_fma(tl.zeros([BN, NB * 8], tl.float32), xb, w, sw, NATIVE, NB)
+    if SWIGLU:
+        acc3 = _fp8_fma(tl.zeros([BN, NB * 8], tl.float32), xb, w3, sw3, NATIVE, NB)
+    for k0 in range(BK, K, BK):
+        xb = _fp8_x(xg, k0, K, NB, EVEN_K, QUANT, NATIVE)
+        w, sw = _fp8_wload(wp, sp, rows, k0, K, srow, NB, EVEN_K)
+        acc = _fp8_fma(acc, xb, w, sw, NATIVE, NB)
         if SWIGLU:
-            acc3 = _fp8_step(acc3, xb, w3_ptr, s3_ptr, rows, k0, K, srow, NATIVE, NB, EVEN_K)
+            w3, sw3 = _fp8_wload(w3_ptr, s3_ptr, rows, k0, K, srow, NB, EVEN_K)
+            acc3 = _fp8_fma(acc3, xb, w3, sw3, NATIVE, NB)
     y = tl.sum(acc, axis=1)
     if SWIGLU:   # fp8_gemm outputs bf16; the clamped SwiGLU runs in fp32 on those values
         g = round_bf16(y)
@@ -73,9 +102,11 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, w3_ptr, s3_ptr, y_ptr, limit, K: tl.co
             u = tl.minimum(tl.maximum(u, -limit), limit)
             g = tl.minimum(g, limit)
         y = g / (1.0 + tl.exp(-g)) * u
-    if y_ptr.dtype.element_ty == tl.bfloat16:
+    if HAS_ADD:   # the linear's bf16 output, then the float32 residual sum
+        y = round_bf16(y) + tl.load(add_ptr + rows)
+    if yp.dtype.element_ty == tl.bfloat16:
         y = round_bf16(y)
-    tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty))
+    tl.store(yp + rows, y.to(yp.dtype.element_ty))
 
 
 # Configs measured best on an H200 by `scripts/bench_kernels.py --sweep` (2026-11-22) for the
@@ -98,48 +129,84 @@ def fp8_config(n: int, k: int, ng: int, dual: bool = False) -> Config:
                        programs_per_row=max(1, n // min(n, ng, 128)))
 
 
-def _launch(x, w, s, w3, s3, out, limit, quant, group_k, out_dtype, config, native):
+def _check(w, s, what="fp8 GEMV"):
     N, K = w.shape
     if w.dtype != torch.float8_e4m3fn or N % FP8_BLOCK or K % FP8_BLOCK:
-        raise ValueError(f"fp8 GEMV: weight {tuple(w.shape)} {w.dtype}; expected float8_e4m3fn "
+        raise ValueError(f"{what}: weight {tuple(w.shape)} {w.dtype}; expected float8_e4m3fn "
                          f"with both dims multiples of {FP8_BLOCK}")
     if tuple(s.shape) != (N // FP8_BLOCK, K // FP8_BLOCK):
-        raise ValueError(f"fp8 GEMV: scale {tuple(s.shape)}; expected {(N // 128, K // 128)}")
+        raise ValueError(f"{what}: scale {tuple(s.shape)}; expected {(N // 128, K // 128)}")
+    if N * K >= 2 ** 31:
+        raise ValueError(f"{what}: weight {tuple(w.shape)} too large for int32 offsets")
+    return N, K
+
+
+def _launch(x, w, s, w3, s3, out, limit, quant, group_k, out_dtype, config, native, second=None,
+            add=None):
+    """One launch: y = x @ w (+ w3 SwiGLU, + add); second = (wb, sb, outb): programs past the
+    first matrix's compute wb on the same x into outb."""
+    N, K = _check(w, s)
     G = 1 if group_k is None else x.numel() // group_k
     if group_k is not None and (group_k != K or x.numel() % K or N % (G * FP8_BLOCK)):
         raise ValueError(f"grouped fp8 GEMV: x {tuple(x.shape)}, group_k {group_k}, weight "
                          f"{tuple(w.shape)}; need group_k == K and N a multiple of 128 * G")
     if x.numel() != G * K:
         raise ValueError(f"fp8 GEMV: x {tuple(x.shape)} has {x.numel()} values; expected {G * K}")
-    if N * K >= 2 ** 31:
-        raise ValueError(f"fp8 GEMV: weight {tuple(w.shape)} too large for int32 offsets")
+    if add is not None and (add.numel() != N or add.dtype != torch.float32):
+        raise ValueError(f"fp8 GEMV: add {tuple(add.shape)} {add.dtype}; expected {N} float32")
     ng = N // G
-    cfg = config or fp8_config(N, K, ng, dual=w3 is not None)
+    nb_rows = N
+    if second is not None:
+        Nb, Kb = _check(second[0], second[1], "fp8 GEMV (second matrix)")
+        if Kb != K or G != 1:
+            raise ValueError(f"fp8 GEMV: second weight {tuple(second[0].shape)} needs K = {K}")
+        nb_rows = N + Nb
+    cfg = config or fp8_config(nb_rows, K, nb_rows if second is not None else ng,
+                               dual=w3 is not None)
+    if N % cfg.bn or nb_rows % cfg.bn:
+        raise ValueError(f"fp8 GEMV: config {cfg} does not divide N = {N} / {nb_rows}")
     if out is None:
         out = torch.empty(1, N, dtype=out_dtype, device=x.device)
     native = (not interpreting()) if native is None else native
     w3 = w if w3 is None else w3
     s3 = s if s3 is None else s3
+    wb, sb, yb = second if second is not None else (w, s, out)
     with on_device(out):
-        _fp8_gemv_kernel[(N // cfg.bn,)](
+        _fp8_gemv_kernel[(nb_rows // cfg.bn,)](
             x.contiguous(), w.view(torch.uint8), s.view(torch.uint8), w3.view(torch.uint8),
-            s3.view(torch.uint8), out, float(limit), K=K, NG=ng,
-            QUANT=quant, SWIGLU=w3 is not w, HAS_LIMIT=limit > 0, NATIVE=native, BN=cfg.bn,
-            NB=cfg.nb, EVEN_K=K % (cfg.nb * 128) == 0, num_warps=cfg.num_warps)
+            s3.view(torch.uint8), out, wb.view(torch.uint8), sb.view(torch.uint8), yb,
+            out if add is None else add, float(limit), K=K, NG=ng, PA=N // cfg.bn,
+            QUANT=quant, SWIGLU=w3 is not w, HAS_LIMIT=limit > 0, TWO=second is not None,
+            HAS_ADD=add is not None, NATIVE=native, BN=cfg.bn,
+            NB=cfg.nb, EVEN_K=K % (cfg.nb * 128) == 0, num_warps=cfg.num_warps,
+            **launch_args(out))
     return out
 
 
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, *, quant_act: bool = True,
                out_dtype: torch.dtype = torch.bfloat16, group_k: int | None = None,
                out: torch.Tensor | None = None, config: Config | None = None,
-               native: bool | None = None) -> torch.Tensor:
+               native: bool | None = None, add: torch.Tensor | None = None) -> torch.Tensor:
     """y [1, N] = x [1, K] @ dequant(w)^T with float32 accumulation, rounded to out_dtype.
 
     quant_act: W8A8 as the official linear (x -> e4m3 per 128 with ue8m0 scales); off for wo_a.
     group_k: rows [g*N/G, (g+1)*N/G) read x[g*group_k, (g+1)*group_k) (x [1, G*group_k], w
     [N, group_k]): the grouped wo_a in one launch. x bf16 or float32. Capture-safe, deterministic.
+    add ([1, N] float32): y = out_dtype(add + bf16(x @ w^T)) (the MoE's routed sum + shared expert).
     """
-    return _launch(x, w, s, None, None, out, 0.0, quant_act, group_k, out_dtype, config, native)
+    return _launch(x, w, s, None, None, out, 0.0, quant_act, group_k, out_dtype, config, native,
+                   add=add)
+
+
+def fp8_linear2(x: torch.Tensor, wa: torch.Tensor, sa: torch.Tensor, wb: torch.Tensor,
+                sb: torch.Tensor, *, config: Config | None = None, native: bool | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x @ wa^T, x @ wb^T), both W8A8 bf16 [1, N], in one launch (wq_a and wkv read the same x).
+    Equal to two fp8_linear calls with the same config."""
+    yb = torch.empty(1, wb.shape[0], dtype=torch.bfloat16, device=x.device)
+    ya = _launch(x, wa, sa, None, None, None, 0.0, True, None, torch.bfloat16, config, native,
+                 second=(wb, sb, yb))
+    return ya, yb
 
 
 def fp8_swiglu(x: torch.Tensor, w1: torch.Tensor, s1: torch.Tensor, w3: torch.Tensor,

@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import interpreting, on_device, round_bf16
+from .common import launch_args, pdl_wait, interpreting, on_device, round_bf16
 from .compressor_decode import (NEG_INF, dot_bf16, fp4_fake_quant_rows, from_pairs, load_pos,
                                 rope_cos_sin, rope_pairs, sylvester, to_pairs)
 
@@ -18,8 +18,9 @@ HATCH = "DSV4_KERNELS=0 runs the torch path"
 
 @triton.jit
 def _query_kernel(q_ptr, qo_ptr, freqs_ptr, pos_ptr, H: tl.constexpr, DI: tl.constexpr,
-                  HQ: tl.constexpr, NOPE: tl.constexpr, F32: tl.constexpr):
+                  HQ: tl.constexpr, NOPE: tl.constexpr, F32: tl.constexpr, PDL: tl.constexpr):
     # HQ heads per program: RoPE (bf16) -> normalized Sylvester Hadamard (bf16) -> FP4 fake-quant
+    pdl_wait(PDL)
     hh = tl.program_id(0) * HQ + tl.arange(0, HQ)
     hm = (hh < H)[:, None]
     d = tl.arange(0, DI)
@@ -37,9 +38,10 @@ def _query_kernel(q_ptr, qo_ptr, freqs_ptr, pos_ptr, H: tl.constexpr, DI: tl.con
 
 @triton.jit
 def _scores_kernel(q_ptr, w_ptr, k_ptr, pos_ptr, out_ptr, wscale, N, H: tl.constexpr,
-                   HP: tl.constexpr, DI: tl.constexpr, BT: tl.constexpr, F32: tl.constexpr):
+                   HP: tl.constexpr, DI: tl.constexpr, BT: tl.constexpr, F32: tl.constexpr, PDL: tl.constexpr):
     # entries [t0, t0+BT): sum_h relu(q_h . k_t) * w_h with bf16 rounding after each torch op;
     # -inf for t >= (pos+1)//4 (blocks wholly past it load nothing)
+    pdl_wait(PDL)
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     vis = (load_pos(pos_ptr) + 1) // 4
     s = tl.full([BT], NEG_INF, tl.float32)
@@ -68,7 +70,8 @@ def index_query(q: torch.Tensor, pos: torch.Tensor, freqs: torch.Tensor, n_heads
     out = torch.empty_like(q) if out is None else out
     with on_device(q):
         _query_kernel[(triton.cdiv(n_heads, hq),)](q, out, freqs, pos, H=n_heads, DI=DI, HQ=hq,
-                                                   NOPE=nope, F32=interpreting(), num_warps=4)
+                                                   NOPE=nope, F32=interpreting(), num_warps=4,
+                                                   **launch_args(out))
     return out
 
 
@@ -88,7 +91,8 @@ def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, pos: torc
     with on_device(q):
         _scores_kernel[(triton.cdiv(n, BT),)](q, w, keys, pos, out, wscale, n, H=H,
                                               HP=max(16, triton.next_power_of_2(H)), DI=DI, BT=BT,
-                                              F32=interpreting(), num_warps=4)
+                                              F32=interpreting(), num_warps=4,
+                                              **launch_args(out))
     return out
 
 

@@ -10,20 +10,21 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import round_bf16
+from .common import launch_args, pdl_wait, round_bf16
 
 BK = 256       # flattened-h elements per program of the partial mix GEMV
 
 
 @triton.jit
 def _mix_partial_kernel(h_ptr, fn_ptr, part_ptr, K: tl.constexpr, M: tl.constexpr,
-                        MP: tl.constexpr, BK: tl.constexpr):
+                        MP: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr):
     # part[pid, :M] = fn[:, chunk] @ h[chunk]; part[pid, M] = sum(h[chunk]^2)   (float32)
     pid = tl.program_id(0)
     kk = pid * BK + tl.arange(0, BK)
-    h = tl.load(h_ptr + kk).to(tl.float32)
     m = tl.arange(0, MP)
     f = tl.load(fn_ptr + m[:, None] * K + kk[None, :], mask=(m < M)[:, None], other=0.0)
+    pdl_wait(PDL)    # fn is a weight: loaded before the wait
+    h = tl.load(h_ptr + kk).to(tl.float32)
     dots = tl.sum(f * h[None, :], axis=1)
     tl.store(part_ptr + pid * (MP + 1) + m, dots)
     tl.store(part_ptr + pid * (MP + 1) + MP, tl.sum(h * h, axis=0))
@@ -42,8 +43,9 @@ def _pre_finish_kernel(h_ptr, part_ptr, scale_ptr, base_ptr, normw_ptr, x_ptr, p
                        D: tl.constexpr, C: tl.constexpr, NCH: tl.constexpr, NCHP: tl.constexpr,
                        MP: tl.constexpr,
                        BD: tl.constexpr, ITERS: tl.constexpr, norm_eps, hc_eps,
-                       HEAD: tl.constexpr, ROUND: tl.constexpr):
+                       HEAD: tl.constexpr, ROUND: tl.constexpr, PDL: tl.constexpr):
     # one program: mixes -> (pre, post, comb) -> x = sum_k pre_k h_k -> RMSNorm(x) * w
+    pdl_wait(PDL)
     rho = tl.rsqrt(_reduce(part_ptr, tl.full([1], MP, tl.int32), NCH, NCHP, MP) / (C * D)
                    + norm_eps)
     kc = tl.arange(0, C)
@@ -79,8 +81,9 @@ def _pre_finish_kernel(h_ptr, part_ptr, scale_ptr, base_ptr, normw_ptr, x_ptr, p
 
 @triton.jit
 def _post_kernel(x_ptr, res_ptr, post_ptr, comb_ptr, out_ptr, D: tl.constexpr, C: tl.constexpr,
-                 BD: tl.constexpr, ROUND: tl.constexpr):
+                 BD: tl.constexpr, ROUND: tl.constexpr, PDL: tl.constexpr):
     # out[j, d] = post_j * x[d] + sum_i comb[i, j] * res[i, d]
+    pdl_wait(PDL)
     d = tl.program_id(0) * BD + tl.arange(0, BD)
     dm = d < D
     kc = tl.arange(0, C)
@@ -99,7 +102,8 @@ def _mix(h2, fn):
     MP = triton.next_power_of_2(M)
     nch = K // BK
     part = torch.empty(nch, MP + 1, dtype=torch.float32, device=h2.device)
-    _mix_partial_kernel[(nch,)](h2, fn, part, K=K, M=M, MP=MP, BK=BK, num_warps=4)
+    _mix_partial_kernel[(nch,)](h2, fn, part, K=K, M=M, MP=MP, BK=BK, num_warps=4,
+                                **launch_args(part))
     return part, nch, MP
 
 
@@ -117,7 +121,7 @@ def hc_pre_norm(h, fn, scale, base, norm_w, norm_eps, hc_eps, iters):
                              NCHP=triton.next_power_of_2(nch), MP=MP,
                              BD=triton.next_power_of_2(D), ITERS=iters, norm_eps=norm_eps,
                              hc_eps=hc_eps, HEAD=False, ROUND=h.dtype == torch.bfloat16,
-                             num_warps=8)
+                             num_warps=8, **launch_args(x))
     return x, post, comb
 
 
@@ -131,7 +135,7 @@ def hc_head_norm(h, fn, scale, base, norm_w, norm_eps, hc_eps):
                              NCHP=triton.next_power_of_2(nch), MP=MP,
                              BD=triton.next_power_of_2(D), ITERS=1, norm_eps=norm_eps,
                              hc_eps=hc_eps, HEAD=True, ROUND=h.dtype == torch.bfloat16,
-                             num_warps=8)
+                             num_warps=8, **launch_args(x))
     return x
 
 
@@ -141,7 +145,8 @@ def hc_post(x, res, post, comb):
     out = torch.empty_like(res)
     bd = 256
     _post_kernel[(triton.cdiv(D, bd),)](x, res.contiguous(), post, comb, out, D=D, C=C, BD=bd,
-                                        ROUND=x.dtype == torch.bfloat16, num_warps=4)
+                                        ROUND=x.dtype == torch.bfloat16, num_warps=4,
+                                        **launch_args(out))
     return out
 
 

@@ -205,7 +205,7 @@ def clone_state(st):
 def check_attention_decode(dev, g, capacity=64, steps=36, layers=(0, 1, 2), seed=0):
     """Consecutive decode steps after a short prefill: the wo_b input within bf16 rounding, the
     output within the FP8 act-quant of wo_b (a 1-ulp input change can move an e4m3 step), and the
-    caches and compressor states of the two paths agree."""
+    caches and compressor states of the two paths agree (states to float32 summation order)."""
     from dsv4.attention import Attention
     from dsv4.device_weights import DeviceWeights
     from dsv4.quant import hadamard_matrix
@@ -243,7 +243,10 @@ def check_attention_decode(dev, g, capacity=64, steps=36, layers=(0, 1, 2), seed
         for c in ("compressor", "index_compressor"):
             a, b = getattr(st_f, c), getattr(st_r, c)
             if a is not None:
-                assert torch.equal(a.kv, b.kv) and torch.equal(a.score, b.score), c
+                # the fused path computes the projections in one multi-matrix launch: float32
+                # summation order differs from the torch path's separate linears
+                torch.testing.assert_close(a.kv, b.kv, rtol=1e-5, atol=1e-5, msg=c)
+                torch.testing.assert_close(a.score, b.score, rtol=1e-5, atol=1e-5, msg=c)
 
 
 # ---- the interpreter (CPU) -------------------------------------------------------------------

@@ -41,6 +41,7 @@ def _compile_all():
         (C._compressor_kernel, comp, dict(R=4, DC=128, OVERLAP=True, ROTATE=True, NOPE=64, RB=4), 4),
     ]
     for fn, f32, const, nw in jobs:
+        const = dict(const, PDL=True)
         sig = {a: "constexpr" if a in const else "fp32" if a in ("eps", "scale", "wscale") else
                "i32" if a == "N" else "*i64" if a in ("pos_ptr", "idx_ptr") else
                "*fp32" if a in f32.split() else "*bf16" for a in fn.arg_names}

@@ -17,12 +17,14 @@ import triton.language as tl  # noqa: E402
 
 from dsv4.formats import e2m1_decode  # noqa: E402
 from dsv4.kernels import common  # noqa: E402
-from dsv4.kernels.bf16_linear import bf16_linear, bf16_linear_reference  # noqa: E402
+from dsv4.kernels.bf16_linear import (bf16_linear, bf16_linear_multi,  # noqa: E402
+                                      bf16_linear_reference)
 from dsv4.kernels.common import Config  # noqa: E402
 from dsv4.kernels.fp4_experts import (fp4_experts_down, fp4_experts_down_reference,  # noqa: E402
                                       fp4_experts_up, fp4_experts_up_reference)
-from dsv4.kernels.fp8_linear import (fp8_linear, fp8_linear_reference, fp8_swiglu,  # noqa: E402
-                                     fp8_swiglu_reference)
+from dsv4.kernels.fp8_linear import (fp8_linear, fp8_linear2, fp8_linear_reference,  # noqa: E402
+                                     fp8_swiglu, fp8_swiglu_reference)
+from dsv4.kernels.route import route_decode, route_reference  # noqa: E402
 from dsv4.quant import fp8_quant_dequant  # noqa: E402
 
 from test_kernels import (assert_close_bf16, assert_close_f32, fp4_bank, fp8_weight,  # noqa: E402
@@ -125,6 +127,21 @@ def test_fp8_linear_concatenated_rows_equal_separate_calls():
     assert torch.equal(cat, sep)
 
 
+def test_fp8_linear2_and_add_epilogue():
+    (wa, sa), (wb, sb) = fp8_weight(256, 384, GEN), fp8_weight(128, 384, GEN)
+    x = spiky_x(384, GEN, torch.bfloat16)
+    cfg = Config(64, 2)
+    ya, yb = fp8_linear2(x, wa, sa, wb, sb, config=cfg)
+    assert torch.equal(ya, fp8_linear(x, wa, sa, config=cfg))
+    assert torch.equal(yb, fp8_linear(x, wb, sb, config=cfg))
+    add = torch.randn(1, 256, generator=GEN) * 4
+    y = fp8_linear(x, wa, sa, add=add, out=poisoned(1, 256), config=cfg)
+    ref = (add + fp8_linear(x, wa, sa, config=cfg).float()).to(torch.bfloat16)
+    assert torch.equal(y, ref)
+    with pytest.raises(ValueError, match="second weight"):
+        fp8_linear2(x, wa, sa, *fp8_weight(128, 256, GEN))
+
+
 @pytest.mark.parametrize("groups,cfg", [(2, Config(64, 2)), (3, Config(128, 1))])
 def test_fp8_linear_grouped_wo_a(groups, cfg):
     kg = 256
@@ -164,6 +181,56 @@ def test_bf16_linear(n, k, cfg):
                 assert (y - ref).abs().le(1e-6 * absdot + 1e-30).all()
             else:
                 assert_close_bf16(y, ref, absdot=absdot)
+
+
+def test_bf16_linear_multi_equals_separate_calls():
+    ns, k = [100, 64, 5, 128, 33], 384
+    ws = [(torch.randn(n, k, generator=GEN) * k ** -0.5).to(torch.bfloat16) for n in ns]
+    x = spiky_x(k, GEN, torch.bfloat16)
+    dts = [torch.float32, torch.bfloat16, torch.float32, torch.float32, torch.bfloat16]
+    cfg = Config(16, 2)
+    outs = bf16_linear_multi(x, ws, dts, config=cfg)
+    for y, w, dt in zip(outs, ws, dts):
+        assert y.dtype == dt and torch.equal(y, bf16_linear(x, w, out_dtype=dt, config=cfg))
+    two = bf16_linear_multi(x, ws[:2], dts[:2], config=cfg)
+    assert all(torch.equal(a, b) for a, b in zip(two, outs[:2]))
+    with pytest.raises(ValueError, match="expected 1..5"):
+        bf16_linear_multi(x, ws + ws[:1], dts + dts[:1])
+
+
+# ---- MoE routing -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("score", ["sqrtsoftplus", "sigmoid", "softmax"])
+def test_route_decode_score(score):
+    E, k = 256, 6
+    for trial in range(3):
+        logits = torch.randn(1, E, generator=GEN) * 3
+        logits[0, :4] = torch.tensor([25.0, -30.0, 20.0, 19.99])   # softplus threshold sides
+        bias = torch.randn(E, generator=GEN) * 0.1
+        w, idx = route_decode(logits, k, score, 2.5, bias=bias)
+        rw, ridx = route_reference(logits, k, score, 2.5, bias=bias)
+        assert idx.dtype == torch.int64 and torch.equal(idx, ridx), (idx, ridx)
+        assert torch.allclose(w, rw, rtol=2e-6, atol=0), (w, rw)
+
+
+def test_route_decode_hash_and_ties():
+    E, k, V = 64, 6, 50
+    tid2eid = torch.stack([torch.randperm(E, generator=GEN)[:k] for _ in range(V)])
+    tid2eid[3] = torch.tensor([5, 5, 1, 63, 0, 7])            # duplicates are kept, in id order
+    logits = torch.randn(1, E, generator=GEN)
+    for tok in (0, 3, 49):
+        ids = torch.tensor([tok])
+        w, idx = route_decode(logits, k, "sqrtsoftplus", 1.5, tid2eid=tid2eid, ids=ids)
+        rw, ridx = route_reference(logits, k, "sqrtsoftplus", 1.5, tid2eid=tid2eid, ids=ids)
+        assert torch.equal(idx, ridx) and torch.allclose(w, rw, rtol=2e-6, atol=0)
+    flat = torch.zeros(1, E)                                    # all equal: lowest ids win
+    w, idx = route_decode(flat, k, "sigmoid", 1.0, bias=torch.zeros(E))
+    assert idx.tolist() == list(range(k)) and torch.allclose(w, torch.full((k,), 1 / k))
+    nan = torch.full((1, E), float("nan"))
+    _, idx = route_decode(nan, k, "sqrtsoftplus", 1.0, bias=torch.zeros(E))
+    assert ((idx >= 0) & (idx < E)).all()                     # never an out-of-range expert
+    with pytest.raises(ValueError, match="bias"):
+        route_decode(logits, k, "sqrtsoftplus", 1.0)
 
 
 # ---- routed FP4 experts ------------------------------------------------------------------------
@@ -215,9 +282,12 @@ def test_moe_and_linear_kernel_paths_match_the_torch_path(monkeypatch):
     x = torch.randn(1, cfg.dim, generator=GEN).to(torch.bfloat16)
     ids = torch.tensor([7])
     ref = moe.decode(x, ids)                                    # CPU: the torch loop
-    w, idx = moe.route(x, ids)
-    idx, order = idx[0].sort()
-    got = moe._decode_kernels(x, idx, w[0].index_select(0, order))
+    w, idx = moe.route_decode(x, ids)                           # gate GEMV + route kernel
+    rw, ridx = moe.route(x, ids)
+    ridx, order = ridx[0].sort()
+    assert torch.equal(idx, ridx)
+    assert torch.allclose(w, rw[0].index_select(0, order), rtol=1e-6, atol=0)
+    got = moe._decode_kernels(x, w, idx)
     assert got.dtype == ref.dtype == torch.bfloat16 and not got.isnan().any()
     rel = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
     assert rel < 1e-2 and (got == ref).float().mean() >= 0.8, (rel, SEED)
