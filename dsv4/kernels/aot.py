@@ -46,7 +46,8 @@ def variants(preset: str) -> list[tuple[str, object, dict, dict, int]]:
         cfg = fp8_config(n, k, n // groups, dual)
         ce = dict(K=k, NG=n // groups, PA=(Rq if name == "wq_a+wkv" else n) // cfg.bn, QUANT=quant,
                   SWIGLU=dual, HAS_LIMIT=dual, TWO=name == "wq_a+wkv", HAS_ADD=name.endswith("add"),
-                  NATIVE=True, BN=cfg.bn, NB=cfg.nb, EVEN_K=k % (cfg.nb * 128) == 0, PDL=True)
+                  NATIVE=True, BN=cfg.bn, NB=cfg.nb, EVEN_K=k % (cfg.nb * 128) == 0,
+                  PREFETCH=cfg.prefetch and cfg.nb * 128 < k, PDL=True)
         out.append((f"fp8.{name}", _fp8_gemv_kernel, FP8_SIG, ce, cfg.num_warps))
     side = [2 * Dh, 2 * Dh, 2 * c.index_head_dim, 2 * c.index_head_dim, c.index_n_heads]
     for name, ns, xdt in [("gate", [c.n_routed_experts], "*bf16"), ("side.r4", side, "*bf16"),

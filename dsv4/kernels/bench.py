@@ -108,13 +108,14 @@ def _x(k, dev, gen, dtype=torch.bfloat16):
     return torch.randn(1, k, device=dev, generator=gen).to(dtype)
 
 
-def _neighbours(cfg: Config, bn_max: int = 128) -> list[Config]:
+def _neighbours(cfg: Config, bn_max: int = 128, prefetch=(False,)) -> list[Config]:
     out = []
     for bn in (cfg.bn // 2, cfg.bn, cfg.bn * 2):
         for nb in (cfg.nb // 2, cfg.nb, cfg.nb * 2):
             for nw in (4, 8):
-                if 1 <= bn <= bn_max and 1 <= nb <= 32:
-                    out.append(Config(bn, nb, nw))
+                for pf in prefetch:
+                    if 1 <= bn <= bn_max and 1 <= nb <= 32:
+                        out.append(Config(bn, nb, nw, pf))
     return out
 
 
@@ -149,7 +150,8 @@ def fp8_case(name, n, k, dev, gen, groups=1, dual=False) -> Case:
                                         dequantize_fp8_weight(w, s, torch.bfloat16).view(groups, -1, k))
         return lambda: F.linear(fp8_quant_dequant(x, 128), dequantize_fp8_weight(w, s, torch.bfloat16))
     shape = f"[{n}, {k}]" + (f" G={groups}" if groups > 1 else "") + (" x2 (w1+w3)" if dual else "")
-    return Case(name, shape, nbytes, make, cfg, torch_path, copies, _neighbours(cfg))
+    return Case(name, shape, nbytes, make, cfg, torch_path, copies,
+                _neighbours(cfg, prefetch=(False, True)))
 
 
 def bf16_case(name, n, k, dev, gen, x_dtype=torch.bfloat16) -> Case:
@@ -226,6 +228,8 @@ def build_cases(preset: str, dev, only=(), seed: int = 0):
         ("wkv", lambda: [fp8_case("wkv", Dh, D, dev, gen)]),
         ("wq_a+wkv", lambda: [fp8_case("wq_a+wkv", Rq + Dh, D, dev, gen)]),
         ("wq_b", lambda: [fp8_case("wq_b", H * Dh, Rq, dev, gen)]),
+        ("idx.wq_b", lambda: [fp8_case("idx.wq_b", cfg.index_n_heads * cfg.index_head_dim, Rq,
+                                       dev, gen)]),
         ("wo_a", lambda: [fp8_case("wo_a", G * R, H * Dh // G, dev, gen, groups=G)]),
         ("wo_b", lambda: [fp8_case("wo_b", D, G * R, dev, gen)]),
         ("shared.w1", lambda: [fp8_case("shared.w1", I, D, dev, gen)]),
@@ -233,6 +237,10 @@ def build_cases(preset: str, dev, only=(), seed: int = 0):
         ("shared.w2", lambda: [fp8_case("shared.w2", D, I, dev, gen)]),
         ("gate", lambda: [bf16_case("gate", E, D, dev, gen)]),
         ("compressor.wkv", lambda: [bf16_case("compressor.wkv", 2 * Dh, D, dev, gen)]),
+        # the ratio-4 side projections' launch (compressor + indexer compressor wkv/wgate,
+        # weights_proj) has the programs of one matrix of their summed rows
+        ("side.r4", lambda: [bf16_case("side.r4", 4 * Dh + 4 * cfg.index_head_dim
+                                       + cfg.index_n_heads, D, dev, gen)]),
         ("weights_proj", lambda: [bf16_case("weights_proj", cfg.index_n_heads, D, dev, gen)]),
         ("head", lambda: [bf16_case("head", cfg.vocab_size, D, dev, gen, torch.float32)]),
         ("experts.up experts.down experts.step",

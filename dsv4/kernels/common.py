@@ -61,10 +61,12 @@ def on_device(t: torch.Tensor):
 
 @dataclass(frozen=True)
 class Config:
-    """A fixed launch config: BN output rows per program, NB blocks of 128 K-elements per step."""
+    """A fixed launch config: BN output rows per program, NB blocks of 128 K-elements per step;
+    prefetch (FP8 GEMV): load the next step's weights before this step's math."""
     bn: int
     nb: int
     num_warps: int = 4
+    prefetch: bool = False
 
 
 def pow2_floor(v: int) -> int:

@@ -62,7 +62,7 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, w3_ptr, s3_ptr, y_ptr, wb_ptr, sb_ptr,
                      QUANT: tl.constexpr, SWIGLU: tl.constexpr, HAS_LIMIT: tl.constexpr,
                      TWO: tl.constexpr, HAS_ADD: tl.constexpr,
                      NATIVE: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr,
-                     EVEN_K: tl.constexpr, PDL: tl.constexpr):
+                     EVEN_K: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr):
     # x [G*K] (G = N / NG groups: rows [g*NG, (g+1)*NG) read x[g*K, (g+1)*K)); w, w3 [N, K] u8;
     # s, s3 [N/128, K/128] u8; y [N]. One program: BN rows (inside one 128-row scale block).
     # TWO: programs >= PA compute a second matrix wb/sb -> yb on the same x (ungrouped).
@@ -87,13 +87,31 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, w3_ptr, s3_ptr, y_ptr, wb_ptr, sb_ptr,
     acc = _fp8_fma(tl.zeros([BN, NB * 8], tl.float32), xb, w, sw, NATIVE, NB)
     if SWIGLU:
         acc3 = _fp8_fma(tl.zeros([BN, NB * 8], tl.float32), xb, w3, sw3, NATIVE, NB)
-    for k0 in range(BK, K, BK):
-        xb = _fp8_x(xg, k0, K, NB, EVEN_K, QUANT, NATIVE)
-        w, sw = _fp8_wload(wp, sp, rows, k0, K, srow, NB, EVEN_K)
-        acc = _fp8_fma(acc, xb, w, sw, NATIVE, NB)
-        if SWIGLU:
-            w3, sw3 = _fp8_wload(w3_ptr, s3_ptr, rows, k0, K, srow, NB, EVEN_K)
-            acc3 = _fp8_fma(acc3, xb, w3, sw3, NATIVE, NB)
+    if PREFETCH:   # software pipeline: the next chunk's weights load during this chunk's math
+        if BK < K:
+            w, sw = _fp8_wload(wp, sp, rows, BK, K, srow, NB, EVEN_K)
+            if SWIGLU:
+                w3, sw3 = _fp8_wload(w3_ptr, s3_ptr, rows, BK, K, srow, NB, EVEN_K)
+        for k0 in range(BK, K, BK):
+            wc, swc = w, sw
+            if SWIGLU:
+                w3c, sw3c = w3, sw3
+            if k0 + BK < K:
+                w, sw = _fp8_wload(wp, sp, rows, k0 + BK, K, srow, NB, EVEN_K)
+                if SWIGLU:
+                    w3, sw3 = _fp8_wload(w3_ptr, s3_ptr, rows, k0 + BK, K, srow, NB, EVEN_K)
+            xb = _fp8_x(xg, k0, K, NB, EVEN_K, QUANT, NATIVE)
+            acc = _fp8_fma(acc, xb, wc, swc, NATIVE, NB)
+            if SWIGLU:
+                acc3 = _fp8_fma(acc3, xb, w3c, sw3c, NATIVE, NB)
+    else:
+        for k0 in range(BK, K, BK):
+            xb = _fp8_x(xg, k0, K, NB, EVEN_K, QUANT, NATIVE)
+            w, sw = _fp8_wload(wp, sp, rows, k0, K, srow, NB, EVEN_K)
+            acc = _fp8_fma(acc, xb, w, sw, NATIVE, NB)
+            if SWIGLU:
+                w3, sw3 = _fp8_wload(w3_ptr, s3_ptr, rows, k0, K, srow, NB, EVEN_K)
+                acc3 = _fp8_fma(acc3, xb, w3, sw3, NATIVE, NB)
     y = tl.sum(acc, axis=1)
     if SWIGLU:   # fp8_gemm outputs bf16; the clamped SwiGLU runs in fp32 on those values
         g = round_bf16(y)
@@ -178,8 +196,8 @@ def _launch(x, w, s, w3, s3, out, limit, quant, group_k, out_dtype, config, nati
             out if add is None else add, float(limit), K=K, NG=ng, PA=N // cfg.bn,
             QUANT=quant, SWIGLU=w3 is not w, HAS_LIMIT=limit > 0, TWO=second is not None,
             HAS_ADD=add is not None, NATIVE=native, BN=cfg.bn,
-            NB=cfg.nb, EVEN_K=K % (cfg.nb * 128) == 0, num_warps=cfg.num_warps,
-            **launch_args(out))
+            NB=cfg.nb, EVEN_K=K % (cfg.nb * 128) == 0, PREFETCH=cfg.prefetch and cfg.nb * 128 < K,
+            num_warps=cfg.num_warps, **launch_args(out))
     return out
 
 

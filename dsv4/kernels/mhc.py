@@ -13,6 +13,7 @@ import triton.language as tl
 from .common import launch_args, pdl_wait, round_bf16
 
 BK = 256       # flattened-h elements per program of the partial mix GEMV
+FINISH_WARPS = 8   # warps of the one-program finish (Sinkhorn, weighted sum, RMSNorm)
 
 
 @triton.jit
@@ -121,7 +122,7 @@ def hc_pre_norm(h, fn, scale, base, norm_w, norm_eps, hc_eps, iters):
                              NCHP=triton.next_power_of_2(nch), MP=MP,
                              BD=triton.next_power_of_2(D), ITERS=iters, norm_eps=norm_eps,
                              hc_eps=hc_eps, HEAD=False, ROUND=h.dtype == torch.bfloat16,
-                             num_warps=8, **launch_args(x))
+                             num_warps=FINISH_WARPS, **launch_args(x))
     return x, post, comb
 
 

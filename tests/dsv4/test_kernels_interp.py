@@ -97,6 +97,8 @@ def test_decoders_cover_every_code():
 # ---- fp8_linear / fp8_swiglu ---------------------------------------------------------------------
 
 @pytest.mark.parametrize("n,k,cfg", [(256, 384, Config(64, 2)),    # K tail masked (384 % 256)
+                                     (256, 640, Config(128, 2, 4, True)),   # prefetch, K tail
+                                     (128, 384, Config(64, 1, 4, True)),    # prefetch, even K
                                      (384, 256, Config(128, 2)),   # N = 3 * 128 (concatenated)
                                      (128, 640, None)])            # default heuristic config
 def test_fp8_linear(n, k, cfg):
@@ -156,8 +158,10 @@ def test_fp8_linear_grouped_wo_a(groups, cfg):
 def test_fp8_swiglu(limit):
     (w1, s1), (w3, s3) = fp8_weight(256, 384, GEN, gain=8.0), fp8_weight(256, 384, GEN, gain=8.0)
     x = spiky_x(384, GEN, torch.bfloat16)
-    a = fp8_swiglu(x, w1, s1, w3, s3, limit, out=poisoned(1, 256), config=Config(128, 4))
+    a = fp8_swiglu(x, w1, s1, w3, s3, limit, out=poisoned(1, 256), config=Config(128, 1))
     ref = fp8_swiglu_reference(x, w1, s1, w3, s3, limit)
+    # the prefetch pipeline changes no bit (same accumulation order)
+    assert torch.equal(a, fp8_swiglu(x, w1, s1, w3, s3, limit, config=Config(128, 1, 4, True)))
     if limit:
         g = fp8_linear_reference(x, w1, s1).float()
         assert (g > limit).any(), "test data should exercise the clamp"
