@@ -9,8 +9,8 @@ import triton
 import triton.language as tl
 
 from ..formats import FP4_AMAX_FLOOR, FP4_MAX, FP4_MAX_INV
-from .common import (launch_args, pdl_wait, RNE_MAGIC, block_exponent, interpreting, on_device, pow2, quant_dequant,
-                     round_bf16)
+from .common import (RNE_MAGIC, block_exponent, interpreting, launch_args, on_device, pdl_wait,
+                     pow2, quant_dequant, round_bf16)
 
 E2M1_MAX = tl.constexpr(FP4_MAX)
 E2M1_MAX_INV = tl.constexpr(FP4_MAX_INV)

@@ -12,8 +12,8 @@ import triton.language as tl
 
 from ..formats import FP4_BLOCK, dequantize_fp4_weight
 from ..quant import fp8_quant_dequant
-from .common import (launch_args, pdl_wait, Config, block_exponent, e2m1_pair_to_f32, e8m0_to_f32, on_device,
-                     pick_config, quant_dequant, round_bf16)
+from .common import (Config, block_exponent, e2m1_pair_to_f32, e8m0_to_f32, launch_args,
+                     on_device, pdl_wait, pick_config, quant_dequant, round_bf16)
 
 # Sized from the sm_90 SASS (python -m dsv4.kernels.aot): ~5.6 (up) / ~6.5 (down) instructions per
 # weight element with <= 128 registers, so several programs per SM keep two steps of loads in flight.

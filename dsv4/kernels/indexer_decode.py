@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import launch_args, pdl_wait, interpreting, on_device, round_bf16
+from .common import interpreting, launch_args, on_device, pdl_wait, round_bf16
 from .compressor_decode import (NEG_INF, dot_bf16, fp4_fake_quant_rows, from_pairs, load_pos,
                                 rope_cos_sin, rope_pairs, sylvester, to_pairs)
 
