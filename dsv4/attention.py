@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from . import kernels
+from . import kernels, overlap
 from .compressor import Compressor
 from .config import ModelConfig
 from .indexer import Indexer
@@ -146,17 +146,22 @@ class Attention:
         W, r, eps = cfg.window_size, self.ratio, cfg.norm_eps
         qr, kv = self._q_kv_rows(x)
         qr = K.rms_norm_row(qr, self.q_norm, eps)
+        # the compressors and the indexer (state: their own buffers and kv_cache[W:]) are a
+        # parallel branch when captured, beside wq_b + prep (which writes the ring kv_cache[:W])
+        br = overlap.Branch(x, when=bool(r))
+        idx, n = None, (st.kv_cache.shape[0] - W - 1 if r else 0)      # compressed entries
+        with br.side():
+            proj = self._side_projections(x) if r else None
+            if r == 4:
+                idx = self.indexer.decode(x, qr, None, pos, st, self.freqs, W, fused=True,
+                                          raw=True, proj=proj[2:])
+                n = idx.shape[-1]
+            if r:
+                self.compressor.decode(x, pos, st.compressor, st.kv_cache[W:], self.freqs,
+                                       fused=True, proj=proj[:2])
         q = K.attention_prep(self.wq_b(qr, act), kv, self.kv_norm, st.kv_cache, pos,
                              self.freqs, eps, H, W)                     # also kv -> ring slot
-        proj = self._side_projections(x) if r else None
-        idx, n = None, (st.kv_cache.shape[0] - W - 1 if r else 0)      # compressed entries
-        if r == 4:
-            idx = self.indexer.decode(x, qr, None, pos, st, self.freqs, W, fused=True, raw=True,
-                                      proj=proj[2:])
-            n = idx.shape[-1]
-        if r:
-            self.compressor.decode(x, pos, st.compressor, st.kv_cache[W:], self.freqs, fused=True,
-                                   proj=proj[:2])
+        br.join()
         o = K.sparse_attention_decode(q, st.kv_cache, self.attn_sink, pos, self.freqs,
                                       cfg.head_dim ** -0.5, H, W, r, n, idx)  # inverse RoPE done
         return self._project_out(o)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import kernels
+from . import kernels, overlap
 from .config import ModelConfig
 from .linear import ExpertBank, Linear
 from .quant import fp8_quant_dequant
@@ -89,7 +89,7 @@ class MoE:
         """One token: x [1, D], ids [1] -> [1, D]. Fixed shapes, no host sync (capture-safe)."""
         if (x.device.type == "cuda" and x.dtype == torch.bfloat16 and self.experts.fmt == "fp4"
                 and kernels.available(x.device)):
-            return self._decode_kernels(x, *self.route_decode(x, ids))
+            return self._decode_kernels(x, ids)
         w, idx = self.route(x, ids)
         idx, order = idx[0].sort()              # the reference adds experts in ascending id order
         w = w[0].index_select(0, order)
@@ -107,19 +107,28 @@ class MoE:
                             cfg.route_scale, bias=self.bias, tid2eid=self.tid2eid,
                             ids=ids if self.hash else None)
 
-    def _decode_kernels(self, x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        """decode's experts as Triton launches: routed FP4 up + down (idx [k] sorted, w [k] f32),
-        the FP8 shared expert as fused w1/w3 SwiGLU + w2 with the routed sum added in its epilogue.
-        Same math as the loop. Capture-safe."""
+    def _decode_kernels(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """decode as Triton launches: routing (route_decode), routed FP4 up + down with the shared
+        expert's output added in down's epilogue; the FP8 shared expert (fused w1/w3 SwiGLU, w2)
+        is a parallel branch when captured (dsv4.overlap). Same math as the loop: bf16(routed
+        sum in f32 + bf16 shared). Capture-safe."""
         from .kernels.fp4_experts import fp4_experts_down, fp4_experts_up
         from .kernels.fp8_linear import fp8_linear, fp8_swiglu
         bank, lim, sh = self.experts, self.cfg.swiglu_limit, self.shared
+        if sh["w1"].fmt != "fp8":
+            w, idx = self.route_decode(x, ids)
+            a = fp4_experts_up(x, idx, w, bank.w1, bank.w1_scale, bank.w3, bank.w3_scale, lim)
+            y = fp4_experts_down(a, idx, bank.w2, bank.w2_scale)              # [1, D] f32
+            return (y + self._shared(x)).to(x.dtype)
+        br = overlap.Branch(x)
+        with br.side():
+            a_sh = fp8_swiglu(x, sh["w1"].weight, sh["w1"].scale, sh["w3"].weight, sh["w3"].scale,
+                              lim)
+            y_sh = fp8_linear(a_sh, sh["w2"].weight, sh["w2"].scale, out_dtype=x.dtype)
+        w, idx = self.route_decode(x, ids)
         a = fp4_experts_up(x, idx, w, bank.w1, bank.w1_scale, bank.w3, bank.w3_scale, lim)
-        y = fp4_experts_down(a, idx, bank.w2, bank.w2_scale)                  # [1, D] f32
-        if sh["w1"].fmt == "fp8":
-            a = fp8_swiglu(x, sh["w1"].weight, sh["w1"].scale, sh["w3"].weight, sh["w3"].scale, lim)
-            return fp8_linear(a, sh["w2"].weight, sh["w2"].scale, add=y, out_dtype=x.dtype)
-        return (y + self._shared(x)).to(x.dtype)
+        br.join()
+        return fp4_experts_down(a, idx, bank.w2, bank.w2_scale, add=y_sh, out_dtype=x.dtype)
 
     def prefill(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [t, D], ids [t] -> [t, D]. Groups tokens by expert (host sync: prefill only)."""

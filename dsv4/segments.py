@@ -12,6 +12,7 @@ import torch
 
 from graphs import Segment
 
+from . import overlap
 from .model import Transformer
 from .sampling import SamplingParams, sample
 
@@ -46,6 +47,8 @@ class DecodeBuffers:
 def build_segments(model: Transformer, bufs: DecodeBuffers, params: SamplingParams) -> list[Segment]:
     """The per-layer segments of one decode step (plus `embed` and `head` on the head device)."""
     hd = model.head_device
+    for dev in {hd, *model.placement}:
+        overlap.prepare(dev)        # side streams of the captured parallel branches
     segs = [Segment("embed", hd, _embed_fn(model, bufs),
                     reads={"token": bufs.token}, writes={"h": bufs.h[hd]})]
     for l, (blk, st) in enumerate(zip(model.layers, model.states)):

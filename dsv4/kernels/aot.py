@@ -29,7 +29,8 @@ ROUTE_SIG = {"logits_ptr": "*fp32", "bias_ptr": "*fp32", "tid2eid_ptr": "*i64", 
              "w_ptr": "*fp32", "idx_ptr": "*i64", "route_scale": "fp32"}
 UP_SIG = {"x_ptr": "*bf16", "idx_ptr": "*i64", "rw_ptr": "*fp32", "w1_ptr": "*i32", "s1_ptr": "*u8",
           "w3_ptr": "*i32", "s3_ptr": "*u8", "a_ptr": "*bf16", "limit": "fp32"}
-DOWN_SIG = {"a_ptr": "*bf16", "idx_ptr": "*i64", "w2_ptr": "*i32", "s2_ptr": "*u8", "y_ptr": "*fp32"}
+DOWN_SIG = {"a_ptr": "*bf16", "idx_ptr": "*i64", "w2_ptr": "*i32", "s2_ptr": "*u8", "add_ptr": "*bf16",
+            "y_ptr": "*bf16"}
 
 
 def variants(preset: str) -> list[tuple[str, object, dict, dict, int]]:
@@ -41,7 +42,7 @@ def variants(preset: str) -> list[tuple[str, object, dict, dict, int]]:
     fp8 = [("wq_a+wkv", Rq + Dh, D, 1, True, False), ("wq_b", H * Dh, Rq, 1, True, False),
            ("idx.wq_b", c.index_n_heads * c.index_head_dim, Rq, 1, True, False),
            ("wo_a", G * R, H * Dh // G, G, False, False), ("wo_b", D, G * R, 1, True, False),
-           ("shared.w1+w3", I, D, 1, True, True), ("shared.w2+add", D, I, 1, True, False)]
+           ("shared.w1+w3", I, D, 1, True, True), ("shared.w2", D, I, 1, True, False)]
     for name, n, k, groups, quant, dual in fp8:
         cfg = fp8_config(n, k, n // groups, dual)
         ce = dict(K=k, NG=n // groups, PA=(Rq if name == "wq_a+wkv" else n) // cfg.bn, QUANT=quant,
@@ -66,12 +67,12 @@ def variants(preset: str) -> list[tuple[str, object, dict, dict, int]]:
         out.append((f"route.{'hash' if hashed else 'score'}", _route_kernel, ROUTE_SIG, ce, 4))
     k = c.n_activated_experts
     cu, cd = up_config(k, I, D), down_config(k, I, D)
-    out.append(("fp4.up", _fp4_up_kernel, UP_SIG, dict(I=I, D=D, HAS_LIMIT=True, BN=cu.bn, NB=cu.nb,
-                                                         EVEN_K=D % (cu.nb * 128) == 0, PDL=True),
-                cu.num_warps))
-    out.append(("fp4.down", _fp4_down_kernel, DOWN_SIG, dict(D=D, I=I, TOPK=k, BN=cd.bn, NB=cd.nb,
-                                                             EVEN_K=I % (cd.nb * 128) == 0, PDL=True),
-                cd.num_warps))
+    out.append(("fp4.up", _fp4_up_kernel, UP_SIG,
+                dict(I=I, D=D, HAS_LIMIT=True, BN=cu.bn, NB=cu.nb, EVEN_K=D % (cu.nb * 128) == 0,
+                     NATIVE=True, PDL=True), cu.num_warps))
+    out.append(("fp4.down", _fp4_down_kernel, DOWN_SIG,
+                dict(D=D, I=I, TOPK=k, BN=cd.bn, NB=cd.nb, EVEN_K=I % (cd.nb * 128) == 0,
+                     HAS_ADD=True, NATIVE=True, PDL=True), cd.num_warps))
     return out
 
 

@@ -162,11 +162,60 @@ def e4m3_to_f32(b, NATIVE: tl.constexpr):
         return h.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
 
 
+# e2m1 word -> float32 (value * 2^-6): the 8 nibbles of a 32-bit word, in order. Each nibble becomes
+# an e4m3 byte (e2m1's bits shifted down by 2, subnormal 0.5 included: 3 32-bit ops per 4 bytes),
+# then cvt e4m3x2 -> f16x2 (one per pair) and f16 -> f32.
+E2M1_TO_F32_ASM = tl.constexpr("""{
+    .reg .b32 a, c, l, h, p0, p1, p2, p3;
+    .reg .b16 l0, l1, h0, h1, f0, f1, f2, f3, g0, g1, g2, g3;
+    shl.b32 a, $8, 2;
+    shl.b32 c, $8, 4;
+    and.b32 a, a, 0x1C1C1C1C;
+    and.b32 c, c, 0x80808080;
+    or.b32 l, a, c;
+    shr.b32 a, $8, 2;
+    and.b32 a, a, 0x1C1C1C1C;
+    and.b32 c, $8, 0x80808080;
+    or.b32 h, a, c;
+    mov.b32 {l0, l1}, l;
+    mov.b32 {h0, h1}, h;
+    cvt.rn.f16x2.e4m3x2 p0, l0;
+    cvt.rn.f16x2.e4m3x2 p1, l1;
+    cvt.rn.f16x2.e4m3x2 p2, h0;
+    cvt.rn.f16x2.e4m3x2 p3, h1;
+    mov.b32 {f0, f1}, p0;
+    mov.b32 {f2, f3}, p1;
+    mov.b32 {g0, g1}, p2;
+    mov.b32 {g2, g3}, p3;
+    cvt.f32.f16 $0, f0;
+    cvt.f32.f16 $1, g0;
+    cvt.f32.f16 $2, f1;
+    cvt.f32.f16 $3, g1;
+    cvt.f32.f16 $4, f2;
+    cvt.f32.f16 $5, g2;
+    cvt.f32.f16 $6, f3;
+    cvt.f32.f16 $7, g3;
+}""")
+
+
 @triton.jit
-def e2m1_pair_to_f32(p):
-    """int32 words p -> the e2m1 nibbles at bits 0-3 and 16-19 as float32 (value * 2^-14 each).
-    Both go to fp16 bit patterns at once (sign -> bit 15, exponent/mantissa -> bits 9-11)."""
-    t = ((p & 0x00070007) << 9) | ((p & 0x00080008) << 12)
-    lo = t.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-    hi = (t >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-    return lo, hi
+def _e2m1_bits(w, r: tl.constexpr):
+    """Nibble r of int32 words w -> float32 value * 2^-14 (its bits placed in an fp16, exact)."""
+    n = w >> (4 * r)
+    h = ((n & 7) << 9) | ((n & 8) << 12)
+    return h.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def e2m1_word_to_f32(w, NATIVE: tl.constexpr):
+    """int32 words of 8 e2m1 codes (nibble r = element r, low nibble first) -> 8 float32 tensors
+    shaped like w, element r of each word: the e2m1 value * 2^-6 (NATIVE) or * 2^-14 (not
+    NATIVE). NATIVE (sm_90, inline PTX): e2m1 (s, e1 e0 m) is e4m3's bit pattern with exponent and
+    mantissa shifted down by 2, so 4 nibbles at a time become e4m3 bytes, then the hardware
+    e4m3x2 -> f16x2 and f16 -> f32 casts. Otherwise (interpreter) each nibble's bits go into an fp16."""
+    if NATIVE:
+        return tl.inline_asm_elementwise(E2M1_TO_F32_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r", [w],
+                                         dtype=(tl.float32,) * 8, is_pure=True, pack=1)
+    else:
+        return (_e2m1_bits(w, 0), _e2m1_bits(w, 1), _e2m1_bits(w, 2), _e2m1_bits(w, 3),
+                _e2m1_bits(w, 4), _e2m1_bits(w, 5), _e2m1_bits(w, 6), _e2m1_bits(w, 7))

@@ -12,44 +12,54 @@ import triton.language as tl
 
 from ..formats import FP4_BLOCK, dequantize_fp4_weight
 from ..quant import fp8_quant_dequant
-from .common import (Config, block_exponent, e2m1_pair_to_f32, e8m0_to_f32, launch_args,
-                     on_device, pdl_wait, pick_config, quant_dequant, round_bf16)
+from .common import (Config, block_exponent, e2m1_word_to_f32, e8m0_to_f32, interpreting,
+                     launch_args, on_device, pdl_wait, pick_config, quant_dequant, round_bf16)
 
-# Sized from the sm_90 SASS (python -m dsv4.kernels.aot): ~5.6 (up) / ~6.5 (down) instructions per
-# weight element with <= 128 registers, so several programs per SM keep two steps of loads in flight.
+# The e2m1 decode (e2m1_word_to_f32): 4 nibbles become e4m3 bytes in three 32-bit ops (inline PTX),
+# then hardware e4m3x2 -> f16x2 -> f32 casts, then one FMA per weight.
 UP_TILE_BYTES = 4096     # packed bytes per program, step and matrix (w1 and w3: twice that)
 DOWN_TILE_BYTES = 8192
 BN_MAX = 16              # rows per program: more rows amortize the act quant, fewer keep programs many
 DOWN_TARGET = 256        # the down kernel keeps BN = 16 (x work per row) over more programs
+X_SCALE = tl.constexpr(64.0)          # e2m1_word_to_f32 returns value * 2^-6: folded into x
+X_SCALE_BITS = tl.constexpr(16384.0)  # ... or value * 2^-14 without NATIVE (interpreter)
 
 
 @triton.jit
-def _x_quant(x_ptr, k0, K: tl.constexpr, NB: tl.constexpr, EVEN_K: tl.constexpr):
-    """act_quant of the chunk [k0, k0 + NB*128) in a compact layout (each value quantized once),
-    split by position inside the 8-element words: lo[p] / hi[p] [G, 4] hold elements 8q+p /
-    8q+p+4 of word q = 4g+w, times 2^14 (e2m1_pair_to_f32 returns value * 2^-14)."""
+def _eighths(t):
+    """[..., 2, 2, 2] -> its 8 slices [...] at the last three indices (r2, r1, r0), r = 4 r2 + 2 r1
+    + r0 in order (in-thread splits: a word's 8 elements live in one thread)."""
+    e, o = tl.split(t)
+    e0, e1 = tl.split(e)
+    o0, o1 = tl.split(o)
+    e00, e01 = tl.split(e0)
+    e10, e11 = tl.split(e1)
+    o00, o01 = tl.split(o0)
+    o10, o11 = tl.split(o1)
+    return e00, o00, e10, o10, e01, o01, e11, o11
+
+
+@triton.jit
+def _x_quant(x_ptr, k0, K: tl.constexpr, NB: tl.constexpr, EVEN_K: tl.constexpr,
+             NATIVE: tl.constexpr):
+    """act_quant of the chunk [k0, k0 + NB*128) (each value quantized once), times the decode's
+    scale, as 8 tensors [G, 4] (G = NB*4 groups of 32): x8[r][g, a] = x[32g + 8a + r], the element
+    that nibble r of word a of group g multiplies."""
     G: tl.constexpr = NB * 4
     xoff = k0 + tl.arange(0, NB)[:, None] * 128 + tl.arange(0, 128)[None, :]
     if EVEN_K:
         xb = tl.load(x_ptr + xoff).to(tl.float32)
     else:
         xb = tl.load(x_ptr + xoff, mask=xoff < K, other=0).to(tl.float32)
-    xq = quant_dequant(xb, block_exponent(xb)[:, None]) * 16384.0             # [NB, 128]
-    x5 = tl.reshape(xq, [G, 4, 2, 2, 2])          # [g, w, a, b, c]: element 8q + 4a + 2b + c
-    c0, c1 = tl.split(x5)
-    c0b0, c0b1 = tl.split(c0)
-    c1b0, c1b1 = tl.split(c1)
-    l0, h0 = tl.split(c0b0)
-    l1, h1 = tl.split(c1b0)
-    l2, h2 = tl.split(c0b1)
-    l3, h3 = tl.split(c1b1)
-    return (l0, l1, l2, l3), (h0, h1, h2, h3)
+    xq = quant_dequant(xb, block_exponent(xb)[:, None]) * (X_SCALE if NATIVE else X_SCALE_BITS)
+    return _eighths(tl.reshape(xq, [G, 4, 2, 2, 2]))
 
 
 @triton.jit
 def _w_load(w_ptr, s_ptr, wrow, srow, k0, K: tl.constexpr, NB: tl.constexpr,
             EVEN_K: tl.constexpr):
-    """Words [BN, G, 4] (int32, 8 e2m1 each) and scales [BN, G] (float32) of the K-chunk at k0."""
+    """Words [BN, G, 4] (int32, 8 e2m1 each) and scales [BN, G] (float32) of the K-chunk at k0;
+    wrow / srow: row offsets in words / scales."""
     G: tl.constexpr = NB * 4
     gg = tl.arange(0, G)
     wo = (k0 // 8 + gg[:, None] * 4 + tl.arange(0, 4)[None, :])[None, :, :]   # [1, G, 4]
@@ -64,17 +74,21 @@ def _w_load(w_ptr, s_ptr, wrow, srow, k0, K: tl.constexpr, NB: tl.constexpr,
 
 
 @triton.jit
-def _nibble_fma(t, w, p: tl.constexpr, xlo, xhi):
-    """t [BN, G, 4] += e2m1(nibble p) * xlo + e2m1(nibble p+4) * xhi for every word of w."""
-    lo, hi = e2m1_pair_to_f32(w >> (4 * p))
-    return t + lo * xlo[None, :, :] + hi * xhi[None, :, :]
+def _group_dots(w, x8, NATIVE: tl.constexpr):
+    """[BN, G] partial dots of every 32-group: words w [BN, G, 4] against x8 (see _x_quant)."""
+    v = e2m1_word_to_f32(w, NATIVE)
+    t = v[0] * x8[0][None, :, :]
+    for r in tl.static_range(1, 8):
+        t += v[r] * x8[r][None, :, :]
+    return tl.sum(t, axis=2)
 
 
 @triton.jit
 def _fp4_up_kernel(x_ptr, idx_ptr, rw_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, a_ptr, limit,
                    I: tl.constexpr, D: tl.constexpr, HAS_LIMIT: tl.constexpr, BN: tl.constexpr,
-                   NB: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
-    # x [D] bf16; idx [k] int64; rw [k] f32; w1, w3 [E, I, D/8] int32; s1, s3 [E, I, D/32] u8;
+                   NB: tl.constexpr, EVEN_K: tl.constexpr, NATIVE: tl.constexpr,
+                   PDL: tl.constexpr):
+    # x [D] bf16; idx [k] int64; rw [k] f32; w1, w3 [E, I, D/2] u8; s1, s3 [E, I, D/32] u8;
     # a [k, I] bf16. Program (i, j): rows [i*BN, (i+1)*BN) of expert idx[j].
     pdl_wait(PDL)
     j = tl.program_id(1)
@@ -95,14 +109,9 @@ def _fp4_up_kernel(x_ptr, idx_ptr, rw_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, a_ptr
         if st + 1 < STEPS:   # prefetch: the next chunk's loads overlap this chunk's math
             w1n, s1n = _w_load(w1_ptr, s1_ptr, wrow, srow, k0 + BK, D, NB, EVEN_K)
             w3n, s3n = _w_load(w3_ptr, s3_ptr, wrow, srow, k0 + BK, D, NB, EVEN_K)
-        xl, xh = _x_quant(x_ptr, k0, D, NB, EVEN_K)
-        t1 = tl.zeros([BN, G, 4], tl.float32)
-        t3 = tl.zeros([BN, G, 4], tl.float32)
-        for p in tl.static_range(4):
-            t1 = _nibble_fma(t1, w1, p, xl[p], xh[p])
-            t3 = _nibble_fma(t3, w3, p, xl[p], xh[p])
-        acc1 += tl.sum(t1, axis=2) * sc1      # per-32 weight scale on each group's partial dot
-        acc3 += tl.sum(t3, axis=2) * sc3
+        x8 = _x_quant(x_ptr, k0, D, NB, EVEN_K, NATIVE)
+        acc1 += _group_dots(w1, x8, NATIVE) * sc1   # per-32 weight scale on each group's dot
+        acc3 += _group_dots(w3, x8, NATIVE) * sc3
     g = round_bf16(tl.sum(acc1, axis=1))      # fp4_gemm outputs bf16
     u = round_bf16(tl.sum(acc3, axis=1))
     if HAS_LIMIT:
@@ -123,10 +132,12 @@ def _down_load(idx_ptr, w2_ptr, s2_ptr, rows, t, D: tl.constexpr, I: tl.constexp
 
 
 @triton.jit
-def _fp4_down_kernel(a_ptr, idx_ptr, w2_ptr, s2_ptr, y_ptr, D: tl.constexpr, I: tl.constexpr,
-                     TOPK: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr,
-                     EVEN_K: tl.constexpr, PDL: tl.constexpr):
-    # a [k, I] bf16; idx [k] int64; w2 [E, D, I/8] int32; s2 [E, D, I/32] u8; y [D] f32.
+def _fp4_down_kernel(a_ptr, idx_ptr, w2_ptr, s2_ptr, add_ptr, y_ptr, D: tl.constexpr,
+                     I: tl.constexpr, TOPK: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr,
+                     EVEN_K: tl.constexpr, HAS_ADD: tl.constexpr, NATIVE: tl.constexpr,
+                     PDL: tl.constexpr):
+    # a [k, I] bf16; idx [k] int64; w2 [E, D, I/8] int32; s2 [E, D, I/32] u8; y [D] f32 or bf16;
+    # HAS_ADD: y = y_type(sum + add[D]) (the shared expert's output).
     # One program: BN output rows, all k experts in slot order (fixed fp32 summation order);
     # the (expert, K-chunk) steps run as one loop so the next step's weights load during this one.
     pdl_wait(PDL)
@@ -140,20 +151,22 @@ def _fp4_down_kernel(a_ptr, idx_ptr, w2_ptr, s2_ptr, y_ptr, D: tl.constexpr, I: 
         w, sc = wn, sn
         if t + 1 < TOPK * STEPS:
             wn, sn = _down_load(idx_ptr, w2_ptr, s2_ptr, rows, t + 1, D, I, NB, STEPS, EVEN_K)
-        xl, xh = _x_quant(a_ptr + (t // STEPS) * I, (t % STEPS) * (NB * 128), I, NB, EVEN_K)
-        tt = tl.zeros([BN, G, 4], tl.float32)
-        for p in tl.static_range(4):
-            tt = _nibble_fma(tt, w, p, xl[p], xh[p])
-        acc += tl.sum(tt, axis=2) * sc
+        x8 = _x_quant(a_ptr + (t // STEPS) * I, (t % STEPS) * (NB * 128), I, NB, EVEN_K, NATIVE)
+        acc += _group_dots(w, x8, NATIVE) * sc
         if t % STEPS == STEPS - 1:             # expert done: its output is bf16, summed in fp32
             y += round_bf16(tl.sum(acc, axis=1))
             acc = tl.zeros([BN, G], tl.float32)
-    tl.store(y_ptr + rows, y)
+    if HAS_ADD:
+        y += tl.load(add_ptr + rows).to(tl.float32)
+    if y_ptr.dtype.element_ty == tl.bfloat16:
+        y = round_bf16(y)
+    tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty))
 
 
-# measured best on an H200 by `bench_kernels.py --sweep` (2026-11-22) for Flash (k, I, D)
-TUNED_UP = {(6, 2048, 4096): Config(16, 2, 4)}      # 37.0 -> 32.7 us
-TUNED_DOWN = {(6, 2048, 4096): Config(16, 16, 8)}   # 24.4 -> 21.4 us
+# measured best on an H200 by `bench_kernels.py --sweep` (2026-11-22, e4m3-path decode, PDL) for
+# Flash (k, I, D); the heuristic's configs: up 40.3 us, down 28.3 us
+TUNED_UP = {(6, 2048, 4096): Config(32, 2, 8)}      # 31.2 us
+TUNED_DOWN = {(6, 2048, 4096): Config(32, 16, 8)}   # 21.3 us
 
 
 def up_config(k: int, inter: int, dim: int) -> Config:
@@ -166,6 +179,11 @@ def down_config(k: int, inter: int, dim: int) -> Config:
     if (k, inter, dim) in TUNED_DOWN:
         return TUNED_DOWN[(k, inter, dim)]
     return pick_config(dim, inter, DOWN_TILE_BYTES, 0.5, bn_max=BN_MAX, target=DOWN_TARGET)
+
+
+def _native(t: torch.Tensor) -> bool:
+    """Inline PTX and the hardware e4m3 cast: CUDA, not the interpreter."""
+    return t.is_cuda and not interpreting()
 
 
 def _check(w, s, what):
@@ -196,25 +214,34 @@ def fp4_experts_up(x: torch.Tensor, idx: torch.Tensor, route_w: torch.Tensor, w1
             s1.view(torch.uint8), w3.view(torch.int32), s3.view(torch.uint8), out, float(limit),
             I=I, D=D,
             HAS_LIMIT=limit > 0, BN=cfg.bn, NB=cfg.nb, EVEN_K=D % (cfg.nb * 128) == 0,
+            NATIVE=_native(out),
             num_warps=cfg.num_warps, **launch_args(out))
     return out
 
 
 def fp4_experts_down(a: torch.Tensor, idx: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, *,
+                     add: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32,
                      out: torch.Tensor | None = None, config: Config | None = None) -> torch.Tensor:
-    """a [k, I] bf16, idx [k] int64 -> y [1, D] float32 = sum_j bf16(W8A8 w2[idx[j]] @ a[j]), summed
-    in fp32 in slot order j = 0..k-1 (pass idx sorted to match the reference). Capture-safe."""
+    """a [k, I] bf16, idx [k] int64 -> y [1, D] = sum_j bf16(W8A8 w2[idx[j]] @ a[j]), summed in fp32
+    in slot order j = 0..k-1 (pass idx sorted to match the reference), plus `add` ([1, D], e.g. the
+    shared expert's bf16 output) in fp32, rounded to out_dtype (float32 or bfloat16). Capture-safe."""
     E, D, I = _check(w2, s2, "fp4_experts_down w2")
     k = idx.numel()
     if tuple(a.shape) != (k, I):
         raise ValueError(f"fp4_experts_down: a {tuple(a.shape)}; expected {(k, I)}")
+    if out_dtype not in (torch.float32, torch.bfloat16) or (add is not None and add.numel() != D):
+        raise ValueError(f"fp4_experts_down: out_dtype {out_dtype}, add "
+                         f"{None if add is None else tuple(add.shape)}; expected float32/bfloat16 "
+                         f"and [1, {D}]")
     cfg = config or down_config(k, I, D)
     if out is None:
-        out = torch.empty(1, D, dtype=torch.float32, device=a.device)
+        out = torch.empty(1, D, dtype=out_dtype, device=a.device)
     with on_device(out):
         _fp4_down_kernel[(D // cfg.bn,)](
-            a.contiguous(), idx, w2.view(torch.int32), s2.view(torch.uint8), out, D=D, I=I, TOPK=k,
-            BN=cfg.bn, NB=cfg.nb, EVEN_K=I % (cfg.nb * 128) == 0, num_warps=cfg.num_warps,
+            a.contiguous(), idx, w2.view(torch.int32), s2.view(torch.uint8),
+            out if add is None else add.contiguous(), out, D=D, I=I, TOPK=k, BN=cfg.bn, NB=cfg.nb,
+            EVEN_K=I % (cfg.nb * 128) == 0, HAS_ADD=add is not None, NATIVE=_native(out),
+            num_warps=cfg.num_warps,
             **launch_args(out))
     return out
 
@@ -240,9 +267,11 @@ def fp4_experts_up_reference(x, idx, route_w, w1, s1, w3, s3, limit):
     return torch.stack(rows)
 
 
-def fp4_experts_down_reference(a, idx, w2, s2):
+def fp4_experts_down_reference(a, idx, w2, s2, add=None, out_dtype=torch.float32):
     y = torch.zeros(1, w2.shape[1], dtype=torch.float32, device=a.device)
     for j in range(idx.numel()):
         e = int(idx[j])
         y = y + _w8a8(a[j], w2[e], s2[e]).float()
-    return y
+    if add is not None:
+        y = y + add.float()
+    return y.to(out_dtype)

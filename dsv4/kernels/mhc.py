@@ -10,6 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import overlap
 from .common import launch_args, pdl_wait, round_bf16
 
 BK = 256       # flattened-h elements per program of the partial mix GEMV
@@ -44,15 +45,18 @@ def _pre_finish_kernel(h_ptr, part_ptr, scale_ptr, base_ptr, normw_ptr, x_ptr, p
                        D: tl.constexpr, C: tl.constexpr, NCH: tl.constexpr, NCHP: tl.constexpr,
                        MP: tl.constexpr,
                        BD: tl.constexpr, ITERS: tl.constexpr, norm_eps, hc_eps,
-                       HEAD: tl.constexpr, ROUND: tl.constexpr, PDL: tl.constexpr):
-    # one program: mixes -> (pre, post, comb) -> x = sum_k pre_k h_k -> RMSNorm(x) * w
+                       HEAD: tl.constexpr, DO_X: tl.constexpr, DO_COMB: tl.constexpr,
+                       ROUND: tl.constexpr, PDL: tl.constexpr):
+    # one program: mixes -> (pre, post, comb) -> x = sum_k pre_k h_k -> RMSNorm(x) * w.
+    # DO_X / DO_COMB: write x / post and comb (both: one launch; one each: two launches that may
+    # run side by side, the same arithmetic). HEAD: x only, no post/comb mixes.
     pdl_wait(PDL)
     rho = tl.rsqrt(_reduce(part_ptr, tl.full([1], MP, tl.int32), NCH, NCHP, MP) / (C * D)
                    + norm_eps)
     kc = tl.arange(0, C)
     s0 = tl.load(scale_ptr)
     pre = tl.sigmoid(_reduce(part_ptr, kc, NCH, NCHP, MP) * rho * s0 + tl.load(base_ptr + kc)) + hc_eps
-    if not HEAD:
+    if DO_COMB and not HEAD:
         post = 2.0 * tl.sigmoid(_reduce(part_ptr, C + kc, NCH, NCHP, MP) * rho
                                 * tl.load(scale_ptr + 1) + tl.load(base_ptr + C + kc))
         tl.store(post_ptr + kc, post)
@@ -67,17 +71,18 @@ def _pre_finish_kernel(h_ptr, part_ptr, scale_ptr, base_ptr, normw_ptr, x_ptr, p
             cm = cm / (tl.sum(cm, axis=1)[:, None] + hc_eps)
             cm = cm / (tl.sum(cm, axis=0)[None, :] + hc_eps)
         tl.store(comb_ptr + kc[:, None] * C + kc[None, :], cm)
-    d = tl.arange(0, BD)
-    dm = d < D
-    h = tl.load(h_ptr + kc[:, None] * D + d[None, :], mask=dm[None, :], other=0.0).to(tl.float32)
-    x = tl.sum(pre[:, None] * h, axis=0)
-    if ROUND:
-        x = round_bf16(x)
-    r = tl.rsqrt(tl.sum(x * x, axis=0) / D + norm_eps)
-    y = tl.load(normw_ptr + d, mask=dm, other=0.0) * (x * r)
-    if ROUND:
-        y = round_bf16(y)
-    tl.store(x_ptr + d, y.to(x_ptr.dtype.element_ty), mask=dm)
+    if DO_X:
+        d = tl.arange(0, BD)
+        dm = d < D
+        h = tl.load(h_ptr + kc[:, None] * D + d[None, :], mask=dm[None, :], other=0.0)
+        x = tl.sum(pre[:, None] * h.to(tl.float32), axis=0)
+        if ROUND:
+            x = round_bf16(x)
+        r = tl.rsqrt(tl.sum(x * x, axis=0) / D + norm_eps)
+        y = tl.load(normw_ptr + d, mask=dm, other=0.0) * (x * r)
+        if ROUND:
+            y = round_bf16(y)
+        tl.store(x_ptr + d, y.to(x_ptr.dtype.element_ty), mask=dm)
 
 
 @triton.jit
@@ -108,8 +113,11 @@ def _mix(h2, fn):
     return part, nch, MP
 
 
-def hc_pre_norm(h, fn, scale, base, norm_w, norm_eps, hc_eps, iters):
-    """h [1, c, D] -> (RMSNorm(hc_pre(h)) [1, D] in h's dtype, post [1, c], comb [1, c, c] f32)."""
+def hc_pre_norm(h, fn, scale, base, norm_w, norm_eps, hc_eps, iters, branch: bool = False):
+    """h [1, c, D] -> (RMSNorm(hc_pre(h)) [1, D] in h's dtype, post [1, c], comb [1, c, c] f32).
+    branch: also return a dsv4.overlap.Branch; while a graph is captured, post/comb (the
+    Sinkhorn) are then computed on a side stream beside x, and the caller joins the branch before
+    it reads them (outside capture the branch is a no-op and one launch writes all three)."""
     _, C, D = h.shape
     if (C * D) % BK:
         raise ValueError(f"hc_pre_norm: c*D = {C * D} must be a multiple of {BK}")
@@ -118,12 +126,23 @@ def hc_pre_norm(h, fn, scale, base, norm_w, norm_eps, hc_eps, iters):
     x = torch.empty(1, D, dtype=h.dtype, device=h.device)
     post = torch.empty(1, C, dtype=torch.float32, device=h.device)
     comb = torch.empty(1, C, C, dtype=torch.float32, device=h.device)
-    _pre_finish_kernel[(1,)](h2, part, scale, base, norm_w, x, post, comb, D=D, C=C, NCH=nch,
-                             NCHP=triton.next_power_of_2(nch), MP=MP,
-                             BD=triton.next_power_of_2(D), ITERS=iters, norm_eps=norm_eps,
-                             hc_eps=hc_eps, HEAD=False, ROUND=h.dtype == torch.bfloat16,
-                             num_warps=FINISH_WARPS, **launch_args(x))
-    return x, post, comb
+    br = overlap.Branch(h, when=branch, lane=1)
+
+    def finish(do_x: bool, do_comb: bool):
+        _pre_finish_kernel[(1,)](h2, part, scale, base, norm_w, x, post, comb, D=D, C=C, NCH=nch,
+                                 NCHP=triton.next_power_of_2(nch), MP=MP,
+                                 BD=triton.next_power_of_2(D), ITERS=iters, norm_eps=norm_eps,
+                                 hc_eps=hc_eps, HEAD=False, DO_X=do_x, DO_COMB=do_comb,
+                                 ROUND=h.dtype == torch.bfloat16, num_warps=FINISH_WARPS,
+                                 **launch_args(x))
+    if br.on:
+        br.keep(part)
+        with br.side():
+            finish(False, True)
+        finish(True, False)
+    else:
+        finish(True, True)
+    return (x, post, comb, br) if branch else (x, post, comb)
 
 
 def hc_head_norm(h, fn, scale, base, norm_w, norm_eps, hc_eps):
@@ -135,7 +154,8 @@ def hc_head_norm(h, fn, scale, base, norm_w, norm_eps, hc_eps):
     _pre_finish_kernel[(1,)](h2, part, scale, base, norm_w, x, x, x, D=D, C=C, NCH=nch,
                              NCHP=triton.next_power_of_2(nch), MP=MP,
                              BD=triton.next_power_of_2(D), ITERS=1, norm_eps=norm_eps,
-                             hc_eps=hc_eps, HEAD=True, ROUND=h.dtype == torch.bfloat16,
+                             hc_eps=hc_eps, HEAD=True, DO_X=True, DO_COMB=False,
+                             ROUND=h.dtype == torch.bfloat16,
                              num_warps=8, **launch_args(x))
     return x
 

@@ -271,6 +271,9 @@ def test_fp4_experts_cuda(bank, limit):
     assert not y.isnan().any() and ((y - ref).abs() <= 2 ** -7 * scale + 1e-30).all(), SEED
     assert (y == ref).float().mean() >= 0.8, SEED
     assert torch.equal(y, fp4_experts_down(a, idx, w2, s2)), "not deterministic"
+    add = spiky_x(dim, gen, torch.bfloat16, dev)       # the shared expert's output, in the epilogue
+    yb = fp4_experts_down(a, idx, w2, s2, add=add, out_dtype=torch.bfloat16)
+    assert torch.equal(yb, (y + add.float()).to(torch.bfloat16))
 
 
 @pytest.mark.cuda
@@ -404,9 +407,11 @@ def test_multi_matrix_launches_equal_separate_calls_cuda():
 
 
 @pytest.mark.cuda
-def test_pdl_changes_no_bit(monkeypatch):
-    """Programmatic dependent launch only overlaps launches: a Flash-shaped layer's decode steps
-    (eager and replayed from a CUDA graph) give the same bits with DSV4_PDL=0 and with PDL on."""
+def test_pdl_and_branches_change_no_bit(monkeypatch):
+    """Programmatic dependent launch and the captured parallel branches (dsv4.overlap) only
+    reorder launches: a Flash-shaped layer's decode steps (eager and replayed from a CUDA graph)
+    give the same bits with PDL and branches on, and with DSV4_PDL=0 / DSV4_OVERLAP=0."""
+    from dsv4 import overlap
     from dsv4.block import Block
     from dsv4.device_weights import DeviceWeights
     from dsv4.kernels import common
@@ -450,9 +455,12 @@ def test_pdl_changes_no_bit(monkeypatch):
             else:
                 outs.append(step().clone())
         return torch.stack(outs), st.kv_cache.clone()
+    overlap.prepare(dev)
     with torch.inference_mode():
         on = [run(False), run(True)]
+        monkeypatch.setenv(overlap.SWITCH, "0")
+        no_branch = run(True)
         monkeypatch.setenv(common.PDL_SWITCH, "0")
         off = [run(False), run(True)]
-    for a, b in zip(on, off):
+    for a, b in zip(on + [no_branch], off + [off[1]]):
         assert all(torch.equal(u, v) for u, v in zip(a, b))

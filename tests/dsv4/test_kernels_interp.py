@@ -45,14 +45,14 @@ def _helpers_kernel(x_ptr, q_ptr, b_ptr, NB: tl.constexpr):
 
 
 @triton.jit
-def _decode_kernel(u8_ptr, e4_ptr, w_ptr, lo_ptr, hi_ptr, sc_ptr):
+def _decode_kernel(u8_ptr, e4_ptr, w_ptr, nib_ptr, sc_ptr):
     i = tl.arange(0, 256)
     b = tl.load(u8_ptr + i)
     tl.store(e4_ptr + i, common.e4m3_to_f32(b, False) * 256.0)
     tl.store(sc_ptr + i, common.e8m0_to_f32(b))
-    lo, hi = common.e2m1_pair_to_f32(tl.load(w_ptr + i))
-    tl.store(lo_ptr + i, lo * 16384.0)
-    tl.store(hi_ptr + i, hi * 16384.0)
+    v = common.e2m1_word_to_f32(tl.load(w_ptr + i), False)
+    for r in tl.static_range(8):
+        tl.store(nib_ptr + r * 256 + i, v[r] * 16384.0)
 
 
 def test_act_quant_and_bf16_rounding_are_bit_exact():
@@ -83,15 +83,16 @@ def test_act_quant_and_bf16_rounding_are_bit_exact():
 def test_decoders_cover_every_code():
     u8 = torch.arange(256, dtype=torch.int32).to(torch.uint8)
     words = torch.randint(-2 ** 31, 2 ** 31 - 1, (256,), generator=GEN, dtype=torch.int64).to(torch.int32)
-    outs = [torch.full((256,), float("nan")) for _ in range(4)]
-    _decode_kernel[(1,)](u8, outs[0], words, outs[1], outs[2], outs[3])
-    e4, lo, hi, sc = outs
+    words[:16] = torch.tensor([0x76543210, -0x01234568] * 8, dtype=torch.int32)  # every code
+    e4, sc = torch.full((256,), float("nan")), torch.full((256,), float("nan"))
+    nib = torch.full((8, 256), float("nan"))
+    _decode_kernel[(1,)](u8, e4, words, nib, sc)
     ref = u8.view(torch.float8_e4m3fn).float()
     finite = ~ref.isnan()
     assert torch.equal(e4[finite], ref[finite])
     assert torch.equal(sc[1:255], (u8[1:255].int() << 23).view(torch.float32))
-    assert torch.equal(lo, e2m1_decode(words & 0xF))
-    assert torch.equal(hi, e2m1_decode((words >> 16) & 0xF))
+    for r in range(8):     # nibble r = element r of the word (low nibble first)
+        assert torch.equal(nib[r], e2m1_decode((words >> (4 * r)) & 0xF)), r
 
 
 # ---- fp8_linear / fp8_swiglu ---------------------------------------------------------------------
@@ -264,6 +265,13 @@ def test_fp4_experts_down(cfg):
     assert not y.isnan().any()
     assert (y - ref).abs().le(2 ** -7 * scale + 1e-30).all()
     assert (y == ref).float().mean() >= 0.8
+    # the epilogue: + add (the shared expert's bf16 output) in fp32, rounded once to bf16
+    add = spiky_x(D, GEN, torch.bfloat16)
+    yb = fp4_experts_down(a, idx, w2, s2, add=add, out_dtype=torch.bfloat16,
+                          out=poisoned(1, D), config=cfg)
+    assert yb.dtype == torch.bfloat16 and torch.equal(yb, (y + add.float()).to(torch.bfloat16))
+    with pytest.raises(ValueError, match="out_dtype"):
+        fp4_experts_down(a, idx, w2, s2, out_dtype=torch.float16)
 
 
 # ---- the dispatch points' kernel paths (called directly: dispatch itself needs CUDA) -------------
@@ -291,7 +299,7 @@ def test_moe_and_linear_kernel_paths_match_the_torch_path(monkeypatch):
     ridx, order = ridx[0].sort()
     assert torch.equal(idx, ridx)
     assert torch.allclose(w, rw[0].index_select(0, order), rtol=1e-6, atol=0)
-    got = moe._decode_kernels(x, w, idx)
+    got = moe._decode_kernels(x, ids)                          # routing again, then the experts
     assert got.dtype == ref.dtype == torch.bfloat16 and not got.isnan().any()
     rel = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
     assert rel < 1e-2 and (got == ref).float().mean() >= 0.8, (rel, SEED)
