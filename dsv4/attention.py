@@ -148,7 +148,7 @@ class Attention:
         qr = K.rms_norm_row(qr, self.q_norm, eps)
         # the compressors and the indexer (state: their own buffers and kv_cache[W:]) are a
         # parallel branch when captured, beside wq_b + prep (which writes the ring kv_cache[:W])
-        br = overlap.Branch(x, when=bool(r))
+        br = overlap.Branch(x, "attn", when=bool(r))
         idx, n = None, (st.kv_cache.shape[0] - W - 1 if r else 0)      # compressed entries
         with br.side():
             proj = self._side_projections(x) if r else None

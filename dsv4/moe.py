@@ -120,7 +120,7 @@ class MoE:
             a = fp4_experts_up(x, idx, w, bank.w1, bank.w1_scale, bank.w3, bank.w3_scale, lim)
             y = fp4_experts_down(a, idx, bank.w2, bank.w2_scale)              # [1, D] f32
             return (y + self._shared(x)).to(x.dtype)
-        br = overlap.Branch(x)
+        br = overlap.Branch(x, "moe")
         with br.side():
             a_sh = fp8_swiglu(x, sh["w1"].weight, sh["w1"].scale, sh["w3"].weight, sh["w3"].scale,
                               lim)

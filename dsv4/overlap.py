@@ -5,7 +5,8 @@ indexer beside wq_b and attention prep (lane 0), each mHC Sinkhorn beside its su
 Only while a graph is being captured: replay pays nothing for it on the host, while an eager step
 would pay stream switches and event records per branch, so eager runs keep one stream (the same
 arithmetic, the same bits; tests/dsv4/test_kernels.py::test_pdl_and_branches_change_no_bit).
-`DSV4_OVERLAP=0` captures without branches. Streams are made before capture (`prepare`)."""
+`DSV4_OVERLAP=0` captures without branches; `DSV4_OVERLAP=moe,attn` keeps only the named ones
+(moe, attn, mhc). Streams are made before capture (`prepare`)."""
 from __future__ import annotations
 
 import contextlib
@@ -30,6 +31,12 @@ def prepare(device) -> None:
             _side[device, lane] = torch.cuda.Stream(device=device)
 
 
+def enabled(name: str) -> bool:
+    """Whether branch `name` is on under DSV4_OVERLAP (unset or "1": all, "0": none, else a list)."""
+    v = os.environ.get(SWITCH, "1").strip()
+    return v == "1" or (v != "0" and name in {n.strip() for n in v.split(",")})
+
+
 class Branch:
     """Fork at construction, run the block under `with b.side():` on side stream `lane`, `b.join()`
     before anything consumes its results (a lane's branches must not interleave: join one before
@@ -37,10 +44,9 @@ class Branch:
     are no-ops and the block runs in order on the current stream. Tensors the side branch writes
     must outlive the join (keep references) and must not be written by the main branch before it."""
 
-    def __init__(self, t: torch.Tensor, when: bool = True, lane: int = 0):
+    def __init__(self, t: torch.Tensor, name: str, when: bool = True, lane: int = 0):
         dev = t.device
-        self.on = (when and t.is_cuda and (dev, lane) in _side
-                   and os.environ.get(SWITCH, "1") != "0"
+        self.on = (when and t.is_cuda and (dev, lane) in _side and enabled(name)
                    and torch.cuda.is_current_stream_capturing())
         if self.on:
             self.main = torch.cuda.current_stream(dev)

@@ -1,10 +1,12 @@
-"""Fused hyper-connection kernels for one decode token: hc_pre + Sinkhorn split + RMSNorm in two
+"""Fused hyper-connection kernels for one decode token: hc_pre + Sinkhorn split + RMSNorm in three
 launches, hc_post in one, hc_head + final norm in two (instead of ~250 torch ops per sublayer).
 
 h [c, D] bf16 (c = hc_mult = 4), fn [M, c*D] f32 (M = 24, or 4 for the head), x/out bf16.
 References: dsv4.mhc (hc_pre, hc_post, hc_head, rms_norm). Test: tests/dsv4/test_kernels_mhc.py.
 """
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import triton
@@ -48,8 +50,8 @@ def _pre_finish_kernel(h_ptr, part_ptr, scale_ptr, base_ptr, normw_ptr, x_ptr, p
                        HEAD: tl.constexpr, DO_X: tl.constexpr, DO_COMB: tl.constexpr,
                        ROUND: tl.constexpr, PDL: tl.constexpr):
     # one program: mixes -> (pre, post, comb) -> x = sum_k pre_k h_k -> RMSNorm(x) * w.
-    # DO_X / DO_COMB: write x / post and comb (both: one launch; one each: two launches that may
-    # run side by side, the same arithmetic). HEAD: x only, no post/comb mixes.
+    # DO_X / DO_COMB: write x / post and comb (hc_pre_norm launches one of each). HEAD: x only,
+    # no post/comb mixes.
     pdl_wait(PDL)
     rho = tl.rsqrt(_reduce(part_ptr, tl.full([1], MP, tl.int32), NCH, NCHP, MP) / (C * D)
                    + norm_eps)
@@ -115,9 +117,11 @@ def _mix(h2, fn):
 
 def hc_pre_norm(h, fn, scale, base, norm_w, norm_eps, hc_eps, iters, branch: bool = False):
     """h [1, c, D] -> (RMSNorm(hc_pre(h)) [1, D] in h's dtype, post [1, c], comb [1, c, c] f32).
-    branch: also return a dsv4.overlap.Branch; while a graph is captured, post/comb (the
-    Sinkhorn) are then computed on a side stream beside x, and the caller joins the branch before
-    it reads them (outside capture the branch is a no-op and one launch writes all three)."""
+    Three launches: the partial mixes, then post/comb (Sinkhorn) and x as two one-program kernels,
+    which run side by side when a graph is captured (they are separate kernels in every mode, so
+    eager and graph replay run the same code: one kernel doing both compiles to other reduction
+    layouts and can differ in the last bit). branch: also return the dsv4.overlap.Branch that the
+    caller joins before it reads post/comb (a no-op outside capture)."""
     _, C, D = h.shape
     if (C * D) % BK:
         raise ValueError(f"hc_pre_norm: c*D = {C * D} must be a multiple of {BK}")
@@ -126,22 +130,16 @@ def hc_pre_norm(h, fn, scale, base, norm_w, norm_eps, hc_eps, iters, branch: boo
     x = torch.empty(1, D, dtype=h.dtype, device=h.device)
     post = torch.empty(1, C, dtype=torch.float32, device=h.device)
     comb = torch.empty(1, C, C, dtype=torch.float32, device=h.device)
-    br = overlap.Branch(h, when=branch, lane=1)
-
-    def finish(do_x: bool, do_comb: bool):
-        _pre_finish_kernel[(1,)](h2, part, scale, base, norm_w, x, post, comb, D=D, C=C, NCH=nch,
-                                 NCHP=triton.next_power_of_2(nch), MP=MP,
-                                 BD=triton.next_power_of_2(D), ITERS=iters, norm_eps=norm_eps,
-                                 hc_eps=hc_eps, HEAD=False, DO_X=do_x, DO_COMB=do_comb,
-                                 ROUND=h.dtype == torch.bfloat16, num_warps=FINISH_WARPS,
-                                 **launch_args(x))
-    if br.on:
-        br.keep(part)
-        with br.side():
-            finish(False, True)
-        finish(True, False)
-    else:
-        finish(True, True)
+    br = overlap.Branch(h, "mhc", when=branch, lane=1)
+    br.keep(part)
+    for do_x in (False, True):          # post/comb on the side branch, then x on this stream
+        with br.side() if not do_x else contextlib.nullcontext():
+            _pre_finish_kernel[(1,)](h2, part, scale, base, norm_w, x, post, comb, D=D, C=C,
+                                     NCH=nch, NCHP=triton.next_power_of_2(nch), MP=MP,
+                                     BD=triton.next_power_of_2(D), ITERS=iters,
+                                     norm_eps=norm_eps, hc_eps=hc_eps, HEAD=False, DO_X=do_x,
+                                     DO_COMB=not do_x, ROUND=h.dtype == torch.bfloat16,
+                                     num_warps=FINISH_WARPS, **launch_args(x))
     return (x, post, comb, br) if branch else (x, post, comb)
 
 

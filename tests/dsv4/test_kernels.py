@@ -462,5 +462,7 @@ def test_pdl_and_branches_change_no_bit(monkeypatch):
         no_branch = run(True)
         monkeypatch.setenv(common.PDL_SWITCH, "0")
         off = [run(False), run(True)]
-    for a, b in zip(on + [no_branch], off + [off[1]]):
-        assert all(torch.equal(u, v) for u, v in zip(a, b))
+    names = ["eager", "graph", "graph without branches"]
+    for name, a, b in zip(names, on + [no_branch], off + [off[1]]):
+        for what, u, v in zip(("outputs", "kv cache"), a, b):
+            assert torch.equal(u, v), f"{name}: {what} differ from DSV4_PDL=0 / DSV4_OVERLAP=0"
