@@ -48,8 +48,7 @@ def variants(preset: str) -> list[tuple[str, object, dict, dict, int]]:
         ce = dict(K=k, NG=n // groups, PA=(Rq if name == "wq_a+wkv" else n) // cfg.bn, QUANT=quant,
                   SWIGLU=dual, HAS_LIMIT=dual, TWO=name == "wq_a+wkv", HAS_ADD=name.endswith("add"),
                   NATIVE=True, BN=cfg.bn, NB=cfg.nb, EVEN_K=k % (cfg.nb * 128) == 0,
-                  PREFETCH=cfg.prefetch and cfg.nb * 128 < k,
-                  STAGES=1 if cfg.prefetch else cfg.stages, PDL=True)
+                  PREFETCH=cfg.prefetch and cfg.nb * 128 < k, PDL=True)
         out.append((f"fp8.{name}", _fp8_gemv_kernel, FP8_SIG, ce, cfg.num_warps))
     side = [2 * Dh, 2 * Dh, 2 * c.index_head_dim, 2 * c.index_head_dim, c.index_n_heads]
     for name, ns, xdt in [("gate", [c.n_routed_experts], "*bf16"), ("side.r4", side, "*bf16"),
@@ -70,10 +69,10 @@ def variants(preset: str) -> list[tuple[str, object, dict, dict, int]]:
     cu, cd = up_config(k, I, D), down_config(k, I, D)
     out.append(("fp4.up", _fp4_up_kernel, UP_SIG,
                 dict(I=I, D=D, HAS_LIMIT=True, BN=cu.bn, NB=cu.nb, EVEN_K=D % (cu.nb * 128) == 0,
-                     NATIVE=True, STAGES=cu.stages, PDL=True), cu.num_warps))
+                     NATIVE=True, PDL=True), cu.num_warps))
     out.append(("fp4.down", _fp4_down_kernel, DOWN_SIG,
                 dict(D=D, I=I, TOPK=k, BN=cd.bn, NB=cd.nb, EVEN_K=I % (cd.nb * 128) == 0,
-                     HAS_ADD=True, NATIVE=True, STAGES=cd.stages, PDL=True), cd.num_warps))
+                     HAS_ADD=True, NATIVE=True, PDL=True), cd.num_warps))
     return out
 
 

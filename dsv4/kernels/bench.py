@@ -108,20 +108,15 @@ def _x(k, dev, gen, dtype=torch.bfloat16):
     return torch.randn(1, k, device=dev, generator=gen).to(dtype)
 
 
-def _neighbours(cfg: Config, bn_max: int = 128, prefetch=(False,), stages=(2, 3, 4)
-                ) -> list[Config]:
-    """BN and NB halved / kept / doubled x 4 or 8 warps x the prefetch options, plus the software
-    pipeline depths `stages` at the config's warp count."""
+def _neighbours(cfg: Config, bn_max: int = 128, prefetch=(False,)) -> list[Config]:
     out = []
     for bn in (cfg.bn // 2, cfg.bn, cfg.bn * 2):
         for nb in (cfg.nb // 2, cfg.nb, cfg.nb * 2):
-            if not (1 <= bn <= bn_max and 1 <= nb <= 32):
-                continue
             for nw in (4, 8):
                 for pf in prefetch:
-                    out.append(Config(bn, nb, nw, pf))
-            out += [Config(bn, nb, cfg.num_warps, False, st) for st in stages]
-    return list(dict.fromkeys(out))
+                    if 1 <= bn <= bn_max and 1 <= nb <= 32:
+                        out.append(Config(bn, nb, nw, pf))
+    return out
 
 
 def fp8_case(name, n, k, dev, gen, groups=1, dual=False) -> Case:

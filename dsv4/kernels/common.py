@@ -62,14 +62,11 @@ def on_device(t: torch.Tensor):
 @dataclass(frozen=True)
 class Config:
     """A fixed launch config: BN output rows per program, NB blocks of 128 K-elements per step;
-    prefetch (FP8 GEMV): load the next step's weights into registers before this step's math;
-    stages (FP8 GEMV, FP4 experts; > 1 instead of prefetch): Triton's software pipeline of the
-    K loop, `stages` steps of weights in flight through shared memory (cp.async)."""
+    prefetch (FP8 GEMV): load the next step's weights before this step's math."""
     bn: int
     nb: int
     num_warps: int = 4
     prefetch: bool = False
-    stages: int = 1
 
 
 def pow2_floor(v: int) -> int:

@@ -87,7 +87,7 @@ def _group_dots(w, x8, NATIVE: tl.constexpr):
 def _fp4_up_kernel(x_ptr, idx_ptr, rw_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, a_ptr, limit,
                    I: tl.constexpr, D: tl.constexpr, HAS_LIMIT: tl.constexpr, BN: tl.constexpr,
                    NB: tl.constexpr, EVEN_K: tl.constexpr, NATIVE: tl.constexpr,
-                   STAGES: tl.constexpr, PDL: tl.constexpr):
+                   PDL: tl.constexpr):
     # x [D] bf16; idx [k] int64; rw [k] f32; w1, w3 [E, I, D/2] u8; s1, s3 [E, I, D/32] u8;
     # a [k, I] bf16. Program (i, j): rows [i*BN, (i+1)*BN) of expert idx[j].
     pdl_wait(PDL)
@@ -101,25 +101,17 @@ def _fp4_up_kernel(x_ptr, idx_ptr, rw_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, a_ptr
     STEPS: tl.constexpr = (D + BK - 1) // BK
     acc1 = tl.zeros([BN, G], tl.float32)
     acc3 = tl.zeros([BN, G], tl.float32)
-    if STAGES > 1:   # Triton's software pipeline: STAGES chunks in flight through shared memory
-        for k0 in tl.range(0, D, BK, num_stages=STAGES):
-            w1, sc1 = _w_load(w1_ptr, s1_ptr, wrow, srow, k0, D, NB, EVEN_K)
-            w3, sc3 = _w_load(w3_ptr, s3_ptr, wrow, srow, k0, D, NB, EVEN_K)
-            x8 = _x_quant(x_ptr, k0, D, NB, EVEN_K, NATIVE)
-            acc1 += _group_dots(w1, x8, NATIVE) * sc1
-            acc3 += _group_dots(w3, x8, NATIVE) * sc3
-    else:
-        w1n, s1n = _w_load(w1_ptr, s1_ptr, wrow, srow, 0, D, NB, EVEN_K)
-        w3n, s3n = _w_load(w3_ptr, s3_ptr, wrow, srow, 0, D, NB, EVEN_K)
-        for st in range(STEPS):
-            k0 = st * BK
-            w1, sc1, w3, sc3 = w1n, s1n, w3n, s3n
-            if st + 1 < STEPS:   # prefetch: the next chunk's loads overlap this chunk's math
-                w1n, s1n = _w_load(w1_ptr, s1_ptr, wrow, srow, k0 + BK, D, NB, EVEN_K)
-                w3n, s3n = _w_load(w3_ptr, s3_ptr, wrow, srow, k0 + BK, D, NB, EVEN_K)
-            x8 = _x_quant(x_ptr, k0, D, NB, EVEN_K, NATIVE)
-            acc1 += _group_dots(w1, x8, NATIVE) * sc1   # per-32 weight scale on each group's dot
-            acc3 += _group_dots(w3, x8, NATIVE) * sc3
+    w1n, s1n = _w_load(w1_ptr, s1_ptr, wrow, srow, 0, D, NB, EVEN_K)
+    w3n, s3n = _w_load(w3_ptr, s3_ptr, wrow, srow, 0, D, NB, EVEN_K)
+    for st in range(STEPS):
+        k0 = st * BK
+        w1, sc1, w3, sc3 = w1n, s1n, w3n, s3n
+        if st + 1 < STEPS:   # prefetch: the next chunk's loads overlap this chunk's math
+            w1n, s1n = _w_load(w1_ptr, s1_ptr, wrow, srow, k0 + BK, D, NB, EVEN_K)
+            w3n, s3n = _w_load(w3_ptr, s3_ptr, wrow, srow, k0 + BK, D, NB, EVEN_K)
+        x8 = _x_quant(x_ptr, k0, D, NB, EVEN_K, NATIVE)
+        acc1 += _group_dots(w1, x8, NATIVE) * sc1   # per-32 weight scale on each group's dot
+        acc3 += _group_dots(w3, x8, NATIVE) * sc3
     g = round_bf16(tl.sum(acc1, axis=1))      # fp4_gemm outputs bf16
     u = round_bf16(tl.sum(acc3, axis=1))
     if HAS_LIMIT:
@@ -143,7 +135,7 @@ def _down_load(idx_ptr, w2_ptr, s2_ptr, rows, t, D: tl.constexpr, I: tl.constexp
 def _fp4_down_kernel(a_ptr, idx_ptr, w2_ptr, s2_ptr, add_ptr, y_ptr, D: tl.constexpr,
                      I: tl.constexpr, TOPK: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr,
                      EVEN_K: tl.constexpr, HAS_ADD: tl.constexpr, NATIVE: tl.constexpr,
-                     STAGES: tl.constexpr, PDL: tl.constexpr):
+                     PDL: tl.constexpr):
     # a [k, I] bf16; idx [k] int64; w2 [E, D, I/8] int32; s2 [E, D, I/32] u8; y [D] f32 or bf16;
     # HAS_ADD: y = y_type(sum + add[D]) (the shared expert's output).
     # One program: BN output rows, all k experts in slot order (fixed fp32 summation order);
@@ -154,27 +146,16 @@ def _fp4_down_kernel(a_ptr, idx_ptr, w2_ptr, s2_ptr, add_ptr, y_ptr, D: tl.const
     STEPS: tl.constexpr = (I + NB * 128 - 1) // (NB * 128)
     y = tl.zeros([BN], tl.float32)
     acc = tl.zeros([BN, G], tl.float32)
-    if STAGES > 1:   # Triton's software pipeline: STAGES steps in flight through shared memory
-        for t in tl.range(0, TOPK * STEPS, num_stages=STAGES):
-            w, sc = _down_load(idx_ptr, w2_ptr, s2_ptr, rows, t, D, I, NB, STEPS, EVEN_K)
-            x8 = _x_quant(a_ptr + (t // STEPS) * I, (t % STEPS) * (NB * 128), I, NB, EVEN_K,
-                          NATIVE)
-            acc += _group_dots(w, x8, NATIVE) * sc
-            if t % STEPS == STEPS - 1:
-                y += round_bf16(tl.sum(acc, axis=1))
-                acc = tl.zeros([BN, G], tl.float32)
-    else:
-        wn, sn = _down_load(idx_ptr, w2_ptr, s2_ptr, rows, 0, D, I, NB, STEPS, EVEN_K)
-        for t in range(TOPK * STEPS):
-            w, sc = wn, sn
-            if t + 1 < TOPK * STEPS:
-                wn, sn = _down_load(idx_ptr, w2_ptr, s2_ptr, rows, t + 1, D, I, NB, STEPS, EVEN_K)
-            x8 = _x_quant(a_ptr + (t // STEPS) * I, (t % STEPS) * (NB * 128), I, NB, EVEN_K,
-                          NATIVE)
-            acc += _group_dots(w, x8, NATIVE) * sc
-            if t % STEPS == STEPS - 1:             # expert done: its output is bf16, summed in fp32
-                y += round_bf16(tl.sum(acc, axis=1))
-                acc = tl.zeros([BN, G], tl.float32)
+    wn, sn = _down_load(idx_ptr, w2_ptr, s2_ptr, rows, 0, D, I, NB, STEPS, EVEN_K)
+    for t in range(TOPK * STEPS):
+        w, sc = wn, sn
+        if t + 1 < TOPK * STEPS:
+            wn, sn = _down_load(idx_ptr, w2_ptr, s2_ptr, rows, t + 1, D, I, NB, STEPS, EVEN_K)
+        x8 = _x_quant(a_ptr + (t // STEPS) * I, (t % STEPS) * (NB * 128), I, NB, EVEN_K, NATIVE)
+        acc += _group_dots(w, x8, NATIVE) * sc
+        if t % STEPS == STEPS - 1:             # expert done: its output is bf16, summed in fp32
+            y += round_bf16(tl.sum(acc, axis=1))
+            acc = tl.zeros([BN, G], tl.float32)
     if HAS_ADD:
         y += tl.load(add_ptr + rows).to(tl.float32)
     if y_ptr.dtype.element_ty == tl.bfloat16:
@@ -233,7 +214,7 @@ def fp4_experts_up(x: torch.Tensor, idx: torch.Tensor, route_w: torch.Tensor, w1
             s1.view(torch.uint8), w3.view(torch.int32), s3.view(torch.uint8), out, float(limit),
             I=I, D=D,
             HAS_LIMIT=limit > 0, BN=cfg.bn, NB=cfg.nb, EVEN_K=D % (cfg.nb * 128) == 0,
-            NATIVE=_native(out), STAGES=cfg.stages,
+            NATIVE=_native(out),
             num_warps=cfg.num_warps, **launch_args(out))
     return out
 
@@ -260,7 +241,6 @@ def fp4_experts_down(a: torch.Tensor, idx: torch.Tensor, w2: torch.Tensor, s2: t
             a.contiguous(), idx, w2.view(torch.int32), s2.view(torch.uint8),
             out if add is None else add.contiguous(), out, D=D, I=I, TOPK=k, BN=cfg.bn, NB=cfg.nb,
             EVEN_K=I % (cfg.nb * 128) == 0, HAS_ADD=add is not None, NATIVE=_native(out),
-            STAGES=cfg.stages,
             num_warps=cfg.num_warps,
             **launch_args(out))
     return out

@@ -62,8 +62,7 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, w3_ptr, s3_ptr, y_ptr, wb_ptr, sb_ptr,
                      QUANT: tl.constexpr, SWIGLU: tl.constexpr, HAS_LIMIT: tl.constexpr,
                      TWO: tl.constexpr, HAS_ADD: tl.constexpr,
                      NATIVE: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr,
-                     EVEN_K: tl.constexpr, PREFETCH: tl.constexpr, STAGES: tl.constexpr,
-                     PDL: tl.constexpr):
+                     EVEN_K: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr):
     # x [G*K] (G = N / NG groups: rows [g*NG, (g+1)*NG) read x[g*K, (g+1)*K)); w, w3 [N, K] u8;
     # s, s3 [N/128, K/128] u8; y [N]. One program: BN rows (inside one 128-row scale block).
     # TWO: programs >= PA compute a second matrix wb/sb -> yb on the same x (ungrouped).
@@ -106,7 +105,7 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, w3_ptr, s3_ptr, y_ptr, wb_ptr, sb_ptr,
             if SWIGLU:
                 acc3 = _fp8_fma(acc3, xb, w3c, sw3c, NATIVE, NB)
     else:
-        for k0 in tl.range(BK, K, BK, num_stages=STAGES):
+        for k0 in range(BK, K, BK):
             xb = _fp8_x(xg, k0, K, NB, EVEN_K, QUANT, NATIVE)
             w, sw = _fp8_wload(wp, sp, rows, k0, K, srow, NB, EVEN_K)
             acc = _fp8_fma(acc, xb, w, sw, NATIVE, NB)
@@ -200,7 +199,7 @@ def _launch(x, w, s, w3, s3, out, limit, quant, group_k, out_dtype, config, nati
             QUANT=quant, SWIGLU=w3 is not w, HAS_LIMIT=limit > 0, TWO=second is not None,
             HAS_ADD=add is not None, NATIVE=native, BN=cfg.bn,
             NB=cfg.nb, EVEN_K=K % (cfg.nb * 128) == 0, PREFETCH=cfg.prefetch and cfg.nb * 128 < K,
-            STAGES=1 if cfg.prefetch else cfg.stages, num_warps=cfg.num_warps, **launch_args(out))
+            num_warps=cfg.num_warps, **launch_args(out))
     return out
 
 
