@@ -63,32 +63,24 @@ class Block:
         return hc_post(self.ffn.prefill(x, ids), h, post, comb)
 
     def _mix_decode(self, h: torch.Tensor, kind: str, norm: torch.Tensor):
-        """The fused hc_pre + norm: (x, post, comb, branch to join before reading post/comb)."""
+        if not fused_mhc(h):
+            return self._mix(h, kind, norm)
         from .kernels.mhc import hc_pre_norm
         cfg = self.cfg
         return hc_pre_norm(h, self.hc[f"hc_{kind}_fn"], self.hc[f"hc_{kind}_scale"],
                            self.hc[f"hc_{kind}_base"], norm, cfg.norm_eps, cfg.hc_eps,
-                           cfg.hc_sinkhorn_iters, branch=True)
+                           cfg.hc_sinkhorn_iters)
 
     def decode(self, h: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor, st: LayerState
                ) -> torch.Tensor:
         """h [1, c, D], ids [1], pos [1] (device tensors) -> [1, c, D]. Capture-safe."""
-        if not fused_mhc(h):
-            x, post, comb = self._mix(h, "attn", self.attn_norm)
-            h = hc_post(self.attn.decode(x, pos, st), h, post, comb)
-            x, post, comb = self._mix(h, "ffn", self.ffn_norm)
-            return hc_post(self.ffn.decode(x, ids), h, post, comb)
-        from .kernels.mhc import hc_post as post_fn
-        # each sublayer runs beside its Sinkhorn (captured branch, lane 1), joined before hc_post
-        x, post, comb, br = self._mix_decode(h, "attn", self.attn_norm)
-        o = self.attn.decode(x, pos, st)
-        br.join()
-        h = post_fn(o, h, post, comb)
-        x, post, comb, br = self._mix_decode(h, "ffn", self.ffn_norm)
-        o = self.ffn.decode(x, ids)
-        br.join()
-        return post_fn(o, h, post, comb)
-
+        post_fn = hc_post
+        if fused_mhc(h):
+            from .kernels.mhc import hc_post as post_fn
+        x, post, comb = self._mix_decode(h, "attn", self.attn_norm)
+        h = post_fn(self.attn.decode(x, pos, st), h, post, comb)
+        x, post, comb = self._mix_decode(h, "ffn", self.ffn_norm)
+        return post_fn(self.ffn.decode(x, ids), h, post, comb)
 
 def fused_mhc(h: torch.Tensor) -> bool:
     """Use the fused Triton mHC kernels: one bf16 token on a device where kernels are available."""

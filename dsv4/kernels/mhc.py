@@ -1,18 +1,15 @@
-"""Fused hyper-connection kernels for one decode token: hc_pre + Sinkhorn split + RMSNorm in three
-launches, hc_post in one, hc_head + final norm in two (instead of ~250 torch ops per sublayer).
+"""Fused hyper-connection kernels for one decode token: hc_pre + Sinkhorn split + RMSNorm in two
+launches (the second one's two programs compute x and the Sinkhorn side by side), hc_post in one, hc_head + final norm in two (instead of ~250 torch ops per sublayer).
 
 h [c, D] bf16 (c = hc_mult = 4), fn [M, c*D] f32 (M = 24, or 4 for the head), x/out bf16.
 References: dsv4.mhc (hc_pre, hc_post, hc_head, rms_norm). Test: tests/dsv4/test_kernels_mhc.py.
 """
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import triton
 import triton.language as tl
 
-from .. import overlap
 from .common import launch_args, pdl_wait, round_bf16
 
 BK = 256       # flattened-h elements per program of the partial mix GEMV
@@ -47,18 +44,14 @@ def _pre_finish_kernel(h_ptr, part_ptr, scale_ptr, base_ptr, normw_ptr, x_ptr, p
                        D: tl.constexpr, C: tl.constexpr, NCH: tl.constexpr, NCHP: tl.constexpr,
                        MP: tl.constexpr,
                        BD: tl.constexpr, ITERS: tl.constexpr, norm_eps, hc_eps,
-                       HEAD: tl.constexpr, DO_X: tl.constexpr, DO_COMB: tl.constexpr,
                        ROUND: tl.constexpr, PDL: tl.constexpr):
-    # one program: mixes -> (pre, post, comb) -> x = sum_k pre_k h_k -> RMSNorm(x) * w.
-    # DO_X / DO_COMB: write x / post and comb (hc_pre_norm launches one of each). HEAD: x only,
-    # no post/comb mixes.
+    # mixes -> (pre, post, comb) -> x = sum_k pre_k h_k -> RMSNorm(x) * w. Program 0: x; program
+    # 1 (hc_pre, not the head's one-program launch): post and comb (the Sinkhorn), side by side.
     pdl_wait(PDL)
     rho = tl.rsqrt(_reduce(part_ptr, tl.full([1], MP, tl.int32), NCH, NCHP, MP) / (C * D)
                    + norm_eps)
     kc = tl.arange(0, C)
-    s0 = tl.load(scale_ptr)
-    pre = tl.sigmoid(_reduce(part_ptr, kc, NCH, NCHP, MP) * rho * s0 + tl.load(base_ptr + kc)) + hc_eps
-    if DO_COMB and not HEAD:
+    if tl.program_id(0) == 1:
         post = 2.0 * tl.sigmoid(_reduce(part_ptr, C + kc, NCH, NCHP, MP) * rho
                                 * tl.load(scale_ptr + 1) + tl.load(base_ptr + C + kc))
         tl.store(post_ptr + kc, post)
@@ -73,7 +66,10 @@ def _pre_finish_kernel(h_ptr, part_ptr, scale_ptr, base_ptr, normw_ptr, x_ptr, p
             cm = cm / (tl.sum(cm, axis=1)[:, None] + hc_eps)
             cm = cm / (tl.sum(cm, axis=0)[None, :] + hc_eps)
         tl.store(comb_ptr + kc[:, None] * C + kc[None, :], cm)
-    if DO_X:
+    else:
+        s0 = tl.load(scale_ptr)
+        pre = tl.sigmoid(_reduce(part_ptr, kc, NCH, NCHP, MP) * rho * s0
+                         + tl.load(base_ptr + kc)) + hc_eps
         d = tl.arange(0, BD)
         dm = d < D
         h = tl.load(h_ptr + kc[:, None] * D + d[None, :], mask=dm[None, :], other=0.0)
@@ -115,13 +111,8 @@ def _mix(h2, fn):
     return part, nch, MP
 
 
-def hc_pre_norm(h, fn, scale, base, norm_w, norm_eps, hc_eps, iters, branch: bool = False):
-    """h [1, c, D] -> (RMSNorm(hc_pre(h)) [1, D] in h's dtype, post [1, c], comb [1, c, c] f32).
-    Three launches: the partial mixes, then post/comb (Sinkhorn) and x as two one-program kernels,
-    which run side by side when a graph is captured (they are separate kernels in every mode, so
-    eager and graph replay run the same code: one kernel doing both compiles to other reduction
-    layouts and can differ in the last bit). branch: also return the dsv4.overlap.Branch that the
-    caller joins before it reads post/comb (a no-op outside capture)."""
+def hc_pre_norm(h, fn, scale, base, norm_w, norm_eps, hc_eps, iters):
+    """h [1, c, D] -> (RMSNorm(hc_pre(h)) [1, D] in h's dtype, post [1, c], comb [1, c, c] f32)."""
     _, C, D = h.shape
     if (C * D) % BK:
         raise ValueError(f"hc_pre_norm: c*D = {C * D} must be a multiple of {BK}")
@@ -130,17 +121,12 @@ def hc_pre_norm(h, fn, scale, base, norm_w, norm_eps, hc_eps, iters, branch: boo
     x = torch.empty(1, D, dtype=h.dtype, device=h.device)
     post = torch.empty(1, C, dtype=torch.float32, device=h.device)
     comb = torch.empty(1, C, C, dtype=torch.float32, device=h.device)
-    br = overlap.Branch(h, "mhc", when=branch, lane=1)
-    br.keep(part)
-    for do_x in (False, True):          # post/comb on the side branch, then x on this stream
-        with br.side() if not do_x else contextlib.nullcontext():
-            _pre_finish_kernel[(1,)](h2, part, scale, base, norm_w, x, post, comb, D=D, C=C,
-                                     NCH=nch, NCHP=triton.next_power_of_2(nch), MP=MP,
-                                     BD=triton.next_power_of_2(D), ITERS=iters,
-                                     norm_eps=norm_eps, hc_eps=hc_eps, HEAD=False, DO_X=do_x,
-                                     DO_COMB=not do_x, ROUND=h.dtype == torch.bfloat16,
-                                     num_warps=FINISH_WARPS, **launch_args(x))
-    return (x, post, comb, br) if branch else (x, post, comb)
+    _pre_finish_kernel[(2,)](h2, part, scale, base, norm_w, x, post, comb, D=D, C=C, NCH=nch,
+                             NCHP=triton.next_power_of_2(nch), MP=MP,
+                             BD=triton.next_power_of_2(D), ITERS=iters, norm_eps=norm_eps,
+                             hc_eps=hc_eps, ROUND=h.dtype == torch.bfloat16,
+                             num_warps=FINISH_WARPS, **launch_args(x))
+    return x, post, comb
 
 
 def hc_head_norm(h, fn, scale, base, norm_w, norm_eps, hc_eps):
@@ -152,8 +138,7 @@ def hc_head_norm(h, fn, scale, base, norm_w, norm_eps, hc_eps):
     _pre_finish_kernel[(1,)](h2, part, scale, base, norm_w, x, x, x, D=D, C=C, NCH=nch,
                              NCHP=triton.next_power_of_2(nch), MP=MP,
                              BD=triton.next_power_of_2(D), ITERS=1, norm_eps=norm_eps,
-                             hc_eps=hc_eps, HEAD=True, DO_X=True, DO_COMB=False,
-                             ROUND=h.dtype == torch.bfloat16,
+                             hc_eps=hc_eps, ROUND=h.dtype == torch.bfloat16,
                              num_warps=8, **launch_args(x))
     return x
 
