@@ -30,7 +30,8 @@ def prepare(device) -> None:
 
 
 def enabled(name: str) -> bool:
-    """Whether branch `name` is on under DSV4_OVERLAP (unset or "1": all, "0": none, else a list)."""
+    """Whether branch `name` is on under DSV4_OVERLAP (unset or "1": all, "0": none, or a
+    comma-separated list of names)."""
     v = os.environ.get(SWITCH, "1").strip()
     return v == "1" or (v != "0" and name in {n.strip() for n in v.split(",")})
 

@@ -212,7 +212,8 @@ def e2m1_word_to_f32(w, NATIVE: tl.constexpr):
     shaped like w, element r of each word: the e2m1 value * 2^-6 (NATIVE) or * 2^-14 (not
     NATIVE). NATIVE (sm_90, inline PTX): e2m1 (s, e1 e0 m) is e4m3's bit pattern with exponent and
     mantissa shifted down by 2, so 4 nibbles at a time become e4m3 bytes, then the hardware
-    e4m3x2 -> f16x2 and f16 -> f32 casts. Otherwise (interpreter) each nibble's bits go into an fp16."""
+    e4m3x2 -> f16x2 and f16 -> f32 casts. Otherwise (interpreter) each nibble's bits go into an
+    fp16."""
     if NATIVE:
         return tl.inline_asm_elementwise(E2M1_TO_F32_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r", [w],
                                          dtype=(tl.float32,) * 8, is_pure=True, pack=1)

@@ -224,7 +224,8 @@ def fp4_experts_down(a: torch.Tensor, idx: torch.Tensor, w2: torch.Tensor, s2: t
                      out: torch.Tensor | None = None, config: Config | None = None) -> torch.Tensor:
     """a [k, I] bf16, idx [k] int64 -> y [1, D] = sum_j bf16(W8A8 w2[idx[j]] @ a[j]), summed in fp32
     in slot order j = 0..k-1 (pass idx sorted to match the reference), plus `add` ([1, D], e.g. the
-    shared expert's bf16 output) in fp32, rounded to out_dtype (float32 or bfloat16). Capture-safe."""
+    shared expert's bf16 output) in fp32, rounded to out_dtype (float32 or bfloat16).
+    Capture-safe."""
     E, D, I = _check(w2, s2, "fp4_experts_down w2")
     k = idx.numel()
     if tuple(a.shape) != (k, I):

@@ -1,5 +1,6 @@
 """Fused hyper-connection kernels for one decode token: hc_pre + Sinkhorn split + RMSNorm in two
-launches (the second one's two programs compute x and the Sinkhorn side by side), hc_post in one, hc_head + final norm in two (instead of ~250 torch ops per sublayer).
+launches (the second one's two programs compute x and the Sinkhorn side by side), hc_post in
+one, hc_head + final norm in two (instead of ~250 torch ops per sublayer).
 
 h [c, D] bf16 (c = hc_mult = 4), fn [M, c*D] f32 (M = 24, or 4 for the head), x/out bf16.
 References: dsv4.mhc (hc_pre, hc_post, hc_head, rms_norm). Test: tests/dsv4/test_kernels_mhc.py.

@@ -1,0 +1,35 @@
+"""dsv4.overlap on the CPU: the switch, and that branches are no-ops off CUDA and never touch
+torch.cuda (the graph-replay bits with branches on and off: tests/dsv4/test_kernels.py, CUDA)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsv4 import overlap
+
+
+@pytest.mark.parametrize("value,on", [(None, {"moe", "attn"}), ("1", {"moe", "attn"}),
+                                      ("0", set()), ("moe", {"moe"}), ("mhc", set()),
+                                      (" attn , moe ", {"moe", "attn"})])
+def test_switch(monkeypatch, value, on):
+    if value is None:
+        monkeypatch.delenv(overlap.SWITCH, raising=False)
+    else:
+        monkeypatch.setenv(overlap.SWITCH, value)
+    assert {n for n in ("moe", "attn") if overlap.enabled(n)} == on
+
+
+def test_branch_is_a_no_op_off_cuda(monkeypatch):
+    def boom(*a, **k):
+        raise AssertionError("the CPU path touched torch.cuda")
+    monkeypatch.setattr(torch.cuda, "Stream", boom)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", boom)
+    monkeypatch.setattr(torch.cuda, "current_stream", boom)
+    overlap.prepare("cpu")
+    x = torch.ones(3)
+    br = overlap.Branch(x, "moe")
+    assert not br.on
+    with br.side():
+        y = x * 2                     # runs in order, on the current (CPU) stream
+    br.join()
+    assert torch.equal(y, torch.full((3,), 2.0))
