@@ -108,9 +108,7 @@ def _x(k, dev, gen, dtype=torch.bfloat16):
     return torch.randn(1, k, device=dev, generator=gen).to(dtype)
 
 
-def _neighbours(cfg: Config, bn_max: int = 128, prefetch=(False,), persist=()) -> list[Config]:
-    """BN and NB halved / kept / doubled x 4 or 8 warps x the prefetch options; with `persist`,
-    also the persistent FP8 GEMV at those programs per SM x 2 or 3 pipeline stages."""
+def _neighbours(cfg: Config, bn_max: int = 128, prefetch=(False,)) -> list[Config]:
     out = []
     for bn in (cfg.bn // 2, cfg.bn, cfg.bn * 2):
         for nb in (cfg.nb // 2, cfg.nb, cfg.nb * 2):
@@ -118,10 +116,6 @@ def _neighbours(cfg: Config, bn_max: int = 128, prefetch=(False,), persist=()) -
                 for pf in prefetch:
                     if 1 <= bn <= bn_max and 1 <= nb <= 32:
                         out.append(Config(bn, nb, nw, pf))
-        for ps in persist:
-            for st in (2, 3):
-                if 1 <= bn <= bn_max:
-                    out.append(Config(bn, cfg.nb, cfg.num_warps, False, ps, st))
     return out
 
 
@@ -157,7 +151,7 @@ def fp8_case(name, n, k, dev, gen, groups=1, dual=False) -> Case:
         return lambda: F.linear(fp8_quant_dequant(x, 128), dequantize_fp8_weight(w, s, torch.bfloat16))
     shape = f"[{n}, {k}]" + (f" G={groups}" if groups > 1 else "") + (" x2 (w1+w3)" if dual else "")
     return Case(name, shape, nbytes, make, cfg, torch_path, copies,
-                _neighbours(cfg, prefetch=(False, True), persist=() if dual else (1, 2, 4)))
+                _neighbours(cfg, prefetch=(False, True)))
 
 
 def bf16_case(name, n, k, dev, gen, x_dtype=torch.bfloat16) -> Case:

@@ -54,11 +54,6 @@ def launch_args(t: torch.Tensor) -> dict:
     return {"PDL": True, "launch_pdl": True} if pdl(t) else {"PDL": False}
 
 
-@functools.lru_cache(maxsize=None)
-def sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def on_device(t: torch.Tensor):
     """Triton launches on the *current* CUDA device: make it t's (layers live on several GPUs)."""
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
@@ -67,15 +62,11 @@ def on_device(t: torch.Tensor):
 @dataclass(frozen=True)
 class Config:
     """A fixed launch config: BN output rows per program, NB blocks of 128 K-elements per step;
-    prefetch (FP8 GEMV): load the next step's weights before this step's math; persist (FP8
-    GEMV, > 0): `persist` programs per SM loop over the row blocks, `stages` blocks of weights in
-    flight through shared memory (Triton's software pipeline, cp.async)."""
+    prefetch (FP8 GEMV): load the next step's weights before this step's math."""
     bn: int
     nb: int
     num_warps: int = 4
     prefetch: bool = False
-    persist: int = 0
-    stages: int = 3
 
 
 def pow2_floor(v: int) -> int:

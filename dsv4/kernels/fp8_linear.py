@@ -4,8 +4,6 @@ Test: `python -m pytest tests/dsv4/test_kernels.py`; bench: `python scripts/benc
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
@@ -13,7 +11,7 @@ import triton.language as tl
 from ..formats import FP8_BLOCK, dequantize_fp8_weight
 from ..quant import fp8_quant_dequant
 from .common import (Config, block_exponent, e4m3_to_f32, e8m0_to_f32, interpreting, launch_args,
-                     on_device, pdl_wait, pick_config, quant_dequant, round_bf16, sm_count)
+                     on_device, pdl_wait, pick_config, quant_dequant, round_bf16)
 
 TILE_BYTES = 16384   # weight bytes per program and step (one matrix); half of it for fp8_swiglu
 
@@ -129,34 +127,6 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, w3_ptr, s3_ptr, y_ptr, wb_ptr, sb_ptr,
     tl.store(yp + rows, y.to(yp.dtype.element_ty))
 
 
-@triton.jit
-def _fp8_gemv_persistent_kernel(x_ptr, w_ptr, s_ptr, y_ptr, K: tl.constexpr, NG: tl.constexpr,
-                                NPROG: tl.constexpr, ITERS: tl.constexpr, QUANT: tl.constexpr,
-                                NATIVE: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr,
-                                EVEN_K: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
-    # _fp8_gemv_kernel's plain / grouped path (no SwiGLU, second matrix or add) with fewer programs
-    # than row blocks: program p of NPROG computes blocks p, p + NPROG, ... (ITERS of them, all of
-    # K each), and Triton's software pipeline keeps STAGES blocks' loads in flight (the weights
-    # stream through shared memory while earlier blocks compute).
-    pdl_wait(PDL)
-    BK: tl.constexpr = NB * 128
-    KSTEPS: tl.constexpr = (K + BK - 1) // BK
-    for i in tl.range(0, ITERS, num_stages=STAGES):
-        n0 = (tl.program_id(0) + i * NPROG) * BN
-        rows = n0 + tl.arange(0, BN)
-        xg = x_ptr + (n0 // NG) * K
-        srow = (n0 // 128) * (K // 128)
-        acc = tl.zeros([BN, NB * 8], tl.float32)
-        for ks in tl.static_range(KSTEPS):
-            w, sw = _fp8_wload(w_ptr, s_ptr, rows, ks * BK, K, srow, NB, EVEN_K)
-            xb = _fp8_x(xg, ks * BK, K, NB, EVEN_K, QUANT, NATIVE)
-            acc = _fp8_fma(acc, xb, w, sw, NATIVE, NB)
-        y = tl.sum(acc, axis=1)
-        if y_ptr.dtype.element_ty == tl.bfloat16:
-            y = round_bf16(y)
-        tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty))
-
-
 # Configs measured best on an H200 by `scripts/bench_kernels.py --sweep` (2026-11-22, second sweep
 # with PDL and the prefetch variant; times: heuristic default in the first sweep -> best) for the
 # Flash shapes, keyed (N, K, rows per group, dual); other shapes use the heuristic below.
@@ -191,12 +161,6 @@ def _check(w, s, what="fp8 GEMV"):
     return N, K
 
 
-@functools.lru_cache(maxsize=None)
-def _even_programs(blocks: int, cap: int) -> int:
-    """The most programs <= cap that split `blocks` evenly (the persistent kernel has no tail)."""
-    return max(d for d in range(1, min(blocks, cap) + 1) if blocks % d == 0)
-
-
 def _launch(x, w, s, w3, s3, out, limit, quant, group_k, out_dtype, config, native, second=None,
             add=None):
     """One launch: y = x @ w (+ w3 SwiGLU, + add); second = (wb, sb, outb): programs past the
@@ -224,17 +188,6 @@ def _launch(x, w, s, w3, s3, out, limit, quant, group_k, out_dtype, config, nati
     if out is None:
         out = torch.empty(1, N, dtype=out_dtype, device=x.device)
     native = (not interpreting()) if native is None else native
-    if cfg.persist and w3 is None and second is None and add is None:
-        nblk = N // cfg.bn
-        progs = _even_programs(nblk, cfg.persist * (sm_count(out.device.index) if out.is_cuda
-                                                    else 4))
-        with on_device(out):
-            _fp8_gemv_persistent_kernel[(progs,)](
-                x.contiguous(), w.view(torch.uint8), s.view(torch.uint8), out, K=K, NG=ng,
-                NPROG=progs, ITERS=nblk // progs, QUANT=quant, NATIVE=native, BN=cfg.bn, NB=cfg.nb,
-                EVEN_K=K % (cfg.nb * 128) == 0, STAGES=cfg.stages, num_warps=cfg.num_warps,
-                **launch_args(out))
-        return out
     w3 = w if w3 is None else w3
     s3 = s if s3 is None else s3
     wb, sb, yb = second if second is not None else (w, s, out)

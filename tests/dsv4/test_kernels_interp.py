@@ -100,7 +100,6 @@ def test_decoders_cover_every_code():
 @pytest.mark.parametrize("n,k,cfg", [(256, 384, Config(64, 2)),    # K tail masked (384 % 256)
                                      (256, 640, Config(128, 2, 4, True)),   # prefetch, K tail
                                      (128, 384, Config(64, 1, 4, True)),    # prefetch, even K
-                                     (256, 384, Config(32, 1, 4, False, 1, 2)),  # persistent
                                      (384, 256, Config(128, 2)),   # N = 3 * 128 (concatenated)
                                      (128, 640, None)])            # default heuristic config
 def test_fp8_linear(n, k, cfg):
@@ -146,8 +145,7 @@ def test_fp8_linear2_and_add_epilogue():
         fp8_linear2(x, wa, sa, *fp8_weight(128, 256, GEN))
 
 
-@pytest.mark.parametrize("groups,cfg", [(2, Config(64, 2)), (3, Config(128, 1)),
-                                        (3, Config(64, 1, 4, False, 1, 2))])   # persistent
+@pytest.mark.parametrize("groups,cfg", [(2, Config(64, 2)), (3, Config(128, 1))])
 def test_fp8_linear_grouped_wo_a(groups, cfg):
     kg = 256
     w, s = fp8_weight(groups * 128, kg, GEN)
