@@ -82,6 +82,7 @@ class Block:
         x, post, comb = self._mix_decode(h, "ffn", self.ffn_norm)
         return post_fn(self.ffn.decode(x, ids), h, post, comb)
 
+
 def fused_mhc(h: torch.Tensor) -> bool:
     """Use the fused Triton mHC kernels: one bf16 token on a device where kernels are available."""
     from . import kernels

@@ -115,16 +115,15 @@ class MoE:
         from .kernels.fp4_experts import fp4_experts_down, fp4_experts_up
         from .kernels.fp8_linear import fp8_linear, fp8_swiglu
         bank, lim, sh = self.experts, self.cfg.swiglu_limit, self.shared
-        if sh["w1"].fmt != "fp8":
-            w, idx = self.route_decode(x, ids)
-            a = fp4_experts_up(x, idx, w, bank.w1, bank.w1_scale, bank.w3, bank.w3_scale, lim)
-            y = fp4_experts_down(a, idx, bank.w2, bank.w2_scale)              # [1, D] f32
-            return (y + self._shared(x)).to(x.dtype)
-        br = overlap.Branch(x, "moe")
+        fp8 = sh["w1"].fmt == "fp8"
+        br = overlap.Branch(x, "moe", when=fp8)
         with br.side():
-            a_sh = fp8_swiglu(x, sh["w1"].weight, sh["w1"].scale, sh["w3"].weight, sh["w3"].scale,
-                              lim)
-            y_sh = fp8_linear(a_sh, sh["w2"].weight, sh["w2"].scale, out_dtype=x.dtype)
+            if fp8:
+                a_sh = fp8_swiglu(x, sh["w1"].weight, sh["w1"].scale, sh["w3"].weight,
+                                  sh["w3"].scale, lim)
+                y_sh = fp8_linear(a_sh, sh["w2"].weight, sh["w2"].scale, out_dtype=x.dtype)
+            else:
+                y_sh = self._shared(x)                                        # [1, D] act
         w, idx = self.route_decode(x, ids)
         a = fp4_experts_up(x, idx, w, bank.w1, bank.w1_scale, bank.w3, bank.w3_scale, lim)
         br.join()

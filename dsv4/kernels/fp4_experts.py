@@ -88,7 +88,7 @@ def _fp4_up_kernel(x_ptr, idx_ptr, rw_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, a_ptr
                    I: tl.constexpr, D: tl.constexpr, HAS_LIMIT: tl.constexpr, BN: tl.constexpr,
                    NB: tl.constexpr, EVEN_K: tl.constexpr, NATIVE: tl.constexpr,
                    PDL: tl.constexpr):
-    # x [D] bf16; idx [k] int64; rw [k] f32; w1, w3 [E, I, D/2] u8; s1, s3 [E, I, D/32] u8;
+    # x [D] bf16; idx [k] int64; rw [k] f32; w1, w3 [E, I, D/8] int32; s1, s3 [E, I, D/32] u8;
     # a [k, I] bf16. Program (i, j): rows [i*BN, (i+1)*BN) of expert idx[j].
     pdl_wait(PDL)
     j = tl.program_id(1)
