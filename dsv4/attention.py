@@ -140,25 +140,30 @@ class Attention:
         return self._out(o, cs)
 
     def _decode_fused(self, x: torch.Tensor, pos: torch.Tensor, st: LayerState) -> torch.Tensor:
-        """decode with the Triton kernels: same math and state updates (bf16 activations)."""
+        """decode with the fused kernels: same math and state updates (bf16 activations).
+        When captured, the compressors and the indexer (state: their own buffers and
+        kv_cache[W:]) are a parallel branch (dsv4.overlap) beside wq_a + wkv, q_norm, wq_b and
+        prep (which writes the ring kv_cache[:W]): the side projections and both compressors need
+        x only and start at once; the indexer's query, scores and top-k wait for q_norm's qr."""
         from .kernels import attention_decode as K
         cfg, act, H = self.cfg, x.dtype, self.cfg.n_heads
         W, r, eps = cfg.window_size, self.ratio, cfg.norm_eps
-        qr, kv = self._q_kv_rows(x)
-        qr = K.rms_norm_row(qr, self.q_norm, eps)
-        # the compressors and the indexer (state: their own buffers and kv_cache[W:]) are a
-        # parallel branch when captured, beside wq_b + prep (which writes the ring kv_cache[:W])
         br = overlap.Branch(x, "attn", when=bool(r))
-        idx, n = None, (st.kv_cache.shape[0] - W - 1 if r else 0)      # compressed entries
+        idx, n, proj = None, (st.kv_cache.shape[0] - W - 1 if r else 0), None  # n: compressed
         with br.side():
-            proj = self._side_projections(x) if r else None
-            if r == 4:
-                idx = self.indexer.decode(x, qr, None, pos, st, self.freqs, W, fused=True,
-                                          raw=True, proj=proj[2:])
-                n = idx.shape[-1]
             if r:
+                proj = self._side_projections(x)
+                if r == 4:
+                    self.indexer.decode_compress(x, pos, st, self.freqs, proj[2:4])
                 self.compressor.decode(x, pos, st.compressor, st.kv_cache[W:], self.freqs,
                                        fused=True, proj=proj[:2])
+        qr, kv = self._q_kv_rows(x)
+        qr = K.rms_norm_row(qr, self.q_norm, eps)
+        if r == 4:
+            br.wait_main()
+            with br.side():
+                idx = self.indexer.decode_select(x, qr, pos, st, self.freqs, proj[4])
+                n = idx.shape[-1]
         q = K.attention_prep(self.wq_b(qr, act), kv, self.kv_norm, st.kv_cache, pos,
                              self.freqs, eps, H, W)                     # also kv -> ring slot
         br.join()

@@ -241,14 +241,17 @@ def time_steps(step, n: int, devices) -> list[float]:
     return [a.elapsed_time(b) for a, b in evs]
 
 
-def count_kernels(step, devices, top: dict | None = None) -> int:
+def count_kernels(step, devices, top: dict | None = None, trace: str | None = None) -> int:
     """CUDA kernels launched by one step() (memcpy/memset excluded), from torch.profiler; with
-    `top`, also fills it with kernel name -> [launches, device µs] of that step."""
+    `top`, also fills it with kernel name -> [launches, device µs] of that step; with `trace`,
+    writes that step's Chrome trace there (kernels per stream with start and duration)."""
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     _sync(devices)
     with torch.profiler.profile(activities=acts) as prof:
         step()
         _sync(devices)
+    if trace:
+        prof.export_chrome_trace(trace)
     n = 0
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith(NOT_KERNELS):
@@ -266,7 +269,7 @@ def _stats(ms: list[float]) -> dict:
 
 
 def measure(model: Transformer, mode: str, granularity: str, context: int, steps: int,
-            warmup: int, seed: int, kernels: bool) -> dict:
+            warmup: int, seed: int, kernels: bool, trace: str | None = None) -> dict:
     """One (mode, granularity): decoder over the model at position `context`, warmed up, timed."""
     devices = list(dict.fromkeys([model.head_device, *model.placement]))
     sess = Session(model, SamplingParams(), mode=mode, granularity=granularity)
@@ -299,7 +302,8 @@ def measure(model: Transformer, mode: str, granularity: str, context: int, steps
         if kernels and model.head_device.type == "cuda":
             at_context()
             top: dict = {}
-            total = count_kernels(dec.step, devices, top)
+            total = count_kernels(dec.step, devices, top,
+                                  trace and f"{trace}-{mode}{'-' + granularity if mode == 'graph' else ''}.json")
             res["top_kernels"] = sorted(([k, n, round(us, 1)] for k, (n, us) in top.items()),
                                         key=lambda r: -r[2])[:20]
             for k, n, us in res["top_kernels"][:12]:
@@ -386,7 +390,7 @@ def run(args, command: str = "") -> dict:
         for g in grans if mode == "graph" else grans[:1]:
             _log(f"measuring {mode}" + (f"/{g}" if mode == "graph" else ""))
             r = measure(model, mode, g, args.context, args.steps, args.warmup, args.seed,
-                        kernels=not args.no_kernels)
+                        kernels=not args.no_kernels, trace=args.trace)
             r["ratio_to_floor"] = r["ms_per_token"] / floor if floor else None
             runs.append(r)
     partial = cfg.n_layers < full.n_layers
@@ -496,6 +500,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reserve-gib", type=float, default=2.0, help="per-device workspace assumed "
                    "by the memory check (besides weights, state, generation temporaries)")
     p.add_argument("--no-kernels", action="store_true", help="skip the profiled kernel count")
+    p.add_argument("--trace", metavar="PREFIX", default=None,
+                   help="write the Chrome trace of the profiled step to PREFIX-<mode>[-<granularity>]"
+                        ".json (needs the kernel count)")
     return p
 
 

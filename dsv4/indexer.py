@@ -80,12 +80,12 @@ class Indexer:
         keys = st.index_cache[:-1]                                    # [n, di], scratch row excluded
         visible = None
         if fused:
-            from .kernels.indexer_decode import index_query, index_scores
-            q = index_query(self.wq_b(qr, act), pos, freqs, self.n_heads)
-            w = self.weights_proj(x, act) if proj is None else proj[2]
-            self.compressor.decode(x, pos, st.index_compressor, st.index_cache, freqs, fused=True,
-                                   proj=None if proj is None else proj[:2])
-            sc = index_scores(q, w, keys, pos, self.head_dim ** -0.5 * self.n_heads ** -0.5)
+            self.decode_compress(x, pos, st, freqs, None if proj is None else proj[:2])
+            idx = self.decode_select(x, qr, pos, st, freqs,
+                                     self.weights_proj(x, act) if proj is None else proj[2])
+            if raw:
+                return idx
+            return torch.where(idx >= (pos + 1) // 4, -1, idx + offset)
         else:
             q, w = self._query(x, qr, cs, act)
             self.compressor.decode(x, pos, st.index_compressor, st.index_cache, freqs, fused=False)
@@ -97,6 +97,21 @@ class Indexer:
         idx = sc.topk(k, dim=-1, sorted=False).indices   # the set matters, not the order
         if raw:
             return idx
-        if visible is None:
-            visible = (pos + 1) // 4
         return torch.where(idx >= visible, -1, idx + offset)
+
+    # the fused decode in two parts, so that the part that needs only x can run before wq_a
+    def decode_compress(self, x, pos, st: LayerState, freqs, proj: list | None = None) -> None:
+        """Fused decode, part 1 (x only): the index compressor's step (proj: [wkv(x), wgate(x)]
+        float32 when the caller computed them); an emitted entry lands in the index cache."""
+        self.compressor.decode(x, pos, st.index_compressor, st.index_cache, freqs, fused=True,
+                               proj=proj)
+
+    def decode_select(self, x, qr, pos, st: LayerState, freqs, w: torch.Tensor) -> torch.Tensor:
+        """Fused decode, part 2 (after decode_compress): the query from qr (wq_b, RoPE, Hadamard,
+        FP4 fake-quant), scores against the index cache with head weights w = weights_proj(x), and
+        the top-k entry numbers [1, k] (unsorted; valid iff < (pos+1)//4)."""
+        from .kernels.indexer_decode import index_query, index_scores, index_topk
+        q = index_query(self.wq_b(qr, x.dtype), pos, freqs, self.n_heads)
+        keys = st.index_cache[:-1]
+        sc = index_scores(q, w, keys, pos, self.head_dim ** -0.5 * self.n_heads ** -0.5)
+        return index_topk(sc, min(self.cfg.index_topk, keys.shape[0]))

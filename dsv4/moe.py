@@ -12,6 +12,11 @@ from .config import ModelConfig
 from .linear import ExpertBank, Linear
 from .quant import fp8_quant_dequant
 
+# Routing inside the CUDA up kernel (kernels.fp4_experts_up_routed) saves the route launch, but its
+# early-launched (PDL) CTAs hold the SMs while the gate runs and delay the captured shared-expert
+# branch: measured slower on Flash (BENCHMARKS.md), so the route kernel stays in front of up.
+ROUTE_IN_UP = False
+
 
 class MoE:
     def __init__(self, cfg: ModelConfig, layer_id: int, fmt: str, expert_fmt: str, device):
@@ -24,6 +29,7 @@ class MoE:
                                     device=device) if self.hash else None)
         self.bias = None if self.hash else torch.empty(E, dtype=torch.float32, device=device)
         self.experts = ExpertBank(E, D, I, expert_fmt, device)
+        self._down_ws = None      # the CUDA down kernel's workspace (kernels.fp4_experts), lazily
         self.shared = {w: Linear(*((D, I) if w == "w2" else (I, D)), fmt, device)
                        for w in ("w1", "w2", "w3")}
 
@@ -108,13 +114,15 @@ class MoE:
                             ids=ids if self.hash else None)
 
     def _decode_kernels(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """decode as Triton launches: routing (route_decode), routed FP4 up + down with the shared
-        expert's output added in down's epilogue; the FP8 shared expert (fused w1/w3 SwiGLU, w2)
-        is a parallel branch when captured (dsv4.overlap). Same math as the loop: bf16(routed
+        """decode as kernel launches: the gate GEMV, routing + routed FP4 up (one CUDA launch,
+        kernels.fp4_experts_up_routed; with the Triton kernels route_decode then up), down with the
+        shared expert's output added in its epilogue; the FP8 shared expert (fused w1/w3 SwiGLU,
+        w2) is a parallel branch when captured (dsv4.overlap). Same math as the loop: bf16(routed
         sum in f32 + bf16 shared). Capture-safe."""
-        from .kernels.fp4_experts import fp4_experts_down, fp4_experts_up
+        from .kernels.fp4_experts import (down_workspace, fp4_experts_down, fp4_experts_up,
+                                          fp4_experts_up_routed, routed_up_available)
         from .kernels.fp8_linear import fp8_linear, fp8_swiglu
-        bank, lim, sh = self.experts, self.cfg.swiglu_limit, self.shared
+        bank, lim, sh, cfg = self.experts, self.cfg.swiglu_limit, self.shared, self.cfg
         fp8 = sh["w1"].fmt == "fp8"
         br = overlap.Branch(x, "moe", when=fp8)
         with br.side():
@@ -124,10 +132,20 @@ class MoE:
                 y_sh = fp8_linear(a_sh, sh["w2"].weight, sh["w2"].scale, out_dtype=x.dtype)
             else:
                 y_sh = self._shared(x)                                        # [1, D] act
-        w, idx = self.route_decode(x, ids)
-        a = fp4_experts_up(x, idx, w, bank.w1, bank.w1_scale, bank.w3, bank.w3_scale, lim)
+        k = cfg.n_activated_experts
+        if ROUTE_IN_UP and routed_up_available(x, bank.w1, cfg.n_routed_experts, k):
+            a, w, idx = fp4_experts_up_routed(
+                x, self.gate(x, torch.float32), k, cfg.score_func, cfg.route_scale, bank.w1,
+                bank.w1_scale, bank.w3, bank.w3_scale, lim, bias=self.bias, tid2eid=self.tid2eid,
+                ids=ids if self.hash else None)
+        else:
+            w, idx = self.route_decode(x, ids)
+            a = fp4_experts_up(x, idx, w, bank.w1, bank.w1_scale, bank.w3, bank.w3_scale, lim)
         br.join()
-        return fp4_experts_down(a, idx, bank.w2, bank.w2_scale, add=y_sh, out_dtype=x.dtype)
+        if self._down_ws is None:   # this layer's own: no two layers' launches share one
+            self._down_ws = down_workspace(idx.numel(), x.shape[-1], x.device, shared=False)
+        return fp4_experts_down(a, idx, bank.w2, bank.w2_scale, add=y_sh, out_dtype=x.dtype,
+                                workspace=self._down_ws)
 
     def prefill(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [t, D], ids [t] -> [t, D]. Groups tokens by expert (host sync: prefill only)."""

@@ -56,6 +56,12 @@ class Branch:
     def side(self):
         return torch.cuda.stream(self.stream) if self.on else contextlib.nullcontext()
 
+    def wait_main(self) -> None:
+        """The side branch waits for the main branch's work so far (a result the main branch made
+        after the fork); the next `with b.side():` block runs after it."""
+        if self.on:
+            self.stream.wait_stream(self.main)
+
     def join(self) -> None:
         if self.on:
             self.main.wait_stream(self.stream)

@@ -26,6 +26,8 @@ def main() -> int:
     p.add_argument("--no-torch", action="store_true", help="skip the torch-path timings")
     p.add_argument("--json", default=None, help="write the rows as JSON here")
     p.add_argument("--device", default="cuda")
+    p.add_argument("--backend", default="both", choices=("cuda", "triton", "both"),
+                   help="which implementation to time (both: a row each)")
     args = p.parse_args()
     if not torch.cuda.is_available():
         print("bench_kernels: needs a CUDA GPU", file=sys.stderr)
@@ -41,10 +43,14 @@ def main() -> int:
     print(bench.HEADER)
     rows = []
     only = [s for s in args.only.split(",") if s]
+    backends = ("triton", "cuda") if args.backend == "both" else (args.backend,)
     for case in bench.build_cases(args.preset, dev, only):
-        row = bench.run_case(case, bw, args.reps, args.sweep, not args.no_torch)
-        rows.append(row)
-        print(bench.format_row(row), flush=True)
+        for b in backends:
+            row = bench.run_case(case, bw, args.reps, args.sweep, not args.no_torch and b == "triton",
+                                 backend=b)
+            if row is not None:
+                rows.append(row)
+                print(bench.format_row(row), flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": name, "torch": torch.__version__, "triton": triton.__version__,

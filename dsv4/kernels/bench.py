@@ -16,9 +16,11 @@ from ..formats import dequantize_fp4_weight, dequantize_fp8_weight
 from ..presets import get_preset
 from ..quant import fp8_quant_dequant
 from .bf16_linear import bf16_config, bf16_linear
-from .common import Config
-from .fp4_experts import down_config, fp4_experts_down, fp4_experts_up, up_config
-from .fp8_linear import fp8_config, fp8_linear, fp8_swiglu
+from .common import Config, CudaConfig
+from .fp4_experts import (CUDA_DOWN_VARIANTS, CUDA_UP_VARIANTS, TUNED_CUDA_DOWN, TUNED_CUDA_UP,
+                          ExpertCudaConfig, cuda_expert_config, down_config, fp4_experts_down,
+                          fp4_experts_up, up_config)
+from .fp8_linear import cuda_config, fp8_config, fp8_linear, fp8_swiglu
 
 L2_SAFE_BYTES = 128 << 20    # below this, rotate weight copies (H100/H200 L2 is 50-60 MB)
 ROTATE_BYTES = 256 << 20     # the copies of one case span at least this much
@@ -36,6 +38,8 @@ class Case:
     torch: Callable | None = None
     copies: int = 1
     sweep: list = field(default_factory=list)     # alternative configs for --sweep
+    cuda: object = None                           # the CUDA C++ kernel's config (None: no CUDA path)
+    cuda_sweep: list = field(default_factory=list)
 
 
 def n_copies(nbytes: int) -> int:
@@ -119,6 +123,22 @@ def _neighbours(cfg: Config, bn_max: int = 128, prefetch=(False,)) -> list[Confi
     return out
 
 
+def _cuda_neighbours(cfg: CudaConfig | None, k: int, nm: int, div: int) -> list:
+    """CUDA FP8 configs around cfg: rows per lane 1..16, chunks per lane 1-2, 8/16/32 lanes per row."""
+    if cfg is None:
+        return []
+    out = []
+    for lc in (32, 16, 8):
+        for cpl in (1, 2):
+            if (k // 16) % (lc * cpl):
+                continue
+            warps = k // 16 // (lc * cpl)
+            for rpl in (1, 2, 4, 8, 16):
+                if 1 <= warps <= 16 and rpl * cpl * nm <= 16 and div % ((32 // lc) * rpl) == 0:
+                    out.append(CudaConfig(lc, rpl, cpl, warps))
+    return out
+
+
 def fp8_case(name, n, k, dev, gen, groups=1, dual=False) -> Case:
     nbytes = n * k * (2 if dual else 1) + (n // 128) * (k // 128) * (2 if dual else 1)
     copies = n_copies(nbytes)
@@ -150,8 +170,12 @@ def fp8_case(name, n, k, dev, gen, groups=1, dual=False) -> Case:
                                         dequantize_fp8_weight(w, s, torch.bfloat16).view(groups, -1, k))
         return lambda: F.linear(fp8_quant_dequant(x, 128), dequantize_fp8_weight(w, s, torch.bfloat16))
     shape = f"[{n}, {k}]" + (f" G={groups}" if groups > 1 else "") + (" x2 (w1+w3)" if dual else "")
+    ng = n // groups if groups > 1 else 0
+    nm = 2 if dual else 1
+    ccfg = cuda_config(n, k, (n,), ng, nm)
     return Case(name, shape, nbytes, make, cfg, torch_path, copies,
-                _neighbours(cfg, prefetch=(False, True)))
+                _neighbours(cfg, prefetch=(False, True)), ccfg,
+                _cuda_neighbours(ccfg, k, nm, math.gcd(128, n, *([ng] if ng else []))))
 
 
 def bf16_case(name, n, k, dev, gen, x_dtype=torch.bfloat16) -> Case:
@@ -193,6 +217,12 @@ def expert_cases(E, inter, dim, k, dev, gen) -> list[Case]:
         cu, cd = config
         return lambda: fp4_experts_down(fp4_experts_up(x, sets[c], rw, w1, s1, w3, s3, 10.0,
                                                        config=cu), sets[c], w2, s2, config=cd)
+    cu = cuda_expert_config(dim, TUNED_CUDA_UP, (k, inter, dim))
+    cd = cuda_expert_config(inter, TUNED_CUDA_DOWN, (k, inter, dim))
+
+    def esweep(kd, variants):
+        return [ExpertCudaConfig(*v) for v in variants
+                if kd % (128 * v[0]) == 0 and kd // (128 * v[0]) <= 16]
 
     def torch_step(c):
         idx = sets[c]
@@ -211,9 +241,12 @@ def expert_cases(E, inter, dim, k, dev, gen) -> list[Case]:
             return y
         return run
     shp = f"E={E} I={inter} D={dim} k={k}"
-    return [Case("experts.up", shp, 2 * k * per, up, ucfg, None, len(sets), _neighbours(ucfg)),
-            Case("experts.down", shp, k * per, down, dcfg, None, len(sets), _neighbours(dcfg)),
-            Case("experts.step", shp, 3 * k * per, step, (ucfg, dcfg), torch_step, len(sets))]
+    return [Case("experts.up", shp, 2 * k * per, up, ucfg, None, len(sets), _neighbours(ucfg), cu,
+                 esweep(dim, CUDA_UP_VARIANTS)),
+            Case("experts.down", shp, k * per, down, dcfg, None, len(sets), _neighbours(dcfg), cd,
+                 esweep(inter, CUDA_DOWN_VARIANTS)),
+            Case("experts.step", shp, 3 * k * per, step, (ucfg, dcfg), torch_step, len(sets),
+                 cuda=(cu, cd) if cu is not None and cd is not None else None)]
 
 
 def build_cases(preset: str, dev, only=(), seed: int = 0):
@@ -255,7 +288,15 @@ def build_cases(preset: str, dev, only=(), seed: int = 0):
         torch.cuda.empty_cache()
 
 
-def run_case(case: Case, copy_bw: float, reps: int, sweep: bool, with_torch: bool) -> dict:
+def run_case(case: Case, copy_bw: float, reps: int, sweep: bool, with_torch: bool,
+             backend: str = "triton") -> dict:
+    """One row: the case timed with the Triton config (backend "triton") or the CUDA C++ kernel's
+    ("cuda"; rows without a CUDA path are skipped: None); --sweep times the backend's neighbours."""
+    if backend == "cuda":
+        if case.cuda is None:
+            return None
+        case = Case(case.name + " [cuda]", case.shape, case.nbytes, case.make, case.cuda, None,
+                    case.copies, case.cuda_sweep)
     calls_n = max(case.copies, 8)
     med, lo, hi = time_calls([case.make(i % case.copies, case.config) for i in range(calls_n)], reps)
     row = {"kernel": case.name, "shape": case.shape, "bytes": case.nbytes, "us": med,

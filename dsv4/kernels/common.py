@@ -69,6 +69,21 @@ class Config:
     prefetch: bool = False
 
 
+@dataclass(frozen=True)
+class CudaConfig:
+    """A launch config of the CUDA C++ FP8 GEMV (csrc/dsv4_kernels.cu): lc lanes split a row's
+    16-byte chunks, each lane reads rpl rows x cpl chunks, `warps` warps split K; a CTA computes
+    (32 // lc) * rpl rows."""
+    lc: int
+    rpl: int
+    cpl: int
+    warps: int
+
+    @property
+    def rows(self) -> int:
+        return (32 // self.lc) * self.rpl
+
+
 def pow2_floor(v: int) -> int:
     return 1 << (max(int(v), 1).bit_length() - 1)
 

@@ -1,9 +1,15 @@
 """Routed FP4 experts of one decode token in two launches: `fp4_experts_up` (w1, w3, clamped SwiGLU,
 route weight) -> a [k, I] bf16, and `fp4_experts_down` (w2, per-expert bf16, fp32 sum in order) ->
-y [1, D] float32. Weights [E, out, in/2] int8 (e2m1 pairs) + [E, out, in/32] ue8m0. Test:
-`python -m pytest tests/dsv4/test_kernels.py`; bench: `python scripts/bench_kernels.py`.
+y [1, D] float32. Weights [E, out, in/2] int8 (e2m1 pairs) + [E, out, in/32] ue8m0.
+Two implementations: the CUDA C++ kernels on tensor cores (csrc/dsv4_kernels.cu via
+dsv4.kernels.cuda_lib; the default where available: e2m1 decoded to f16 in registers, f16 MMAs
+with float32 accumulation per 32-group, the group scale applied in float32) and the Triton kernels
+below (the fallback, and the interpreter tests). `backend=` / the config type pick one.
+Test: `python -m pytest tests/dsv4/test_kernels.py`; bench: `python scripts/bench_kernels.py`.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -12,8 +18,69 @@ import triton.language as tl
 
 from ..formats import FP4_BLOCK, dequantize_fp4_weight
 from ..quant import fp8_quant_dequant
+from . import cuda_lib
 from .common import (Config, block_exponent, e2m1_word_to_f32, e8m0_to_f32, interpreting,
-                     launch_args, on_device, pdl_wait, pick_config, quant_dequant, round_bf16)
+                     launch_args, on_device, pdl, pdl_wait, pick_config, quant_dequant, round_bf16)
+
+
+@dataclass(frozen=True)
+class ExpertCudaConfig:
+    """CUDA C++ expert kernel config: spw steps of 128 K-elements per warp (the CTA has
+    K / (128 * spw) warps and 16 rows of one expert); dec, the e2m1 decode (0: to e4m3 bytes and
+    the hardware cvt to f16, 1: f16 bit patterns with integer ops); depth, steps of weights in
+    flight per warp (0: all spw; fewer registers, more resident warps)."""
+    spw: int
+    dec: int = 0
+    depth: int = 0
+
+
+# measured best on an H200 (bench_kernels --sweep --backend cuda), keyed (k, I, D)
+TUNED_CUDA_UP: dict[tuple, ExpertCudaConfig] = {(6, 2048, 4096): ExpertCudaConfig(4, 0)}    # 24 us
+TUNED_CUDA_DOWN: dict[tuple, ExpertCudaConfig] = {(6, 2048, 4096): ExpertCudaConfig(2, 0)}  # 16 us
+# the instantiated (spw, dec, depth) of csrc (depth 0 = spw)
+CUDA_UP_VARIANTS = ((1, 0, 1), (2, 0, 2), (2, 0, 1), (4, 0, 4), (4, 0, 3), (4, 0, 2), (4, 1, 4),
+                    (4, 1, 2))
+CUDA_DOWN_VARIANTS = ((1, 0, 1), (2, 0, 2), (2, 0, 1), (4, 0, 4), (4, 0, 2), (2, 1, 2))
+
+
+def cuda_expert_config(k_dim: int, table: dict, key: tuple) -> ExpertCudaConfig | None:
+    """K = k_dim: 4 steps per warp when that gives at most 16 warps, else 2, else 1."""
+    if key in table:
+        return table[key]
+    for spw in (4, 2, 1):
+        if k_dim % (128 * spw) == 0 and k_dim // (128 * spw) <= 16:
+            return ExpertCudaConfig(spw)
+    return None
+
+
+def _use_cuda(config, backend, *tensors) -> bool:
+    if backend == "triton" or isinstance(config, Config):
+        return False
+    if cuda_lib.usable(*tensors):
+        return True
+    if backend == "cuda" or isinstance(config, ExpertCudaConfig):
+        raise ValueError("fp4 experts: the CUDA kernels are unavailable for these tensors "
+                         f"({cuda_lib.status(tensors[0].device)})")
+    return False
+
+
+_workspaces: dict = {}
+
+
+def down_workspace(k: int, dim: int, device, shared: bool = True
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ws [k, D] float32, cnt [D / 16] int32 zeros): the CUDA down kernel's per-expert partials and
+    per-row-tile semaphores (left zero after each launch). shared: one per (device, k, D) for
+    launches that never run concurrently (one stream); otherwise a new one. Allocate it before a
+    CUDA-graph capture (the decoder's warm-up does) so the zeros are not a captured memset."""
+    key = (torch.device(device), k, dim)
+    if not shared or key not in _workspaces:
+        ws = (torch.empty(k, dim, dtype=torch.float32, device=device),
+              torch.zeros(dim // 16, dtype=torch.int32, device=device))
+        if not shared:
+            return ws
+        _workspaces[key] = ws
+    return _workspaces[key]
 
 # The e2m1 decode (e2m1_word_to_f32): 4 nibbles become e4m3 bytes in three 32-bit ops (inline PTX),
 # then hardware e4m3x2 -> f16x2 -> f32 casts, then one FMA per weight.
@@ -196,7 +263,9 @@ def _check(w, s, what):
 
 def fp4_experts_up(x: torch.Tensor, idx: torch.Tensor, route_w: torch.Tensor, w1: torch.Tensor,
                    s1: torch.Tensor, w3: torch.Tensor, s3: torch.Tensor, limit: float, *,
-                   out: torch.Tensor | None = None, config: Config | None = None) -> torch.Tensor:
+                   out: torch.Tensor | None = None,
+                   config: Config | ExpertCudaConfig | None = None,
+                   backend: str | None = None) -> torch.Tensor:
     """x [1, D] bf16, idx [k] int64 (device), route_w [k] f32 -> a [k, I] bf16 with
     a[j] = bf16(silu(g) * u * route_w[j]), g/u = bf16(W8A8 w1/w3 of expert idx[j] at x), u clamped
     to +-limit and g from above (limit 0: none). Capture-safe (experts read on device)."""
@@ -205,12 +274,24 @@ def fp4_experts_up(x: torch.Tensor, idx: torch.Tensor, route_w: torch.Tensor, w1
         raise ValueError(f"fp4_experts_up: w3 {tuple(w3.shape)} or x {tuple(x.shape)} does not "
                          f"match w1 {tuple(w1.shape)}")
     k = idx.numel()
-    cfg = config or up_config(k, I, D)
     if out is None:
         out = torch.empty(k, I, dtype=torch.bfloat16, device=x.device)
+    xc, rw = x.contiguous(), route_w.to(torch.float32).contiguous()
+    if _use_cuda(config, backend, xc, w1, w3, out) and I % 16 == 0 and idx.dtype == torch.int64:
+        ccfg = config if isinstance(config, ExpertCudaConfig) else cuda_expert_config(
+            D, TUNED_CUDA_UP, (k, I, D))
+        if ccfg is not None:
+            with on_device(out):
+                cuda_lib.fp4_up(cuda_lib.lib_for(out.device), xc, idx.contiguous(), rw,
+                                w1, s1.view(torch.uint8), w3, s3.view(torch.uint8), out,
+                                float(limit), I, D, k, ccfg, pdl(out))
+            return out
+        if backend == "cuda" or isinstance(config, ExpertCudaConfig):
+            raise ValueError(f"fp4_experts_up: no CUDA config for D = {D}")
+    cfg = config or up_config(k, I, D)
     with on_device(out):
         _fp4_up_kernel[(I // cfg.bn, k)](
-            x.contiguous(), idx, route_w.to(torch.float32), w1.view(torch.int32),
+            xc, idx, rw, w1.view(torch.int32),
             s1.view(torch.uint8), w3.view(torch.int32), s3.view(torch.uint8), out, float(limit),
             I=I, D=D,
             HAS_LIMIT=limit > 0, BN=cfg.bn, NB=cfg.nb, EVEN_K=D % (cfg.nb * 128) == 0,
@@ -219,12 +300,57 @@ def fp4_experts_up(x: torch.Tensor, idx: torch.Tensor, route_w: torch.Tensor, w1
     return out
 
 
+SCORE_CODES = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}
+
+
+def routed_up_available(x: torch.Tensor, w1: torch.Tensor, n_experts: int, k: int) -> bool:
+    """fp4_experts_up_routed can run: the CUDA kernels serve x's device, the shapes fit."""
+    D = w1.shape[-1] * 2
+    return (cuda_lib.usable(x, w1) and k <= 16 and n_experts <= 512 and w1.shape[1] % 16 == 0
+            and cuda_expert_config(D, TUNED_CUDA_UP, (k, w1.shape[1], D)) is not None)
+
+
+def fp4_experts_up_routed(x: torch.Tensor, logits: torch.Tensor, k: int, score_func: str,
+                          route_scale: float, w1: torch.Tensor, s1: torch.Tensor, w3: torch.Tensor,
+                          s3: torch.Tensor, limit: float, *, bias: torch.Tensor | None = None,
+                          tid2eid: torch.Tensor | None = None, ids: torch.Tensor | None = None,
+                          config: ExpertCudaConfig | None = None
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """route_decode + fp4_experts_up in one CUDA launch: each CTA routes the token from the gate's
+    logits [1, E] float32 (bias [E]: score routing; tid2eid [V, k] + ids [1]: hash routing), as
+    kernels.route does, then runs its slot's expert. Returns (a [k, I] bf16, weights [k] float32,
+    experts [k] int64 ascending) for fp4_experts_down. CUDA only (routed_up_available)."""
+    E, (_, I, half) = logits.numel(), w1.shape
+    D = 2 * half
+    if (logits.dtype != torch.float32 or score_func not in SCORE_CODES
+            or (bias is None) == (tid2eid is None) or (tid2eid is not None and ids is None)):
+        raise ValueError(f"fp4_experts_up_routed: logits {tuple(logits.shape)} {logits.dtype}, "
+                         f"score {score_func!r}; pass float32 logits and bias or tid2eid + ids")
+    if x.numel() != D or not routed_up_available(x, w1, E, k):
+        raise ValueError(f"fp4_experts_up_routed: x {tuple(x.shape)} / w1 {tuple(w1.shape)} / "
+                         f"E = {E}, k = {k}: not served by the CUDA kernels "
+                         f"({cuda_lib.status(x.device)})")
+    cfg = config or cuda_expert_config(D, TUNED_CUDA_UP, (k, I, D))
+    out = torch.empty(k, I, dtype=torch.bfloat16, device=x.device)
+    w = torch.empty(k, dtype=torch.float32, device=x.device)
+    idx = torch.empty(k, dtype=torch.int64, device=x.device)
+    route = (logits.contiguous(), bias, tid2eid, ids, SCORE_CODES[score_func], float(route_scale))
+    with on_device(out):
+        cuda_lib.fp4_up(cuda_lib.lib_for(out.device), x.contiguous(), idx, w, w1,
+                        s1.view(torch.uint8), w3, s3.view(torch.uint8), out, float(limit), I, D, k,
+                        cfg, pdl(out), route=route)
+    return out, w, idx
+
+
 def fp4_experts_down(a: torch.Tensor, idx: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, *,
                      add: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32,
-                     out: torch.Tensor | None = None, config: Config | None = None) -> torch.Tensor:
+                     out: torch.Tensor | None = None,
+                     config: Config | ExpertCudaConfig | None = None,
+                     backend: str | None = None, workspace: tuple | None = None) -> torch.Tensor:
     """a [k, I] bf16, idx [k] int64 -> y [1, D] = sum_j bf16(W8A8 w2[idx[j]] @ a[j]), summed in fp32
     in slot order j = 0..k-1 (pass idx sorted to match the reference), plus `add` ([1, D], e.g. the
     shared expert's bf16 output) in fp32, rounded to out_dtype (float32 or bfloat16).
+    workspace: the CUDA kernel's (see down_workspace; default: one per device and shape).
     Capture-safe."""
     E, D, I = _check(w2, s2, "fp4_experts_down w2")
     k = idx.numel()
@@ -234,13 +360,30 @@ def fp4_experts_down(a: torch.Tensor, idx: torch.Tensor, w2: torch.Tensor, s2: t
         raise ValueError(f"fp4_experts_down: out_dtype {out_dtype}, add "
                          f"{None if add is None else tuple(add.shape)}; expected float32/bfloat16 "
                          f"and [1, {D}]")
-    cfg = config or down_config(k, I, D)
     if out is None:
         out = torch.empty(1, D, dtype=out_dtype, device=a.device)
+    ac = a.contiguous()
+    addc = None if add is None else add.contiguous()
+    if (_use_cuda(config, backend, ac, w2, out, *(() if addc is None else (addc,)))
+            and D % 16 == 0 and idx.dtype == torch.int64
+            and (addc is None or addc.dtype == torch.bfloat16)):
+        ccfg = config if isinstance(config, ExpertCudaConfig) else cuda_expert_config(
+            I, TUNED_CUDA_DOWN, (k, I, D))
+        if ccfg is not None:
+            ws, cnt = workspace or down_workspace(k, D, out.device)
+            if ws.shape[0] < k or ws.shape[1] != D or cnt.numel() != D // 16:
+                raise ValueError(f"fp4_experts_down: workspace {tuple(ws.shape)} / {cnt.numel()} "
+                                 f"does not fit k = {k}, D = {D}")
+            with on_device(out):
+                cuda_lib.fp4_down(cuda_lib.lib_for(out.device), ac, idx.contiguous(), w2,
+                                  s2.view(torch.uint8), addc, out, ws, cnt, D, I, k,
+                                  out.dtype == torch.float32, ccfg, pdl(out))
+            return out
+    cfg = config or down_config(k, I, D)
     with on_device(out):
         _fp4_down_kernel[(D // cfg.bn,)](
-            a.contiguous(), idx, w2.view(torch.int32), s2.view(torch.uint8),
-            out if add is None else add.contiguous(), out, D=D, I=I, TOPK=k, BN=cfg.bn, NB=cfg.nb,
+            ac, idx, w2.view(torch.int32), s2.view(torch.uint8),
+            out if addc is None else addc, out, D=D, I=I, TOPK=k, BN=cfg.bn, NB=cfg.nb,
             EVEN_K=I % (cfg.nb * 128) == 0, HAS_ADD=add is not None, NATIVE=_native(out),
             num_warps=cfg.num_warps,
             **launch_args(out))

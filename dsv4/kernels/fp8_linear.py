@@ -1,8 +1,13 @@
 """FP8 (e4m3, 128x128 ue8m0) GEMV for one activation row: W8A8 `fp8_linear`, the fused shared-expert
 `fp8_swiglu`, and grouped wo_a (no act quant). x [1, K] -> y [1, N]; weights w [N, K], s [N/128, K/128].
+Two implementations with the same semantics (float32 sums of the exact products): the CUDA C++ kernel
+(csrc/dsv4_kernels.cu via dsv4.kernels.cuda_lib; the default where it is available) and the Triton
+kernel below (the fallback, and the interpreter tests). `backend=` / the config type pick one.
 Test: `python -m pytest tests/dsv4/test_kernels.py`; bench: `python scripts/bench_kernels.py`.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 import triton
@@ -10,8 +15,9 @@ import triton.language as tl
 
 from ..formats import FP8_BLOCK, dequantize_fp8_weight
 from ..quant import fp8_quant_dequant
-from .common import (Config, block_exponent, e4m3_to_f32, e8m0_to_f32, interpreting, launch_args,
-                     on_device, pdl_wait, pick_config, quant_dequant, round_bf16)
+from . import cuda_lib
+from .common import (Config, CudaConfig, block_exponent, e4m3_to_f32, e8m0_to_f32, interpreting,
+                     launch_args, on_device, pdl, pdl_wait, pick_config, quant_dequant, round_bf16)
 
 TILE_BYTES = 16384   # weight bytes per program and step (one matrix); half of it for fp8_swiglu
 
@@ -149,6 +155,61 @@ def fp8_config(n: int, k: int, ng: int, dual: bool = False) -> Config:
                        programs_per_row=max(1, n // min(n, ng, 128)))
 
 
+# CUDA C++ kernel configs measured best on an H200 (bench_kernels --sweep --backend cuda) for the
+# Flash shapes, keyed (rows, K, rows per x group or 0, matrices per row); others: cuda_config.
+TUNED_CUDA: dict[tuple, CudaConfig] = {
+    (1536, 4096, 0, 1): CudaConfig(32, 16, 1, 8),     # wq_a + wkv   3.8 -> 3.2 us
+    (32768, 1024, 0, 1): CudaConfig(8, 8, 2, 4),      # wq_b        12.2 -> 11.3 us
+    (8192, 1024, 0, 1): CudaConfig(8, 8, 2, 4),       # indexer wq_b 4.2 -> 3.6 us
+    (8192, 4096, 1024, 1): CudaConfig(32, 8, 2, 4),   # wo_a (G=8)  12.5 -> 11.5 us
+    (4096, 8192, 0, 1): CudaConfig(32, 8, 2, 8),      # wo_b        13.4 -> 12.0 us
+    (2048, 4096, 0, 2): CudaConfig(32, 8, 1, 8),      # shared w1+w3 (SwiGLU) 7.6 -> 7.2 us
+    (4096, 2048, 0, 1): CudaConfig(32, 16, 1, 4),     # shared w2    4.0 -> 3.7 us
+}
+
+CUDA_TARGET_CTAS = 264       # ~2 CTAs per SM on H100/H200 before a CTA takes more rows
+
+
+def cuda_config(rows: int, k: int, seg_rows: tuple, ng: int, nm: int) -> CudaConfig | None:
+    """CUDA launch config for `rows` output rows in segments `seg_rows` (each a matrix of its own),
+    K = k, activation groups of ng rows (0: one group), nm matrices per row (2: SwiGLU); None when
+    the CUDA kernel cannot take the shape. Lanes read 16-byte chunks: LC lanes per row (32 when K
+    allows), up to 16 warps splitting K (2 chunks per lane beyond), then the most rows per CTA with
+    at most 8 chunks per lane that still gives ~2 CTAs per SM."""
+    key = (rows, k, ng, nm)
+    if key in TUNED_CUDA:
+        return TUNED_CUDA[key]
+    kc = k // 16
+    lc = next((c for c in (32, 16, 8) if kc % c == 0), None)
+    if lc is None or k % 128:
+        return None
+    warps, cpl = kc // lc, 1
+    if warps > 16 and warps % 2 == 0:
+        warps, cpl = warps // 2, 2
+    if warps > 16:
+        return None
+    lr = 32 // lc
+    div = math.gcd(128, *seg_rows, *([ng] if ng else []))
+    fits = [r for r in (16, 8, 4, 2, 1) if r * cpl * nm <= 16 and div % (lr * r) == 0]
+    if not fits:
+        return None
+    good = [r for r in fits if r * cpl * nm <= 8 and rows // (lr * r) >= CUDA_TARGET_CTAS]
+    return CudaConfig(lc, good[0] if good else fits[-1], cpl, warps)
+
+
+def _backend(config, native, add, backend, *tensors) -> str:
+    """'cuda' or 'triton' for one launch: the CUDA kernel unless asked otherwise (backend, a Triton
+    Config, the bit-path decode, the add epilogue) or unusable for these tensors."""
+    if backend == "triton" or isinstance(config, Config) or native is not None or add is not None:
+        return "triton"
+    if cuda_lib.usable(*tensors):
+        return "cuda"
+    if backend == "cuda" or isinstance(config, CudaConfig):
+        raise ValueError("fp8 GEMV: the CUDA kernel is unavailable for these tensors "
+                         f"({cuda_lib.status(tensors[0].device)})")
+    return "triton"
+
+
 def _check(w, s, what="fp8 GEMV"):
     N, K = w.shape
     if w.dtype != torch.float8_e4m3fn or N % FP8_BLOCK or K % FP8_BLOCK:
@@ -162,7 +223,7 @@ def _check(w, s, what="fp8 GEMV"):
 
 
 def _launch(x, w, s, w3, s3, out, limit, quant, group_k, out_dtype, config, native, second=None,
-            add=None):
+            add=None, backend=None):
     """One launch: y = x @ w (+ w3 SwiGLU, + add); second = (wb, sb, outb): programs past the
     first matrix's compute wb on the same x into outb."""
     N, K = _check(w, s)
@@ -181,19 +242,32 @@ def _launch(x, w, s, w3, s3, out, limit, quant, group_k, out_dtype, config, nati
         if Kb != K or G != 1:
             raise ValueError(f"fp8 GEMV: second weight {tuple(second[0].shape)} needs K = {K}")
         nb_rows = N + Nb
+    if out is None:
+        out = torch.empty(1, N, dtype=out_dtype, device=x.device)
+    xc = x.contiguous()
+    extra = (() if second is None else second) + (() if w3 is None else (w3,))
+    if _backend(config, native, add, backend, xc, w, out, *extra) == "cuda":
+        nm = 1 if w3 is None else 2
+        seg = (N,) if second is None else (N, nb_rows - N)
+        ccfg = config if isinstance(config, CudaConfig) else cuda_config(
+            nb_rows, K, seg, ng if G > 1 else 0, nm)
+        if ccfg is not None:
+            _launch_cuda(xc, w, s, w3, s3, out, limit, quant, ng if G > 1 else 0, nb_rows, K,
+                         ccfg, second)
+            return out
+        if isinstance(config, CudaConfig) or backend == "cuda":
+            raise ValueError(f"fp8 GEMV: no CUDA config for {nb_rows} rows, K = {K}")
     cfg = config or fp8_config(nb_rows, K, nb_rows if second is not None else ng,
                                dual=w3 is not None)
     if N % cfg.bn or nb_rows % cfg.bn:
         raise ValueError(f"fp8 GEMV: config {cfg} does not divide N = {N} / {nb_rows}")
-    if out is None:
-        out = torch.empty(1, N, dtype=out_dtype, device=x.device)
     native = (not interpreting()) if native is None else native
     w3 = w if w3 is None else w3
     s3 = s if s3 is None else s3
     wb, sb, yb = second if second is not None else (w, s, out)
     with on_device(out):
         _fp8_gemv_kernel[(nb_rows // cfg.bn,)](
-            x.contiguous(), w.view(torch.uint8), s.view(torch.uint8), w3.view(torch.uint8),
+            xc, w.view(torch.uint8), s.view(torch.uint8), w3.view(torch.uint8),
             s3.view(torch.uint8), out, wb.view(torch.uint8), sb.view(torch.uint8), yb,
             out if add is None else add, float(limit), K=K, NG=ng, PA=N // cfg.bn,
             QUANT=quant, SWIGLU=w3 is not w, HAS_LIMIT=limit > 0, TWO=second is not None,
@@ -203,40 +277,71 @@ def _launch(x, w, s, w3, s3, out, limit, quant, group_k, out_dtype, config, nati
     return out
 
 
+def _launch_cuda(x, w, s, w3, s3, out, limit, quant, ng, rows, K, cfg: CudaConfig, second):
+    """The CUDA C++ kernel (dsv4_fp8_gemv) for the same launch."""
+    n0 = w.shape[0]
+    if (rows % cfg.rows or n0 % cfg.rows or 128 % cfg.rows or (ng and ng % cfg.rows)
+            or cfg.warps * cfg.lc * cfg.cpl * 16 != K):   # one scale block and x group per CTA
+        raise ValueError(f"fp8 GEMV: CUDA config {cfg} does not fit {rows} rows, K = {K}")
+    flags = ((cuda_lib.FLAG_X_F32 if x.dtype == torch.float32 else 0)
+             | (cuda_lib.FLAG_Y_F32 if out.dtype == torch.float32 else 0)
+             | (cuda_lib.FLAG_QUANT if quant else 0)
+             | (cuda_lib.FLAG_TWO if second is not None else 0))
+    if out.dtype not in (torch.float32, torch.bfloat16) or x.dtype not in (torch.float32,
+                                                                           torch.bfloat16):
+        raise ValueError(f"fp8 GEMV: x {x.dtype} / out {out.dtype}; expected bfloat16 or float32")
+    u8 = torch.uint8
+    if second is not None:
+        w1, s1, y1 = second[0].view(u8), second[1].view(u8), second[2]
+    elif w3 is not None:
+        w1, s1, y1 = w3.view(u8), s3.view(u8), out
+    else:
+        w1, s1, y1 = w.view(u8), s.view(u8), out
+    with on_device(out):
+        cuda_lib.fp8_gemv(cuda_lib.lib_for(out.device), x, w.view(u8), s.view(u8), out, w1, s1, y1,
+                          n0=n0, rows=rows, K=K, ng=ng, limit=float(limit), flags=flags,
+                          swiglu=w3 is not None, cfg=cfg, pdl=pdl(out))
+
+
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, *, quant_act: bool = True,
                out_dtype: torch.dtype = torch.bfloat16, group_k: int | None = None,
-               out: torch.Tensor | None = None, config: Config | None = None,
-               native: bool | None = None, add: torch.Tensor | None = None) -> torch.Tensor:
+               out: torch.Tensor | None = None, config: Config | CudaConfig | None = None,
+               native: bool | None = None, add: torch.Tensor | None = None,
+               backend: str | None = None) -> torch.Tensor:
     """y [1, N] = x [1, K] @ dequant(w)^T with float32 accumulation, rounded to out_dtype.
 
     quant_act: W8A8 as the official linear (x -> e4m3 per 128 with ue8m0 scales); off for wo_a.
     group_k: rows [g*N/G, (g+1)*N/G) read x[g*group_k, (g+1)*group_k) (x [1, G*group_k], w
     [N, group_k]): the grouped wo_a in one launch. x bf16 or float32. Capture-safe, deterministic.
-    add ([1, N] float32): y = out_dtype(add + bf16(x @ w^T)) (the MoE's routed sum + shared expert).
+    add ([1, N] float32): y = out_dtype(add + bf16(x @ w^T)) (Triton only).
+    backend: None (the CUDA kernel where available, else Triton), "cuda" or "triton".
     """
     return _launch(x, w, s, None, None, out, 0.0, quant_act, group_k, out_dtype, config, native,
-                   add=add)
+                   add=add, backend=backend)
 
 
 def fp8_linear2(x: torch.Tensor, wa: torch.Tensor, sa: torch.Tensor, wb: torch.Tensor,
-                sb: torch.Tensor, *, config: Config | None = None, native: bool | None = None
+                sb: torch.Tensor, *, config: Config | CudaConfig | None = None,
+                native: bool | None = None, backend: str | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(x @ wa^T, x @ wb^T), both W8A8 bf16 [1, N], in one launch (wq_a and wkv read the same x).
     Equal to two fp8_linear calls with the same config."""
     yb = torch.empty(1, wb.shape[0], dtype=torch.bfloat16, device=x.device)
     ya = _launch(x, wa, sa, None, None, None, 0.0, True, None, torch.bfloat16, config, native,
-                 second=(wb, sb, yb))
+                 second=(wb, sb, yb), backend=backend)
     return ya, yb
 
 
 def fp8_swiglu(x: torch.Tensor, w1: torch.Tensor, s1: torch.Tensor, w3: torch.Tensor,
                s3: torch.Tensor, limit: float, *, out: torch.Tensor | None = None,
-               config: Config | None = None, native: bool | None = None) -> torch.Tensor:
+               config: Config | CudaConfig | None = None, native: bool | None = None,
+               backend: str | None = None) -> torch.Tensor:
     """a [1, I] bf16 = bf16(silu(g) * u), g = bf16(w1 x), u = bf16(w3 x) (W8A8), clamped as the
     shared expert (u to +-limit, g from above; limit 0 = none). One launch. Capture-safe."""
     if w3.shape != w1.shape or s3.shape != s1.shape:
         raise ValueError(f"fp8_swiglu: w1 {tuple(w1.shape)} / w3 {tuple(w3.shape)} differ")
-    return _launch(x, w1, s1, w3, s3, out, limit, True, None, torch.bfloat16, config, native)
+    return _launch(x, w1, s1, w3, s3, out, limit, True, None, torch.bfloat16, config, native,
+                   backend=backend)
 
 
 # ---- plain-torch references ---------------------------------------------------------------------

@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import interpreting, launch_args, on_device, pdl_wait, round_bf16
+from .common import interpreting, launch_args, on_device, pdl, pdl_wait, round_bf16
 from .compressor_decode import (NEG_INF, dot_bf16, fp4_fake_quant_rows, from_pairs, load_pos,
                                 rope_cos_sin, rope_pairs, sylvester, to_pairs)
 
@@ -94,6 +94,23 @@ def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, pos: torc
                                               F32=interpreting(), num_warps=4,
                                               **launch_args(out))
     return out
+
+
+def index_topk(scores: torch.Tensor, k: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The k best entries of index scores [1, n] bf16 -> [1, k] int64, unsorted (the set matters;
+    among equal scores at the threshold the lowest entries). One CUDA launch (a radix select in
+    csrc/dsv4_kernels.cu) where the CUDA kernels serve the device, else torch.topk (whose ties may
+    fall otherwise). Capture-safe, deterministic."""
+    from . import cuda_lib
+    n = scores.shape[-1]
+    if not 1 <= k <= n:
+        raise ValueError(f"index_topk: k = {k} for {n} scores")
+    if scores.dtype == torch.bfloat16 and scores.numel() == n and cuda_lib.usable(scores):
+        out = torch.empty(1, k, dtype=torch.int64, device=scores.device) if out is None else out
+        with on_device(out):
+            cuda_lib.topk_bf16(cuda_lib.lib_for(out.device), scores, k, out, pdl(out))
+        return out
+    return scores.topk(k, dim=-1, sorted=False).indices
 
 
 # ---- plain-torch references (the code the kernels replace) -----------------------------------

@@ -185,6 +185,7 @@ EXPERTS = {"flash": (256, 2048, 4096), "pro": (384, 3072, 7168), "small": (16, 2
 @pytest.mark.cuda
 @pytest.mark.parametrize("name", list(FP8_SHAPES))
 def test_fp8_linear_cuda(name):
+    """The Triton kernel on the GPU (the CUDA C++ one: test_cuda_kernels.py)."""
     from dsv4.kernels.fp8_linear import fp8_linear, fp8_linear_reference
     n, k, G = FP8_SHAPES[name]
     dev, gen = torch.device("cuda"), fresh_gen("cuda")
@@ -193,10 +194,11 @@ def test_fp8_linear_cuda(name):
     for quant in quants:
         x = spiky_x(k * G, gen, torch.bfloat16, dev)
         gk = k if G > 1 else None
-        y = fp8_linear(x, w, s, quant_act=quant, group_k=gk, out=poisoned(1, n, device=dev))
+        y = fp8_linear(x, w, s, quant_act=quant, group_k=gk, out=poisoned(1, n, device=dev),
+                       backend="triton")
         ref = fp8_linear_reference(x, w, s, quant_act=quant, group_k=gk)
         assert_close_bf16(y, ref, x, w, s, quant, group_k=gk)
-        again = fp8_linear(x, w, s, quant_act=quant, group_k=gk)
+        again = fp8_linear(x, w, s, quant_act=quant, group_k=gk, backend="triton")
         assert torch.equal(y, again), "not deterministic"
         bits = fp8_linear(x, w, s, quant_act=quant, group_k=gk, native=False)
         assert torch.equal(y, bits), "native e4m3 cast and the bit path disagree"
@@ -206,15 +208,16 @@ def test_fp8_linear_cuda(name):
 @pytest.mark.parametrize("name", ["flash.shared.w1", "pro.shared.w1", "small"])
 @pytest.mark.parametrize("limit", [0.0, 10.0])
 def test_fp8_swiglu_cuda(name, limit):
+    """The Triton kernel on the GPU (the CUDA C++ one: test_cuda_kernels.py)."""
     from dsv4.kernels.fp8_linear import fp8_swiglu, fp8_swiglu_reference
     n, k, _ = FP8_SHAPES[name]
     dev, gen = torch.device("cuda"), fresh_gen("cuda")
     (w1, s1), (w3, s3) = fp8_weight(n, k, gen, 8.0, dev), fp8_weight(n, k, gen, 8.0, dev)
     x = spiky_x(k, gen, torch.bfloat16, dev)
-    a = fp8_swiglu(x, w1, s1, w3, s3, limit, out=poisoned(1, n, device=dev))
+    a = fp8_swiglu(x, w1, s1, w3, s3, limit, out=poisoned(1, n, device=dev), backend="triton")
     assert_close_bf16(a, fp8_swiglu_reference(x, w1, s1, w3, s3, limit), rtol=2 ** -5,
                       min_equal=0.9)
-    assert torch.equal(a, fp8_swiglu(x, w1, s1, w3, s3, limit))
+    assert torch.equal(a, fp8_swiglu(x, w1, s1, w3, s3, limit, backend="triton"))
 
 
 @pytest.mark.cuda
@@ -247,7 +250,9 @@ def bank(request):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("limit", [10.0, 0.0])
-def test_fp4_experts_cuda(bank, limit):
+@pytest.mark.parametrize("backend", ["triton", None])
+def test_fp4_experts_cuda(bank, limit, backend):
+    """Both implementations (None: the default, the CUDA C++ kernels where available)."""
     from dsv4.kernels.fp4_experts import (fp4_experts_down, fp4_experts_down_reference,
                                           fp4_experts_up, fp4_experts_up_reference)
     _, (E, inter, dim), (w1, s1, w3, s3, w2, s2) = bank
@@ -257,22 +262,25 @@ def test_fp4_experts_cuda(bank, limit):
                      torch.tensor([E - 1], device=dev))).sort().values   # the last expert: int64 offsets
     rw = torch.rand(k, generator=gen, device=dev) + 0.5
     x = spiky_x(dim, gen, torch.bfloat16, dev)
-    a = fp4_experts_up(x, idx, rw, w1, s1, w3, s3, limit, out=poisoned(k, inter, device=dev))
+    a = fp4_experts_up(x, idx, rw, w1, s1, w3, s3, limit, out=poisoned(k, inter, device=dev),
+                       backend=backend)
     a_ref = fp4_experts_up_reference(x, idx, rw, w1, s1, w3, s3, limit)
     # where g or u nearly cancel, float32 summation order moves the tiny result by ~eps * the
     # row's magnitude: an absolute term at 1e-4 of the largest value covers that, nothing more
     assert_close_bf16(a, a_ref, rtol=2 ** -5, min_equal=0.9,
                       absdot=10 * a_ref.float().abs().amax(dim=-1, keepdim=True))
-    assert torch.equal(a, fp4_experts_up(x, idx, rw, w1, s1, w3, s3, limit)), "not deterministic"
-    y = fp4_experts_down(a, idx, w2, s2, out=poisoned(1, dim, dtype=torch.float32, device=dev))
+    assert torch.equal(a, fp4_experts_up(x, idx, rw, w1, s1, w3, s3, limit, backend=backend)), \
+        "not deterministic"
+    y = fp4_experts_down(a, idx, w2, s2, out=poisoned(1, dim, dtype=torch.float32, device=dev),
+                         backend=backend)
     ref = fp4_experts_down_reference(a, idx, w2, s2)
     scale = sum(fp4_experts_down_reference(a[j:j + 1], idx[j:j + 1], w2, s2).abs()
                 for j in range(k))
     assert not y.isnan().any() and ((y - ref).abs() <= 2 ** -7 * scale + 1e-30).all(), SEED
     assert (y == ref).float().mean() >= 0.8, SEED
-    assert torch.equal(y, fp4_experts_down(a, idx, w2, s2)), "not deterministic"
+    assert torch.equal(y, fp4_experts_down(a, idx, w2, s2, backend=backend)), "not deterministic"
     add = spiky_x(dim, gen, torch.bfloat16, dev)       # the shared expert's output, in the epilogue
-    yb = fp4_experts_down(a, idx, w2, s2, add=add, out_dtype=torch.bfloat16)
+    yb = fp4_experts_down(a, idx, w2, s2, add=add, out_dtype=torch.bfloat16, backend=backend)
     assert torch.equal(yb, (y + add.float()).to(torch.bfloat16))
 
 
@@ -390,7 +398,7 @@ def test_multi_matrix_launches_equal_separate_calls_cuda():
                                                                               device=dev)
     x = spiky_x(4096, gen, torch.bfloat16, dev)
     cfg = fp8_config(1536, 4096, 1536)
-    ya, yb = fp8_linear2(x, wa, sa, wb, sb)
+    ya, yb = fp8_linear2(x, wa, sa, wb, sb, config=cfg)
     assert torch.equal(ya, fp8_linear(x, wa, sa, config=cfg))
     assert torch.equal(yb, fp8_linear(x, wb, sb, config=cfg))
     w2, s2 = fp8_weight(4096, 2048, gen, device=dev)

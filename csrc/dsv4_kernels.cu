@@ -1,0 +1,1018 @@
+// Batch-1 decode GEMVs of DeepSeek-V4 in CUDA C++ (sm_89+; PDL on sm_90+), loaded by
+// dsv4/kernels/cuda_lib.py through ctypes (a plain C ABI: pointers, sizes, the CUDA stream).
+//
+//  * dsv4_fp8_gemv: W8A8 FP8 GEMV (e4m3 weights, 128x128 ue8m0 scales) on CUDA cores with float32
+//    accumulation of exact products, the activation quantized per 128 (ue8m0, e4m3 RNE) in the
+//    kernel; variants: two matrices on one x (wq_a + wkv), fused clamped SwiGLU (w1 + w3), grouped
+//    x without act quant (wo_a). Every weight byte is requested before the PDL wait.
+//  * dsv4_fp4_up / dsv4_fp4_down: the routed FP4 experts of one token on tensor cores. An e2m1
+//    code is e4m3's bit pattern shifted down by two (value * 2^-6), so 8 codes become two e4m3
+//    registers in a few integer ops and go straight into mma.m16n8k32.e4m3 against the e4m3
+//    activation; each MMA column holds one 32-wide scale group (the activation fragment is zero
+//    outside its group), and the per-32 scale is applied in float32 outside the tensor core.
+//    down sums the k experts in slot order through a per-row-tile semaphore (deterministic).
+//
+// Row tiles never straddle a 128-row scale block. All reductions run in a fixed order: results
+// are deterministic, and the same with and without PDL or CUDA-graph capture.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace {
+
+#define DEV __device__ __forceinline__
+constexpr unsigned FULL = 0xffffffffu;
+
+// ---- PDL, loads, conversions -----------------------------------------------------------------
+
+// Wait for the previous kernel (its writes visible), then let the next kernel launch. Only loads
+// of immutable data (weights) may come before this; every other access comes after it.
+DEV void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
+// Weight bytes: read once per token, so not kept in L1; volatile keeps them before the PDL wait.
+DEV uint4 ld_stream(const void* p) {
+  uint4 r;
+  asm volatile("ld.global.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+               : "l"(p));
+  return r;
+}
+
+DEV uint32_t ld_stream_u8(const void* p) {
+  uint16_t r;
+  asm volatile("ld.global.L1::no_allocate.u8 %0, [%1];\n" : "=h"(r) : "l"(p));
+  return r;
+}
+
+DEV uint32_t ld_stream_u32(const void* p) {
+  uint32_t r;
+  asm volatile("ld.global.L1::no_allocate.u32 %0, [%1];\n" : "=r"(r) : "l"(p));
+  return r;
+}
+
+DEV uint2 ld_stream_u64(const void* p) {
+  uint2 r;
+  asm volatile("ld.global.L1::no_allocate.v2.u32 {%0,%1}, [%2];\n" : "=r"(r.x), "=r"(r.y) : "l"(p));
+  return r;
+}
+
+// ue8m0 byte -> 2^(b-127) as float32 (byte 0 -> 0, as the Triton kernels).
+DEV float e8m0(uint32_t b) { return __uint_as_float((b & 0xFFu) << 23); }
+
+DEV float pow2f(int e) { return __uint_as_float(uint32_t(e + 127) << 23); }   // -126 <= e <= 127
+
+DEV float bf16_round(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
+
+// Four e4m3 bytes (byte j = element j) -> four float32 (exact).
+DEV void e4m3x4_to_f32(uint32_t v, float* f) {
+  const __half2_raw lo = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(v & 0xFFFFu), __NV_E4M3);
+  const __half2_raw hi = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(v >> 16), __NV_E4M3);
+  const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&lo));
+  const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&hi));
+  f[0] = a.x; f[1] = a.y; f[2] = b.x; f[3] = b.y;
+}
+
+// float32 -> e4m3 byte, round to nearest even, saturating (the value is already clamped).
+DEV uint32_t f32_to_e4m3(float v) { return __nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3); }
+
+// act_quant's block exponent: 2^e with e = ceil(log2(max(amax, 1e-4) * fp32(1/448))) from the bits.
+DEV int block_exponent(float amax) {
+  const uint32_t b = __float_as_uint(fmaxf(amax, 1e-4f) * (1.0f / 448.0f));
+  return int((b >> 23) & 0xFFu) - 127 + ((b & 0x7FFFFFu) != 0u);
+}
+
+// e4m3 value of x / 2^e, clamped to +-448, rounded (the operand an FP8 GEMM sees, without 2^e).
+DEV float quant_e4m3(float x, float inv) {
+  const float v = fminf(fmaxf(x * inv, -448.0f), 448.0f);
+  const __half_raw h = __nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(f32_to_e4m3(v)), __NV_E4M3);
+  return __half2float(*reinterpret_cast<const __half*>(&h));
+}
+
+// Load n consecutive activation values (bf16 or float32) as float32; n a multiple of 4, 8-byte aligned.
+template <int N>
+DEV void load_act(const void* base, size_t elem, bool f32, float* v) {
+  if (f32) {
+    const float4* p = reinterpret_cast<const float4*>(static_cast<const float*>(base) + elem);
+#pragma unroll
+    for (int i = 0; i < N / 4; ++i) {
+      const float4 t = p[i];
+      v[4 * i] = t.x; v[4 * i + 1] = t.y; v[4 * i + 2] = t.z; v[4 * i + 3] = t.w;
+    }
+  } else {
+    const uint2* p = reinterpret_cast<const uint2*>(static_cast<const __nv_bfloat16*>(base) + elem);
+#pragma unroll
+    for (int i = 0; i < N / 4; ++i) {
+      const uint2 t = p[i];
+      v[4 * i] = __uint_as_float(t.x << 16);
+      v[4 * i + 1] = __uint_as_float(t.x & 0xFFFF0000u);
+      v[4 * i + 2] = __uint_as_float(t.y << 16);
+      v[4 * i + 3] = __uint_as_float(t.y & 0xFFFF0000u);
+    }
+  }
+}
+
+// ---- FP8 GEMV ----------------------------------------------------------------------------------
+
+struct Fp8Args {
+  const uint8_t* w0;   // matrix 0: weight [rows, K] e4m3, scale [rows/128, K/128] ue8m0, output [rows]
+  const uint8_t* s0;
+  void* y0;
+  const uint8_t* w1;   // TWO: matrix 1 (row tiles past n0 / ROWS); SWIGLU: w3 (same rows as w0)
+  const uint8_t* s1;
+  void* y1;
+  const void* x;       // activation: [K] or, grouped, [G * K] (rows [g*ng, (g+1)*ng) read group g)
+  int n0;              // rows of matrix 0
+  int K;
+  int ng;              // rows per activation group; 0: one group
+  float limit;         // SwiGLU clamp (0: none)
+  int flags;           // FLAG_*
+};
+constexpr int FLAG_X_F32 = 1, FLAG_Y_F32 = 2, FLAG_QUANT = 4, FLAG_TWO = 8;
+
+// One CTA: ROWS = (32 / LC) * RPL rows (inside one 128-row scale block) x all of K. Warp w reads
+// the K chunks [w * LC * CPL, (w + 1) * LC * CPL) (16 bytes each); lane = (lr, lc) reads chunks
+// lc + LC * c (c < CPL) of rows lr + LR * i (i < RPL). Each lane dots 16 weights with 16
+// activation values per (row, chunk) in float32, applies the weight scale of the chunk's block,
+// then partial sums meet in a shuffle butterfly (over the LC lanes) and a fixed-order sum over warps.
+template <int LC, int RPL, int CPL, bool SWIGLU>
+__global__ void __launch_bounds__(512) fp8_gemv_kernel(const Fp8Args a) {
+  constexpr int LR = 32 / LC, ROWS = LR * RPL, NM = SWIGLU ? 2 : 1;
+  extern __shared__ float red[];   // [warps][NM][ROWS]
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  const int lr = lane / LC, lc = lane % LC;
+  const int K = a.K;
+  int row0 = blockIdx.x * ROWS;
+  const uint8_t* wp[NM];
+  const uint8_t* sp[NM];
+  void* yp = a.y0;
+  wp[0] = a.w0;
+  sp[0] = a.s0;
+  if constexpr (SWIGLU) {
+    wp[1] = a.w1;
+    sp[1] = a.s1;
+  } else if ((a.flags & FLAG_TWO) && row0 >= a.n0) {
+    row0 -= a.n0;
+    wp[0] = a.w1;
+    sp[0] = a.s1;
+    yp = a.y1;
+  }
+  const int kc0 = warp * (LC * CPL) + lc;            // this lane's first 16-byte chunk along K
+
+  // every weight and scale byte of the lane, before the PDL wait (immutable)
+  uint4 wv[NM][RPL][CPL];
+  uint32_t sb[NM][CPL];
+#pragma unroll
+  for (int m = 0; m < NM; ++m) {
+#pragma unroll
+    for (int i = 0; i < RPL; ++i)
+#pragma unroll
+      for (int c = 0; c < CPL; ++c)
+        wv[m][i][c] = ld_stream(wp[m] + size_t(row0 + lr + LR * i) * K + 16 * (kc0 + LC * c));
+#pragma unroll
+    for (int c = 0; c < CPL; ++c)
+      sb[m][c] = ld_stream_u8(sp[m] + (row0 >> 7) * (K >> 7) + ((kc0 + LC * c) >> 3));
+  }
+  pdl_wait();
+
+  // the activation chunks, act-quantized per 128 (8 chunks: lanes lc ^ 1, 2, 4)
+  const bool xf32 = a.flags & FLAG_X_F32;
+  const size_t xoff = a.ng > 0 ? size_t(row0 / a.ng) * K : 0;
+  float xv[CPL][16];
+#pragma unroll
+  for (int c = 0; c < CPL; ++c) {
+    load_act<16>(a.x, xoff + 16 * size_t(kc0 + LC * c), xf32, xv[c]);
+    if (a.flags & FLAG_QUANT) {
+      float amax = 0.0f;
+#pragma unroll
+      for (int j = 0; j < 16; ++j) amax = fmaxf(amax, fabsf(xv[c][j]));
+      amax = fmaxf(amax, __shfl_xor_sync(FULL, amax, 1));
+      amax = fmaxf(amax, __shfl_xor_sync(FULL, amax, 2));
+      amax = fmaxf(amax, __shfl_xor_sync(FULL, amax, 4));
+      const int e = block_exponent(amax);
+      const float inv = pow2f(-e), sc = pow2f(e);
+#pragma unroll
+      for (int j = 0; j < 16; ++j) xv[c][j] = quant_e4m3(xv[c][j], inv) * sc;
+    }
+  }
+
+  float acc[NM][RPL];
+#pragma unroll
+  for (int m = 0; m < NM; ++m)
+#pragma unroll
+    for (int i = 0; i < RPL; ++i) {
+      float t = 0.0f;
+#pragma unroll
+      for (int c = 0; c < CPL; ++c) {
+        const uint32_t words[4] = {wv[m][i][c].x, wv[m][i][c].y, wv[m][i][c].z, wv[m][i][c].w};
+        float p = 0.0f;
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          float f[4];
+          e4m3x4_to_f32(words[q], f);
+#pragma unroll
+          for (int j = 0; j < 4; ++j) p = fmaf(f[j], xv[c][4 * q + j], p);
+        }
+        t = fmaf(p, e8m0(sb[m][c]), t);
+      }
+      acc[m][i] = t;
+    }
+
+  // butterfly over the LC lanes of a row group: halve the row set while there is more than one
+  // row per lane, then add across the remaining lanes; the lane keeps rows base .. base + NV - 1
+  constexpr int NV = RPL >= LC ? RPL / LC : 1;
+  int base = 0;
+  int n = RPL;
+#pragma unroll
+  for (int off = LC / 2; off >= 1; off >>= 1) {
+    if (n > 1) {
+      const int h = n / 2;
+      const bool upper = lane & off;
+#pragma unroll
+      for (int m = 0; m < NM; ++m)
+#pragma unroll
+        for (int j = 0; j < h; ++j) {
+          const float send = upper ? acc[m][j] : acc[m][j + h];
+          const float keep = upper ? acc[m][j + h] : acc[m][j];
+          acc[m][j] = keep + __shfl_xor_sync(FULL, send, off);
+        }
+      if (upper) base += h;
+      n = h;
+    } else {
+#pragma unroll
+      for (int m = 0; m < NM; ++m) acc[m][0] += __shfl_xor_sync(FULL, acc[m][0], off);
+    }
+  }
+  constexpr int WMASK = RPL < LC ? LC / RPL - 1 : 0;   // lanes that only repeated a full add
+  if ((lc & WMASK) == 0) {
+#pragma unroll
+    for (int m = 0; m < NM; ++m)
+#pragma unroll
+      for (int j = 0; j < NV; ++j) red[(warp * NM + m) * ROWS + lr + LR * (base + j)] = acc[m][j];
+  }
+  __syncthreads();
+  if (threadIdx.x < ROWS) {
+    const int r = threadIdx.x;
+    float t[NM];
+#pragma unroll
+    for (int m = 0; m < NM; ++m) {
+      t[m] = 0.0f;
+      for (int w = 0; w < nwarps; ++w) t[m] += red[(w * NM + m) * ROWS + r];
+    }
+    float y = t[0];
+    if constexpr (SWIGLU) {   // fp8_gemm outputs bf16; the clamped SwiGLU runs on those values
+      float g = bf16_round(t[0]), u = bf16_round(t[1]);
+      if (a.limit > 0.0f) {
+        u = fminf(fmaxf(u, -a.limit), a.limit);
+        g = fminf(g, a.limit);
+      }
+      y = g / (1.0f + expf(-g)) * u;
+    }
+    if (a.flags & FLAG_Y_F32)
+      static_cast<float*>(yp)[row0 + r] = y;
+    else
+      static_cast<__nv_bfloat16*>(yp)[row0 + r] = __float2bfloat16_rn(y);
+  }
+}
+
+// ---- MoE routing (fused into the up kernel) ---------------------------------------------------
+
+// The routing of one token, as dsv4/kernels/route.py: scores (softmax / sigmoid / sqrt-softplus,
+// libdevice exp/log1p, IEEE sqrt and division), the top-k of scores + bias (k rounds of max, the
+// lowest id among equal values, ids clamped into [0, E)) or the token's tid2eid row, experts sorted
+// by id, weights normalized (not for softmax) and scaled.
+struct RouteArgs {
+  const float* logits;      // [E] float32 (the gate GEMV); null: the caller passes idx / rw
+  const float* bias;        // [E] float32 (score routing) or null
+  const int64_t* tid2eid;   // [V, k] int64 (hash routing) or null
+  const int64_t* ids;       // [1] int64: the token (hash routing)
+  int64_t* idx_out;         // [k]: the experts, for the down kernel (written by CTA (0, 0))
+  float* w_out;             // [k]: their weights
+  int E;
+  int score;                // 0 softmax, 1 sigmoid, 2 sqrt-softplus
+  float route_scale;
+};
+constexpr int ROUTE_MAX_E = 512, ROUTE_MAX_K = 16;
+
+// By the whole CTA (E <= 512): all threads load the logits and the bias into shared memory at
+// once (one memory round trip) and compute the scores; warp 0 picks the experts from shared
+// memory (k rounds of a warp argmax) and their weights. s_score, s_bias: [E]; results in s_idx,
+// s_w. Every thread must call it.
+DEV void route_cta(const RouteArgs& ra, int k, float* s_score, float* s_bias, int64_t* s_idx,
+                   float* s_w) {
+  const int tid = threadIdx.x, nt = blockDim.x, lane = tid & 31, E = ra.E;
+  for (int e = tid; e < E; e += nt) {
+    s_score[e] = ra.logits[e];
+    s_bias[e] = ra.bias != nullptr ? ra.bias[e] : 0.0f;
+  }
+  __syncthreads();
+  if (ra.score == 0) {   // softmax: max and sum by warp 0 (E / 32 values per lane), kept in s_w
+    if (tid < 32) {
+      float mx = -INFINITY, sum = 0.0f;
+      for (int e = lane; e < E; e += 32) mx = fmaxf(mx, s_score[e]);
+      for (int off = 16; off >= 1; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(FULL, mx, off));
+      for (int e = lane; e < E; e += 32) sum += expf(s_score[e] - mx);
+      for (int off = 16; off >= 1; off >>= 1) sum += __shfl_xor_sync(FULL, sum, off);
+      if (lane == 0) {
+        s_w[0] = mx;
+        s_w[1] = sum;
+      }
+    }
+    __syncthreads();
+  }
+  const float mx = s_w[0], sum = s_w[1];
+  for (int e = tid; e < E; e += nt) {   // in place: each thread its own experts
+    const float lg = s_score[e];
+    if (ra.score == 0)
+      s_score[e] = __fdiv_rn(expf(lg - mx), sum);
+    else if (ra.score == 1)
+      s_score[e] = __fdiv_rn(1.0f, 1.0f + expf(-lg));
+    else
+      s_score[e] = __fsqrt_rn(lg > 20.0f ? lg : log1pf(expf(lg)));
+  }
+  __syncthreads();
+  if (tid < 32) {
+    int sel = E;   // lane j < k ends with expert j
+    if (ra.tid2eid != nullptr) {
+      if (lane < k) sel = int(ra.tid2eid[ra.ids[0] * k + lane]);
+    } else {
+      for (int t = 0; t < k; ++t) {
+        float bm = -INFINITY;
+        int be = ROUTE_MAX_E;   // none yet; NaN never qualifies
+        for (int e = lane; e < E; e += 32) {   // the lowest id among equal values
+          const float b = s_score[e] + s_bias[e];
+          if (b == b && (be == ROUTE_MAX_E || b > bm)) {
+            bm = b;
+            be = e;
+          }
+        }
+        for (int off = 16; off >= 1; off >>= 1) {
+          const float ob = __shfl_xor_sync(FULL, bm, off);
+          const int oe = __shfl_xor_sync(FULL, be, off);
+          if (ob > bm || (ob == bm && oe < be)) {
+            bm = ob;
+            be = oe;
+          }
+        }
+        const int a = min(be, E - 1);      // NaN scores: still a valid expert id
+        if (lane == t) sel = a;
+        if (lane == 0) s_bias[a] = -INFINITY;   // taken
+        __syncwarp();
+      }
+    }
+    sel = lane < k ? min(max(sel, 0), E - 1) : E;
+    int rank = 0;   // the ids sorted: rank = ids below, or equal at a lower lane
+    for (int j = 0; j < k; ++j) {
+      const int o = __shfl_sync(FULL, sel, j);
+      rank += (o < sel) || (o == sel && j < lane);
+    }
+    if (lane < k) s_idx[rank] = sel;
+    __syncwarp();
+    if (lane == 0) {
+      float tot = 0.0f;
+      for (int j = 0; j < k; ++j) tot += s_score[s_idx[j]];
+      for (int j = 0; j < k; ++j) {
+        const float w = s_score[s_idx[j]];
+        s_w[j] = (ra.score != 0 ? __fdiv_rn(w, tot) : w) * ra.route_scale;
+      }
+    }
+  }
+  __syncthreads();
+}
+
+// ---- FP4 experts on tensor cores --------------------------------------------------------------
+
+// 8 e2m1 codes (nibble r = element r) -> e4m3 bytes (value * 2^-6): lo = elements 0, 2, 4, 6,
+// hi = elements 1, 3, 5, 7 (byte b of each = element 2b / 2b + 1).
+DEV void e2m1x8_to_e4m3(uint32_t w, uint32_t& lo, uint32_t& hi) {
+  lo = ((w << 2) & 0x1C1C1C1Cu) | ((w << 4) & 0x80808080u);
+  hi = ((w >> 2) & 0x1C1C1C1Cu) | (w & 0x80808080u);
+}
+
+DEV void mma_f16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
+                 uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// Four e4m3 bytes -> two f16x2 (exact): lo = bytes 0, 1; hi = bytes 2, 3.
+DEV void e4m3x4_to_f16x4(uint32_t v, uint32_t& lo, uint32_t& hi) {
+  asm("{\n.reg .b16 l, h;\nmov.b32 {l, h}, %2;\ncvt.rn.f16x2.e4m3x2 %0, l;\ncvt.rn.f16x2.e4m3x2 %1, h;\n}"
+      : "=r"(lo), "=r"(hi)
+      : "r"(v));
+}
+
+// 8 e2m1 codes -> 4 f16x2 (value * 2^-6, exact): p[0] = (e0, e2), p[1] = (e4, e6), p[2] = (e1, e3),
+// p[3] = (e5, e7) (the order quant_slice stores the activation in).
+DEV void e2m1x8_to_f16(uint32_t w, uint32_t (&p)[4]) {
+  uint32_t lo, hi;
+  e2m1x8_to_e4m3(w, lo, hi);
+  e4m3x4_to_f16x4(lo, p[0], p[1]);
+  e4m3x4_to_f16x4(hi, p[2], p[3]);
+}
+
+// 8 e2m1 codes -> 4 f16x2 with integer ops only (value * 2^-14; +-0.5 become f16 subnormals):
+// p[0] = (e0, e4), p[1] = (e1, e5), p[2] = (e2, e6), p[3] = (e3, e7), each pair's codes 16 bits
+// apart, so one shift per field serves both halves.
+DEV void e2m1x8_to_f16_int(uint32_t w, uint32_t (&p)[4]) {
+  p[0] = ((w << 9) & 0x0E000E00u) | ((w << 12) & 0x80008000u);
+  p[1] = ((w << 5) & 0x0E000E00u) | ((w << 8) & 0x80008000u);
+  p[2] = ((w << 1) & 0x0E000E00u) | ((w << 4) & 0x80008000u);
+  p[3] = ((w >> 3) & 0x0E000E00u) | (w & 0x80008000u);
+}
+
+// Two float32 -> e4m3 (RNE, saturating: the clamp of act_quant) -> f16x2 (exact): lo in the low half.
+DEV uint32_t f32x2_to_e4m3_f16x2(float lo, float hi) {
+  uint32_t r;
+  asm("{\n.reg .b16 t;\ncvt.rn.satfinite.e4m3x2.f32 t, %2, %1;\ncvt.rn.f16x2.e4m3x2 %0, t;\n}"
+      : "=r"(r)
+      : "f"(lo), "f"(hi));
+  return r;
+}
+
+// Position (in halves) of element r of a word in the activation operand: the order in which the
+// weight decode DEC packs a word's 8 codes into its 4 f16x2 (0: e0 e2 e4 e6 e1 e3 e5 e7; 1: e0 e4
+// e1 e5 e2 e6 e3 e7).
+template <int DEC>
+DEV int x_pos(int r) { return DEC == 0 ? (r & 1) * 4 + (r >> 1) : (r & 3) * 2 + (r >> 2); }
+
+// act_quant of one warp's slice of an activation row (SPW blocks of 128, bf16) into shared memory
+// as f16 MMA operands: the e4m3 values (exact in f16), 16 bytes per 32-group and word (8
+// elements) in the order x_pos<DEC>; ef[s] = 2^(e_s + 6) (DEC 0) or 2^(e_s + 14) (DEC 1): the
+// block's scale times the power of two the weight decode leaves out.
+template <int SPW, int DEC>
+DEV void quant_slice(const __nv_bfloat16* act, uint16_t* xs, float* ef, int lane) {
+  constexpr int EPL = 4 * SPW, LPB = 32 / SPW;   // elements per lane, lanes per 128-block
+  float v[EPL];
+  load_act<EPL>(act, size_t(lane) * EPL, false, v);
+  float amax = 0.0f;
+#pragma unroll
+  for (int j = 0; j < EPL; ++j) amax = fmaxf(amax, fabsf(v[j]));
+#pragma unroll
+  for (int off = 1; off < LPB; off <<= 1) amax = fmaxf(amax, __shfl_xor_sync(FULL, amax, off));
+  const int e = block_exponent(amax);
+  const float inv = pow2f(-e);
+#pragma unroll
+  for (int j = 0; j < EPL; j += 2) {
+    const uint32_t h = f32x2_to_e4m3_f16x2(v[j] * inv, v[j + 1] * inv);
+    const int t = lane * EPL + j;
+    xs[(t & ~7) + x_pos<DEC>(t & 7)] = uint16_t(h & 0xFFFFu);
+    xs[(t & ~7) + x_pos<DEC>((t + 1) & 7)] = uint16_t(h >> 16);
+  }
+  if (lane % LPB == 0) ef[lane / LPB] = pow2f(e + (DEC == 0 ? 6 : 14));
+}
+
+// One 128-step of the tensor-core part shared by up and down, for NM matrices on the same rows:
+// lane (g, q) holds 16 bytes of row g and of row g + 8 at group 4s + q (wa, wb) and the 4 scale
+// bytes of groups 4s .. 4s + 3 of each row (sa, sb). B column n = q carries group 4s + q only
+// (lanes g != q read zeros: xb, see expert_smem), so after the group's 8 MMAs C[r][n] is row r's
+// dot with group 4s + n (n < 4). Adds to tot[m][0] / tot[m][1] (rows g / g + 8) the dots of groups
+// 4s + 2q and 4s + 2q + 1 scaled by their ue8m0 and f (lanes q < 2; lanes q >= 2 hold zero columns).
+template <int NM>
+struct ExpertStep {
+  uint4 wa[NM], wb[NM];
+  uint32_t sa[NM], sb[NM];
+};
+
+template <int NM, int DEC>
+DEV void fp4_step(const ExpertStep<NM>& st, const uint4* xb, float f, int q, float (&tot)[NM][2]) {
+  float c[NM][4];
+#pragma unroll
+  for (int m = 0; m < NM; ++m) c[m][0] = c[m][1] = c[m][2] = c[m][3] = 0.0f;
+#pragma unroll
+  for (int w = 0; w < 4; ++w) {
+    const uint4 b = xb[w];
+#pragma unroll
+    for (int m = 0; m < NM; ++m) {
+      const uint32_t ra = w == 0 ? st.wa[m].x : w == 1 ? st.wa[m].y : w == 2 ? st.wa[m].z : st.wa[m].w;
+      const uint32_t rb = w == 0 ? st.wb[m].x : w == 1 ? st.wb[m].y : w == 2 ? st.wb[m].z : st.wb[m].w;
+      uint32_t pa[4], pb[4];
+      if constexpr (DEC == 0) {
+        e2m1x8_to_f16(ra, pa);
+        e2m1x8_to_f16(rb, pb);
+      } else {
+        e2m1x8_to_f16_int(ra, pa);
+        e2m1x8_to_f16_int(rb, pb);
+      }
+      mma_f16(c[m], pa[0], pb[0], pa[1], pb[1], b.x, b.y);
+      mma_f16(c[m], pa[2], pb[2], pa[3], pb[3], b.z, b.w);
+    }
+  }
+  if (q < 2) {
+    const int sh = 16 * (q & 1);
+#pragma unroll
+    for (int m = 0; m < NM; ++m) {
+      tot[m][0] = fmaf(c[m][0], e8m0(st.sa[m] >> sh) * f, tot[m][0]);
+      tot[m][0] = fmaf(c[m][1], e8m0(st.sa[m] >> (sh + 8)) * f, tot[m][0]);
+      tot[m][1] = fmaf(c[m][2], e8m0(st.sb[m] >> sh) * f, tot[m][1]);
+      tot[m][1] = fmaf(c[m][3], e8m0(st.sb[m] >> (sh + 8)) * f, tot[m][1]);
+    }
+  }
+}
+
+// A warp's SPW steps with DEPTH steps of weights in flight: prefetch() requests steps
+// 0 .. DEPTH - 1, run() refills a step's registers with step s + DEPTH once step s is computed
+// (DEPTH = SPW: everything at once, as many registers). wp[m] / sp[m]: matrix m's row g (bytes / scale bytes at the warp's
+// first group); rows g + 8 are 8 * wrow / 8 * srow bytes further.
+template <int SPW, int NM, int DEC, int DEPTH>
+struct ExpertWarp {
+  const uint8_t* wp[NM];
+  const uint8_t* sp[NM];
+  size_t wrow, srow;
+  int q;
+  ExpertStep<NM> st[DEPTH];
+
+  DEV void load(int s) {
+    ExpertStep<NM>& e = st[s % DEPTH];
+#pragma unroll
+    for (int m = 0; m < NM; ++m) {
+      const uint8_t* w = wp[m] + size_t(4 * s + q) * 16;
+      e.wa[m] = ld_stream(w);
+      e.wb[m] = ld_stream(w + 8 * wrow);
+      e.sa[m] = ld_stream_u32(sp[m] + 4 * s);
+      e.sb[m] = ld_stream_u32(sp[m] + 4 * s + 8 * srow);
+    }
+  }
+  DEV void prefetch() {
+#pragma unroll
+    for (int s = 0; s < DEPTH && s < SPW; ++s) load(s);
+  }
+  DEV void run(const uint4* xb, int xstride, const float* ef, float (&tot)[NM][2]) {
+#pragma unroll
+    for (int s = 0; s < SPW; ++s) {
+      fp4_step<NM, DEC>(st[s % DEPTH], xb + s * xstride, ef[s], q, tot);
+      if (s + DEPTH < SPW) load(s + DEPTH);
+    }
+  }
+};
+
+// Shared-memory layout of the expert kernels: a zero region (the B operands of lanes off their
+// column: 256 * SPW + 64 bytes), per warp xs (256 * SPW bytes) and ef (SPW floats), then red
+// [warps][NM][16]. Returns this lane's B operand base for step 0 (see ExpertWarp::run).
+template <int SPW>
+DEV const uint4* expert_smem(uint8_t* smem, int warp, int nwarps, int g, int q, float*& ef,
+                             float*& red, uint4*& xs) {
+  constexpr int ZB = 256 * SPW + 64;
+  uint4* zero = reinterpret_cast<uint4*>(smem);
+  for (int i = threadIdx.x; i < ZB / 16; i += blockDim.x) zero[i] = make_uint4(0u, 0u, 0u, 0u);
+  xs = reinterpret_cast<uint4*>(smem + ZB + warp * 256 * SPW);
+  ef = reinterpret_cast<float*>(smem + ZB + nwarps * 256 * SPW) + warp * SPW;
+  red = reinterpret_cast<float*>(smem + ZB + nwarps * 256 * SPW) + nwarps * SPW;
+  return (g == q ? xs : zero) + 4 * q;
+}
+
+// a[j, r] = bf16(silu(g) * u * rw[j]), g / u = bf16(W8A8 w1 / w3 of expert idx[j] at x), u clamped
+// to +-limit and g from above (limit 0: none). Grid (I / 16, k); warp w: K slice [w*128*SPW, ...).
+// With ra.logits, every CTA routes the token itself (route_warp) instead of reading idx / rw, and
+// CTA (0, 0) stores the experts and weights for the down kernel.
+template <int SPW, int DEC, int DEPTH>
+__global__ void __launch_bounds__(512) fp4_up_kernel(const __nv_bfloat16* x, const int64_t* idx,
+                                                     const float* rw, const RouteArgs ra,
+                                                     const uint8_t* w1, const uint8_t* s1,
+                                                     const uint8_t* w3, const uint8_t* s3,
+                                                     __nv_bfloat16* out, float limit, int I, int D) {
+  extern __shared__ __align__(128) uint8_t smem[];
+  __shared__ float s_score[ROUTE_MAX_E], s_bias[ROUTE_MAX_E];
+  __shared__ int64_t s_idx[ROUTE_MAX_K];
+  __shared__ float s_w[ROUTE_MAX_K];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  const int g = lane >> 2, q = lane & 3, j = blockIdx.y, r0 = blockIdx.x * 16;
+  uint4* xs;
+  float *ef, *red;
+  const uint4* xb = expert_smem<SPW>(smem, warp, nwarps, g, q, ef, red, xs);
+  pdl_wait();   // the experts come from the gate / routing kernel
+  if (ra.logits != nullptr) {
+    route_cta(ra, int(gridDim.y), s_score, s_bias, s_idx, s_w);
+    if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x < gridDim.y) {
+      ra.idx_out[threadIdx.x] = s_idx[threadIdx.x];
+      ra.w_out[threadIdx.x] = s_w[threadIdx.x];
+    }
+  } else if (threadIdx.x == 0) {
+    s_idx[j] = idx[j];
+    s_w[j] = rw[j];
+  }
+  __syncthreads();
+  const int64_t e = s_idx[j];
+  const int k0 = warp * 128 * SPW;
+  const size_t rowa = size_t(e) * I + r0 + g;
+  ExpertWarp<SPW, 2, DEC, DEPTH> ew;
+  ew.wrow = size_t(D) / 2;
+  ew.srow = size_t(D) / 32;
+  ew.q = q;
+  ew.wp[0] = w1 + rowa * ew.wrow + (k0 >> 5) * 16;
+  ew.wp[1] = w3 + rowa * ew.wrow + (k0 >> 5) * 16;
+  ew.sp[0] = s1 + rowa * ew.srow + (k0 >> 5);
+  ew.sp[1] = s3 + rowa * ew.srow + (k0 >> 5);
+  ew.prefetch();   // the first weights load while the activation is quantized
+  quant_slice<SPW, DEC>(x + k0, reinterpret_cast<uint16_t*>(xs), ef, lane);
+  __syncthreads();   // xs, and the zero operand
+  float tot[2][2] = {{0.0f, 0.0f}, {0.0f, 0.0f}};
+  ew.run(xb, g == q ? 16 : 0, ef, tot);
+#pragma unroll
+  for (int m = 0; m < 2; ++m)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) tot[m][h] += __shfl_xor_sync(FULL, tot[m][h], 1);
+  if (q == 0) {
+#pragma unroll
+    for (int m = 0; m < 2; ++m) {
+      red[(warp * 2 + m) * 16 + g] = tot[m][0];
+      red[(warp * 2 + m) * 16 + g + 8] = tot[m][1];
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x < 16) {
+    const int r = threadIdx.x;
+    float gs = 0.0f, us = 0.0f;
+    for (int w = 0; w < nwarps; ++w) {
+      gs += red[(w * 2) * 16 + r];
+      us += red[(w * 2 + 1) * 16 + r];
+    }
+    float gv = bf16_round(gs), uv = bf16_round(us);   // fp4_gemm outputs bf16
+    if (limit > 0.0f) {
+      uv = fminf(fmaxf(uv, -limit), limit);
+      gv = fminf(gv, limit);
+    }
+    out[size_t(j) * I + r0 + r] = __float2bfloat16_rn(gv / (1.0f + expf(-gv)) * uv * s_w[j]);
+  }
+}
+
+// y[r] = sum_j bf16(W8A8 w2[idx[j]] @ a[j])[r] in float32, slot order j = 0..k-1, (+ add[r]),
+// rounded to y's dtype. Grid (D / 16, k): CTA (t, j) writes expert j's bf16 rows of tile t to
+// ws[j, :]; the last CTA of tile t (semaphore cnt[t], reset by it) adds them up in slot order.
+template <int SPW, int DEC, int DEPTH>
+__global__ void __launch_bounds__(512) fp4_down_kernel(const __nv_bfloat16* act, const int64_t* idx,
+                                                       const uint8_t* w2, const uint8_t* s2,
+                                                       const __nv_bfloat16* add, void* y,
+                                                       float* ws, int* cnt, int D, int I, int k,
+                                                       int y_f32) {
+  extern __shared__ __align__(128) uint8_t smem[];
+  __shared__ int last;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  const int g = lane >> 2, q = lane & 3, j = blockIdx.y, r0 = blockIdx.x * 16;
+  uint4* xs;
+  float *ef, *red;
+  const uint4* xb = expert_smem<SPW>(smem, warp, nwarps, g, q, ef, red, xs);
+  pdl_wait();
+  const int64_t e = idx[j];
+  const int k0 = warp * 128 * SPW;
+  const size_t rowa = size_t(e) * D + r0 + g;
+  ExpertWarp<SPW, 1, DEC, DEPTH> ew;
+  ew.wrow = size_t(I) / 2;
+  ew.srow = size_t(I) / 32;
+  ew.q = q;
+  ew.wp[0] = w2 + rowa * ew.wrow + (k0 >> 5) * 16;
+  ew.sp[0] = s2 + rowa * ew.srow + (k0 >> 5);
+  ew.prefetch();
+  quant_slice<SPW, DEC>(act + size_t(j) * I + k0, reinterpret_cast<uint16_t*>(xs), ef, lane);
+  __syncthreads();   // xs, and the zero operand
+  float tot[1][2] = {{0.0f, 0.0f}};
+  ew.run(xb, g == q ? 16 : 0, ef, tot);
+  tot[0][0] += __shfl_xor_sync(FULL, tot[0][0], 1);
+  tot[0][1] += __shfl_xor_sync(FULL, tot[0][1], 1);
+  if (q == 0) {
+    red[warp * 16 + g] = tot[0][0];
+    red[warp * 16 + g + 8] = tot[0][1];
+  }
+  __syncthreads();
+  if (threadIdx.x < 16) {
+    float t = 0.0f;
+    for (int w = 0; w < nwarps; ++w) t += red[w * 16 + threadIdx.x];
+    ws[size_t(j) * D + r0 + threadIdx.x] = bf16_round(t);   // fp4_gemm outputs bf16
+    __threadfence();
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const int done = atomicAdd(cnt + blockIdx.x, 1);
+    last = done == k - 1;
+    if (last) cnt[blockIdx.x] = 0;   // ready for the next launch
+  }
+  __syncthreads();
+  if (last && threadIdx.x < 16) {
+    __threadfence();
+    const int r = r0 + threadIdx.x;
+    float t = 0.0f;
+    for (int jj = 0; jj < k; ++jj) t += __ldcg(ws + size_t(jj) * D + r);
+    if (add != nullptr) t += __bfloat162float(add[r]);
+    if (y_f32)
+      static_cast<float*>(y)[r] = t;
+    else
+      static_cast<__nv_bfloat16*>(y)[r] = __float2bfloat16_rn(t);
+  }
+}
+
+// ---- top-k of the indexer scores ------------------------------------------------------------------
+
+// Exclusive prefix sum over the CTA (any blockDim multiple of 32); *total = the sum.
+DEV int block_scan(int v, int* wsum, int* total) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  int inc = v;
+#pragma unroll
+  for (int off = 1; off < 32; off <<= 1) {
+    const int t = __shfl_up_sync(FULL, inc, off);
+    if (lane >= off) inc += t;
+  }
+  if (lane == 31) wsum[warp] = inc;
+  __syncthreads();
+  if (warp == 0) {
+    int w = lane < nwarps ? wsum[lane] : 0;
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) {
+      const int t = __shfl_up_sync(FULL, w, off);
+      if (lane >= off) w += t;
+    }
+    if (lane < nwarps) wsum[lane] = w;
+  }
+  __syncthreads();
+  const int base = warp > 0 ? wsum[warp - 1] : 0;
+  *total = wsum[nwarps - 1];
+  __syncthreads();
+  return base + inc - v;
+}
+
+// bf16 bits -> a key whose unsigned order is the float order.
+DEV uint32_t bf16_key(uint16_t b) { return (b & 0x8000u) ? (~uint32_t(b) & 0xFFFFu) : (b | 0x8000u); }
+
+// The bin (from the top) holding the k-th largest key of a 256-bin histogram, and how many keys lie
+// in higher bins. Warp 0; lane l sums bins 255 - 8l .. 248 - 8l.
+DEV void find_bin(const int* hist, int k, int* bin, int* above) {
+  const int lane = threadIdx.x & 31;
+  int c[8], s = 0;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    c[j] = hist[255 - 8 * lane - j];
+    s += c[j];
+  }
+  int inc = s;
+#pragma unroll
+  for (int off = 1; off < 32; off <<= 1) {
+    const int t = __shfl_up_sync(FULL, inc, off);
+    if (lane >= off) inc += t;
+  }
+  const int pre = inc - s;
+  if (pre < k && inc >= k) {
+    int acc = pre;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      if (acc + c[j] >= k) {
+        *bin = 255 - 8 * lane - j;
+        *above = acc;
+        break;
+      }
+      acc += c[j];
+    }
+  }
+}
+
+// out[0..k) = the indices of the k largest of n bf16 scores (1 <= k <= n): those above the
+// threshold key in index order, then ties at it in index order. One CTA: two 8-bit radix passes
+// find the threshold, one pass compacts. Deterministic.
+__global__ void __launch_bounds__(1024) topk_bf16_kernel(const uint16_t* sc, int n, int k, int64_t* out) {
+  __shared__ int hist[256];
+  __shared__ int wsum[32];
+  __shared__ int bin, above;
+  const int tid = threadIdx.x, nt = blockDim.x;
+  pdl_wait();
+  for (int i = tid; i < 256; i += nt) hist[i] = 0;
+  __syncthreads();
+  for (int i = tid; i < n; i += nt) atomicAdd(hist + (bf16_key(sc[i]) >> 8), 1);
+  __syncthreads();
+  if (tid < 32) find_bin(hist, k, &bin, &above);
+  __syncthreads();
+  const uint32_t hi = uint32_t(bin);
+  const int above1 = above;
+  for (int i = tid; i < 256; i += nt) hist[i] = 0;
+  __syncthreads();
+  for (int i = tid; i < n; i += nt) {
+    const uint32_t u = bf16_key(sc[i]);
+    if ((u >> 8) == hi) atomicAdd(hist + (u & 0xFFu), 1);
+  }
+  __syncthreads();
+  if (tid < 32) find_bin(hist, k - above1, &bin, &above);
+  __syncthreads();
+  const uint32_t thr = (hi << 8) | uint32_t(bin);
+  const int n_gt = above1 + above;        // keys above the threshold (< k)
+  const int per = (n + nt - 1) / nt, i0 = min(n, tid * per), i1 = min(n, i0 + per);
+  int gt = 0, eq = 0;
+  for (int i = i0; i < i1; ++i) {
+    const uint32_t u = bf16_key(sc[i]);
+    gt += u > thr;
+    eq += u == thr;
+  }
+  int tot;
+  int og = block_scan(gt, wsum, &tot);
+  int oe = block_scan(eq, wsum, &tot);
+  for (int i = i0; i < i1; ++i) {
+    const uint32_t u = bf16_key(sc[i]);
+    if (u > thr)
+      out[og++] = i;
+    else if (u == thr && n_gt + oe < k)
+      out[n_gt + oe++] = i;
+  }
+}
+
+// ---- launching -----------------------------------------------------------------------------------
+
+template <typename... KArgs, typename... Args>
+cudaError_t launch(void (*kern)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t st,
+                   int pdl, Args... args) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = st;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl ? 1 : 0;
+  const cudaError_t err = cudaLaunchKernelEx(&cfg, kern, static_cast<KArgs>(args)...);
+  if (err != cudaSuccess) (void)cudaGetLastError();   // a launch error is not sticky: clear it
+  return err;
+}
+
+using Fp8Launch = cudaError_t (*)(const Fp8Args&, int, int, cudaStream_t, int);
+template <int LC, int RPL, int CPL, bool SW>
+cudaError_t fp8_launch(const Fp8Args& a, int blocks, int warps, cudaStream_t st, int pdl) {
+  constexpr int ROWS = (32 / LC) * RPL, NM = SW ? 2 : 1;
+  return launch(fp8_gemv_kernel<LC, RPL, CPL, SW>, dim3(blocks), dim3(32 * warps),
+                size_t(warps) * NM * ROWS * sizeof(float), st, pdl, a);
+}
+
+// The instantiated configs: RPL * CPL * NM <= 16 weight chunks per lane.
+template <int LC, int CPL, bool SW>
+Fp8Launch fp8_pick_rpl(int rpl) {
+  constexpr int NM = SW ? 2 : 1;
+  switch (rpl) {
+    case 1: return fp8_launch<LC, 1, CPL, SW>;
+    case 2: return fp8_launch<LC, 2, CPL, SW>;
+    case 4: return fp8_launch<LC, 4, CPL, SW>;
+    case 8:
+      if constexpr (8 * CPL * NM <= 16) return fp8_launch<LC, 8, CPL, SW>;
+      return nullptr;
+    case 16:
+      if constexpr (16 * CPL * NM <= 16) return fp8_launch<LC, 16, CPL, SW>;
+      return nullptr;
+    default: return nullptr;
+  }
+}
+
+template <int LC, bool SW>
+Fp8Launch fp8_pick_cpl(int cpl, int rpl) {
+  switch (cpl) {
+    case 1: return fp8_pick_rpl<LC, 1, SW>(rpl);
+    case 2: return fp8_pick_rpl<LC, 2, SW>(rpl);
+    default: return nullptr;
+  }
+}
+
+template <bool SW>
+Fp8Launch fp8_pick(int lc, int cpl, int rpl) {
+  switch (lc) {
+    case 8: return fp8_pick_cpl<8, SW>(cpl, rpl);
+    case 16: return fp8_pick_cpl<16, SW>(cpl, rpl);
+    case 32: return fp8_pick_cpl<32, SW>(cpl, rpl);
+    default: return nullptr;
+  }
+}
+
+template <int SPW>
+size_t expert_smem_bytes(int warps, int nm) {
+  return 256 * SPW + 64 + size_t(warps) * (256 * SPW + 4 * SPW) + size_t(warps) * nm * 16 * sizeof(float);
+}
+
+}  // namespace
+
+extern "C" {
+
+// Version of this ABI (checked by the loader).
+int dsv4_abi_version() { return 1; }
+
+const char* dsv4_error_string(int code) { return cudaGetErrorString(static_cast<cudaError_t>(code)); }
+
+// Returns 0 or a cudaError_t; -1: no such config. Grid: blocks CTAs of 32 * warps threads, each
+// ROWS = (32 / lc) * rpl rows; K == warps * lc * cpl * 16.
+int dsv4_fp8_gemv(const void* w0, const void* s0, void* y0, const void* w1, const void* s1, void* y1,
+                  const void* x, int n0, int K, int ng, float limit, int flags, int swiglu, int lc,
+                  int rpl, int cpl, int warps, int blocks, void* stream, int pdl) {
+  const Fp8Launch fn = swiglu ? fp8_pick<true>(lc, cpl, rpl) : fp8_pick<false>(lc, cpl, rpl);
+  if (fn == nullptr || warps < 1 || warps > 16 || blocks < 1) return -1;
+  Fp8Args a;
+  a.w0 = static_cast<const uint8_t*>(w0);
+  a.s0 = static_cast<const uint8_t*>(s0);
+  a.y0 = y0;
+  a.w1 = static_cast<const uint8_t*>(w1);
+  a.s1 = static_cast<const uint8_t*>(s1);
+  a.y1 = y1;
+  a.x = x;
+  a.n0 = n0;
+  a.K = K;
+  a.ng = ng;
+  a.limit = limit;
+  a.flags = flags;
+  return fn(a, blocks, warps, static_cast<cudaStream_t>(stream), pdl);
+}
+
+// a [k, I] bf16 from x [D] bf16; grid (I / 16, k), D / (128 * spw) warps; dec: the e2m1 decode
+// (0: through e4m3 and cvt, 1: integer ops).
+// Routing in the kernel: logits [E] float32 non-null, with bias [E] float32 (score routing) or
+// tid2eid [V, k] int64 + ids [1] int64 (hash routing), score 0 softmax / 1 sigmoid / 2
+// sqrt-softplus; the experts and weights go to idx_out [k] int64 / w_out [k] float32. Otherwise
+// idx [k] int64 and rw [k] float32 are the routing.
+int dsv4_fp4_up(const void* x, const void* idx, const void* rw, const void* logits,
+                const void* bias, const void* tid2eid, const void* ids, void* idx_out, void* w_out,
+                int E, int score, float route_scale, const void* w1, const void* s1,
+                const void* w3, const void* s3, void* out, float limit, int I, int D, int k,
+                int spw, int dec, int depth, void* stream, int pdl) {
+  const int warps = D / (128 * spw);
+  if (warps < 1 || warps > 16 || I % 16 || D % (128 * spw) || k < 1 || k > ROUTE_MAX_K) return -1;
+  if (logits != nullptr && (E < k || E > ROUTE_MAX_E || (bias == nullptr) == (tid2eid == nullptr) ||
+                            idx_out == nullptr || w_out == nullptr))
+    return -1;
+  RouteArgs ra;
+  ra.logits = static_cast<const float*>(logits);
+  ra.bias = static_cast<const float*>(bias);
+  ra.tid2eid = static_cast<const int64_t*>(tid2eid);
+  ra.ids = static_cast<const int64_t*>(ids);
+  ra.idx_out = static_cast<int64_t*>(idx_out);
+  ra.w_out = static_cast<float*>(w_out);
+  ra.E = E;
+  ra.score = score;
+  ra.route_scale = route_scale;
+  const dim3 grid(I / 16, k), block(32 * warps);
+  const cudaStream_t st = static_cast<cudaStream_t>(stream);
+  const auto* xp = static_cast<const __nv_bfloat16*>(x);
+  const auto* ip = static_cast<const int64_t*>(idx);
+  const auto* rp = static_cast<const float*>(rw);
+  const auto* w1p = static_cast<const uint8_t*>(w1);
+  const auto* s1p = static_cast<const uint8_t*>(s1);
+  const auto* w3p = static_cast<const uint8_t*>(w3);
+  const auto* s3p = static_cast<const uint8_t*>(s3);
+  auto* op = static_cast<__nv_bfloat16*>(out);
+#define DSV4_UP(S, DC, R) \
+  launch(fp4_up_kernel<S, DC, R>, grid, block, expert_smem_bytes<S>(warps, 2), st, pdl, xp, ip, rp, \
+         ra, w1p, s1p, w3p, s3p, op, limit, I, D)
+  switch ((spw * 2 + (dec != 0)) * 10 + (depth > 0 ? depth : spw)) {
+    case 21: return DSV4_UP(1, 0, 1);
+    case 42: return DSV4_UP(2, 0, 2);
+    case 41: return DSV4_UP(2, 0, 1);
+    case 84: return DSV4_UP(4, 0, 4);
+    case 83: return DSV4_UP(4, 0, 3);
+    case 82: return DSV4_UP(4, 0, 2);
+    case 94: return DSV4_UP(4, 1, 4);
+    case 92: return DSV4_UP(4, 1, 2);
+    default: return -1;
+  }
+#undef DSV4_UP
+}
+
+// y [D] (float32 or bf16) from a [k, I] bf16; ws [k, D] float32 and cnt [D / 16] int32 (zeros,
+// left zero) are the caller's workspace; add [D] bf16 or null. Grid (D / 16, k).
+int dsv4_fp4_down(const void* act, const void* idx, const void* w2, const void* s2, const void* add,
+                  void* y, void* ws, void* cnt, int D, int I, int k, int y_f32, int spw, int dec,
+                  int depth, void* stream, int pdl) {
+  const int warps = I / (128 * spw);
+  if (warps < 1 || warps > 16 || D % 16 || I % (128 * spw) || k < 1) return -1;
+  const dim3 grid(D / 16, k), block(32 * warps);
+  const cudaStream_t st = static_cast<cudaStream_t>(stream);
+  const auto* ap = static_cast<const __nv_bfloat16*>(act);
+  const auto* ip = static_cast<const int64_t*>(idx);
+  const auto* wp = static_cast<const uint8_t*>(w2);
+  const auto* sp = static_cast<const uint8_t*>(s2);
+  const auto* dp = static_cast<const __nv_bfloat16*>(add);
+  auto* wsp = static_cast<float*>(ws);
+  auto* cp = static_cast<int*>(cnt);
+#define DSV4_DOWN(S, DC, R) \
+  launch(fp4_down_kernel<S, DC, R>, grid, block, expert_smem_bytes<S>(warps, 1), st, pdl, ap, ip, \
+         wp, sp, dp, y, wsp, cp, D, I, k, y_f32)
+  switch ((spw * 2 + (dec != 0)) * 10 + (depth > 0 ? depth : spw)) {
+    case 21: return DSV4_DOWN(1, 0, 1);
+    case 42: return DSV4_DOWN(2, 0, 2);
+    case 41: return DSV4_DOWN(2, 0, 1);
+    case 84: return DSV4_DOWN(4, 0, 4);
+    case 82: return DSV4_DOWN(4, 0, 2);
+    case 52: return DSV4_DOWN(2, 1, 2);
+    default: return -1;
+  }
+#undef DSV4_DOWN
+}
+
+// out [k] int64 = the indices of the k largest of scores [n] bf16 (1 <= k <= n), see
+// topk_bf16_kernel. One CTA.
+int dsv4_topk_bf16(const void* scores, int n, int k, void* out, void* stream, int pdl) {
+  if (k < 1 || k > n) return -1;
+  const int threads = n >= 1024 ? 1024 : ((n + 31) / 32) * 32;
+  return launch(topk_bf16_kernel, dim3(1), dim3(threads), 0, static_cast<cudaStream_t>(stream), pdl,
+                static_cast<const uint16_t*>(scores), n, k, static_cast<int64_t*>(out));
+}
+
+}  // extern "C"

@@ -1,0 +1,222 @@
+"""The CUDA C++ decode kernels (`csrc/dsv4_kernels.cu`: FP8 GEMV, routed FP4 experts on tensor
+cores) through ctypes. The library is built once per source, GPU architecture and nvcc with `nvcc`
+(about a minute) into `~/.cache/dsv4/cuda/`, or taken from `DSV4_CUDA_LIB` (a prebuilt .so). Where
+neither works (no nvcc, GPU older than sm_89, `DSV4_CUDA_KERNELS=0`) the Triton kernels serve
+instead; `status()` says which and why. Launches go to the tensors' device and current stream, with
+programmatic dependent launch where `common.pdl` allows it, and are capture-safe.
+Tests: `python -m pytest tests/dsv4/test_cuda_kernels.py`.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+SWITCH = "DSV4_CUDA_KERNELS"   # "0": never use the CUDA C++ kernels (Triton only)
+LIB_ENV = "DSV4_CUDA_LIB"      # path of a prebuilt library: no build
+ABI = 1
+SOURCE = Path(__file__).resolve().parents[2] / "csrc" / "dsv4_kernels.cu"
+MIN_CAPABILITY = (8, 9)        # cvt e4m3x2 (sm_89); PDL needs sm_90 and is compiled out below
+
+FLAG_X_F32, FLAG_Y_F32, FLAG_QUANT, FLAG_TWO = 1, 2, 4, 8
+
+_lock = threading.Lock()
+_libs: dict[str, object] = {}      # arch -> CDLL, or the reason it is unavailable (str)
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "dsv4" / "cuda"
+
+
+def _nvcc() -> str | None:
+    found = shutil.which("nvcc")
+    if found:
+        return found
+    for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if home and (Path(home) / "bin" / "nvcc").exists():
+            return str(Path(home) / "bin" / "nvcc")
+    return None
+
+
+def build(arch: str, out: Path | None = None, nvcc: str | None = None) -> Path:
+    """Compile csrc/dsv4_kernels.cu for sm_`arch` ("90") into a shared library; returns its path.
+    Raises RuntimeError with the compiler's message on failure."""
+    nvcc = nvcc or _nvcc()
+    if nvcc is None:
+        raise RuntimeError("nvcc not found (PATH, CUDA_HOME, /usr/local/cuda)")
+    if not SOURCE.exists():
+        raise RuntimeError(f"CUDA source {SOURCE} not found (install the repository with pip -e)")
+    ver = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256(SOURCE.read_bytes() + arch.encode() + ver.encode()).hexdigest()[:16]
+    out = out or cache_dir() / key / "libdsv4_kernels.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        so = Path(tmp) / out.name
+        cmd = [nvcc, "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC",
+               f"-gencode=arch=compute_{arch},code=sm_{arch}", "-o", str(so), str(SOURCE)]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode != 0:
+            raise RuntimeError(f"nvcc failed ({' '.join(cmd)}):\n{(r.stderr or r.stdout)[-3000:]}")
+        os.replace(so, out)        # atomic: concurrent builders agree on the result
+    return out
+
+
+def _declare(lib) -> None:
+    p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+    lib.dsv4_abi_version.restype = i
+    lib.dsv4_error_string.restype = ctypes.c_char_p
+    lib.dsv4_error_string.argtypes = [i]
+    lib.dsv4_fp8_gemv.restype = i
+    lib.dsv4_fp8_gemv.argtypes = [p, p, p, p, p, p, p, i, i, i, f, i, i, i, i, i, i, i, p, i]
+    lib.dsv4_fp4_up.restype = i
+    lib.dsv4_fp4_up.argtypes = [p, p, p, p, p, p, p, p, p, i, i, f, p, p, p, p, p, f, i, i, i, i, i,
+                                i, p, i]
+    lib.dsv4_topk_bf16.restype = i
+    lib.dsv4_topk_bf16.argtypes = [p, i, i, p, p, i]
+    lib.dsv4_fp4_down.restype = i
+    lib.dsv4_fp4_down.argtypes = [p, p, p, p, p, p, p, p, i, i, i, i, i, i, i, p, i]
+
+
+
+def _load(arch: str):
+    path = os.environ.get(LIB_ENV)
+    if path:
+        if not Path(path).exists():
+            return f"{LIB_ENV}={path} does not exist"
+    else:
+        try:
+            path = str(build(arch))
+        except RuntimeError as e:
+            return f"build failed: {e}"
+    try:
+        lib = ctypes.CDLL(path)
+    except OSError as e:
+        return f"cannot load {path}: {e}"
+    _declare(lib)
+    if lib.dsv4_abi_version() != ABI:
+        return f"{path}: ABI {lib.dsv4_abi_version()}, expected {ABI} (rebuild)"
+    return lib
+
+
+def lib_for(device: torch.device):
+    """The loaded library for `device`'s architecture, or None (see status())."""
+    got = _get(device)
+    return None if isinstance(got, str) else got
+
+
+def _get(device: torch.device):
+    if os.environ.get(SWITCH, "1") == "0":
+        return f"{SWITCH}=0"
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return "not a CUDA device"
+    cap = torch.cuda.get_device_capability(device)
+    if cap < MIN_CAPABILITY:
+        return f"compute capability {cap} < {MIN_CAPABILITY}"
+    arch = f"{cap[0]}{cap[1]}"
+    if arch not in _libs:
+        with _lock:
+            if arch not in _libs:
+                _libs[arch] = _load(arch)
+                if isinstance(_libs[arch], str):
+                    print(f"dsv4: CUDA C++ kernels unavailable ({_libs[arch].splitlines()[0]}); "
+                          f"using the Triton kernels", file=sys.stderr)
+    return _libs[arch]
+
+
+def status(device) -> str:
+    """'ok' when the CUDA C++ kernels serve `device`, else why not."""
+    got = _get(torch.device(device))
+    return got if isinstance(got, str) else "ok"
+
+
+def usable(*tensors: torch.Tensor) -> bool:
+    """The CUDA kernels may take these tensors: the library is there for their device, and each is
+    contiguous and 16-byte aligned."""
+    t0 = tensors[0]
+    if not t0.is_cuda or lib_for(t0.device) is None:
+        return False
+    return all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in tensors)
+
+
+def _check(err: int, what: str, lib) -> None:
+    if err == -1:
+        raise ValueError(f"{what}: launch configuration not supported by the CUDA kernels")
+    if err != 0:
+        raise RuntimeError(f"{what}: CUDA error {err} ({lib.dsv4_error_string(err).decode()})")
+
+
+def _stream(t: torch.Tensor) -> int:
+    return torch.cuda.current_stream(t.device).cuda_stream
+
+
+def fp8_gemv(lib, x, w0, s0, y0, w1, s1, y1, *, n0: int, rows: int, K: int, ng: int,
+             limit: float, flags: int, swiglu: bool, cfg, pdl: bool) -> None:
+    """dsv4_fp8_gemv (see csrc): rows / cfg.rows CTAs."""
+    err = lib.dsv4_fp8_gemv(w0.data_ptr(), s0.data_ptr(), y0.data_ptr(), w1.data_ptr(),
+                            s1.data_ptr(), y1.data_ptr(), x.data_ptr(), n0, K, ng, limit, flags,
+                            int(swiglu), cfg.lc, cfg.rpl, cfg.cpl, cfg.warps, rows // cfg.rows,
+                            _stream(y0), int(pdl))
+    _check(err, "fp8 GEMV (CUDA)", lib)
+
+
+def _ptr(t) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+def fp4_up(lib, x, idx, rw, w1, s1, w3, s3, out, limit: float, I: int, D: int, k: int,
+           cfg, pdl: bool, route: tuple | None = None) -> None:
+    """route = (logits, bias, tid2eid, ids, score, route_scale): the kernel routes the token and
+    writes the experts / weights into idx / rw; otherwise idx / rw are its inputs."""
+    if route is not None:
+        logits, bias, tid2eid, ids, score, scale = route
+        rt = (0, 0, logits.data_ptr(), _ptr(bias), _ptr(tid2eid), _ptr(ids), idx.data_ptr(),
+              rw.data_ptr(), logits.numel(), score, scale)
+    else:
+        rt = (idx.data_ptr(), rw.data_ptr(), 0, 0, 0, 0, 0, 0, 0, 0, 0.0)
+    err = lib.dsv4_fp4_up(x.data_ptr(), *rt, w1.data_ptr(), s1.data_ptr(), w3.data_ptr(),
+                          s3.data_ptr(), out.data_ptr(), limit, I, D, k, cfg.spw, cfg.dec,
+                          cfg.depth, _stream(out), int(pdl))
+    _check(err, "fp4 experts up (CUDA)", lib)
+
+
+def topk_bf16(lib, scores, k: int, out, pdl: bool) -> None:
+    err = lib.dsv4_topk_bf16(scores.data_ptr(), scores.numel(), k, out.data_ptr(), _stream(out),
+                             int(pdl))
+    _check(err, "top-k (CUDA)", lib)
+
+
+def fp4_down(lib, a, idx, w2, s2, add, y, ws, cnt, D: int, I: int, k: int, y_f32: bool, cfg,
+             pdl: bool) -> None:
+    err = lib.dsv4_fp4_down(a.data_ptr(), idx.data_ptr(), w2.data_ptr(), s2.data_ptr(),
+                            0 if add is None else add.data_ptr(), y.data_ptr(), ws.data_ptr(),
+                            cnt.data_ptr(), D, I, k, int(y_f32), cfg.spw, cfg.dec, cfg.depth,
+                            _stream(y), int(pdl))
+    _check(err, "fp4 experts down (CUDA)", lib)
+
+
+def main(argv=None) -> int:
+    """`python -m dsv4.kernels.cuda_lib [ARCH] [OUT]`: build the library (default: this GPU's arch,
+    into the cache) and print its path."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv:
+        arch = argv[0]
+    elif torch.cuda.is_available():
+        arch = "".join(map(str, torch.cuda.get_device_capability()))
+    else:
+        arch = "90"
+    print(build(arch, Path(argv[1]) if len(argv) > 1 else None))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

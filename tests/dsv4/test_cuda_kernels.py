@@ -1,0 +1,300 @@
+"""The CUDA C++ decode kernels (csrc/dsv4_kernels.cu via dsv4.kernels.cuda_lib) against the plain-torch
+references at the real Flash / Pro shapes and odd ones: FP8 GEMV (W8A8, grouped wo_a, two matrices,
+SwiGLU; bf16 / float32 in and out) and the routed FP4 experts (both e2m1 decodes, every steps-per-warp
+variant), determinism, CUDA-graph capture, PDL on / off. CPU: the config choice and the fallback.
+GPU: `python -m pytest tests/dsv4/test_cuda_kernels.py -q -m cuda`.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsv4.kernels import common, cuda_lib
+from dsv4.kernels.common import CudaConfig
+
+from test_kernels import (EXPERTS, FP8_SHAPES, SEED, _fp8_absdot, assert_close_bf16, fp4_bank,
+                          fp8_weight, fresh_gen, poisoned, spiky_x)
+
+
+def _need_lib():
+    st = cuda_lib.status("cuda")
+    if st != "ok":
+        pytest.skip(f"CUDA C++ kernels unavailable: {st}")
+
+
+# ---- CPU ----------------------------------------------------------------------------------------
+
+def test_cuda_config_fits_the_real_shapes():
+    """Every FP8 GEMV of the Flash / Pro decode gets a CUDA config whose CTA rows divide its
+    segments and scale blocks, and whose warps x lanes x chunks cover K exactly."""
+    from dsv4.kernels.fp8_linear import cuda_config
+    for name, (n, k, g) in FP8_SHAPES.items():
+        ng = n // g if g > 1 else 0
+        for nm in (1, 2):
+            c = cuda_config(n, k, (n,), ng, nm)
+            assert c is not None, name
+            assert c.warps * c.lc * c.cpl * 16 == k and 1 <= c.warps <= 16, (name, c)
+            assert 128 % c.rows == 0 and n % c.rows == 0 and (ng == 0 or ng % c.rows == 0), (name, c)
+            assert c.rpl * c.cpl * nm <= 16, (name, c)
+    c = cuda_config(1536, 4096, (1024, 512), 0, 1)          # wq_a + wkv in one launch
+    assert 512 % c.rows == 0
+    assert cuda_config(128, 100 * 16, (128,), 0, 1) is None  # K not a multiple of 128
+
+
+def test_expert_config_and_cpu_fallback():
+    from dsv4.kernels.fp4_experts import cuda_expert_config
+    assert cuda_expert_config(4096, {}, ()).spw == 4          # Flash up: 8 warps
+    assert cuda_expert_config(7168, {}, ()).spw == 4          # Pro up: 14 warps
+    assert cuda_expert_config(384, {}, ()).spw == 1           # 3 warps
+    assert cuda_expert_config(100, {}, ()) is None
+    assert cuda_lib.status("cpu") == "not a CUDA device"
+    assert not cuda_lib.usable(torch.zeros(4))
+
+
+def test_switch_turns_the_library_off(monkeypatch):
+    monkeypatch.setenv(cuda_lib.SWITCH, "0")
+    assert cuda_lib.status("cuda") == f"{cuda_lib.SWITCH}=0"
+
+
+# ---- CUDA ---------------------------------------------------------------------------------------
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", list(FP8_SHAPES))
+def test_fp8_linear_cuda_kernel(name):
+    from dsv4.kernels.fp8_linear import fp8_linear, fp8_linear_reference
+    _need_lib()
+    n, k, G = FP8_SHAPES[name]
+    dev, gen = torch.device("cuda"), fresh_gen("cuda")
+    w, s = fp8_weight(n, k, gen, device=dev)
+    gk = k if G > 1 else None
+    for quant in ((False,) if G > 1 else (True, False)):
+        for xdt in (torch.bfloat16, torch.float32):
+            x = spiky_x(k * G, gen, xdt, dev)
+            y = fp8_linear(x, w, s, quant_act=quant, group_k=gk, out=poisoned(1, n, device=dev),
+                           backend="cuda")
+            ref = fp8_linear_reference(x, w, s, quant_act=quant, group_k=gk)
+            assert_close_bf16(y, ref, x, w, s, quant, group_k=gk)
+            again = fp8_linear(x, w, s, quant_act=quant, group_k=gk, backend="cuda")
+            assert torch.equal(y, again), "not deterministic"
+    x = spiky_x(k * G, gen, torch.bfloat16, dev)                   # float32 output
+    y = fp8_linear(x, w, s, quant_act=G == 1, group_k=gk, out_dtype=torch.float32,
+                   out=poisoned(1, n, dtype=torch.float32, device=dev), backend="cuda")
+    ref = fp8_linear_reference(x, w, s, quant_act=G == 1, group_k=gk, out_dtype=torch.float32)
+    absdot = _fp8_absdot(x, w, s, G == 1, gk)
+    assert not y.isnan().any() and ((y - ref).abs() <= 1e-5 * absdot + 1e-30).all(), SEED
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", ["flash.wq_b", "flash.wo_b", "flash.wo_a", "pro.wkv", "odd"])
+def test_fp8_every_cuda_config_agrees(name):
+    """Every instantiated config of a shape (lanes per row, rows and chunks per lane, warps) gives
+    the reference's values: the butterfly and the warp sums cover each product exactly once."""
+    from dsv4.kernels.bench import _cuda_neighbours
+    from dsv4.kernels.fp8_linear import cuda_config, fp8_linear, fp8_linear_reference
+    _need_lib()
+    import math
+    n, k, G = FP8_SHAPES[name]
+    dev, gen = torch.device("cuda"), fresh_gen("cuda")
+    w, s = fp8_weight(n, k, gen, device=dev)
+    gk = k if G > 1 else None
+    ng = n // G if G > 1 else 0
+    x = spiky_x(k * G, gen, torch.bfloat16, dev)
+    ref = fp8_linear_reference(x, w, s, quant_act=G == 1, group_k=gk)
+    cfgs = _cuda_neighbours(cuda_config(n, k, (n,), ng, 1), k, 1,
+                            math.gcd(128, n, *([ng] if ng else [])))
+    assert len(cfgs) >= 3
+    for cfg in cfgs:
+        y = fp8_linear(x, w, s, quant_act=G == 1, group_k=gk, config=cfg,
+                       out=poisoned(1, n, device=dev))
+        assert_close_bf16(y, ref, x, w, s, G == 1, group_k=gk)
+
+
+@pytest.mark.cuda
+def test_fp8_two_matrices_and_swiglu_cuda():
+    """wq_a + wkv in one CUDA launch equal their own launches with the same config (bit for bit);
+    the fused SwiGLU meets its reference."""
+    from dsv4.kernels.fp8_linear import (fp8_linear, fp8_linear2, fp8_linear_reference,
+                                         fp8_swiglu, fp8_swiglu_reference)
+    _need_lib()
+    dev, gen = torch.device("cuda"), fresh_gen("cuda")
+    (wa, sa), (wb, sb) = fp8_weight(1024, 4096, gen, device=dev), fp8_weight(512, 4096, gen,
+                                                                              device=dev)
+    x = spiky_x(4096, gen, torch.bfloat16, dev)
+    cfg = CudaConfig(32, 4, 1, 8)
+    ya, yb = fp8_linear2(x, wa, sa, wb, sb, config=cfg)
+    assert torch.equal(ya, fp8_linear(x, wa, sa, config=cfg))
+    assert torch.equal(yb, fp8_linear(x, wb, sb, config=cfg))
+    ya2, yb2 = fp8_linear2(x, wa, sa, wb, sb, backend="cuda")       # the default config
+    assert_close_bf16(ya2, fp8_linear_reference(x, wa, sa), x, wa, sa)
+    assert_close_bf16(yb2, fp8_linear_reference(x, wb, sb), x, wb, sb)
+    for n, k in [(2048, 4096), (3072, 7168), (128, 128)]:
+        (w1, s1), (w3, s3) = fp8_weight(n, k, gen, 8.0, dev), fp8_weight(n, k, gen, 8.0, dev)
+        xs = spiky_x(k, gen, torch.bfloat16, dev)
+        for limit in (0.0, 10.0):
+            got = fp8_swiglu(xs, w1, s1, w3, s3, limit, out=poisoned(1, n, device=dev),
+                             backend="cuda")
+            assert_close_bf16(got, fp8_swiglu_reference(xs, w1, s1, w3, s3, limit),
+                              rtol=2 ** -5, min_equal=0.9)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("which", list(EXPERTS))
+def test_fp4_experts_cuda_kernels(which):
+    """Both e2m1 decodes and every steps-per-warp variant meet the references; the two decodes
+    give the same bits (their products and sums differ by exact powers of two only)."""
+    from dsv4.kernels.fp4_experts import (CUDA_DOWN_VARIANTS, CUDA_UP_VARIANTS, ExpertCudaConfig,
+                                          fp4_experts_down, fp4_experts_down_reference,
+                                          fp4_experts_up, fp4_experts_up_reference)
+    _need_lib()
+    E, inter, dim = EXPERTS[which]
+    dev, gen = torch.device("cuda"), fresh_gen("cuda")
+    w1, s1, w3, s3, _, _ = fp4_bank(E, inter, dim, gen, gain=4.0, device=dev)
+    *_, w2, s2 = fp4_bank(E, inter, dim, gen, up=False, device=dev)
+    k = 6
+    idx = torch.cat((torch.randperm(E - 1, generator=gen, device=dev)[:k - 1],
+                     torch.tensor([E - 1], device=dev))).sort().values
+    rw = torch.rand(k, generator=gen, device=dev) + 0.5
+    x = spiky_x(dim, gen, torch.bfloat16, dev)
+    a_ref = fp4_experts_up_reference(x, idx, rw, w1, s1, w3, s3, 10.0)
+    ups = [ExpertCudaConfig(*v) for v in CUDA_UP_VARIANTS
+           if dim % (128 * v[0]) == 0 and dim // (128 * v[0]) <= 16]
+    first = None
+    for cfg in ups:
+        a = fp4_experts_up(x, idx, rw, w1, s1, w3, s3, 10.0, out=poisoned(k, inter, device=dev),
+                           config=cfg)
+        assert_close_bf16(a, a_ref, rtol=2 ** -5, min_equal=0.9,
+                          absdot=10 * a_ref.float().abs().amax(dim=-1, keepdim=True))
+        # the other decode and fewer weights in flight: the same arithmetic, the same bits
+        assert torch.equal(a, fp4_experts_up(x, idx, rw, w1, s1, w3, s3, 10.0,
+                                             config=ExpertCudaConfig(cfg.spw))), cfg
+        first = a if first is None else first
+    a = first
+    ref = fp4_experts_down_reference(a, idx, w2, s2)
+    scale = sum(fp4_experts_down_reference(a[j:j + 1], idx[j:j + 1], w2, s2).abs()
+                for j in range(k))
+    downs = [ExpertCudaConfig(*v) for v in CUDA_DOWN_VARIANTS
+             if inter % (128 * v[0]) == 0 and inter // (128 * v[0]) <= 16]
+    for cfg in downs:
+        y = fp4_experts_down(a, idx, w2, s2, out=poisoned(1, dim, dtype=torch.float32,
+                                                          device=dev), config=cfg)
+        assert not y.isnan().any() and ((y - ref).abs() <= 2 ** -7 * scale + 1e-30).all(), \
+            (cfg, SEED)
+        assert (y == ref).float().mean() >= 0.8, (cfg, SEED)
+        for _ in range(3):                         # the semaphores are left ready for the next
+            assert torch.equal(y, fp4_experts_down(a, idx, w2, s2, config=cfg)), cfg
+        assert torch.equal(y, fp4_experts_down(a, idx, w2, s2,                # as for up
+                                               config=ExpertCudaConfig(cfg.spw))), cfg
+    add = spiky_x(dim, gen, torch.bfloat16, dev)
+    yb = fp4_experts_down(a, idx, w2, s2, add=add, out_dtype=torch.bfloat16, config=downs[0])
+    y = fp4_experts_down(a, idx, w2, s2, config=downs[0])
+    assert torch.equal(yb, (y + add.float()).to(torch.bfloat16))
+
+
+@pytest.mark.cuda
+def test_cuda_kernels_capture_and_pdl(monkeypatch):
+    """Captured in a CUDA graph (under sync debug 'error'), replayed on new inputs: the same bits as
+    eager calls; and the same bits with DSV4_PDL=0."""
+    from dsv4.kernels.fp4_experts import fp4_experts_down, fp4_experts_up
+    from dsv4.kernels.fp8_linear import fp8_linear, fp8_linear2, fp8_swiglu
+    _need_lib()
+    dev, gen = torch.device("cuda"), fresh_gen("cuda")
+    w, s = fp8_weight(1024, 4096, gen, device=dev)
+    wk, sk = fp8_weight(512, 4096, gen, device=dev)
+    wo, so = fp8_weight(4096, 1024, gen, device=dev)
+    w1, s1, w3, s3, _, _ = fp4_bank(16, 256, 4096, gen, device=dev)
+    *_, w2, s2 = fp4_bank(16, 256, 4096, gen, up=False, device=dev)
+    (sw1, ss1), (sw3, ss3) = fp8_weight(2048, 4096, gen, device=dev), fp8_weight(2048, 4096, gen,
+                                                                                  device=dev)
+    x = spiky_x(4096, gen, torch.bfloat16, dev)
+    idx = torch.tensor([1, 4, 5, 9, 12, 15], device=dev)
+    rw = torch.rand(6, generator=gen, device=dev)
+
+    def step():
+        q, kv = fp8_linear2(x, w, s, wk, sk)
+        a = fp4_experts_up(x, idx, rw, w1, s1, w3, s3, 10.0)
+        sh = fp8_swiglu(x, sw1, ss1, sw3, ss3, 10.0)
+        return (q, kv, fp8_linear(q, wo, so), sh,
+                fp4_experts_down(a, idx, w2, s2, add=x, out_dtype=torch.bfloat16))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.cuda.graph(g):
+            outs = step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    x.copy_(spiky_x(4096, gen, torch.bfloat16, dev))
+    idx.copy_(torch.tensor([0, 2, 3, 7, 8, 11], device=dev))
+    g.replay()
+    want = step()
+    for got, ref in zip(outs, want):
+        assert torch.equal(got, ref)
+    if common.pdl(x):
+        monkeypatch.setenv(common.PDL_SWITCH, "0")
+        for got, ref in zip(step(), want):
+            assert torch.equal(got, ref)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("n,k", [(1088, 512), (16385, 512), (600, 512), (9, 8), (40, 1), (2048, 2048)])
+def test_index_topk_cuda(n, k):
+    """The radix select returns k distinct entries whose scores are the k largest (as a
+    multiset, against torch.topk), ties at the threshold resolved to the lowest entries, -inf
+    (not yet visible) entries last; deterministic."""
+    from dsv4.kernels.indexer_decode import index_topk
+    _need_lib()
+    dev, gen = torch.device("cuda"), fresh_gen("cuda")
+    sc = torch.randn(1, n, generator=gen, device=dev).to(torch.bfloat16)    # bf16: many ties
+    sc[0, n // 2:] = float("-inf")                                           # masked tail
+    if n > 4:
+        sc[0, 1:4] = sc[0, 0]
+    got = index_topk(sc, k)
+    assert got.shape == (1, k) and got.dtype == torch.int64
+    assert got.unique().numel() == k and int(got.min()) >= 0 and int(got.max()) < n
+    want = sc.float().topk(k, dim=-1).values
+    assert torch.equal(sc[0, got[0]].float().sort(descending=True).values, want[0])
+    thr = want[0, -1]
+    picked = set(got[0].tolist())
+    ties = (sc[0].float() == thr).nonzero().flatten().tolist()
+    n_tie = len([i for i in picked if sc[0, i].float() == thr])
+    assert picked >= set(i for i in range(n) if sc[0, i].float() > thr)
+    assert [i for i in ties if i in picked] == ties[:n_tie], "ties: not the lowest entries"
+    assert torch.equal(got, index_topk(sc, k))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("preset", ["flash", "pro"])
+def test_routed_up_cuda(preset):
+    """Routing inside the up kernel: the experts route_reference picks (in id order), weights to
+    float32 rounding, and the same expert rows as the unrouted kernel given those experts; score
+    routing with all three score functions and hash routing."""
+    from dsv4.kernels.fp4_experts import ExpertCudaConfig, fp4_experts_up, fp4_experts_up_routed
+    from dsv4.kernels.route import route_reference
+    from dsv4.presets import get_preset
+    _need_lib()
+    cfg = get_preset(preset)
+    E, k, D = cfg.n_routed_experts, cfg.n_activated_experts, cfg.dim
+    inter = 256                                          # fewer rows: the routing is the subject
+    dev, gen = torch.device("cuda"), fresh_gen("cuda")
+    w1, s1, w3, s3, _, _ = fp4_bank(E, inter, D, gen, device=dev)
+    tid2eid = torch.stack([torch.randperm(E, generator=gen, device=dev)[:k] for _ in range(16)])
+    x = spiky_x(D, gen, torch.bfloat16, dev)
+    for trial in range(4):
+        logits = torch.randn(1, E, generator=gen, device=dev) * 4
+        bias = torch.randn(E, generator=gen, device=dev) * 0.05
+        ids = torch.tensor([trial], device=dev)
+        cases = [(f, dict(bias=bias)) for f in ("sqrtsoftplus", "sigmoid", "softmax")]
+        cases.append((cfg.score_func, dict(tid2eid=tid2eid, ids=ids)))
+        for func, kw in cases:
+            a, w, idx = fp4_experts_up_routed(x, logits, k, func, cfg.route_scale, w1, s1, w3, s3,
+                                              10.0, **kw)
+            rw, ridx = route_reference(logits, k, func, cfg.route_scale, **kw)
+            assert torch.equal(idx, ridx), (func, idx, ridx, SEED)
+            assert torch.allclose(w, rw, rtol=1e-6, atol=0), (func, SEED)
+            plain = fp4_experts_up(x, idx, w, w1, s1, w3, s3, 10.0,
+                                   config=ExpertCudaConfig(4 if D % 512 == 0 else 2))
+            assert torch.equal(a, plain), (func, SEED)
