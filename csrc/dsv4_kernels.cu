@@ -5,6 +5,8 @@
 //    accumulation of exact products, the activation quantized per 128 (ue8m0, e4m3 RNE) in the
 //    kernel; variants: two matrices on one x (wq_a + wkv), fused clamped SwiGLU (w1 + w3), grouped
 //    x without act quant (wo_a). Every weight byte is requested before the PDL wait.
+//  * dsv4_route: the MoE routing of one token (one CTA; warp-shuffle top-k).
+//  * dsv4_topk_bf16: the indexer's top-k (one CTA, radix select).
 //  * dsv4_fp4_up / dsv4_fp4_down: the routed FP4 experts of one token on tensor cores. An e2m1
 //    code is e4m3's bit pattern shifted down by two (value * 2^-6), so 8 codes become two e4m3
 //    registers in a few integer ops and go straight into mma.m16n8k32.e4m3 against the e4m3
@@ -55,12 +57,6 @@ DEV uint32_t ld_stream_u8(const void* p) {
 DEV uint32_t ld_stream_u32(const void* p) {
   uint32_t r;
   asm volatile("ld.global.L1::no_allocate.u32 %0, [%1];\n" : "=r"(r) : "l"(p));
-  return r;
-}
-
-DEV uint2 ld_stream_u64(const void* p) {
-  uint2 r;
-  asm volatile("ld.global.L1::no_allocate.v2.u32 {%0,%1}, [%2];\n" : "=r"(r.x), "=r"(r.y) : "l"(p));
   return r;
 }
 
@@ -282,19 +278,17 @@ __global__ void __launch_bounds__(512) fp8_gemv_kernel(const Fp8Args a) {
   }
 }
 
-// ---- MoE routing (fused into the up kernel) ---------------------------------------------------
+// ---- MoE routing -------------------------------------------------------------------------------
 
 // The routing of one token, as dsv4/kernels/route.py: scores (softmax / sigmoid / sqrt-softplus,
 // libdevice exp/log1p, IEEE sqrt and division), the top-k of scores + bias (k rounds of max, the
 // lowest id among equal values, ids clamped into [0, E)) or the token's tid2eid row, experts sorted
 // by id, weights normalized (not for softmax) and scaled.
 struct RouteArgs {
-  const float* logits;      // [E] float32 (the gate GEMV); null: the caller passes idx / rw
+  const float* logits;      // [E] float32 (the gate GEMV)
   const float* bias;        // [E] float32 (score routing) or null
   const int64_t* tid2eid;   // [V, k] int64 (hash routing) or null
   const int64_t* ids;       // [1] int64: the token (hash routing)
-  int64_t* idx_out;         // [k]: the experts, for the down kernel (written by CTA (0, 0))
-  float* w_out;             // [k]: their weights
   int E;
   int score;                // 0 softmax, 1 sigmoid, 2 sqrt-softplus
   float route_scale;
@@ -385,6 +379,19 @@ DEV void route_cta(const RouteArgs& ra, int k, float* s_score, float* s_bias, in
     }
   }
   __syncthreads();
+}
+
+// One CTA: the routing of the token into idx [k] int64 (ascending) and w [k] float32.
+__global__ void __launch_bounds__(256) route_kernel(const RouteArgs ra, int k, int64_t* idx, float* w) {
+  __shared__ float s_score[ROUTE_MAX_E], s_bias[ROUTE_MAX_E];
+  __shared__ int64_t s_idx[ROUTE_MAX_K];
+  __shared__ float s_w[ROUTE_MAX_K];
+  pdl_wait();   // the logits come from the gate GEMV
+  route_cta(ra, k, s_score, s_bias, s_idx, s_w);
+  if (threadIdx.x < k) {
+    idx[threadIdx.x] = s_idx[threadIdx.x];
+    w[threadIdx.x] = s_w[threadIdx.x];
+  }
 }
 
 // ---- FP4 experts on tensor cores --------------------------------------------------------------
@@ -573,36 +580,19 @@ DEV const uint4* expert_smem(uint8_t* smem, int warp, int nwarps, int g, int q, 
 
 // a[j, r] = bf16(silu(g) * u * rw[j]), g / u = bf16(W8A8 w1 / w3 of expert idx[j] at x), u clamped
 // to +-limit and g from above (limit 0: none). Grid (I / 16, k); warp w: K slice [w*128*SPW, ...).
-// With ra.logits, every CTA routes the token itself (route_warp) instead of reading idx / rw, and
-// CTA (0, 0) stores the experts and weights for the down kernel.
 template <int SPW, int DEC, int DEPTH>
 __global__ void __launch_bounds__(512) fp4_up_kernel(const __nv_bfloat16* x, const int64_t* idx,
-                                                     const float* rw, const RouteArgs ra,
-                                                     const uint8_t* w1, const uint8_t* s1,
+                                                     const float* rw, const uint8_t* w1, const uint8_t* s1,
                                                      const uint8_t* w3, const uint8_t* s3,
                                                      __nv_bfloat16* out, float limit, int I, int D) {
   extern __shared__ __align__(128) uint8_t smem[];
-  __shared__ float s_score[ROUTE_MAX_E], s_bias[ROUTE_MAX_E];
-  __shared__ int64_t s_idx[ROUTE_MAX_K];
-  __shared__ float s_w[ROUTE_MAX_K];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   const int g = lane >> 2, q = lane & 3, j = blockIdx.y, r0 = blockIdx.x * 16;
   uint4* xs;
   float *ef, *red;
   const uint4* xb = expert_smem<SPW>(smem, warp, nwarps, g, q, ef, red, xs);
-  pdl_wait();   // the experts come from the gate / routing kernel
-  if (ra.logits != nullptr) {
-    route_cta(ra, int(gridDim.y), s_score, s_bias, s_idx, s_w);
-    if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x < gridDim.y) {
-      ra.idx_out[threadIdx.x] = s_idx[threadIdx.x];
-      ra.w_out[threadIdx.x] = s_w[threadIdx.x];
-    }
-  } else if (threadIdx.x == 0) {
-    s_idx[j] = idx[j];
-    s_w[j] = rw[j];
-  }
-  __syncthreads();
-  const int64_t e = s_idx[j];
+  pdl_wait();   // the experts come from the routing kernel
+  const int64_t e = idx[j];
   const int k0 = warp * 128 * SPW;
   const size_t rowa = size_t(e) * I + r0 + g;
   ExpertWarp<SPW, 2, DEC, DEPTH> ew;
@@ -642,7 +632,7 @@ __global__ void __launch_bounds__(512) fp4_up_kernel(const __nv_bfloat16* x, con
       uv = fminf(fmaxf(uv, -limit), limit);
       gv = fminf(gv, limit);
     }
-    out[size_t(j) * I + r0 + r] = __float2bfloat16_rn(gv / (1.0f + expf(-gv)) * uv * s_w[j]);
+    out[size_t(j) * I + r0 + r] = __float2bfloat16_rn(gv / (1.0f + expf(-gv)) * uv * rw[j]);
   }
 }
 
@@ -924,30 +914,14 @@ int dsv4_fp8_gemv(const void* w0, const void* s0, void* y0, const void* w1, cons
 
 // a [k, I] bf16 from x [D] bf16; grid (I / 16, k), D / (128 * spw) warps; dec: the e2m1 decode
 // (0: through e4m3 and cvt, 1: integer ops).
-// Routing in the kernel: logits [E] float32 non-null, with bias [E] float32 (score routing) or
-// tid2eid [V, k] int64 + ids [1] int64 (hash routing), score 0 softmax / 1 sigmoid / 2
-// sqrt-softplus; the experts and weights go to idx_out [k] int64 / w_out [k] float32. Otherwise
-// idx [k] int64 and rw [k] float32 are the routing.
-int dsv4_fp4_up(const void* x, const void* idx, const void* rw, const void* logits,
-                const void* bias, const void* tid2eid, const void* ids, void* idx_out, void* w_out,
-                int E, int score, float route_scale, const void* w1, const void* s1,
+// a [k, I] bf16 from x [D] bf16 and the routing idx [k] int64 / rw [k] float32; grid (I / 16, k),
+// D / (128 * spw) warps; dec: the e2m1 decode (0: through e4m3 and cvt, 1: integer ops); depth:
+// steps of weights in flight per warp (0: all).
+int dsv4_fp4_up(const void* x, const void* idx, const void* rw, const void* w1, const void* s1,
                 const void* w3, const void* s3, void* out, float limit, int I, int D, int k,
                 int spw, int dec, int depth, void* stream, int pdl) {
   const int warps = D / (128 * spw);
-  if (warps < 1 || warps > 16 || I % 16 || D % (128 * spw) || k < 1 || k > ROUTE_MAX_K) return -1;
-  if (logits != nullptr && (E < k || E > ROUTE_MAX_E || (bias == nullptr) == (tid2eid == nullptr) ||
-                            idx_out == nullptr || w_out == nullptr))
-    return -1;
-  RouteArgs ra;
-  ra.logits = static_cast<const float*>(logits);
-  ra.bias = static_cast<const float*>(bias);
-  ra.tid2eid = static_cast<const int64_t*>(tid2eid);
-  ra.ids = static_cast<const int64_t*>(ids);
-  ra.idx_out = static_cast<int64_t*>(idx_out);
-  ra.w_out = static_cast<float*>(w_out);
-  ra.E = E;
-  ra.score = score;
-  ra.route_scale = route_scale;
+  if (warps < 1 || warps > 16 || I % 16 || D % (128 * spw) || k < 1) return -1;
   const dim3 grid(I / 16, k), block(32 * warps);
   const cudaStream_t st = static_cast<cudaStream_t>(stream);
   const auto* xp = static_cast<const __nv_bfloat16*>(x);
@@ -960,7 +934,7 @@ int dsv4_fp4_up(const void* x, const void* idx, const void* rw, const void* logi
   auto* op = static_cast<__nv_bfloat16*>(out);
 #define DSV4_UP(S, DC, R) \
   launch(fp4_up_kernel<S, DC, R>, grid, block, expert_smem_bytes<S>(warps, 2), st, pdl, xp, ip, rp, \
-         ra, w1p, s1p, w3p, s3p, op, limit, I, D)
+         w1p, s1p, w3p, s3p, op, limit, I, D)
   switch ((spw * 2 + (dec != 0)) * 10 + (depth > 0 ? depth : spw)) {
     case 21: return DSV4_UP(1, 0, 1);
     case 42: return DSV4_UP(2, 0, 2);
@@ -1004,6 +978,26 @@ int dsv4_fp4_down(const void* act, const void* idx, const void* w2, const void* 
     default: return -1;
   }
 #undef DSV4_DOWN
+}
+
+// The MoE routing of one token (kernels/route.py semantics): logits [E] float32 with bias [E]
+// float32 (score routing) or tid2eid [V, k] int64 + ids [1] int64 (hash routing); score 0 softmax,
+// 1 sigmoid, 2 sqrt-softplus -> idx [k] int64 ascending, w [k] float32. One CTA.
+int dsv4_route(const void* logits, const void* bias, const void* tid2eid, const void* ids, int E,
+               int k, int score, float route_scale, void* idx, void* w, void* stream, int pdl) {
+  if (k < 1 || k > ROUTE_MAX_K || E < k || E > ROUTE_MAX_E || (bias == nullptr) == (tid2eid == nullptr) ||
+      score < 0 || score > 2)
+    return -1;
+  RouteArgs ra;
+  ra.logits = static_cast<const float*>(logits);
+  ra.bias = static_cast<const float*>(bias);
+  ra.tid2eid = static_cast<const int64_t*>(tid2eid);
+  ra.ids = static_cast<const int64_t*>(ids);
+  ra.E = E;
+  ra.score = score;
+  ra.route_scale = route_scale;
+  return launch(route_kernel, dim3(1), dim3(256), 0, static_cast<cudaStream_t>(stream), pdl, ra, k,
+                static_cast<int64_t*>(idx), static_cast<float*>(w));
 }
 
 // out [k] int64 = the indices of the k largest of scores [n] bf16 (1 <= k <= n), see

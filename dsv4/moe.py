@@ -12,11 +12,6 @@ from .config import ModelConfig
 from .linear import ExpertBank, Linear
 from .quant import fp8_quant_dequant
 
-# Routing inside the CUDA up kernel (kernels.fp4_experts_up_routed) saves the route launch, but its
-# early-launched (PDL) CTAs hold the SMs while the gate runs and delay the captured shared-expert
-# branch: measured slower on Flash (BENCHMARKS.md), so the route kernel stays in front of up.
-ROUTE_IN_UP = False
-
 
 class MoE:
     def __init__(self, cfg: ModelConfig, layer_id: int, fmt: str, expert_fmt: str, device):
@@ -105,8 +100,8 @@ class MoE:
         return (y + self._shared(x)).to(x.dtype)
 
     def route_decode(self, x: torch.Tensor, ids: torch.Tensor):
-        """decode's routing as two launches (gate GEMV, dsv4.kernels.route): -> (weights [k] f32,
-        experts [k] int64 ascending), as route + sort."""
+        """decode's routing as two launches (gate GEMV, dsv4.kernels.route: the CUDA or Triton
+        routing kernel): -> (weights [k] f32, experts [k] int64 ascending), as route + sort."""
         from .kernels.route import route_decode
         cfg = self.cfg
         return route_decode(self.gate(x, torch.float32), cfg.n_activated_experts, cfg.score_func,
@@ -114,16 +109,16 @@ class MoE:
                             ids=ids if self.hash else None)
 
     def _decode_kernels(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """decode as kernel launches: the gate GEMV, routing + routed FP4 up (one CUDA launch,
-        kernels.fp4_experts_up_routed; with the Triton kernels route_decode then up), down with the
-        shared expert's output added in its epilogue; the FP8 shared expert (fused w1/w3 SwiGLU,
-        w2) is a parallel branch when captured (dsv4.overlap). Same math as the loop: bf16(routed
-        sum in f32 + bf16 shared). Capture-safe."""
-        from .kernels.fp4_experts import (down_workspace, fp4_experts_down, fp4_experts_up,
-                                          fp4_experts_up_routed, routed_up_available)
+        """decode as kernel launches: the gate GEMV, routing (route_decode), routed FP4 up + down
+        with the shared expert's output added in down's epilogue; the FP8 shared expert (fused
+        w1/w3 SwiGLU, w2) is a parallel branch when captured (dsv4.overlap), forked after the
+        routing (so the routing's small kernels find free SMs; the shared expert then streams
+        beside up). Same math as the loop: bf16(routed sum in f32 + bf16 shared). Capture-safe."""
+        from .kernels.fp4_experts import down_workspace, fp4_experts_down, fp4_experts_up
         from .kernels.fp8_linear import fp8_linear, fp8_swiglu
-        bank, lim, sh, cfg = self.experts, self.cfg.swiglu_limit, self.shared, self.cfg
+        bank, lim, sh = self.experts, self.cfg.swiglu_limit, self.shared
         fp8 = sh["w1"].fmt == "fp8"
+        w, idx = self.route_decode(x, ids)
         br = overlap.Branch(x, "moe", when=fp8)
         with br.side():
             if fp8:
@@ -132,15 +127,7 @@ class MoE:
                 y_sh = fp8_linear(a_sh, sh["w2"].weight, sh["w2"].scale, out_dtype=x.dtype)
             else:
                 y_sh = self._shared(x)                                        # [1, D] act
-        k = cfg.n_activated_experts
-        if ROUTE_IN_UP and routed_up_available(x, bank.w1, cfg.n_routed_experts, k):
-            a, w, idx = fp4_experts_up_routed(
-                x, self.gate(x, torch.float32), k, cfg.score_func, cfg.route_scale, bank.w1,
-                bank.w1_scale, bank.w3, bank.w3_scale, lim, bias=self.bias, tid2eid=self.tid2eid,
-                ids=ids if self.hash else None)
-        else:
-            w, idx = self.route_decode(x, ids)
-            a = fp4_experts_up(x, idx, w, bank.w1, bank.w1_scale, bank.w3, bank.w3_scale, lim)
+        a = fp4_experts_up(x, idx, w, bank.w1, bank.w1_scale, bank.w3, bank.w3_scale, lim)
         br.join()
         if self._down_ws is None:   # this layer's own: no two layers' launches share one
             self._down_ws = down_workspace(idx.numel(), x.shape[-1], x.device, shared=False)

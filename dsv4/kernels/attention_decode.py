@@ -25,7 +25,7 @@ class AttnConfig:
     at most max_programs programs in the split pass; combine: hc heads x bd dims per program."""
     hb: int = 16
     bn: int = 32
-    rows_per_split: int = 128
+    rows_per_split: int = 32     # one KV tile per program: 16-80 programs for Flash, not 4-20
     max_programs: int = 264
     num_warps: int = 4
     hc: int = 4
@@ -216,12 +216,13 @@ def _combine_kernel(pm_ptr, pl_ptr, pacc_ptr, sink_ptr, freqs_ptr, pos_ptr, o_pt
     hh = tl.program_id(0) * HC + tl.arange(0, HC)
     dd = tl.program_id(1) * BD + tl.arange(0, BD)
     hm = hh < H
+    # unrolled: every split's loads are independent and go out together (latency, not bytes)
     mx = tl.full([HC], NEG_INF, tl.float32)
-    for s in range(NSPLIT):
+    for s in tl.static_range(NSPLIT):
         mx = tl.maximum(mx, tl.load(pm_ptr + s * H + hh, mask=hm, other=NEG_INF))
     l = tl.zeros([HC], tl.float32)
     acc = tl.zeros([HC, BD], tl.float32)
-    for s in range(NSPLIT):
+    for s in tl.static_range(NSPLIT):
         w = tl.exp(tl.load(pm_ptr + s * H + hh, mask=hm, other=NEG_INF) - mx)
         l += w * tl.load(pl_ptr + s * H + hh, mask=hm, other=0.0)
         acc += w[:, None] * tl.load(pacc_ptr + (s * H + hh)[:, None] * DH + dd[None, :],

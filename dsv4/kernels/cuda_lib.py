@@ -79,8 +79,9 @@ def _declare(lib) -> None:
     lib.dsv4_fp8_gemv.restype = i
     lib.dsv4_fp8_gemv.argtypes = [p, p, p, p, p, p, p, i, i, i, f, i, i, i, i, i, i, i, p, i]
     lib.dsv4_fp4_up.restype = i
-    lib.dsv4_fp4_up.argtypes = [p, p, p, p, p, p, p, p, p, i, i, f, p, p, p, p, p, f, i, i, i, i, i,
-                                i, p, i]
+    lib.dsv4_fp4_up.argtypes = [p, p, p, p, p, p, p, p, f, i, i, i, i, i, i, p, i]
+    lib.dsv4_route.restype = i
+    lib.dsv4_route.argtypes = [p, p, p, p, i, i, i, f, p, p, p, i]
     lib.dsv4_topk_bf16.restype = i
     lib.dsv4_topk_bf16.argtypes = [p, i, i, p, p, i]
     lib.dsv4_fp4_down.restype = i
@@ -174,19 +175,18 @@ def _ptr(t) -> int:
 
 
 def fp4_up(lib, x, idx, rw, w1, s1, w3, s3, out, limit: float, I: int, D: int, k: int,
-           cfg, pdl: bool, route: tuple | None = None) -> None:
-    """route = (logits, bias, tid2eid, ids, score, route_scale): the kernel routes the token and
-    writes the experts / weights into idx / rw; otherwise idx / rw are its inputs."""
-    if route is not None:
-        logits, bias, tid2eid, ids, score, scale = route
-        rt = (0, 0, logits.data_ptr(), _ptr(bias), _ptr(tid2eid), _ptr(ids), idx.data_ptr(),
-              rw.data_ptr(), logits.numel(), score, scale)
-    else:
-        rt = (idx.data_ptr(), rw.data_ptr(), 0, 0, 0, 0, 0, 0, 0, 0, 0.0)
-    err = lib.dsv4_fp4_up(x.data_ptr(), *rt, w1.data_ptr(), s1.data_ptr(), w3.data_ptr(),
-                          s3.data_ptr(), out.data_ptr(), limit, I, D, k, cfg.spw, cfg.dec,
-                          cfg.depth, _stream(out), int(pdl))
+           cfg, pdl: bool) -> None:
+    err = lib.dsv4_fp4_up(x.data_ptr(), idx.data_ptr(), rw.data_ptr(), w1.data_ptr(),
+                          s1.data_ptr(), w3.data_ptr(), s3.data_ptr(), out.data_ptr(), limit, I, D,
+                          k, cfg.spw, cfg.dec, cfg.depth, _stream(out), int(pdl))
     _check(err, "fp4 experts up (CUDA)", lib)
+
+
+def route(lib, logits, bias, tid2eid, ids, k: int, score: int, route_scale: float, idx, w,
+          pdl: bool) -> None:
+    err = lib.dsv4_route(logits.data_ptr(), _ptr(bias), _ptr(tid2eid), _ptr(ids), logits.numel(),
+                         k, score, route_scale, idx.data_ptr(), w.data_ptr(), _stream(w), int(pdl))
+    _check(err, "routing (CUDA)", lib)
 
 
 def topk_bf16(lib, scores, k: int, out, pdl: bool) -> None:

@@ -300,48 +300,6 @@ def fp4_experts_up(x: torch.Tensor, idx: torch.Tensor, route_w: torch.Tensor, w1
     return out
 
 
-SCORE_CODES = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}
-
-
-def routed_up_available(x: torch.Tensor, w1: torch.Tensor, n_experts: int, k: int) -> bool:
-    """fp4_experts_up_routed can run: the CUDA kernels serve x's device, the shapes fit."""
-    D = w1.shape[-1] * 2
-    return (cuda_lib.usable(x, w1) and k <= 16 and n_experts <= 512 and w1.shape[1] % 16 == 0
-            and cuda_expert_config(D, TUNED_CUDA_UP, (k, w1.shape[1], D)) is not None)
-
-
-def fp4_experts_up_routed(x: torch.Tensor, logits: torch.Tensor, k: int, score_func: str,
-                          route_scale: float, w1: torch.Tensor, s1: torch.Tensor, w3: torch.Tensor,
-                          s3: torch.Tensor, limit: float, *, bias: torch.Tensor | None = None,
-                          tid2eid: torch.Tensor | None = None, ids: torch.Tensor | None = None,
-                          config: ExpertCudaConfig | None = None
-                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """route_decode + fp4_experts_up in one CUDA launch: each CTA routes the token from the gate's
-    logits [1, E] float32 (bias [E]: score routing; tid2eid [V, k] + ids [1]: hash routing), as
-    kernels.route does, then runs its slot's expert. Returns (a [k, I] bf16, weights [k] float32,
-    experts [k] int64 ascending) for fp4_experts_down. CUDA only (routed_up_available)."""
-    E, (_, I, half) = logits.numel(), w1.shape
-    D = 2 * half
-    if (logits.dtype != torch.float32 or score_func not in SCORE_CODES
-            or (bias is None) == (tid2eid is None) or (tid2eid is not None and ids is None)):
-        raise ValueError(f"fp4_experts_up_routed: logits {tuple(logits.shape)} {logits.dtype}, "
-                         f"score {score_func!r}; pass float32 logits and bias or tid2eid + ids")
-    if x.numel() != D or not routed_up_available(x, w1, E, k):
-        raise ValueError(f"fp4_experts_up_routed: x {tuple(x.shape)} / w1 {tuple(w1.shape)} / "
-                         f"E = {E}, k = {k}: not served by the CUDA kernels "
-                         f"({cuda_lib.status(x.device)})")
-    cfg = config or cuda_expert_config(D, TUNED_CUDA_UP, (k, I, D))
-    out = torch.empty(k, I, dtype=torch.bfloat16, device=x.device)
-    w = torch.empty(k, dtype=torch.float32, device=x.device)
-    idx = torch.empty(k, dtype=torch.int64, device=x.device)
-    route = (logits.contiguous(), bias, tid2eid, ids, SCORE_CODES[score_func], float(route_scale))
-    with on_device(out):
-        cuda_lib.fp4_up(cuda_lib.lib_for(out.device), x.contiguous(), idx, w, w1,
-                        s1.view(torch.uint8), w3, s3.view(torch.uint8), out, float(limit), I, D, k,
-                        cfg, pdl(out), route=route)
-    return out, w, idx
-
-
 def fp4_experts_down(a: torch.Tensor, idx: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, *,
                      add: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32,
                      out: torch.Tensor | None = None,

@@ -12,7 +12,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from .common import interpreting, launch_args, on_device, pdl_wait
+from . import cuda_lib
+from .common import interpreting, launch_args, on_device, pdl, pdl_wait
 
 SCORE_FUNCS = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}
 
@@ -75,10 +76,14 @@ def _route_kernel(logits_ptr, bias_ptr, tid2eid_ptr, ids_ptr, w_ptr, idx_ptr, ro
 
 def route_decode(logits: torch.Tensor, k: int, score_func: str, route_scale: float, *,
                  bias: torch.Tensor | None = None, tid2eid: torch.Tensor | None = None,
-                 ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 ids: torch.Tensor | None = None, backend: str | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [1, E] float32 (the gate's output) -> (weights [k] f32, experts [k] int64 ascending).
     Score routing (bias [E] f32) or hash routing (tid2eid [V, k] int64 and ids [1]: the token).
-    Capture-safe, deterministic; expert ids are clamped into [0, E) (no out-of-range reads)."""
+    Capture-safe, deterministic; expert ids are clamped into [0, E) (no out-of-range reads).
+    One launch: the CUDA C++ kernel (csrc/dsv4_kernels.cu: warp-shuffle top-k, the same libdevice
+    math) where the CUDA kernels serve the device and E <= 512, k <= 16, else the Triton kernel
+    below; backend "cuda" / "triton" picks one."""
     E = logits.shape[-1]
     if logits.numel() != E or logits.dtype != torch.float32 or score_func not in SCORE_FUNCS:
         raise ValueError(f"route_decode: logits {tuple(logits.shape)} {logits.dtype}, score "
@@ -89,6 +94,17 @@ def route_decode(logits: torch.Tensor, k: int, score_func: str, route_scale: flo
                          "(hash routing)")
     w = torch.empty(k, dtype=torch.float32, device=logits.device)
     idx = torch.empty(k, dtype=torch.int64, device=logits.device)
+    tensors = [logits] + [t for t in (bias, tid2eid, ids) if t is not None]
+    if (backend != "triton" and E <= 512 and k <= 16 and cuda_lib.usable(*tensors)
+            and (bias is None or bias.dtype == torch.float32)
+            and (tid2eid is None or (tid2eid.dtype == ids.dtype == torch.int64))):
+        with on_device(w):
+            cuda_lib.route(cuda_lib.lib_for(w.device), logits, bias, tid2eid, ids, k,
+                           SCORE_FUNCS[score_func], float(route_scale), idx, w, pdl(w))
+        return w, idx
+    if backend == "cuda":
+        raise ValueError(f"route_decode: the CUDA kernel is unavailable for these tensors "
+                         f"({cuda_lib.status(logits.device)})")
     with on_device(w):
         _route_kernel[(1,)](logits, logits if hashed else bias, tid2eid if hashed else idx,
                             ids if hashed else idx, w, idx, float(route_scale), E=E,
