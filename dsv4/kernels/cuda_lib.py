@@ -60,6 +60,8 @@ def build(arch: str, out: Path | None = None, nvcc: str | None = None) -> Path:
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
+    print(f"dsv4: building the CUDA kernels for sm_{arch} (once) into {out.parent}",
+          file=sys.stderr)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         so = Path(tmp) / out.name
         cmd = [nvcc, "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC",

@@ -1,7 +1,8 @@
 """The CUDA C++ decode kernels (csrc/dsv4_kernels.cu via dsv4.kernels.cuda_lib) against the plain-torch
-references at the real Flash / Pro shapes and odd ones: FP8 GEMV (W8A8, grouped wo_a, two matrices,
-SwiGLU; bf16 / float32 in and out) and the routed FP4 experts (both e2m1 decodes, every steps-per-warp
-variant), determinism, CUDA-graph capture, PDL on / off. CPU: the config choice and the fallback.
+references at the real Flash / Pro shapes and odd ones: FP8 GEMV (every config; two matrices, SwiGLU;
+the per-shape test of both backends is test_kernels.py::test_fp8_linear_cuda), the routed FP4 experts (both e2m1 decodes, every steps-per-warp
+and depth variant), the indexer top-k, determinism, CUDA-graph capture, PDL on / off (the routing
+kernel: test_kernels.py::test_route_decode_cuda). CPU: the config choice and the fallback.
 GPU: `python -m pytest tests/dsv4/test_cuda_kernels.py -q -m cuda`.
 """
 from __future__ import annotations
@@ -12,8 +13,8 @@ import torch
 from dsv4.kernels import common, cuda_lib
 from dsv4.kernels.common import CudaConfig
 
-from test_kernels import (EXPERTS, FP8_SHAPES, SEED, _fp8_absdot, assert_close_bf16, fp4_bank,
-                          fp8_weight, fresh_gen, poisoned, spiky_x, swiglu_absdot)
+from test_kernels import (EXPERTS, FP8_SHAPES, SEED, assert_close_bf16, capture_step,
+                          fp4_bank, fp8_weight, fresh_gen, poisoned, spiky_x, swiglu_absdot)
 
 
 def _need_lib():
@@ -57,32 +58,6 @@ def test_switch_turns_the_library_off(monkeypatch):
 
 
 # ---- CUDA ---------------------------------------------------------------------------------------
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("name", list(FP8_SHAPES))
-def test_fp8_linear_cuda_kernel(name):
-    from dsv4.kernels.fp8_linear import fp8_linear, fp8_linear_reference
-    _need_lib()
-    n, k, G = FP8_SHAPES[name]
-    dev, gen = torch.device("cuda"), fresh_gen("cuda")
-    w, s = fp8_weight(n, k, gen, device=dev)
-    gk = k if G > 1 else None
-    for quant in ((False,) if G > 1 else (True, False)):
-        for xdt in (torch.bfloat16, torch.float32):
-            x = spiky_x(k * G, gen, xdt, dev)
-            y = fp8_linear(x, w, s, quant_act=quant, group_k=gk, out=poisoned(1, n, device=dev),
-                           backend="cuda")
-            ref = fp8_linear_reference(x, w, s, quant_act=quant, group_k=gk)
-            assert_close_bf16(y, ref, x, w, s, quant, group_k=gk)
-            again = fp8_linear(x, w, s, quant_act=quant, group_k=gk, backend="cuda")
-            assert torch.equal(y, again), "not deterministic"
-    x = spiky_x(k * G, gen, torch.bfloat16, dev)                   # float32 output
-    y = fp8_linear(x, w, s, quant_act=G == 1, group_k=gk, out_dtype=torch.float32,
-                   out=poisoned(1, n, dtype=torch.float32, device=dev), backend="cuda")
-    ref = fp8_linear_reference(x, w, s, quant_act=G == 1, group_k=gk, out_dtype=torch.float32)
-    absdot = _fp8_absdot(x, w, s, G == 1, gk)
-    assert not y.isnan().any() and ((y - ref).abs() <= 1e-5 * absdot + 1e-30).all(), SEED
-
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("name", ["flash.wq_b", "flash.wo_b", "flash.wo_a", "pro.wkv", "odd"])
@@ -216,18 +191,7 @@ def test_cuda_kernels_capture_and_pdl(monkeypatch):
         sh = fp8_swiglu(x, sw1, ss1, sw3, ss3, 10.0)
         return (q, kv, fp8_linear(q, wo, so), sh,
                 fp4_experts_down(a, idx, w2, s2, add=x, out_dtype=torch.bfloat16))
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        with torch.cuda.graph(g):
-            outs = step()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    g, outs = capture_step(step)
     x.copy_(spiky_x(4096, gen, torch.bfloat16, dev))
     idx.copy_(torch.tensor([0, 2, 3, 7, 8, 11], device=dev))
     g.replay()
@@ -265,27 +229,3 @@ def test_index_topk_cuda(n, k):
     assert picked >= set(i for i in range(n) if sc[0, i].float() > thr)
     assert [i for i in ties if i in picked] == ties[:n_tie], "ties: not the lowest entries"
     assert torch.equal(got, index_topk(sc, k))
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("preset", ["flash", "pro"])
-def test_route_cuda_kernel_equals_triton(preset):
-    """The CUDA routing kernel and the Triton one pick the same experts (in id order) with the
-    same weights to float32 rounding, for every score function and hash routing."""
-    from dsv4.kernels.route import route_decode
-    from dsv4.presets import get_preset
-    _need_lib()
-    cfg = get_preset(preset)
-    E, k = cfg.n_routed_experts, cfg.n_activated_experts
-    dev, gen = torch.device("cuda"), fresh_gen("cuda")
-    tid2eid = torch.stack([torch.randperm(E, generator=gen, device=dev)[:k] for _ in range(16)])
-    for trial in range(8):
-        logits = torch.randn(1, E, generator=gen, device=dev) * 4
-        bias = torch.randn(E, generator=gen, device=dev) * 0.05
-        cases = [(f, dict(bias=bias)) for f in ("sqrtsoftplus", "sigmoid", "softmax")]
-        cases.append((cfg.score_func, dict(tid2eid=tid2eid, ids=torch.tensor([trial], device=dev))))
-        for func, kw in cases:
-            w, idx = route_decode(logits, k, func, cfg.route_scale, backend="cuda", **kw)
-            tw, tidx = route_decode(logits, k, func, cfg.route_scale, backend="triton", **kw)
-            assert torch.equal(idx, tidx), (func, idx, tidx, SEED)
-            assert torch.allclose(w, tw, rtol=1e-6, atol=0), (func, SEED)

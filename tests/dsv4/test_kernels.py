@@ -109,9 +109,9 @@ def swiglu_absdot(x, w1, s1, w3, s3, limit):
     return 2 * (u.abs() * dsilu * dg + (g * sig).abs() * du)
 
 
-def assert_close_f32(y, ref, x, w, s, quant):
+def assert_close_f32(y, ref, x, w, s, quant, group_k=None):
     assert not y.isnan().any(), f"unwritten / NaN outputs (seed {SEED})"
-    bound = 1e-5 * _fp8_absdot(x, w, s, quant) + 1e-30
+    bound = 1e-5 * _fp8_absdot(x, w, s, quant, group_k) + 1e-30
     assert ((y - ref).abs() <= bound).all(), f"seed {SEED}"
 
 
@@ -201,24 +201,36 @@ EXPERTS = {"flash": (256, 2048, 4096), "pro": (384, 3072, 7168), "small": (16, 2
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("name", list(FP8_SHAPES))
-def test_fp8_linear_cuda(name):
-    """The Triton kernel on the GPU (the CUDA C++ one: test_cuda_kernels.py)."""
+@pytest.mark.parametrize("backend", ["triton", "cuda"])
+def test_fp8_linear_cuda(name, backend):
+    """Both GPU implementations (Triton; CUDA C++ where it is available) against the reference:
+    W8A8 and no act quant, bf16 and float32 activations, bf16 and float32 outputs; deterministic;
+    Triton's hardware e4m3 cast equals its bit-path decode."""
+    from dsv4.kernels import cuda_lib
     from dsv4.kernels.fp8_linear import fp8_linear, fp8_linear_reference
+    if backend == "cuda" and cuda_lib.status("cuda") != "ok":
+        pytest.skip(f"CUDA C++ kernels unavailable: {cuda_lib.status('cuda')}")
     n, k, G = FP8_SHAPES[name]
     dev, gen = torch.device("cuda"), fresh_gen("cuda")
     w, s = fp8_weight(n, k, gen, device=dev)
-    quants = (False,) if G > 1 else (True, False)
-    for quant in quants:
-        x = spiky_x(k * G, gen, torch.bfloat16, dev)
-        gk = k if G > 1 else None
-        y = fp8_linear(x, w, s, quant_act=quant, group_k=gk, out=poisoned(1, n, device=dev),
-                       backend="triton")
-        ref = fp8_linear_reference(x, w, s, quant_act=quant, group_k=gk)
-        assert_close_bf16(y, ref, x, w, s, quant, group_k=gk)
-        again = fp8_linear(x, w, s, quant_act=quant, group_k=gk, backend="triton")
-        assert torch.equal(y, again), "not deterministic"
-        bits = fp8_linear(x, w, s, quant_act=quant, group_k=gk, native=False)
-        assert torch.equal(y, bits), "native e4m3 cast and the bit path disagree"
+    gk = k if G > 1 else None
+    for quant in ((False,) if G > 1 else (True, False)):
+        for xdt in (torch.bfloat16, torch.float32):
+            x = spiky_x(k * G, gen, xdt, dev)
+            y = fp8_linear(x, w, s, quant_act=quant, group_k=gk, out=poisoned(1, n, device=dev),
+                           backend=backend)
+            ref = fp8_linear_reference(x, w, s, quant_act=quant, group_k=gk)
+            assert_close_bf16(y, ref, x, w, s, quant, group_k=gk)
+            again = fp8_linear(x, w, s, quant_act=quant, group_k=gk, backend=backend)
+            assert torch.equal(y, again), "not deterministic"
+            if backend == "triton":
+                bits = fp8_linear(x, w, s, quant_act=quant, group_k=gk, native=False)
+                assert torch.equal(y, bits), "native e4m3 cast and the bit path disagree"
+    x = spiky_x(k * G, gen, torch.bfloat16, dev)                   # float32 output
+    y = fp8_linear(x, w, s, quant_act=G == 1, group_k=gk, out_dtype=torch.float32,
+                   out=poisoned(1, n, dtype=torch.float32, device=dev), backend=backend)
+    ref = fp8_linear_reference(x, w, s, quant_act=G == 1, group_k=gk, out_dtype=torch.float32)
+    assert_close_f32(y, ref, x, w, s, G == 1, group_k=gk)
 
 
 @pytest.mark.cuda
@@ -301,6 +313,24 @@ def test_fp4_experts_cuda(bank, limit, backend):
     assert torch.equal(yb, (y + add.float()).to(torch.bfloat16))
 
 
+def capture_step(step, strict: bool = True):
+    """Warm `step` up on a side stream (compiles, allocates), then capture it in a CUDA graph (under
+    sync debug mode "error" when strict: any host sync raises); returns (graph, its outputs)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    torch.cuda.set_sync_debug_mode("error" if strict else "default")
+    try:
+        with torch.cuda.graph(g):
+            outs = step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return g, outs
+
+
 @pytest.mark.cuda
 def test_kernels_capture_in_a_cuda_graph():
     """Warm up (compile), capture, then replay on new inputs: the same results as eager calls."""
@@ -319,18 +349,7 @@ def test_kernels_capture_in_a_cuda_graph():
     def step():
         a = fp4_experts_up(x, idx, rw, w1, s1, w3, s3, 10.0)
         return (fp8_linear(x, w, s), bf16_linear(x, hw), fp4_experts_down(a, idx, w2, s2))
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        with torch.cuda.graph(g):
-            outs = step()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    g, outs = capture_step(step)
     x.copy_(spiky_x(4096, gen, torch.bfloat16, dev))
     idx.copy_(torch.tensor([0, 2, 3, 7, 8, 11], device=dev))
     g.replay()
@@ -379,9 +398,11 @@ def test_linear_and_moe_dispatch_match_the_torch_path(monkeypatch):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("preset", ["flash", "pro"])
-def test_route_decode_cuda(preset):
-    """The routing kernel at the real expert counts (libdevice exp/log1p, IEEE sqrt/div) picks the
-    torch path's experts, in id order, with its weights to float32 rounding."""
+@pytest.mark.parametrize("backend", ["triton", None])
+def test_route_decode_cuda(preset, backend):
+    """The routing kernels at the real expert counts (libdevice exp/log1p, IEEE sqrt/div; the
+    Triton one and the default, the CUDA C++ one where available) pick the torch path's experts,
+    in id order, with its weights to float32 rounding."""
     from dsv4.kernels.route import route_decode, route_reference
     from dsv4.presets import get_preset
     cfg = get_preset(preset)
@@ -392,12 +413,13 @@ def test_route_decode_cuda(preset):
         logits = torch.randn(1, E, generator=gen, device=dev) * 4
         bias = torch.randn(E, generator=gen, device=dev) * 0.05
         for func in ("sqrtsoftplus", "sigmoid", "softmax"):
-            w, idx = route_decode(logits, k, func, cfg.route_scale, bias=bias)
+            w, idx = route_decode(logits, k, func, cfg.route_scale, bias=bias, backend=backend)
             rw, ridx = route_reference(logits, k, func, cfg.route_scale, bias=bias)
             assert torch.equal(idx, ridx), (func, idx, ridx, SEED)
             assert torch.allclose(w, rw, rtol=1e-6, atol=0), (func, SEED)
         ids = torch.tensor([trial], device=dev)
-        w, idx = route_decode(logits, k, cfg.score_func, cfg.route_scale, tid2eid=tid2eid, ids=ids)
+        w, idx = route_decode(logits, k, cfg.score_func, cfg.route_scale, tid2eid=tid2eid, ids=ids,
+                              backend=backend)
         rw, ridx = route_reference(logits, k, cfg.score_func, cfg.route_scale, tid2eid=tid2eid,
                                    ids=ids)
         assert torch.equal(idx, ridx) and torch.allclose(w, rw, rtol=1e-6, atol=0), SEED

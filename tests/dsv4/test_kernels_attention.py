@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from conftest import REPO
+from test_kernels import capture_step
 
 SMALL_POS = (0, 3, 5, 15, 16, 17, 31, 40, 47, 63)            # capacity 64, W = 16, r = 4 / 16
 
@@ -336,23 +337,6 @@ def _flash_layer(ratio: int, capacity: int, dev="cuda"):
     return attn, LayerState.allocate(FLASH, ratio, capacity, torch.bfloat16, dev)
 
 
-def _graph(step, strict=False):
-    """Warm step() up on a side stream, then capture it (strict: a host sync raises)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    torch.cuda.set_sync_debug_mode("error" if strict else "default")
-    try:
-        with torch.cuda.graph(graph):
-            out = step()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    return graph, out
-
-
 @pytest.mark.cuda
 @pytest.mark.parametrize("ratio", [0, 4, 128])
 def test_attention_decode_fused_graph_capture(ratio):
@@ -361,7 +345,7 @@ def test_attention_decode_fused_graph_capture(ratio):
     x = torch.randn(1, 4096, device="cuda").bfloat16()
     pos = torch.tensor([600], device="cuda")
     with torch.inference_mode():
-        graph, y = _graph(lambda: attn.decode(x, pos, st), strict=True)
+        graph, y = capture_step(lambda: attn.decode(x, pos, st))
         for p in range(601, 640):
             pos.fill_(p)
             x.normal_()
@@ -390,7 +374,7 @@ def test_attention_decode_bench(ratio):
     res = {}
     with torch.inference_mode():
         for fused in (False, True):
-            graph, _ = _graph(lambda: attn.decode(x, pos, st, fused=fused))
+            graph, _ = capture_step(lambda: attn.decode(x, pos, st, fused=fused), strict=False)
             n = count_kernels(lambda: attn.decode(x, pos, st, fused=fused), dev)
             res[fused] = (n, statistics.median(time_steps(graph.replay, 200, dev)) * 1e3)
     print(f"\nattention decode r={ratio}: torch {res[False][0]} kernels {res[False][1]:.1f} us | "
