@@ -912,8 +912,6 @@ int dsv4_fp8_gemv(const void* w0, const void* s0, void* y0, const void* w1, cons
   return fn(a, blocks, warps, static_cast<cudaStream_t>(stream), pdl);
 }
 
-// a [k, I] bf16 from x [D] bf16; grid (I / 16, k), D / (128 * spw) warps; dec: the e2m1 decode
-// (0: through e4m3 and cvt, 1: integer ops).
 // a [k, I] bf16 from x [D] bf16 and the routing idx [k] int64 / rw [k] float32; grid (I / 16, k),
 // D / (128 * spw) warps; dec: the e2m1 decode (0: through e4m3 and cvt, 1: integer ops); depth:
 // steps of weights in flight per warp (0: all).

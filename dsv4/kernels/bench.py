@@ -18,8 +18,8 @@ from ..quant import fp8_quant_dequant
 from .bf16_linear import bf16_config, bf16_linear
 from .common import Config, CudaConfig
 from .fp4_experts import (CUDA_DOWN_VARIANTS, CUDA_UP_VARIANTS, TUNED_CUDA_DOWN, TUNED_CUDA_UP,
-                          ExpertCudaConfig, cuda_expert_config, down_config, fp4_experts_down,
-                          fp4_experts_up, up_config)
+                          ExpertCudaConfig, cuda_expert_config, cuda_spw_fits, down_config,
+                          fp4_experts_down, fp4_experts_up, up_config)
 from .fp8_linear import cuda_config, fp8_config, fp8_linear, fp8_swiglu
 
 L2_SAFE_BYTES = 128 << 20    # below this, rotate weight copies (H100/H200 L2 is 50-60 MB)
@@ -221,8 +221,7 @@ def expert_cases(E, inter, dim, k, dev, gen) -> list[Case]:
     cd = cuda_expert_config(inter, TUNED_CUDA_DOWN, (k, inter, dim))
 
     def esweep(kd, variants):
-        return [ExpertCudaConfig(*v) for v in variants
-                if kd % (128 * v[0]) == 0 and kd // (128 * v[0]) <= 16]
+        return [ExpertCudaConfig(*v) for v in variants if cuda_spw_fits(kd, v[0])]
 
     def torch_step(c):
         idx = sets[c]

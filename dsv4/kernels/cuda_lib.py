@@ -151,6 +151,22 @@ def usable(*tensors: torch.Tensor) -> bool:
     return all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in tensors)
 
 
+def pick(what: str, backend: str | None, *tensors: torch.Tensor, fits: bool = True,
+         declined: bool = False, insisted: bool = False) -> bool:
+    """Whether one launch of `what` takes the CUDA C++ kernel (else the Triton one): not when the
+    caller asks for Triton (backend "triton", or `declined`: an option only Triton has); yes when
+    the kernel `fits` the launch and is usable(*tensors); a caller that insists on CUDA (backend
+    "cuda", or `insisted`: a CUDA config) and cannot have it gets a ValueError naming status()."""
+    if backend == "triton" or declined:
+        return False
+    if fits and usable(*tensors):
+        return True
+    if backend == "cuda" or insisted:
+        raise ValueError(f"{what}: the CUDA kernel is unavailable for these tensors "
+                         f"({status(tensors[0].device)})")
+    return False
+
+
 def _check(err: int, what: str, lib) -> None:
     if err == -1:
         raise ValueError(f"{what}: launch configuration not supported by the CUDA kernels")

@@ -43,25 +43,16 @@ CUDA_UP_VARIANTS = ((1, 0, 1), (2, 0, 2), (2, 0, 1), (4, 0, 4), (4, 0, 3), (4, 0
 CUDA_DOWN_VARIANTS = ((1, 0, 1), (2, 0, 2), (2, 0, 1), (4, 0, 4), (4, 0, 2), (2, 1, 2))
 
 
+def cuda_spw_fits(k_dim: int, spw: int) -> bool:
+    """The CUDA expert kernels split K = k_dim into warps of spw 128-wide steps, at most 16 warps."""
+    return k_dim % (128 * spw) == 0 and k_dim // (128 * spw) <= 16
+
+
 def cuda_expert_config(k_dim: int, table: dict, key: tuple) -> ExpertCudaConfig | None:
     """K = k_dim: 4 steps per warp when that gives at most 16 warps, else 2, else 1."""
     if key in table:
         return table[key]
-    for spw in (4, 2, 1):
-        if k_dim % (128 * spw) == 0 and k_dim // (128 * spw) <= 16:
-            return ExpertCudaConfig(spw)
-    return None
-
-
-def _use_cuda(config, backend, *tensors) -> bool:
-    if backend == "triton" or isinstance(config, Config):
-        return False
-    if cuda_lib.usable(*tensors):
-        return True
-    if backend == "cuda" or isinstance(config, ExpertCudaConfig):
-        raise ValueError("fp4 experts: the CUDA kernels are unavailable for these tensors "
-                         f"({cuda_lib.status(tensors[0].device)})")
-    return False
+    return next((ExpertCudaConfig(spw) for spw in (4, 2, 1) if cuda_spw_fits(k_dim, spw)), None)
 
 
 _workspaces: dict = {}
@@ -277,7 +268,9 @@ def fp4_experts_up(x: torch.Tensor, idx: torch.Tensor, route_w: torch.Tensor, w1
     if out is None:
         out = torch.empty(k, I, dtype=torch.bfloat16, device=x.device)
     xc, rw = x.contiguous(), route_w.to(torch.float32).contiguous()
-    if _use_cuda(config, backend, xc, w1, w3, out) and I % 16 == 0 and idx.dtype == torch.int64:
+    if (cuda_lib.pick("fp4 experts", backend, xc, w1, w3, out, declined=isinstance(config, Config),
+                      insisted=isinstance(config, ExpertCudaConfig))
+            and I % 16 == 0 and idx.dtype == torch.int64):
         ccfg = config if isinstance(config, ExpertCudaConfig) else cuda_expert_config(
             D, TUNED_CUDA_UP, (k, I, D))
         if ccfg is not None:
@@ -322,7 +315,9 @@ def fp4_experts_down(a: torch.Tensor, idx: torch.Tensor, w2: torch.Tensor, s2: t
         out = torch.empty(1, D, dtype=out_dtype, device=a.device)
     ac = a.contiguous()
     addc = None if add is None else add.contiguous()
-    if (_use_cuda(config, backend, ac, w2, out, *(() if addc is None else (addc,)))
+    if (cuda_lib.pick("fp4 experts", backend, ac, w2, out, *(() if addc is None else (addc,)),
+                      declined=isinstance(config, Config),
+                      insisted=isinstance(config, ExpertCudaConfig))
             and D % 16 == 0 and idx.dtype == torch.int64
             and (addc is None or addc.dtype == torch.bfloat16)):
         ccfg = config if isinstance(config, ExpertCudaConfig) else cuda_expert_config(

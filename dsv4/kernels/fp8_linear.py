@@ -197,19 +197,6 @@ def cuda_config(rows: int, k: int, seg_rows: tuple, ng: int, nm: int) -> CudaCon
     return CudaConfig(lc, good[0] if good else fits[-1], cpl, warps)
 
 
-def _backend(config, native, add, backend, *tensors) -> str:
-    """'cuda' or 'triton' for one launch: the CUDA kernel unless asked otherwise (backend, a Triton
-    Config, the bit-path decode, the add epilogue) or unusable for these tensors."""
-    if backend == "triton" or isinstance(config, Config) or native is not None or add is not None:
-        return "triton"
-    if cuda_lib.usable(*tensors):
-        return "cuda"
-    if backend == "cuda" or isinstance(config, CudaConfig):
-        raise ValueError("fp8 GEMV: the CUDA kernel is unavailable for these tensors "
-                         f"({cuda_lib.status(tensors[0].device)})")
-    return "triton"
-
-
 def _check(w, s, what="fp8 GEMV"):
     N, K = w.shape
     if w.dtype != torch.float8_e4m3fn or N % FP8_BLOCK or K % FP8_BLOCK:
@@ -246,7 +233,10 @@ def _launch(x, w, s, w3, s3, out, limit, quant, group_k, out_dtype, config, nati
         out = torch.empty(1, N, dtype=out_dtype, device=x.device)
     xc = x.contiguous()
     extra = (() if second is None else second) + (() if w3 is None else (w3,))
-    if _backend(config, native, add, backend, xc, w, out, *extra) == "cuda":
+    # the bit-path decode (native) and the add epilogue are Triton-only
+    if cuda_lib.pick("fp8 GEMV", backend, xc, w, out, *extra,
+                     declined=isinstance(config, Config) or native is not None or add is not None,
+                     insisted=isinstance(config, CudaConfig)):
         nm = 1 if w3 is None else 2
         seg = (N,) if second is None else (N, nb_rows - N)
         ccfg = config if isinstance(config, CudaConfig) else cuda_config(

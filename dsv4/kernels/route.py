@@ -95,16 +95,13 @@ def route_decode(logits: torch.Tensor, k: int, score_func: str, route_scale: flo
     w = torch.empty(k, dtype=torch.float32, device=logits.device)
     idx = torch.empty(k, dtype=torch.int64, device=logits.device)
     tensors = [logits] + [t for t in (bias, tid2eid, ids) if t is not None]
-    if (backend != "triton" and E <= 512 and k <= 16 and cuda_lib.usable(*tensors)
-            and (bias is None or bias.dtype == torch.float32)
-            and (tid2eid is None or (tid2eid.dtype == ids.dtype == torch.int64))):
+    fits = (E <= 512 and k <= 16 and (bias is None or bias.dtype == torch.float32)
+            and (tid2eid is None or (tid2eid.dtype == ids.dtype == torch.int64)))
+    if cuda_lib.pick("route_decode", backend, *tensors, fits=fits):
         with on_device(w):
             cuda_lib.route(cuda_lib.lib_for(w.device), logits, bias, tid2eid, ids, k,
                            SCORE_FUNCS[score_func], float(route_scale), idx, w, pdl(w))
         return w, idx
-    if backend == "cuda":
-        raise ValueError(f"route_decode: the CUDA kernel is unavailable for these tensors "
-                         f"({cuda_lib.status(logits.device)})")
     with on_device(w):
         _route_kernel[(1,)](logits, logits if hashed else bias, tid2eid if hashed else idx,
                             ids if hashed else idx, w, idx, float(route_scale), E=E,

@@ -57,6 +57,37 @@ def test_switch_turns_the_library_off(monkeypatch):
     assert cuda_lib.status("cuda") == f"{cuda_lib.SWITCH}=0"
 
 
+def test_pick_cuda_or_triton_on_cpu():
+    """One choice for every kernel: Triton when asked or when the CUDA kernel does not fit or is not
+    usable; a caller that insists on CUDA gets a ValueError naming the reason, from each entry."""
+    from dsv4.kernels.fp4_experts import ExpertCudaConfig, fp4_experts_down, fp4_experts_up
+    from dsv4.kernels.fp8_linear import fp8_linear
+    from dsv4.kernels.route import route_decode
+    t = torch.zeros(4)
+    for backend in ("triton", None):
+        assert not cuda_lib.pick("x", backend, t)
+        assert not cuda_lib.pick("x", backend, t, fits=False)
+    assert not cuda_lib.pick("x", "cuda", t, declined=True)
+    for backend, insisted in (("cuda", False), (None, True)):
+        with pytest.raises(ValueError, match="x: the CUDA kernel is unavailable.*not a CUDA"):
+            cuda_lib.pick("x", backend, t, insisted=insisted)
+    w, s = fp8_weight(128, 128, fresh_gen())
+    with pytest.raises(ValueError, match="fp8 GEMV: the CUDA kernel is unavailable"):
+        fp8_linear(torch.zeros(1, 128, dtype=torch.bfloat16), w, s, backend="cuda")
+    with pytest.raises(ValueError, match="route_decode: the CUDA kernel is unavailable"):
+        route_decode(torch.zeros(1, 8), 2, "sqrtsoftplus", 1.0, bias=torch.zeros(8),
+                     backend="cuda")
+    with pytest.raises(ValueError, match="route_decode: the CUDA kernel is unavailable"):
+        route_decode(torch.zeros(1, 1024), 2, "sqrtsoftplus", 1.0, bias=torch.zeros(1024),
+                     backend="cuda")       # E > 512: does not fit either
+    e = torch.zeros(2, 128, 64, dtype=torch.int8), torch.zeros(2, 128, 4, dtype=torch.int8)
+    idx, x = torch.zeros(1, dtype=torch.int64), torch.zeros(1, 128, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="fp4 experts: the CUDA kernel is unavailable"):
+        fp4_experts_up(x, idx, torch.ones(1), *e, *e, 0.0, backend="cuda")
+    with pytest.raises(ValueError, match="fp4 experts: the CUDA kernel is unavailable"):
+        fp4_experts_down(x, idx, *e, config=ExpertCudaConfig(1))
+
+
 # ---- CUDA ---------------------------------------------------------------------------------------
 
 @pytest.mark.cuda
