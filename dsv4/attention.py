@@ -142,9 +142,10 @@ class Attention:
     def _decode_fused(self, x: torch.Tensor, pos: torch.Tensor, st: LayerState) -> torch.Tensor:
         """decode with the fused kernels: same math and state updates (bf16 activations).
         When captured, the compressors and the indexer (state: their own buffers and
-        kv_cache[W:]) are a parallel branch (dsv4.overlap) beside wq_a + wkv, q_norm, wq_b and
+        kv_cache[W:]) are parallel branches (dsv4.overlap) beside wq_a + wkv, q_norm, wq_b and
         prep (which writes the ring kv_cache[:W]): the side projections and both compressors need
-        x only and start at once; the indexer's query, scores and top-k wait for q_norm's qr."""
+        x only and start at once; the indexer's query (its wq_b) needs q_norm's qr only and runs
+        on a second lane beside the compressors; the scores and the top-k wait for both."""
         from .kernels import attention_decode as K
         cfg, act, H = self.cfg, x.dtype, self.cfg.n_heads
         W, r, eps = cfg.window_size, self.ratio, cfg.norm_eps
@@ -159,13 +160,19 @@ class Attention:
                                        fused=True, proj=proj[:2])
         qr, kv = self._q_kv_rows(x)
         qr = K.rms_norm_row(qr, self.q_norm, eps)
+        bq = None
         if r == 4:
-            br.wait_main()
+            bq = overlap.Branch(qr, "attn", lane=1)
+            with bq.side():
+                iq = self.indexer.decode_query(qr, pos, self.freqs)
+            br.wait_branch(bq)
             with br.side():
-                idx = self.indexer.decode_select(x, qr, pos, st, self.freqs, proj[4])
+                idx = self.indexer.decode_select(iq, pos, st, proj[4])
                 n = idx.shape[-1]
         q = K.attention_prep(self.wq_b(qr, act), kv, self.kv_norm, st.kv_cache, pos,
                              self.freqs, eps, H, W)                     # also kv -> ring slot
+        if bq is not None:
+            bq.join()
         br.join()
         o = K.sparse_attention_decode(q, st.kv_cache, self.attn_sink, pos, self.freqs,
                                       cfg.head_dim ** -0.5, H, W, r, n, idx)  # inverse RoPE done

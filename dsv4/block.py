@@ -71,16 +71,24 @@ class Block:
                            self.hc[f"hc_{kind}_base"], norm, cfg.norm_eps, cfg.hc_eps,
                            cfg.hc_sinkhorn_iters)
 
-    def decode(self, h: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor, st: LayerState
-               ) -> torch.Tensor:
-        """h [1, c, D], ids [1], pos [1] (device tensors) -> [1, c, D]. Capture-safe."""
-        post_fn = hc_post
-        if fused_mhc(h):
-            from .kernels.mhc import hc_post as post_fn
+    def decode(self, h: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor, st: LayerState,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        """h [1, c, D], ids [1], pos [1] (device tensors) -> [1, c, D]. Capture-safe. out: where
+        the result goes (may be h itself: the layer reads h only before its last kernel, which
+        reads the attention sublayer's output instead; a decode step's static buffer then needs
+        no copy); default a new tensor."""
+        fused = fused_mhc(h)
+        if fused:
+            from .kernels import mhc as K
         x, post, comb = self._mix_decode(h, "attn", self.attn_norm)
-        h = post_fn(self.attn.decode(x, pos, st), h, post, comb)
+        a = self.attn.decode(x, pos, st)
+        h = K.hc_post(a, h, post, comb) if fused else hc_post(a, h, post, comb)
         x, post, comb = self._mix_decode(h, "ffn", self.ffn_norm)
-        return post_fn(self.ffn.decode(x, ids), h, post, comb)
+        f = self.ffn.decode(x, ids)
+        if fused:
+            return K.hc_post(f, h, post, comb, out=out)
+        y = hc_post(f, h, post, comb)
+        return y if out is None else out.copy_(y)
 
 
 def fused_mhc(h: torch.Tensor) -> bool:

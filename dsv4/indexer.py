@@ -81,7 +81,7 @@ class Indexer:
         visible = None
         if fused:
             self.decode_compress(x, pos, st, freqs, None if proj is None else proj[:2])
-            idx = self.decode_select(x, qr, pos, st, freqs,
+            idx = self.decode_select(self.decode_query(qr, pos, freqs), pos, st,
                                      self.weights_proj(x, act) if proj is None else proj[2])
             if raw:
                 return idx
@@ -106,12 +106,17 @@ class Indexer:
         self.compressor.decode(x, pos, st.index_compressor, st.index_cache, freqs, fused=True,
                                proj=proj)
 
-    def decode_select(self, x, qr, pos, st: LayerState, freqs, w: torch.Tensor) -> torch.Tensor:
-        """Fused decode, part 2 (after decode_compress): the query from qr (wq_b, RoPE, Hadamard,
-        FP4 fake-quant), scores against the index cache with head weights w = weights_proj(x), and
-        the top-k entry numbers [1, k] (unsorted; valid iff < (pos+1)//4)."""
-        from .kernels.indexer_decode import index_query, index_scores, index_topk
-        q = index_query(self.wq_b(qr, x.dtype), pos, freqs, self.n_heads)
+    def decode_query(self, qr, pos, freqs) -> torch.Tensor:
+        """Fused decode, part 2 (qr only): the index query [1, h, di] from qr (wq_b, RoPE,
+        Hadamard, FP4 fake-quant)."""
+        from .kernels.indexer_decode import index_query
+        return index_query(self.wq_b(qr, qr.dtype), pos, freqs, self.n_heads)
+
+    def decode_select(self, q, pos, st: LayerState, w: torch.Tensor) -> torch.Tensor:
+        """Fused decode, part 3 (after decode_compress and decode_query): scores of the query q
+        against the index cache with head weights w = weights_proj(x), and the top-k entry
+        numbers [1, k] (unsorted; valid iff < (pos+1)//4)."""
+        from .kernels.indexer_decode import index_scores, index_topk
         keys = st.index_cache[:-1]
         sc = index_scores(q, w, keys, pos, self.head_dim ** -0.5 * self.n_heads ** -0.5)
         return index_topk(sc, min(self.cfg.index_topk, keys.shape[0]))

@@ -6,7 +6,9 @@ nothing for it on the host, while an eager step would pay stream switches and ev
 branch, so eager runs keep one stream (the same kernels, the same bits;
 tests/dsv4/test_kernels.py::test_pdl_and_branches_change_no_bit).
 `DSV4_OVERLAP=0` captures without branches; `DSV4_OVERLAP=moe` keeps only the named ones
-(moe, attn). Streams are made before capture (`prepare`)."""
+(moe, attn). Streams are made before capture (`prepare`): LANES side streams per device. (Side
+streams at the highest priority, which the graph's kernel nodes keep, measured no faster: the
+shared expert then streams inside up's window and up slows down by as much, BENCHMARKS.md.)"""
 from __future__ import annotations
 
 import contextlib
@@ -15,7 +17,8 @@ import os
 import torch
 
 SWITCH = "DSV4_OVERLAP"
-_side: dict[torch.device, torch.cuda.Stream] = {}
+LANES = 2
+_side: dict[torch.device, list] = {}
 
 
 def prepare(device) -> None:
@@ -26,7 +29,7 @@ def prepare(device) -> None:
     if device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     if device not in _side:
-        _side[device] = torch.cuda.Stream(device=device)
+        _side[device] = [torch.cuda.Stream(device=device) for _ in range(LANES)]
 
 
 def enabled(name: str) -> bool:
@@ -37,30 +40,29 @@ def enabled(name: str) -> bool:
 
 
 class Branch:
-    """Fork at construction, run the block under `with b.side():` on the side stream, `b.join()`
-    before anything consumes its results (join one branch before the next one forks). Outside
-    capture (or unprepared, or switched off) both are no-ops and the block runs in order on the
-    current stream. Tensors the side branch reads or writes must stay referenced until the join
+    """Fork at construction, run the block under `with b.side():` on side stream `lane`, `b.join()`
+    before anything consumes its results (join one branch before the next one on the same lane
+    forks). Outside capture (or unprepared, or switched off) all are no-ops and the block runs in
+    order on the current stream. Tensors the side branch reads or writes must stay referenced until the join
     (freed earlier, the allocator could hand their memory to a kernel the branch races with), and
     the main branch must not touch what the side branch writes before the join."""
 
-    def __init__(self, t: torch.Tensor, name: str, when: bool = True):
+    def __init__(self, t: torch.Tensor, name: str, when: bool = True, lane: int = 0):
         dev = t.device
         self.on = (when and t.is_cuda and dev in _side and enabled(name)
                    and torch.cuda.is_current_stream_capturing())
         if self.on:
             self.main = torch.cuda.current_stream(dev)
-            self.stream = _side[dev]
+            self.stream = _side[dev][lane]
             self.stream.wait_stream(self.main)
 
     def side(self):
         return torch.cuda.stream(self.stream) if self.on else contextlib.nullcontext()
 
-    def wait_main(self) -> None:
-        """The side branch waits for the main branch's work so far (a result the main branch made
-        after the fork); the next `with b.side():` block runs after it."""
-        if self.on:
-            self.stream.wait_stream(self.main)
+    def wait_branch(self, other: "Branch") -> None:
+        """The side branch waits for `other` branch's side work so far (another lane)."""
+        if self.on and other.on:
+            self.stream.wait_stream(other.stream)
 
     def join(self) -> None:
         if self.on:

@@ -74,7 +74,7 @@ def _embed_fn(model, bufs):
 
 def _layer_fn(blk, st, h, tok, pos):
     def fn():
-        h.copy_(blk.decode(h, tok, pos, st))
+        blk.decode(h, tok, pos, st, out=h)
     return fn
 
 

@@ -144,10 +144,16 @@ def hc_head_norm(h, fn, scale, base, norm_w, norm_eps, hc_eps):
     return x
 
 
-def hc_post(x, res, post, comb):
-    """x [1, D], res [1, c, D], post [1, c], comb [1, c, c] -> [1, c, D] in x's dtype."""
+def hc_post(x, res, post, comb, out=None):
+    """x [1, D], res [1, c, D], post [1, c], comb [1, c, c] -> [1, c, D] in x's dtype (into `out`
+    when given: contiguous, res's shape and dtype, not overlapping res)."""
     _, C, D = res.shape
-    out = torch.empty_like(res)
+    if out is None:
+        out = torch.empty_like(res)
+    elif (out.shape != res.shape or out.dtype != res.dtype or not out.is_contiguous()
+          or out.data_ptr() == res.data_ptr()):
+        raise ValueError(f"hc_post: out must be a contiguous {tuple(res.shape)} {res.dtype} "
+                         "tensor apart from res")
     bd = 256
     _post_kernel[(triton.cdiv(D, bd),)](x, res.contiguous(), post, comb, out, D=D, C=C, BD=bd,
                                         ROUND=x.dtype == torch.bfloat16, num_warps=4,

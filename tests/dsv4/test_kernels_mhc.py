@@ -30,6 +30,14 @@ CHECK = textwrap.dedent("""
         out = K.hc_post(x, h, post, comb)
         ref = K.hc_post_reference(x, h, post, comb)
         assert (out.float() - ref.float()).abs().max() <= 2 ** -7 * ref.float().abs().max(), D
+        into = torch.full_like(h, float("nan"))
+        assert K.hc_post(x, h, post, comb, out=into) is into and torch.equal(into, out), D
+        for bad in (h, into[:, :2], into.float()):
+            try:
+                K.hc_post(x, h, post, comb, out=bad)
+                raise AssertionError("hc_post accepted a bad out")
+            except ValueError:
+                pass
         fh = (torch.randn(4, 4 * D, generator=g) / (4 * D) ** 0.5).to(dev)
         y = K.hc_head_norm(h, fh, scale[:1], base[:4], w, 1e-6, 1e-6)
         yr = K.hc_head_norm_reference(h, fh, scale[:1], base[:4], w, 1e-6, 1e-6)
