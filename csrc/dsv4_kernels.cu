@@ -636,6 +636,96 @@ __global__ void __launch_bounds__(512) fp4_up_kernel(const __nv_bfloat16* x, con
   }
 }
 
+// fp4_up_kernel over a fixed grid: CTA c takes the (expert, 16-row) tiles c, c + G, c + 2G, ...
+// (tile t: expert slot t / (I / 16), rows 16 * (t % (I / 16))), its warps' weights for the next
+// tile in flight (registers A / B in turn) while the current one is computed and reduced, so an
+// SM keeps loading between tiles instead of idling through each CTA's compute and epilogue. x is
+// quantized once. Per tile the same sums as fp4_up_kernel<SPW>. k <= 16.
+template <int SPW, int DEC>
+__global__ void __launch_bounds__(512) fp4_up_stream_kernel(const __nv_bfloat16* x,
+                                                            const int64_t* idx, const float* rw,
+                                                            const uint8_t* w1, const uint8_t* s1,
+                                                            const uint8_t* w3, const uint8_t* s3,
+                                                            __nv_bfloat16* out, float limit, int I,
+                                                            int D, int k) {
+  extern __shared__ __align__(128) uint8_t smem[];
+  __shared__ int64_t s_e[16];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  const int g = lane >> 2, q = lane & 3;
+  uint4* xs;
+  float *ef, *red;
+  const uint4* xb = expert_smem<SPW>(smem, warp, nwarps, g, q, ef, red, xs);
+  const int xstride = g == q ? 16 : 0;
+  const int rt = I / 16, tiles = rt * k, G = gridDim.x;
+  const int k0 = warp * 128 * SPW;
+  const size_t wrow = size_t(D) / 2, srow = size_t(D) / 32;
+  pdl_wait();   // the experts come from the routing kernel
+  if (threadIdx.x < k) s_e[threadIdx.x] = idx[threadIdx.x];
+  __syncthreads();
+  ExpertStep<2> A[SPW], B[SPW];
+  auto load = [&](ExpertStep<2>(&st)[SPW], int t) {
+    const size_t rowa = size_t(s_e[t / rt]) * I + (t % rt) * 16 + g;
+    const uint8_t* wp[2] = {w1 + rowa * wrow + (k0 >> 5) * 16 + q * 16,
+                            w3 + rowa * wrow + (k0 >> 5) * 16 + q * 16};
+    const uint8_t* sp[2] = {s1 + rowa * srow + (k0 >> 5), s3 + rowa * srow + (k0 >> 5)};
+#pragma unroll
+    for (int s = 0; s < SPW; ++s)
+#pragma unroll
+      for (int m = 0; m < 2; ++m) {
+        st[s].wa[m] = ld_stream(wp[m] + s * 64);
+        st[s].wb[m] = ld_stream(wp[m] + s * 64 + 8 * wrow);
+        st[s].sa[m] = ld_stream_u32(sp[m] + 4 * s);
+        st[s].sb[m] = ld_stream_u32(sp[m] + 4 * s + 8 * srow);
+      }
+  };
+  // red: two [warps][2][16] buffers, one per tile parity (see the expert_smem size)
+  auto compute = [&](const ExpertStep<2>(&st)[SPW], int t, int par) {
+    float tot[2][2] = {{0.0f, 0.0f}, {0.0f, 0.0f}};
+#pragma unroll
+    for (int s = 0; s < SPW; ++s) fp4_step<2, DEC>(st[s], xb + s * xstride, ef[s], q, tot);
+    float* rd = red + par * nwarps * 32;
+#pragma unroll
+    for (int m = 0; m < 2; ++m)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) tot[m][h] += __shfl_xor_sync(FULL, tot[m][h], 1);
+    if (q == 0) {
+#pragma unroll
+      for (int m = 0; m < 2; ++m) {
+        rd[(warp * 2 + m) * 16 + g] = tot[m][0];
+        rd[(warp * 2 + m) * 16 + g + 8] = tot[m][1];
+      }
+    }
+    __syncthreads();
+    if (threadIdx.x < 16) {
+      const int r = threadIdx.x, j = t / rt, r0 = (t % rt) * 16;
+      float gs = 0.0f, us = 0.0f;
+      for (int w = 0; w < nwarps; ++w) {
+        gs += rd[(w * 2) * 16 + r];
+        us += rd[(w * 2 + 1) * 16 + r];
+      }
+      float gv = bf16_round(gs), uv = bf16_round(us);   // fp4_gemm outputs bf16
+      if (limit > 0.0f) {
+        uv = fminf(fmaxf(uv, -limit), limit);
+        gv = fminf(gv, limit);
+      }
+      out[size_t(j) * I + r0 + r] = __float2bfloat16_rn(gv / (1.0f + expf(-gv)) * uv * rw[j]);
+    }
+  };
+  int t = blockIdx.x;
+  if (t < tiles) load(A, t);
+  quant_slice<SPW, DEC>(x + k0, reinterpret_cast<uint16_t*>(xs), ef, lane);
+  __syncthreads();   // xs, and the zero operand
+  while (t < tiles) {
+    if (t + G < tiles) load(B, t + G);
+    compute(A, t, 0);
+    t += G;
+    if (t >= tiles) break;
+    if (t + G < tiles) load(A, t + G);
+    compute(B, t, 1);
+    t += G;
+  }
+}
+
 // y[r] = sum_j bf16(W8A8 w2[idx[j]] @ a[j])[r] in float32, slot order j = 0..k-1, (+ add[r]),
 // rounded to y's dtype. Grid (D / 16, k): CTA (t, j) writes expert j's bf16 rows of tile t to
 // ws[j, :]; the last CTA of tile t (semaphore cnt[t], reset by it) adds them up in slot order.
@@ -697,6 +787,92 @@ __global__ void __launch_bounds__(512) fp4_down_kernel(const __nv_bfloat16* act,
       static_cast<float*>(y)[r] = t;
     else
       static_cast<__nv_bfloat16*>(y)[r] = __float2bfloat16_rn(t);
+  }
+}
+
+// fp4_down_kernel with all NE experts of a row tile in one CTA: y[r] = sum_j bf16(W8A8 w2[idx[j]] @
+// a[j])[r] in float32, slot order j = 0..NE-1, (+ add[r]). Grid D / 16; warp w takes the K slice
+// [w*128*SPW, ...) of every expert and streams its NE * SPW steps (expert-major) with DEPTH steps
+// of weights in flight across the expert boundaries. The sums are those of fp4_down_kernel with
+// the same SPW (per expert: warps in order, then bf16; experts in slot order), without its
+// workspace, semaphore and second pass, and with one CTA per row tile instead of NE.
+template <int SPW, int NE, int DEC, int DEPTH>
+__global__ void __launch_bounds__(512) fp4_down_all_kernel(const __nv_bfloat16* act,
+                                                           const int64_t* idx, const uint8_t* w2,
+                                                           const uint8_t* s2,
+                                                           const __nv_bfloat16* add, void* y,
+                                                           int D, int I, int y_f32) {
+  constexpr int NS = NE * SPW;
+  extern __shared__ __align__(128) uint8_t smem[];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  const int g = lane >> 2, q = lane & 3, r0 = blockIdx.x * 16;
+  // the zero operand of lanes off their column (256 bytes: lane q reads 4 * q .. 4 * q + 3), per
+  // warp xs [NS][256 bytes] and ef [NS], then red [warps][NE][16]
+  uint4* zero = reinterpret_cast<uint4*>(smem);
+  if (threadIdx.x < 16) zero[threadIdx.x] = make_uint4(0u, 0u, 0u, 0u);
+  uint4* xs = reinterpret_cast<uint4*>(smem + 256 + size_t(warp) * NS * 256);
+  float* ef = reinterpret_cast<float*>(smem + 256 + size_t(nwarps) * NS * 256) + warp * NS;
+  float* red = reinterpret_cast<float*>(smem + 256 + size_t(nwarps) * NS * 256) + nwarps * NS;
+  pdl_wait();
+  const int k0 = warp * 128 * SPW;
+  const size_t wrow = size_t(I) / 2, srow = size_t(I) / 32;
+  const uint8_t* wp[NE];
+  const uint8_t* sp[NE];
+#pragma unroll
+  for (int j = 0; j < NE; ++j) {
+    const size_t row = size_t(idx[j]) * D + r0 + g;
+    wp[j] = w2 + row * wrow + (k0 >> 5) * 16 + q * 16;
+    sp[j] = s2 + row * srow + (k0 >> 5);
+  }
+  ExpertStep<1> st[DEPTH];
+  auto load = [&](int s) {
+    ExpertStep<1>& e = st[s % DEPTH];
+    const int j = s / SPW, t = s % SPW;
+    e.wa[0] = ld_stream(wp[j] + t * 64);
+    e.wb[0] = ld_stream(wp[j] + t * 64 + 8 * wrow);
+    e.sa[0] = ld_stream_u32(sp[j] + 4 * t);
+    e.sb[0] = ld_stream_u32(sp[j] + 4 * t + 8 * srow);
+  };
+#pragma unroll
+  for (int s = 0; s < DEPTH && s < NS; ++s) load(s);
+#pragma unroll
+  for (int j = 0; j < NE; ++j)
+    quant_slice<SPW, DEC>(act + size_t(j) * I + k0, reinterpret_cast<uint16_t*>(xs + j * SPW * 16),
+                          ef + j * SPW, lane);
+  __syncthreads();   // xs, and the zero operand
+  const uint4* xb = (g == q ? xs : zero) + 4 * q;
+  const int xstride = g == q ? 16 : 0;
+  float tot[NE][1][2];
+#pragma unroll
+  for (int j = 0; j < NE; ++j) tot[j][0][0] = tot[j][0][1] = 0.0f;
+#pragma unroll
+  for (int s = 0; s < NS; ++s) {
+    fp4_step<1, DEC>(st[s % DEPTH], xb + s * xstride, ef[s], q, tot[s / SPW]);
+    if (s + DEPTH < NS) load(s + DEPTH);
+  }
+#pragma unroll
+  for (int j = 0; j < NE; ++j) {
+    tot[j][0][0] += __shfl_xor_sync(FULL, tot[j][0][0], 1);
+    tot[j][0][1] += __shfl_xor_sync(FULL, tot[j][0][1], 1);
+    if (q == 0) {
+      red[(warp * NE + j) * 16 + g] = tot[j][0][0];
+      red[(warp * NE + j) * 16 + g + 8] = tot[j][0][1];
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x < 16) {
+    const int r = threadIdx.x;
+    float acc = 0.0f;
+    for (int j = 0; j < NE; ++j) {
+      float t = 0.0f;
+      for (int w = 0; w < nwarps; ++w) t += red[(w * NE + j) * 16 + r];
+      acc += bf16_round(t);   // fp4_gemm outputs bf16
+    }
+    if (add != nullptr) acc += __bfloat162float(add[r0 + r]);
+    if (y_f32)
+      static_cast<float*>(y)[r0 + r] = acc;
+    else
+      static_cast<__nv_bfloat16*>(y)[r0 + r] = __float2bfloat16_rn(acc);
   }
 }
 
@@ -885,7 +1061,7 @@ size_t expert_smem_bytes(int warps, int nm) {
 extern "C" {
 
 // Version of this ABI (checked by the loader).
-int dsv4_abi_version() { return 1; }
+int dsv4_abi_version() { return 2; }
 
 const char* dsv4_error_string(int code) { return cudaGetErrorString(static_cast<cudaError_t>(code)); }
 
@@ -947,6 +1123,33 @@ int dsv4_fp4_up(const void* x, const void* idx, const void* rw, const void* w1, 
 #undef DSV4_UP
 }
 
+// fp4_up_stream_kernel: as dsv4_fp4_up on a grid of ctas CTAs (each streams its tiles); k <= 16.
+int dsv4_fp4_up_stream(const void* x, const void* idx, const void* rw, const void* w1, const void* s1,
+                       const void* w3, const void* s3, void* out, float limit, int I, int D, int k,
+                       int spw, int ctas, void* stream, int pdl) {
+  const int warps = D / (128 * spw);
+  if (warps < 1 || warps > 16 || I % 16 || D % (128 * spw) || k < 1 || k > 16 || ctas < 1) return -1;
+  const int grid = ctas < (I / 16) * k ? ctas : (I / 16) * k;
+  const cudaStream_t st = static_cast<cudaStream_t>(stream);
+  const auto* xp = static_cast<const __nv_bfloat16*>(x);
+  const auto* ip = static_cast<const int64_t*>(idx);
+  const auto* rp = static_cast<const float*>(rw);
+  const auto* w1p = static_cast<const uint8_t*>(w1);
+  const auto* s1p = static_cast<const uint8_t*>(s1);
+  const auto* w3p = static_cast<const uint8_t*>(w3);
+  const auto* s3p = static_cast<const uint8_t*>(s3);
+  auto* op = static_cast<__nv_bfloat16*>(out);
+#define DSV4_UPS(S) \
+  launch(fp4_up_stream_kernel<S, 0>, dim3(grid), dim3(32 * warps), expert_smem_bytes<S>(warps, 4), st, \
+         pdl, xp, ip, rp, w1p, s1p, w3p, s3p, op, limit, I, D, k)
+  switch (spw) {   // spw 4 holds too many registers (two tiles of 4 steps): ptxas spills
+    case 1: return DSV4_UPS(1);
+    case 2: return DSV4_UPS(2);
+    default: return -1;
+  }
+#undef DSV4_UPS
+}
+
 // y [D] (float32 or bf16) from a [k, I] bf16; ws [k, D] float32 and cnt [D / 16] int32 (zeros,
 // left zero) are the caller's workspace; add [D] bf16 or null. Grid (D / 16, k).
 int dsv4_fp4_down(const void* act, const void* idx, const void* w2, const void* s2, const void* add,
@@ -976,6 +1179,35 @@ int dsv4_fp4_down(const void* act, const void* idx, const void* w2, const void* 
     default: return -1;
   }
 #undef DSV4_DOWN
+}
+
+// fp4_down_all_kernel: y [D] (float32 or bf16) from a [k, I] bf16, add [D] bf16 or null, no
+// workspace. Grid D / 16, I / (128 * spw) warps; k in {6, 8}; depth: steps in flight per warp.
+int dsv4_fp4_down_all(const void* act, const void* idx, const void* w2, const void* s2,
+                      const void* add, void* y, int D, int I, int k, int y_f32, int spw, int depth,
+                      void* stream, int pdl) {
+  const int warps = I / (128 * spw);
+  if (warps < 1 || warps > 16 || D % 16 || I % (128 * spw)) return -1;
+  const size_t smem = 256 + size_t(warps) * k * spw * (256 + 4) + size_t(warps) * k * 16 * sizeof(float);
+  const cudaStream_t st = static_cast<cudaStream_t>(stream);
+  const auto* ap = static_cast<const __nv_bfloat16*>(act);
+  const auto* ip = static_cast<const int64_t*>(idx);
+  const auto* wp = static_cast<const uint8_t*>(w2);
+  const auto* sp = static_cast<const uint8_t*>(s2);
+  const auto* dp = static_cast<const __nv_bfloat16*>(add);
+#define DSV4_DOWN_ALL(S, E, R) \
+  launch(fp4_down_all_kernel<S, E, 0, R>, dim3(D / 16), dim3(32 * warps), smem, st, pdl, ap, ip, wp, \
+         sp, dp, y, D, I, y_f32)
+  switch ((k * 10 + spw) * 100 + depth) {
+    case 6202: return DSV4_DOWN_ALL(2, 6, 2);
+    case 6204: return DSV4_DOWN_ALL(2, 6, 4);
+    case 6206: return DSV4_DOWN_ALL(2, 6, 6);
+    case 6404: return DSV4_DOWN_ALL(4, 6, 4);
+    case 8204: return DSV4_DOWN_ALL(2, 8, 4);
+    case 8404: return DSV4_DOWN_ALL(4, 8, 4);
+    default: return -1;
+  }
+#undef DSV4_DOWN_ALL
 }
 
 // The MoE routing of one token (kernels/route.py semantics): logits [E] float32 with bias [E]

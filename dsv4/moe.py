@@ -114,7 +114,8 @@ class MoE:
         w1/w3 SwiGLU, w2) is a parallel branch when captured (dsv4.overlap), forked after the
         routing (so the routing's small kernels find free SMs; the shared expert then streams
         beside up). Same math as the loop: bf16(routed sum in f32 + bf16 shared). Capture-safe."""
-        from .kernels.fp4_experts import down_workspace, fp4_experts_down, fp4_experts_up
+        from .kernels.fp4_experts import (down_needs_workspace, down_workspace, fp4_experts_down,
+                                          fp4_experts_up)
         from .kernels.fp8_linear import fp8_linear, fp8_swiglu
         bank, lim, sh = self.experts, self.cfg.swiglu_limit, self.shared
         fp8 = sh["w1"].fmt == "fp8"
@@ -129,8 +130,10 @@ class MoE:
                 y_sh = self._shared(x)                                        # [1, D] act
         a = fp4_experts_up(x, idx, w, bank.w1, bank.w1_scale, bank.w3, bank.w3_scale, lim)
         br.join()
-        if self._down_ws is None:   # this layer's own: no two layers' launches share one
-            self._down_ws = down_workspace(idx.numel(), x.shape[-1], x.device, shared=False)
+        k, D = idx.numel(), x.shape[-1]
+        if self._down_ws is None and down_needs_workspace(k, a.shape[-1], D):
+            # this layer's own: no two layers' launches share one
+            self._down_ws = down_workspace(k, D, x.device, shared=False)
         return fp4_experts_down(a, idx, bank.w2, bank.w2_scale, add=y_sh, out_dtype=x.dtype,
                                 workspace=self._down_ws)
 

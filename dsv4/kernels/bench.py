@@ -17,8 +17,9 @@ from ..presets import get_preset
 from ..quant import fp8_quant_dequant
 from .bf16_linear import bf16_config, bf16_linear
 from .common import Config, CudaConfig
-from .fp4_experts import (CUDA_DOWN_VARIANTS, CUDA_UP_VARIANTS, TUNED_CUDA_DOWN, TUNED_CUDA_UP,
-                          ExpertCudaConfig, cuda_expert_config, cuda_spw_fits, down_config,
+from .fp4_experts import (CUDA_DOWN_VARIANTS, CUDA_UP_VARIANTS, TUNED_CUDA_UP,
+                          ExpertCudaConfig, cuda_down_config, cuda_expert_config, cuda_spw_fits,
+                          down_all_variants, down_config, up_stream_variants,
                           fp4_experts_down, fp4_experts_up, up_config)
 from .fp8_linear import cuda_config, fp8_config, fp8_linear, fp8_swiglu
 
@@ -218,7 +219,7 @@ def expert_cases(E, inter, dim, k, dev, gen) -> list[Case]:
         return lambda: fp4_experts_down(fp4_experts_up(x, sets[c], rw, w1, s1, w3, s3, 10.0,
                                                        config=cu), sets[c], w2, s2, config=cd)
     cu = cuda_expert_config(dim, TUNED_CUDA_UP, (k, inter, dim))
-    cd = cuda_expert_config(inter, TUNED_CUDA_DOWN, (k, inter, dim))
+    cd = cuda_down_config(k, inter, dim)
 
     def esweep(kd, variants):
         return [ExpertCudaConfig(*v) for v in variants if cuda_spw_fits(kd, v[0])]
@@ -241,9 +242,9 @@ def expert_cases(E, inter, dim, k, dev, gen) -> list[Case]:
         return run
     shp = f"E={E} I={inter} D={dim} k={k}"
     return [Case("experts.up", shp, 2 * k * per, up, ucfg, None, len(sets), _neighbours(ucfg), cu,
-                 esweep(dim, CUDA_UP_VARIANTS)),
+                 esweep(dim, CUDA_UP_VARIANTS) + up_stream_variants(dim)),
             Case("experts.down", shp, k * per, down, dcfg, None, len(sets), _neighbours(dcfg), cd,
-                 esweep(inter, CUDA_DOWN_VARIANTS)),
+                 esweep(inter, CUDA_DOWN_VARIANTS) + down_all_variants(k, inter)),
             Case("experts.step", shp, 3 * k * per, step, (ucfg, dcfg), torch_step, len(sets),
                  cuda=(cu, cd) if cu is not None and cd is not None else None)]
 

@@ -22,7 +22,7 @@ import torch
 
 SWITCH = "DSV4_CUDA_KERNELS"   # "0": never use the CUDA C++ kernels (Triton only)
 LIB_ENV = "DSV4_CUDA_LIB"      # path of a prebuilt library: no build
-ABI = 1
+ABI = 2
 SOURCE = Path(__file__).resolve().parents[2] / "csrc" / "dsv4_kernels.cu"
 MIN_CAPABILITY = (8, 9)        # cvt e4m3x2 (sm_89); PDL needs sm_90 and is compiled out below
 
@@ -88,6 +88,10 @@ def _declare(lib) -> None:
     lib.dsv4_topk_bf16.argtypes = [p, i, i, p, p, i]
     lib.dsv4_fp4_down.restype = i
     lib.dsv4_fp4_down.argtypes = [p, p, p, p, p, p, p, p, i, i, i, i, i, i, i, p, i]
+    lib.dsv4_fp4_down_all.restype = i
+    lib.dsv4_fp4_up_stream.restype = i
+    lib.dsv4_fp4_up_stream.argtypes = [p, p, p, p, p, p, p, p, f, i, i, i, i, i, p, i]
+    lib.dsv4_fp4_down_all.argtypes = [p, p, p, p, p, p, i, i, i, i, i, i, p, i]
 
 
 
@@ -200,6 +204,15 @@ def fp4_up(lib, x, idx, rw, w1, s1, w3, s3, out, limit: float, I: int, D: int, k
     _check(err, "fp4 experts up (CUDA)", lib)
 
 
+def fp4_up_stream(lib, x, idx, rw, w1, s1, w3, s3, out, limit: float, I: int, D: int, k: int,
+                  cfg, pdl: bool) -> None:
+    """dsv4_fp4_up_stream: cfg.ctas CTAs streaming the (expert, row-tile) tiles."""
+    err = lib.dsv4_fp4_up_stream(x.data_ptr(), idx.data_ptr(), rw.data_ptr(), w1.data_ptr(),
+                                 s1.data_ptr(), w3.data_ptr(), s3.data_ptr(), out.data_ptr(), limit,
+                                 I, D, k, cfg.spw, cfg.ctas, _stream(out), int(pdl))
+    _check(err, "fp4 experts up (CUDA, streaming CTAs)", lib)
+
+
 def route(lib, logits, bias, tid2eid, ids, k: int, score: int, route_scale: float, idx, w,
           pdl: bool) -> None:
     err = lib.dsv4_route(logits.data_ptr(), _ptr(bias), _ptr(tid2eid), _ptr(ids), logits.numel(),
@@ -220,6 +233,15 @@ def fp4_down(lib, a, idx, w2, s2, add, y, ws, cnt, D: int, I: int, k: int, y_f32
                             cnt.data_ptr(), D, I, k, int(y_f32), cfg.spw, cfg.dec, cfg.depth,
                             _stream(y), int(pdl))
     _check(err, "fp4 experts down (CUDA)", lib)
+
+
+def fp4_down_all(lib, a, idx, w2, s2, add, y, D: int, I: int, k: int, y_f32: bool, cfg,
+                 pdl: bool) -> None:
+    """dsv4_fp4_down_all: every expert of a row tile in one CTA (cfg.all_experts), no workspace."""
+    err = lib.dsv4_fp4_down_all(a.data_ptr(), idx.data_ptr(), w2.data_ptr(), s2.data_ptr(),
+                                _ptr(add), y.data_ptr(), D, I, k, int(y_f32), cfg.spw,
+                                cfg.depth or cfg.spw, _stream(y), int(pdl))
+    _check(err, "fp4 experts down (CUDA, all experts per CTA)", lib)
 
 
 def main(argv=None) -> int:

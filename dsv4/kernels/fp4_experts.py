@@ -9,7 +9,7 @@ Test: `python -m pytest tests/dsv4/test_kernels.py`; bench: `python scripts/benc
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -28,19 +28,46 @@ class ExpertCudaConfig:
     """CUDA C++ expert kernel config: spw steps of 128 K-elements per warp (the CTA has
     K / (128 * spw) warps and 16 rows of one expert); dec, the e2m1 decode (0: to e4m3 bytes and
     the hardware cvt to f16, 1: f16 bit patterns with integer ops); depth, steps of weights in
-    flight per warp (0: all spw; fewer registers, more resident warps)."""
+    flight per warp (0: all spw; fewer registers, more resident warps); all_experts (down only):
+    one CTA per 16 rows takes every expert (its warps stream the k * spw steps of their K slice,
+    depth of them in flight), summing in slot order without the workspace and semaphores; ctas
+    (up only; 0: one CTA per expert and 16 rows): that many CTAs, each streaming tiles with the
+    next tile's weights in flight (spw 1 or 2, decode 0, at most 16 experts)."""
     spw: int
     dec: int = 0
     depth: int = 0
+    all_experts: bool = False
+    ctas: int = 0
 
 
 # measured best on an H200 (bench_kernels --sweep --backend cuda), keyed (k, I, D)
-TUNED_CUDA_UP: dict[tuple, ExpertCudaConfig] = {(6, 2048, 4096): ExpertCudaConfig(4, 0)}    # 24 us
-TUNED_CUDA_DOWN: dict[tuple, ExpertCudaConfig] = {(6, 2048, 4096): ExpertCudaConfig(2, 0)}  # 16 us
+# up: 100 streaming CTAs (23.6-25 us alone; 25.9 us one CTA per tile) leave SMs for the shared
+# expert's branch beside it (8 Flash layers, graph: 1.441 vs 1.450 ms with 132, 1.456 per tile)
+TUNED_CUDA_UP: dict[tuple, ExpertCudaConfig] = {(6, 2048, 4096): ExpertCudaConfig(2, ctas=100)}
+TUNED_CUDA_DOWN: dict[tuple, ExpertCudaConfig] = {
+    (6, 2048, 4096): ExpertCudaConfig(2, 0, 6, True)}   # 13.9 us (one expert per CTA: 16 us)
 # the instantiated (spw, dec, depth) of csrc (depth 0 = spw)
 CUDA_UP_VARIANTS = ((1, 0, 1), (2, 0, 2), (2, 0, 1), (4, 0, 4), (4, 0, 3), (4, 0, 2), (4, 1, 4),
                     (4, 1, 2))
 CUDA_DOWN_VARIANTS = ((1, 0, 1), (2, 0, 2), (2, 0, 1), (4, 0, 4), (4, 0, 2), (2, 1, 2))
+# the instantiated (k, spw, depth) of the all-experts down kernel (e2m1 decode 0)
+CUDA_DOWN_ALL_VARIANTS = ((6, 2, 2), (6, 2, 4), (6, 2, 6), (6, 4, 4), (8, 2, 4), (8, 4, 4))
+
+
+# the streaming up kernel's (spw, ctas) sweep (an H100 / H200 has 132 SMs: one CTA per SM fits)
+CUDA_UP_STREAM_VARIANTS = ((2, 132), (2, 120), (2, 100), (2, 66))
+
+
+def up_stream_variants(dim: int) -> list[ExpertCudaConfig]:
+    """The streaming up configs whose warps split K = dim."""
+    return [ExpertCudaConfig(spw, ctas=c) for spw, c in CUDA_UP_STREAM_VARIANTS
+            if cuda_spw_fits(dim, spw)]
+
+
+def down_all_variants(k: int, inter: int) -> list[ExpertCudaConfig]:
+    """The all-experts down configs instantiated for k experts of I = inter."""
+    return [ExpertCudaConfig(spw, 0, depth, True) for kk, spw, depth in CUDA_DOWN_ALL_VARIANTS
+            if kk == k and cuda_spw_fits(inter, spw)]
 
 
 def cuda_spw_fits(k_dim: int, spw: int) -> bool:
@@ -55,7 +82,23 @@ def cuda_expert_config(k_dim: int, table: dict, key: tuple) -> ExpertCudaConfig 
     return next((ExpertCudaConfig(spw) for spw in (4, 2, 1) if cuda_spw_fits(k_dim, spw)), None)
 
 
+def cuda_down_config(k: int, inter: int, dim: int) -> ExpertCudaConfig | None:
+    """down's CUDA config: the tuned one, else the all-experts kernel when instantiated for k (2
+    steps per warp, 4 in flight, if it fits), else one expert per CTA (cuda_expert_config)."""
+    if (k, inter, dim) in TUNED_CUDA_DOWN:
+        return TUNED_CUDA_DOWN[(k, inter, dim)]
+    alls = down_all_variants(k, inter)
+    return (next((c for c in alls if (c.spw, c.depth) == (2, 4)), alls[0]) if alls
+            else cuda_expert_config(inter, {}, ()))
+
+
 _workspaces: dict = {}
+
+
+def down_needs_workspace(k: int, inter: int, dim: int) -> bool:
+    """Whether fp4_experts_down's default CUDA config for this shape uses a workspace."""
+    c = cuda_down_config(k, inter, dim)
+    return c is not None and not c.all_experts
 
 
 def down_workspace(k: int, dim: int, device, shared: bool = True
@@ -273,6 +316,14 @@ def fp4_experts_up(x: torch.Tensor, idx: torch.Tensor, route_w: torch.Tensor, w1
             and I % 16 == 0 and idx.dtype == torch.int64):
         ccfg = config if isinstance(config, ExpertCudaConfig) else cuda_expert_config(
             D, TUNED_CUDA_UP, (k, I, D))
+        if ccfg is not None and ccfg.ctas and k <= 16 and cuda_spw_fits(D, ccfg.spw):
+            sms = torch.cuda.get_device_properties(out.device).multi_processor_count
+            ccfg = replace(ccfg, ctas=min(ccfg.ctas, sms))    # one CTA per SM at most resides
+            with on_device(out):
+                cuda_lib.fp4_up_stream(cuda_lib.lib_for(out.device), xc, idx.contiguous(), rw,
+                                       w1, s1.view(torch.uint8), w3, s3.view(torch.uint8), out,
+                                       float(limit), I, D, k, ccfg, pdl(out))
+            return out
         if ccfg is not None:
             with on_device(out):
                 cuda_lib.fp4_up(cuda_lib.lib_for(out.device), xc, idx.contiguous(), rw,
@@ -301,7 +352,8 @@ def fp4_experts_down(a: torch.Tensor, idx: torch.Tensor, w2: torch.Tensor, s2: t
     """a [k, I] bf16, idx [k] int64 -> y [1, D] = sum_j bf16(W8A8 w2[idx[j]] @ a[j]), summed in fp32
     in slot order j = 0..k-1 (pass idx sorted to match the reference), plus `add` ([1, D], e.g. the
     shared expert's bf16 output) in fp32, rounded to out_dtype (float32 or bfloat16).
-    workspace: the CUDA kernel's (see down_workspace; default: one per device and shape).
+    workspace: the per-expert CUDA kernel's (see down_workspace; default: one per device and
+    shape; the all-experts kernel needs none, see down_needs_workspace).
     Capture-safe."""
     E, D, I = _check(w2, s2, "fp4_experts_down w2")
     k = idx.numel()
@@ -320,8 +372,13 @@ def fp4_experts_down(a: torch.Tensor, idx: torch.Tensor, w2: torch.Tensor, s2: t
                       insisted=isinstance(config, ExpertCudaConfig))
             and D % 16 == 0 and idx.dtype == torch.int64
             and (addc is None or addc.dtype == torch.bfloat16)):
-        ccfg = config if isinstance(config, ExpertCudaConfig) else cuda_expert_config(
-            I, TUNED_CUDA_DOWN, (k, I, D))
+        ccfg = config if isinstance(config, ExpertCudaConfig) else cuda_down_config(k, I, D)
+        if ccfg is not None and ccfg.all_experts:
+            with on_device(out):
+                cuda_lib.fp4_down_all(cuda_lib.lib_for(out.device), ac, idx.contiguous(), w2,
+                                      s2.view(torch.uint8), addc, out, D, I, k,
+                                      out.dtype == torch.float32, ccfg, pdl(out))
+            return out
         if ccfg is not None:
             ws, cnt = workspace or down_workspace(k, D, out.device)
             if ws.shape[0] < k or ws.shape[1] != D or cnt.numel() != D // 16:

@@ -150,8 +150,9 @@ def test_fp4_experts_cuda_kernels(which):
     """Both e2m1 decodes and every steps-per-warp variant meet the references; the two decodes
     give the same bits (their products and sums differ by exact powers of two only)."""
     from dsv4.kernels.fp4_experts import (CUDA_DOWN_VARIANTS, CUDA_UP_VARIANTS, ExpertCudaConfig,
-                                          fp4_experts_down, fp4_experts_down_reference,
-                                          fp4_experts_up, fp4_experts_up_reference)
+                                          cuda_spw_fits, down_all_variants, fp4_experts_down,
+                                          fp4_experts_down_reference, fp4_experts_up,
+                                          fp4_experts_up_reference, up_stream_variants)
     _need_lib()
     E, inter, dim = EXPERTS[which]
     dev, gen = torch.device("cuda"), fresh_gen("cuda")
@@ -175,6 +176,12 @@ def test_fp4_experts_cuda_kernels(which):
         assert torch.equal(a, fp4_experts_up(x, idx, rw, w1, s1, w3, s3, 10.0,
                                              config=ExpertCudaConfig(cfg.spw))), cfg
         first = a if first is None else first
+    for cfg in up_stream_variants(dim) + [ExpertCudaConfig(2, ctas=3)]:   # few CTAs: many tiles
+        if cuda_spw_fits(dim, cfg.spw):                                   # each, both buffers
+            got = fp4_experts_up(x, idx, rw, w1, s1, w3, s3, 10.0,
+                                 out=poisoned(k, inter, device=dev), config=cfg)
+            assert torch.equal(got, fp4_experts_up(x, idx, rw, w1, s1, w3, s3, 10.0,
+                                                   config=ExpertCudaConfig(cfg.spw))), cfg
     a = first
     ref = fp4_experts_down_reference(a, idx, w2, s2)
     scale = sum(fp4_experts_down_reference(a[j:j + 1], idx[j:j + 1], w2, s2).abs()
@@ -191,10 +198,19 @@ def test_fp4_experts_cuda_kernels(which):
             assert torch.equal(y, fp4_experts_down(a, idx, w2, s2, config=cfg)), cfg
         assert torch.equal(y, fp4_experts_down(a, idx, w2, s2,                # as for up
                                                config=ExpertCudaConfig(cfg.spw))), cfg
+    # every expert in one CTA: the sums of the per-expert kernel with the same steps per warp
+    alls = down_all_variants(k, inter)
+    assert alls or inter % 256, "no all-experts down variant for this shape"
+    for cfg in alls:
+        y = fp4_experts_down(a, idx, w2, s2, out=poisoned(1, dim, dtype=torch.float32,
+                                                          device=dev), config=cfg)
+        assert torch.equal(y, fp4_experts_down(a, idx, w2, s2,
+                                               config=ExpertCudaConfig(cfg.spw))), cfg
     add = spiky_x(dim, gen, torch.bfloat16, dev)
-    yb = fp4_experts_down(a, idx, w2, s2, add=add, out_dtype=torch.bfloat16, config=downs[0])
-    y = fp4_experts_down(a, idx, w2, s2, config=downs[0])
-    assert torch.equal(yb, (y + add.float()).to(torch.bfloat16))
+    for cfg in [downs[0]] + alls:
+        yb = fp4_experts_down(a, idx, w2, s2, add=add, out_dtype=torch.bfloat16, config=cfg)
+        y = fp4_experts_down(a, idx, w2, s2, config=cfg)
+        assert torch.equal(yb, (y + add.float()).to(torch.bfloat16)), cfg
 
 
 @pytest.mark.cuda
