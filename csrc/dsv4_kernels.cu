@@ -9,10 +9,13 @@
 //  * dsv4_topk_bf16: the indexer's top-k (one CTA, radix select).
 //  * dsv4_fp4_up / dsv4_fp4_down: the routed FP4 experts of one token on tensor cores. An e2m1
 //    code is e4m3's bit pattern shifted down by two (value * 2^-6), so 8 codes become two e4m3
-//    registers in a few integer ops and go straight into mma.m16n8k32.e4m3 against the e4m3
-//    activation; each MMA column holds one 32-wide scale group (the activation fragment is zero
-//    outside its group), and the per-32 scale is applied in float32 outside the tensor core.
-//    down sums the k experts in slot order through a per-row-tile semaphore (deterministic).
+//    registers in a few integer ops, then f16 pairs (cvt) for mma.m16n8k16 f16 against the
+//    act-quantized e4m3 activation (exact in f16); each MMA column holds one 32-wide scale group
+//    (the activation fragment is zero outside its group), and the per-32 scale is applied in
+//    float32 outside the tensor core. down sums the k experts in slot order through a
+//    per-row-tile semaphore (deterministic). Variants: dsv4_fp4_up_stream (a fixed grid of CTAs
+//    streaming tiles, the next tile's weights in flight) and dsv4_fp4_down_all (all k experts of
+//    a row tile in one CTA, no semaphore); each gives the bits of its per-tile kernel.
 //
 // Row tiles never straddle a 128-row scale block. All reductions run in a fixed order: results
 // are deterministic, and the same with and without PDL or CUDA-graph capture.
@@ -578,6 +581,38 @@ DEV const uint4* expert_smem(uint8_t* smem, int warp, int nwarps, int g, int q, 
   return (g == q ? xs : zero) + 4 * q;
 }
 
+// up's epilogue for one tile (expert slot j, rows r0 .. r0 + 15): the warps' gate / up sums tot
+// meet in red ([warps][2][16]; a block barrier), then threads 0..15 write their row of a.
+DEV void up_epilogue(float (&tot)[2][2], float* red, int warp, int nwarps, int g, int q,
+                     const float* rw, __nv_bfloat16* out, float limit, int I, int j, int r0) {
+#pragma unroll
+  for (int m = 0; m < 2; ++m)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) tot[m][h] += __shfl_xor_sync(FULL, tot[m][h], 1);
+  if (q == 0) {
+#pragma unroll
+    for (int m = 0; m < 2; ++m) {
+      red[(warp * 2 + m) * 16 + g] = tot[m][0];
+      red[(warp * 2 + m) * 16 + g + 8] = tot[m][1];
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x < 16) {
+    const int r = threadIdx.x;
+    float gs = 0.0f, us = 0.0f;
+    for (int w = 0; w < nwarps; ++w) {
+      gs += red[(w * 2) * 16 + r];
+      us += red[(w * 2 + 1) * 16 + r];
+    }
+    float gv = bf16_round(gs), uv = bf16_round(us);   // fp4_gemm outputs bf16
+    if (limit > 0.0f) {
+      uv = fminf(fmaxf(uv, -limit), limit);
+      gv = fminf(gv, limit);
+    }
+    out[size_t(j) * I + r0 + r] = __float2bfloat16_rn(gv / (1.0f + expf(-gv)) * uv * rw[j]);
+  }
+}
+
 // a[j, r] = bf16(silu(g) * u * rw[j]), g / u = bf16(W8A8 w1 / w3 of expert idx[j] at x), u clamped
 // to +-limit and g from above (limit 0: none). Grid (I / 16, k); warp w: K slice [w*128*SPW, ...).
 template <int SPW, int DEC, int DEPTH>
@@ -608,32 +643,7 @@ __global__ void __launch_bounds__(512) fp4_up_kernel(const __nv_bfloat16* x, con
   __syncthreads();   // xs, and the zero operand
   float tot[2][2] = {{0.0f, 0.0f}, {0.0f, 0.0f}};
   ew.run(xb, g == q ? 16 : 0, ef, tot);
-#pragma unroll
-  for (int m = 0; m < 2; ++m)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) tot[m][h] += __shfl_xor_sync(FULL, tot[m][h], 1);
-  if (q == 0) {
-#pragma unroll
-    for (int m = 0; m < 2; ++m) {
-      red[(warp * 2 + m) * 16 + g] = tot[m][0];
-      red[(warp * 2 + m) * 16 + g + 8] = tot[m][1];
-    }
-  }
-  __syncthreads();
-  if (threadIdx.x < 16) {
-    const int r = threadIdx.x;
-    float gs = 0.0f, us = 0.0f;
-    for (int w = 0; w < nwarps; ++w) {
-      gs += red[(w * 2) * 16 + r];
-      us += red[(w * 2 + 1) * 16 + r];
-    }
-    float gv = bf16_round(gs), uv = bf16_round(us);   // fp4_gemm outputs bf16
-    if (limit > 0.0f) {
-      uv = fminf(fmaxf(uv, -limit), limit);
-      gv = fminf(gv, limit);
-    }
-    out[size_t(j) * I + r0 + r] = __float2bfloat16_rn(gv / (1.0f + expf(-gv)) * uv * rw[j]);
-  }
+  up_epilogue(tot, red, warp, nwarps, g, q, rw, out, limit, I, j, r0);
 }
 
 // fp4_up_kernel over a fixed grid: CTA c takes the (expert, 16-row) tiles c, c + G, c + 2G, ...
@@ -683,33 +693,8 @@ __global__ void __launch_bounds__(512) fp4_up_stream_kernel(const __nv_bfloat16*
     float tot[2][2] = {{0.0f, 0.0f}, {0.0f, 0.0f}};
 #pragma unroll
     for (int s = 0; s < SPW; ++s) fp4_step<2, DEC>(st[s], xb + s * xstride, ef[s], q, tot);
-    float* rd = red + par * nwarps * 32;
-#pragma unroll
-    for (int m = 0; m < 2; ++m)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) tot[m][h] += __shfl_xor_sync(FULL, tot[m][h], 1);
-    if (q == 0) {
-#pragma unroll
-      for (int m = 0; m < 2; ++m) {
-        rd[(warp * 2 + m) * 16 + g] = tot[m][0];
-        rd[(warp * 2 + m) * 16 + g + 8] = tot[m][1];
-      }
-    }
-    __syncthreads();
-    if (threadIdx.x < 16) {
-      const int r = threadIdx.x, j = t / rt, r0 = (t % rt) * 16;
-      float gs = 0.0f, us = 0.0f;
-      for (int w = 0; w < nwarps; ++w) {
-        gs += rd[(w * 2) * 16 + r];
-        us += rd[(w * 2 + 1) * 16 + r];
-      }
-      float gv = bf16_round(gs), uv = bf16_round(us);   // fp4_gemm outputs bf16
-      if (limit > 0.0f) {
-        uv = fminf(fmaxf(uv, -limit), limit);
-        gv = fminf(gv, limit);
-      }
-      out[size_t(j) * I + r0 + r] = __float2bfloat16_rn(gv / (1.0f + expf(-gv)) * uv * rw[j]);
-    }
+    up_epilogue(tot, red + par * nwarps * 32, warp, nwarps, g, q, rw, out, limit, I, t / rt,
+                (t % rt) * 16);
   };
   int t = blockIdx.x;
   if (t < tiles) load(A, t);
@@ -1090,12 +1075,13 @@ int dsv4_fp8_gemv(const void* w0, const void* s0, void* y0, const void* w1, cons
 
 // a [k, I] bf16 from x [D] bf16 and the routing idx [k] int64 / rw [k] float32; grid (I / 16, k),
 // D / (128 * spw) warps; dec: the e2m1 decode (0: through e4m3 and cvt, 1: integer ops); depth:
-// steps of weights in flight per warp (0: all).
+// steps of weights in flight per warp (0: all). ctas > 0: fp4_up_stream_kernel on min(ctas, tiles)
+// CTAs instead (dec 0, spw 1 or 2 (4 spills), k <= 16; depth unused).
 int dsv4_fp4_up(const void* x, const void* idx, const void* rw, const void* w1, const void* s1,
                 const void* w3, const void* s3, void* out, float limit, int I, int D, int k,
-                int spw, int dec, int depth, void* stream, int pdl) {
+                int spw, int dec, int depth, int ctas, void* stream, int pdl) {
   const int warps = D / (128 * spw);
-  if (warps < 1 || warps > 16 || I % 16 || D % (128 * spw) || k < 1) return -1;
+  if (warps < 1 || warps > 16 || I % 16 || D % (128 * spw) || k < 1 || ctas < 0) return -1;
   const dim3 grid(I / 16, k), block(32 * warps);
   const cudaStream_t st = static_cast<cudaStream_t>(stream);
   const auto* xp = static_cast<const __nv_bfloat16*>(x);
@@ -1109,6 +1095,17 @@ int dsv4_fp4_up(const void* x, const void* idx, const void* rw, const void* w1, 
 #define DSV4_UP(S, DC, R) \
   launch(fp4_up_kernel<S, DC, R>, grid, block, expert_smem_bytes<S>(warps, 2), st, pdl, xp, ip, rp, \
          w1p, s1p, w3p, s3p, op, limit, I, D)
+#define DSV4_UPS(S) \
+  launch(fp4_up_stream_kernel<S, 0>, dim3(ctas < (I / 16) * k ? ctas : (I / 16) * k), block, \
+         expert_smem_bytes<S>(warps, 4), st, pdl, xp, ip, rp, w1p, s1p, w3p, s3p, op, limit, I, D, k)
+  if (ctas > 0) {
+    if (dec != 0 || k > 16) return -1;
+    switch (spw) {
+      case 1: return DSV4_UPS(1);
+      case 2: return DSV4_UPS(2);
+      default: return -1;
+    }
+  }
   switch ((spw * 2 + (dec != 0)) * 10 + (depth > 0 ? depth : spw)) {
     case 21: return DSV4_UP(1, 0, 1);
     case 42: return DSV4_UP(2, 0, 2);
@@ -1121,40 +1118,16 @@ int dsv4_fp4_up(const void* x, const void* idx, const void* rw, const void* w1, 
     default: return -1;
   }
 #undef DSV4_UP
-}
-
-// fp4_up_stream_kernel: as dsv4_fp4_up on a grid of ctas CTAs (each streams its tiles); k <= 16.
-int dsv4_fp4_up_stream(const void* x, const void* idx, const void* rw, const void* w1, const void* s1,
-                       const void* w3, const void* s3, void* out, float limit, int I, int D, int k,
-                       int spw, int ctas, void* stream, int pdl) {
-  const int warps = D / (128 * spw);
-  if (warps < 1 || warps > 16 || I % 16 || D % (128 * spw) || k < 1 || k > 16 || ctas < 1) return -1;
-  const int grid = ctas < (I / 16) * k ? ctas : (I / 16) * k;
-  const cudaStream_t st = static_cast<cudaStream_t>(stream);
-  const auto* xp = static_cast<const __nv_bfloat16*>(x);
-  const auto* ip = static_cast<const int64_t*>(idx);
-  const auto* rp = static_cast<const float*>(rw);
-  const auto* w1p = static_cast<const uint8_t*>(w1);
-  const auto* s1p = static_cast<const uint8_t*>(s1);
-  const auto* w3p = static_cast<const uint8_t*>(w3);
-  const auto* s3p = static_cast<const uint8_t*>(s3);
-  auto* op = static_cast<__nv_bfloat16*>(out);
-#define DSV4_UPS(S) \
-  launch(fp4_up_stream_kernel<S, 0>, dim3(grid), dim3(32 * warps), expert_smem_bytes<S>(warps, 4), st, \
-         pdl, xp, ip, rp, w1p, s1p, w3p, s3p, op, limit, I, D, k)
-  switch (spw) {   // spw 4 holds too many registers (two tiles of 4 steps): ptxas spills
-    case 1: return DSV4_UPS(1);
-    case 2: return DSV4_UPS(2);
-    default: return -1;
-  }
 #undef DSV4_UPS
 }
 
 // y [D] (float32 or bf16) from a [k, I] bf16; ws [k, D] float32 and cnt [D / 16] int32 (zeros,
-// left zero) are the caller's workspace; add [D] bf16 or null. Grid (D / 16, k).
+// left zero) are the caller's workspace; add [D] bf16 or null. Grid (D / 16, k). all_experts:
+// fp4_down_all_kernel instead (grid D / 16, no workspace; k 6 or 8, dec 0, the (spw, depth)
+// instantiated below).
 int dsv4_fp4_down(const void* act, const void* idx, const void* w2, const void* s2, const void* add,
                   void* y, void* ws, void* cnt, int D, int I, int k, int y_f32, int spw, int dec,
-                  int depth, void* stream, int pdl) {
+                  int depth, int all_experts, void* stream, int pdl) {
   const int warps = I / (128 * spw);
   if (warps < 1 || warps > 16 || D % 16 || I % (128 * spw) || k < 1) return -1;
   const dim3 grid(D / 16, k), block(32 * warps);
@@ -1169,6 +1142,22 @@ int dsv4_fp4_down(const void* act, const void* idx, const void* w2, const void* 
 #define DSV4_DOWN(S, DC, R) \
   launch(fp4_down_kernel<S, DC, R>, grid, block, expert_smem_bytes<S>(warps, 1), st, pdl, ap, ip, \
          wp, sp, dp, y, wsp, cp, D, I, k, y_f32)
+#define DSV4_DOWN_ALL(S, E, R) \
+  launch(fp4_down_all_kernel<S, E, 0, R>, dim3(D / 16), block, smem_all, st, pdl, ap, ip, wp, sp, dp, \
+         y, D, I, y_f32)
+  if (all_experts) {
+    const size_t smem_all = 256 + size_t(warps) * k * spw * (256 + 4) + size_t(warps) * k * 16 * sizeof(float);
+    if (dec != 0) return -1;
+    switch ((k * 10 + spw) * 100 + (depth > 0 ? depth : spw)) {
+      case 6202: return DSV4_DOWN_ALL(2, 6, 2);
+      case 6204: return DSV4_DOWN_ALL(2, 6, 4);
+      case 6206: return DSV4_DOWN_ALL(2, 6, 6);
+      case 6404: return DSV4_DOWN_ALL(4, 6, 4);
+      case 8204: return DSV4_DOWN_ALL(2, 8, 4);
+      case 8404: return DSV4_DOWN_ALL(4, 8, 4);
+      default: return -1;
+    }
+  }
   switch ((spw * 2 + (dec != 0)) * 10 + (depth > 0 ? depth : spw)) {
     case 21: return DSV4_DOWN(1, 0, 1);
     case 42: return DSV4_DOWN(2, 0, 2);
@@ -1179,34 +1168,6 @@ int dsv4_fp4_down(const void* act, const void* idx, const void* w2, const void* 
     default: return -1;
   }
 #undef DSV4_DOWN
-}
-
-// fp4_down_all_kernel: y [D] (float32 or bf16) from a [k, I] bf16, add [D] bf16 or null, no
-// workspace. Grid D / 16, I / (128 * spw) warps; k in {6, 8}; depth: steps in flight per warp.
-int dsv4_fp4_down_all(const void* act, const void* idx, const void* w2, const void* s2,
-                      const void* add, void* y, int D, int I, int k, int y_f32, int spw, int depth,
-                      void* stream, int pdl) {
-  const int warps = I / (128 * spw);
-  if (warps < 1 || warps > 16 || D % 16 || I % (128 * spw)) return -1;
-  const size_t smem = 256 + size_t(warps) * k * spw * (256 + 4) + size_t(warps) * k * 16 * sizeof(float);
-  const cudaStream_t st = static_cast<cudaStream_t>(stream);
-  const auto* ap = static_cast<const __nv_bfloat16*>(act);
-  const auto* ip = static_cast<const int64_t*>(idx);
-  const auto* wp = static_cast<const uint8_t*>(w2);
-  const auto* sp = static_cast<const uint8_t*>(s2);
-  const auto* dp = static_cast<const __nv_bfloat16*>(add);
-#define DSV4_DOWN_ALL(S, E, R) \
-  launch(fp4_down_all_kernel<S, E, 0, R>, dim3(D / 16), dim3(32 * warps), smem, st, pdl, ap, ip, wp, \
-         sp, dp, y, D, I, y_f32)
-  switch ((k * 10 + spw) * 100 + depth) {
-    case 6202: return DSV4_DOWN_ALL(2, 6, 2);
-    case 6204: return DSV4_DOWN_ALL(2, 6, 4);
-    case 6206: return DSV4_DOWN_ALL(2, 6, 6);
-    case 6404: return DSV4_DOWN_ALL(4, 6, 4);
-    case 8204: return DSV4_DOWN_ALL(2, 8, 4);
-    case 8404: return DSV4_DOWN_ALL(4, 8, 4);
-    default: return -1;
-  }
 #undef DSV4_DOWN_ALL
 }
 

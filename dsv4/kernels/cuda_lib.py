@@ -81,17 +81,13 @@ def _declare(lib) -> None:
     lib.dsv4_fp8_gemv.restype = i
     lib.dsv4_fp8_gemv.argtypes = [p, p, p, p, p, p, p, i, i, i, f, i, i, i, i, i, i, i, p, i]
     lib.dsv4_fp4_up.restype = i
-    lib.dsv4_fp4_up.argtypes = [p, p, p, p, p, p, p, p, f, i, i, i, i, i, i, p, i]
+    lib.dsv4_fp4_up.argtypes = [p, p, p, p, p, p, p, p, f, i, i, i, i, i, i, i, p, i]
     lib.dsv4_route.restype = i
     lib.dsv4_route.argtypes = [p, p, p, p, i, i, i, f, p, p, p, i]
     lib.dsv4_topk_bf16.restype = i
     lib.dsv4_topk_bf16.argtypes = [p, i, i, p, p, i]
     lib.dsv4_fp4_down.restype = i
-    lib.dsv4_fp4_down.argtypes = [p, p, p, p, p, p, p, p, i, i, i, i, i, i, i, p, i]
-    lib.dsv4_fp4_down_all.restype = i
-    lib.dsv4_fp4_up_stream.restype = i
-    lib.dsv4_fp4_up_stream.argtypes = [p, p, p, p, p, p, p, p, f, i, i, i, i, i, p, i]
-    lib.dsv4_fp4_down_all.argtypes = [p, p, p, p, p, p, i, i, i, i, i, i, p, i]
+    lib.dsv4_fp4_down.argtypes = [p, p, p, p, p, p, p, p, i, i, i, i, i, i, i, i, p, i]
 
 
 
@@ -200,17 +196,8 @@ def fp4_up(lib, x, idx, rw, w1, s1, w3, s3, out, limit: float, I: int, D: int, k
            cfg, pdl: bool) -> None:
     err = lib.dsv4_fp4_up(x.data_ptr(), idx.data_ptr(), rw.data_ptr(), w1.data_ptr(),
                           s1.data_ptr(), w3.data_ptr(), s3.data_ptr(), out.data_ptr(), limit, I, D,
-                          k, cfg.spw, cfg.dec, cfg.depth, _stream(out), int(pdl))
+                          k, cfg.spw, cfg.dec, cfg.depth, cfg.ctas, _stream(out), int(pdl))
     _check(err, "fp4 experts up (CUDA)", lib)
-
-
-def fp4_up_stream(lib, x, idx, rw, w1, s1, w3, s3, out, limit: float, I: int, D: int, k: int,
-                  cfg, pdl: bool) -> None:
-    """dsv4_fp4_up_stream: cfg.ctas CTAs streaming the (expert, row-tile) tiles."""
-    err = lib.dsv4_fp4_up_stream(x.data_ptr(), idx.data_ptr(), rw.data_ptr(), w1.data_ptr(),
-                                 s1.data_ptr(), w3.data_ptr(), s3.data_ptr(), out.data_ptr(), limit,
-                                 I, D, k, cfg.spw, cfg.ctas, _stream(out), int(pdl))
-    _check(err, "fp4 experts up (CUDA, streaming CTAs)", lib)
 
 
 def route(lib, logits, bias, tid2eid, ids, k: int, score: int, route_scale: float, idx, w,
@@ -228,20 +215,11 @@ def topk_bf16(lib, scores, k: int, out, pdl: bool) -> None:
 
 def fp4_down(lib, a, idx, w2, s2, add, y, ws, cnt, D: int, I: int, k: int, y_f32: bool, cfg,
              pdl: bool) -> None:
+    """dsv4_fp4_down; ws / cnt None (unused) for cfg.all_experts."""
     err = lib.dsv4_fp4_down(a.data_ptr(), idx.data_ptr(), w2.data_ptr(), s2.data_ptr(),
-                            0 if add is None else add.data_ptr(), y.data_ptr(), ws.data_ptr(),
-                            cnt.data_ptr(), D, I, k, int(y_f32), cfg.spw, cfg.dec, cfg.depth,
-                            _stream(y), int(pdl))
+                            _ptr(add), y.data_ptr(), _ptr(ws), _ptr(cnt), D, I, k, int(y_f32),
+                            cfg.spw, cfg.dec, cfg.depth, int(cfg.all_experts), _stream(y), int(pdl))
     _check(err, "fp4 experts down (CUDA)", lib)
-
-
-def fp4_down_all(lib, a, idx, w2, s2, add, y, D: int, I: int, k: int, y_f32: bool, cfg,
-                 pdl: bool) -> None:
-    """dsv4_fp4_down_all: every expert of a row tile in one CTA (cfg.all_experts), no workspace."""
-    err = lib.dsv4_fp4_down_all(a.data_ptr(), idx.data_ptr(), w2.data_ptr(), s2.data_ptr(),
-                                _ptr(add), y.data_ptr(), D, I, k, int(y_f32), cfg.spw,
-                                cfg.depth or cfg.spw, _stream(y), int(pdl))
-    _check(err, "fp4 experts down (CUDA, all experts per CTA)", lib)
 
 
 def main(argv=None) -> int:

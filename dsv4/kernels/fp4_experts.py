@@ -316,14 +316,12 @@ def fp4_experts_up(x: torch.Tensor, idx: torch.Tensor, route_w: torch.Tensor, w1
             and I % 16 == 0 and idx.dtype == torch.int64):
         ccfg = config if isinstance(config, ExpertCudaConfig) else cuda_expert_config(
             D, TUNED_CUDA_UP, (k, I, D))
-        if ccfg is not None and ccfg.ctas and k <= 16 and cuda_spw_fits(D, ccfg.spw):
-            sms = torch.cuda.get_device_properties(out.device).multi_processor_count
-            ccfg = replace(ccfg, ctas=min(ccfg.ctas, sms))    # one CTA per SM at most resides
-            with on_device(out):
-                cuda_lib.fp4_up_stream(cuda_lib.lib_for(out.device), xc, idx.contiguous(), rw,
-                                       w1, s1.view(torch.uint8), w3, s3.view(torch.uint8), out,
-                                       float(limit), I, D, k, ccfg, pdl(out))
-            return out
+        if ccfg is not None and ccfg.ctas:
+            if k > 16:                                        # the streaming kernel's limit
+                ccfg = replace(ccfg, ctas=0)
+            else:                                             # one CTA per SM at most resides
+                sms = torch.cuda.get_device_properties(out.device).multi_processor_count
+                ccfg = replace(ccfg, ctas=min(ccfg.ctas, sms))
         if ccfg is not None:
             with on_device(out):
                 cuda_lib.fp4_up(cuda_lib.lib_for(out.device), xc, idx.contiguous(), rw,
@@ -373,15 +371,10 @@ def fp4_experts_down(a: torch.Tensor, idx: torch.Tensor, w2: torch.Tensor, s2: t
             and D % 16 == 0 and idx.dtype == torch.int64
             and (addc is None or addc.dtype == torch.bfloat16)):
         ccfg = config if isinstance(config, ExpertCudaConfig) else cuda_down_config(k, I, D)
-        if ccfg is not None and ccfg.all_experts:
-            with on_device(out):
-                cuda_lib.fp4_down_all(cuda_lib.lib_for(out.device), ac, idx.contiguous(), w2,
-                                      s2.view(torch.uint8), addc, out, D, I, k,
-                                      out.dtype == torch.float32, ccfg, pdl(out))
-            return out
         if ccfg is not None:
-            ws, cnt = workspace or down_workspace(k, D, out.device)
-            if ws.shape[0] < k or ws.shape[1] != D or cnt.numel() != D // 16:
+            ws, cnt = ((None, None) if ccfg.all_experts
+                       else workspace or down_workspace(k, D, out.device))
+            if ws is not None and (ws.shape[0] < k or ws.shape[1] != D or cnt.numel() != D // 16):
                 raise ValueError(f"fp4_experts_down: workspace {tuple(ws.shape)} / {cnt.numel()} "
                                  f"does not fit k = {k}, D = {D}")
             with on_device(out):
