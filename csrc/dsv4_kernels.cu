@@ -791,13 +791,9 @@ __global__ void __launch_bounds__(512) fp4_down_all_kernel(const __nv_bfloat16* 
   extern __shared__ __align__(128) uint8_t smem[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   const int g = lane >> 2, q = lane & 3, r0 = blockIdx.x * 16;
-  // the zero operand of lanes off their column (256 bytes: lane q reads 4 * q .. 4 * q + 3), per
-  // warp xs [NS][256 bytes] and ef [NS], then red [warps][NE][16]
-  uint4* zero = reinterpret_cast<uint4*>(smem);
-  if (threadIdx.x < 16) zero[threadIdx.x] = make_uint4(0u, 0u, 0u, 0u);
-  uint4* xs = reinterpret_cast<uint4*>(smem + 256 + size_t(warp) * NS * 256);
-  float* ef = reinterpret_cast<float*>(smem + 256 + size_t(nwarps) * NS * 256) + warp * NS;
-  float* red = reinterpret_cast<float*>(smem + 256 + size_t(nwarps) * NS * 256) + nwarps * NS;
+  uint4* xs;
+  float *ef, *red;   // the expert_smem layout with NS steps per warp; red [warps][NE][16]
+  const uint4* xb = expert_smem<NS>(smem, warp, nwarps, g, q, ef, red, xs);
   pdl_wait();
   const int k0 = warp * 128 * SPW;
   const size_t wrow = size_t(I) / 2, srow = size_t(I) / 32;
@@ -825,7 +821,6 @@ __global__ void __launch_bounds__(512) fp4_down_all_kernel(const __nv_bfloat16* 
     quant_slice<SPW, DEC>(act + size_t(j) * I + k0, reinterpret_cast<uint16_t*>(xs + j * SPW * 16),
                           ef + j * SPW, lane);
   __syncthreads();   // xs, and the zero operand
-  const uint4* xb = (g == q ? xs : zero) + 4 * q;
   const int xstride = g == q ? 16 : 0;
   float tot[NE][1][2];
 #pragma unroll
@@ -1123,7 +1118,7 @@ int dsv4_fp4_up(const void* x, const void* idx, const void* rw, const void* w1, 
 
 // y [D] (float32 or bf16) from a [k, I] bf16; ws [k, D] float32 and cnt [D / 16] int32 (zeros,
 // left zero) are the caller's workspace; add [D] bf16 or null. Grid (D / 16, k). all_experts:
-// fp4_down_all_kernel instead (grid D / 16, no workspace; k 6 or 8, dec 0, the (spw, depth)
+// fp4_down_all_kernel instead (grid D / 16, no workspace; k 6 (Flash, Pro), dec 0, the (spw, depth)
 // instantiated below).
 int dsv4_fp4_down(const void* act, const void* idx, const void* w2, const void* s2, const void* add,
                   void* y, void* ws, void* cnt, int D, int I, int k, int y_f32, int spw, int dec,
@@ -1143,18 +1138,15 @@ int dsv4_fp4_down(const void* act, const void* idx, const void* w2, const void* 
   launch(fp4_down_kernel<S, DC, R>, grid, block, expert_smem_bytes<S>(warps, 1), st, pdl, ap, ip, \
          wp, sp, dp, y, wsp, cp, D, I, k, y_f32)
 #define DSV4_DOWN_ALL(S, E, R) \
-  launch(fp4_down_all_kernel<S, E, 0, R>, dim3(D / 16), block, smem_all, st, pdl, ap, ip, wp, sp, dp, \
-         y, D, I, y_f32)
+  launch(fp4_down_all_kernel<S, E, 0, R>, dim3(D / 16), block, expert_smem_bytes<S * E>(warps, E), st, \
+         pdl, ap, ip, wp, sp, dp, y, D, I, y_f32)
   if (all_experts) {
-    const size_t smem_all = 256 + size_t(warps) * k * spw * (256 + 4) + size_t(warps) * k * 16 * sizeof(float);
     if (dec != 0) return -1;
     switch ((k * 10 + spw) * 100 + (depth > 0 ? depth : spw)) {
       case 6202: return DSV4_DOWN_ALL(2, 6, 2);
       case 6204: return DSV4_DOWN_ALL(2, 6, 4);
       case 6206: return DSV4_DOWN_ALL(2, 6, 6);
       case 6404: return DSV4_DOWN_ALL(4, 6, 4);
-      case 8204: return DSV4_DOWN_ALL(2, 8, 4);
-      case 8404: return DSV4_DOWN_ALL(4, 8, 4);
       default: return -1;
     }
   }

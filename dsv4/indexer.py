@@ -70,31 +70,27 @@ class Indexer:
     def decode(self, x, qr, cs, pos, st: LayerState, freqs, offset: int, fused: bool | None = None,
                raw: bool = False, proj: list | None = None) -> torch.Tensor:
         """One query at `pos` -> [1, min(k, n)] indices over the whole fixed-size cache. Capture-safe.
-        fused (default: bf16, one token, dsv4.kernels.available): Triton query prep and scores
-        (cs unused), torch.topk. raw: the top-k entry numbers themselves (unsorted; valid iff
+        fused (default: bf16, one token, dsv4.kernels.available): the fused parts below
+        (decode_compress, decode_query, decode_select; cs unused). raw: the top-k entry numbers themselves (unsorted; valid iff
         < (pos+1)//4), without the offset and the -1 mask (the fused attention takes those).
         proj (fused): [compressor wkv(x), wgate(x), weights_proj(x)] computed by the caller."""
         act = x.dtype
         if fused is None:
             fused = act == torch.bfloat16 and x.shape[0] == 1 and kernels.available(x.device)
         keys = st.index_cache[:-1]                                    # [n, di], scratch row excluded
-        visible = None
+        visible = (pos + 1) // 4                                      # [1]
         if fused:
             self.decode_compress(x, pos, st, freqs, None if proj is None else proj[:2])
             idx = self.decode_select(self.decode_query(qr, pos, freqs), pos, st,
                                      self.weights_proj(x, act) if proj is None else proj[2])
-            if raw:
-                return idx
-            return torch.where(idx >= (pos + 1) // 4, -1, idx + offset)
         else:
             q, w = self._query(x, qr, cs, act)
             self.compressor.decode(x, pos, st.index_compressor, st.index_cache, freqs, fused=False)
             sc = self._scores(q, w, keys)                                 # [1, n]
-            visible = (pos + 1) // 4                                      # [1]
             cols = torch.arange(keys.shape[0], device=x.device)
             sc = sc.masked_fill(cols >= visible, float("-inf"))
-        k = min(self.cfg.index_topk, keys.shape[0])
-        idx = sc.topk(k, dim=-1, sorted=False).indices   # the set matters, not the order
+            k = min(self.cfg.index_topk, keys.shape[0])
+            idx = sc.topk(k, dim=-1, sorted=False).indices   # the set matters, not the order
         if raw:
             return idx
         return torch.where(idx >= visible, -1, idx + offset)

@@ -24,7 +24,7 @@ class MoE:
                                     device=device) if self.hash else None)
         self.bias = None if self.hash else torch.empty(E, dtype=torch.float32, device=device)
         self.experts = ExpertBank(E, D, I, expert_fmt, device)
-        self._down_ws = None      # the CUDA down kernel's workspace (kernels.fp4_experts), lazily
+        self._down_ws = None      # the CUDA down kernel's workspace, lazily; (): none needed
         self.shared = {w: Linear(*((D, I) if w == "w2" else (I, D)), fmt, device)
                        for w in ("w1", "w2", "w3")}
 
@@ -130,12 +130,12 @@ class MoE:
                 y_sh = self._shared(x)                                        # [1, D] act
         a = fp4_experts_up(x, idx, w, bank.w1, bank.w1_scale, bank.w3, bank.w3_scale, lim)
         br.join()
-        k, D = idx.numel(), x.shape[-1]
-        if self._down_ws is None and down_needs_workspace(k, a.shape[-1], D):
-            # this layer's own: no two layers' launches share one
-            self._down_ws = down_workspace(k, D, x.device, shared=False)
+        if self._down_ws is None:   # decided once: this layer's own (no two layers share one)
+            k, D = idx.numel(), x.shape[-1]
+            self._down_ws = (down_workspace(k, D, x.device, shared=False)
+                             if down_needs_workspace(k, a.shape[-1], D) else ())
         return fp4_experts_down(a, idx, bank.w2, bank.w2_scale, add=y_sh, out_dtype=x.dtype,
-                                workspace=self._down_ws)
+                                workspace=self._down_ws or None)
 
     def prefill(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [t, D], ids [t] -> [t, D]. Groups tokens by expert (host sync: prefill only)."""

@@ -43,9 +43,9 @@ class Branch:
     """Fork at construction, run the block under `with b.side():` on side stream `lane`, `b.join()`
     before anything consumes its results (join one branch before the next one on the same lane
     forks). Outside capture (or unprepared, or switched off) all are no-ops and the block runs in
-    order on the current stream. Tensors the side branch reads or writes must stay referenced until the join
-    (freed earlier, the allocator could hand their memory to a kernel the branch races with), and
-    the main branch must not touch what the side branch writes before the join."""
+    order on the current stream. Tensors the side branch reads or writes must stay referenced
+    until the join (freed earlier, the allocator could hand their memory to a kernel the branch
+    races with), and the main branch must not touch what the side branch writes before the join."""
 
     def __init__(self, t: torch.Tensor, name: str, when: bool = True, lane: int = 0):
         dev = t.device

@@ -90,7 +90,6 @@ def _declare(lib) -> None:
     lib.dsv4_fp4_down.argtypes = [p, p, p, p, p, p, p, p, i, i, i, i, i, i, i, i, p, i]
 
 
-
 def _load(arch: str):
     path = os.environ.get(LIB_ENV)
     if path:

@@ -50,10 +50,9 @@ TUNED_CUDA_DOWN: dict[tuple, ExpertCudaConfig] = {
 CUDA_UP_VARIANTS = ((1, 0, 1), (2, 0, 2), (2, 0, 1), (4, 0, 4), (4, 0, 3), (4, 0, 2), (4, 1, 4),
                     (4, 1, 2))
 CUDA_DOWN_VARIANTS = ((1, 0, 1), (2, 0, 2), (2, 0, 1), (4, 0, 4), (4, 0, 2), (2, 1, 2))
-# the instantiated (k, spw, depth) of the all-experts down kernel (e2m1 decode 0)
-CUDA_DOWN_ALL_VARIANTS = ((6, 2, 2), (6, 2, 4), (6, 2, 6), (6, 4, 4), (8, 2, 4), (8, 4, 4))
-
-
+# the instantiated (k, spw, depth) of the all-experts down kernel (e2m1 decode 0; k = 6, the
+# released models' experts per token: other k take one expert per CTA)
+CUDA_DOWN_ALL_VARIANTS = ((6, 2, 2), (6, 2, 4), (6, 2, 6), (6, 4, 4))
 # the streaming up kernel's (spw, ctas) sweep (an H100 / H200 has 132 SMs: one CTA per SM fits)
 CUDA_UP_STREAM_VARIANTS = ((2, 132), (2, 120), (2, 100), (2, 66))
 
@@ -95,12 +94,6 @@ def cuda_down_config(k: int, inter: int, dim: int) -> ExpertCudaConfig | None:
 _workspaces: dict = {}
 
 
-def down_needs_workspace(k: int, inter: int, dim: int) -> bool:
-    """Whether fp4_experts_down's default CUDA config for this shape uses a workspace."""
-    c = cuda_down_config(k, inter, dim)
-    return c is not None and not c.all_experts
-
-
 def down_workspace(k: int, dim: int, device, shared: bool = True
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """(ws [k, D] float32, cnt [D / 16] int32 zeros): the CUDA down kernel's per-expert partials and
@@ -115,6 +108,13 @@ def down_workspace(k: int, dim: int, device, shared: bool = True
             return ws
         _workspaces[key] = ws
     return _workspaces[key]
+
+
+def down_needs_workspace(k: int, inter: int, dim: int) -> bool:
+    """Whether fp4_experts_down's default CUDA config for this shape uses a workspace."""
+    c = cuda_down_config(k, inter, dim)
+    return c is not None and not c.all_experts
+
 
 # The e2m1 decode (e2m1_word_to_f32): 4 nibbles become e4m3 bytes in three 32-bit ops (inline PTX),
 # then hardware e4m3x2 -> f16x2 -> f32 casts, then one FMA per weight.
