@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from . import overlap
 from .attention import Attention
 from .config import ModelConfig
 from .mhc import hc_post, hc_pre, rms_norm
@@ -62,14 +63,14 @@ class Block:
         x, post, comb = self._mix(h, "ffn", self.ffn_norm)
         return hc_post(self.ffn.prefill(x, ids), h, post, comb)
 
-    def _mix_decode(self, h: torch.Tensor, kind: str, norm: torch.Tensor):
+    def _mix_decode(self, h: torch.Tensor, kind: str, norm: torch.Tensor, branch=None):
         if not fused_mhc(h):
             return self._mix(h, kind, norm)
         from .kernels.mhc import hc_pre_norm
         cfg = self.cfg
         return hc_pre_norm(h, self.hc[f"hc_{kind}_fn"], self.hc[f"hc_{kind}_scale"],
                            self.hc[f"hc_{kind}_base"], norm, cfg.norm_eps, cfg.hc_eps,
-                           cfg.hc_sinkhorn_iters)
+                           cfg.hc_sinkhorn_iters, branch)
 
     def decode(self, h: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor, st: LayerState,
                out: torch.Tensor | None = None) -> torch.Tensor:
@@ -80,11 +81,16 @@ class Block:
         fused = fused_mhc(h)
         if fused:
             from .kernels import mhc as K
-        x, post, comb = self._mix_decode(h, "attn", self.attn_norm)
+        # each Sinkhorn beside its sublayer (hc_pre_norm forks the branch after its mix)
+        sk = overlap.Branch(h, "mhc", when=fused, lane=2, fork=False)
+        x, post, comb = self._mix_decode(h, "attn", self.attn_norm, sk)
         a = self.attn.decode(x, pos, st)
+        sk.join()
         h = K.hc_post(a, h, post, comb) if fused else hc_post(a, h, post, comb)
-        x, post, comb = self._mix_decode(h, "ffn", self.ffn_norm)
+        sk = overlap.Branch(h, "mhc", when=fused, lane=2, fork=False)
+        x, post, comb = self._mix_decode(h, "ffn", self.ffn_norm, sk)
         f = self.ffn.decode(x, ids)
+        sk.join()
         if fused:
             return K.hc_post(f, h, post, comb, out=out)
         y = hc_post(f, h, post, comb)

@@ -1,12 +1,13 @@
 """Concurrent branches inside a captured decode step. A side CUDA stream per device forks from the
 current stream and joins back, so independent kernels of a layer become parallel branches of the
 CUDA graph: the shared expert beside routing and the routed experts, the compressors and the
-indexer beside wq_b and attention prep. Only while a graph is being captured: replay pays
+indexer beside wq_b and attention prep (lanes 0 and 1), each mHC Sinkhorn beside its sublayer
+(lane 2). Only while a graph is being captured: replay pays
 nothing for it on the host, while an eager step would pay stream switches and event records per
 branch, so eager runs keep one stream (the same kernels, the same bits;
 tests/dsv4/test_kernels.py::test_pdl_and_branches_change_no_bit).
 `DSV4_OVERLAP=0` captures without branches; `DSV4_OVERLAP=moe` keeps only the named ones
-(moe, attn). Streams are made before capture (`prepare`): LANES side streams per device. (Side
+(moe, attn, mhc). Streams are made before capture (`prepare`): LANES side streams per device. (Side
 streams at the highest priority, which the graph's kernel nodes keep, measured no faster: the
 shared expert then streams inside up's window and up slows down by as much, BENCHMARKS.md.)"""
 from __future__ import annotations
@@ -17,7 +18,7 @@ import os
 import torch
 
 SWITCH = "DSV4_OVERLAP"
-LANES = 2
+LANES = 3
 _side: dict[torch.device, list] = {}
 
 
@@ -40,21 +41,32 @@ def enabled(name: str) -> bool:
 
 
 class Branch:
-    """Fork at construction, run the block under `with b.side():` on side stream `lane`, `b.join()`
-    before anything consumes its results (join one branch before the next one on the same lane
-    forks). Outside capture (or unprepared, or switched off) all are no-ops and the block runs in
-    order on the current stream. Tensors the side branch reads or writes must stay referenced
-    until the join (freed earlier, the allocator could hand their memory to a kernel the branch
-    races with), and the main branch must not touch what the side branch writes before the join."""
+    """Fork at construction (or, with fork=False, where `b.fork()` is called: the side branch sees
+    the main stream's work up to there), run the block under `with b.side():` on side stream
+    `lane`, `b.join()` before anything consumes its results (join one branch before the next one
+    on the same lane forks). Outside capture (or unprepared, or switched off) all are no-ops and
+    the block runs in order on the current stream. Tensors the side branch reads or writes must
+    stay referenced until the join (freed earlier, the allocator could hand their memory to a
+    kernel the branch races with; `hold` them), and the main branch must not touch what the side
+    branch writes before the join."""
 
-    def __init__(self, t: torch.Tensor, name: str, when: bool = True, lane: int = 0):
+    def __init__(self, t: torch.Tensor, name: str, when: bool = True, lane: int = 0,
+                 fork: bool = True):
         dev = t.device
         self.on = (when and t.is_cuda and dev in _side and enabled(name)
                    and torch.cuda.is_current_stream_capturing())
+        self._held, self.forked = [], False
         if self.on:
             self.main = torch.cuda.current_stream(dev)
             self.stream = _side[dev][lane]
+            if fork:
+                self.fork()
+
+    def fork(self) -> None:
+        """The side stream waits for the main stream's work so far (once, before side())."""
+        if self.on and not self.forked:
             self.stream.wait_stream(self.main)
+            self.forked = True
 
     def side(self):
         return torch.cuda.stream(self.stream) if self.on else contextlib.nullcontext()
@@ -64,7 +76,13 @@ class Branch:
         if self.on and other.on:
             self.stream.wait_stream(other.stream)
 
-    def join(self) -> None:
+    def hold(self, *tensors: torch.Tensor) -> None:
+        """Keep tensors the side branch uses (and nothing else references) alive until the join."""
         if self.on:
+            self._held.extend(tensors)
+
+    def join(self) -> None:
+        if self.on and self.forked:
             self.main.wait_stream(self.stream)
-            self.on = False
+        self.on = False
+        self._held.clear()

@@ -1,6 +1,8 @@
 """Fused hyper-connection kernels for one decode token: hc_pre + Sinkhorn split + RMSNorm in two
-launches (the second one's two programs compute x and the Sinkhorn side by side), hc_post in
-one, hc_head + final norm in two (instead of ~250 torch ops per sublayer).
+launches (the second one's two programs compute x and the Sinkhorn side by side; inside a
+captured step the Sinkhorn program is a launch of its own on a side stream, off the main chain,
+as only hc_post needs it), hc_post in one, hc_head + final norm in two (instead of ~250 torch ops
+per sublayer).
 
 h [c, D] bf16 (c = hc_mult = 4), fn [M, c*D] f32 (M = 24, or 4 for the head), x/out bf16.
 References: dsv4.mhc (hc_pre, hc_post, hc_head, rms_norm). Test: tests/dsv4/test_kernels_mhc.py.
@@ -45,14 +47,16 @@ def _pre_finish_kernel(h_ptr, part_ptr, scale_ptr, base_ptr, normw_ptr, x_ptr, p
                        D: tl.constexpr, C: tl.constexpr, NCH: tl.constexpr, NCHP: tl.constexpr,
                        MP: tl.constexpr,
                        BD: tl.constexpr, ITERS: tl.constexpr, norm_eps, hc_eps,
-                       ROUND: tl.constexpr, PDL: tl.constexpr):
-    # mixes -> (pre, post, comb) -> x = sum_k pre_k h_k -> RMSNorm(x) * w. Program 0: x; program
-    # 1 (hc_pre, not the head's one-program launch): post and comb (the Sinkhorn), side by side.
+                       ROUND: tl.constexpr, PDL: tl.constexpr, FIRST: tl.constexpr = 0):
+    # mixes -> (pre, post, comb) -> x = sum_k pre_k h_k -> RMSNorm(x) * w. Program FIRST + pid:
+    # 0: x; 1 (hc_pre, not the head's one-program launch): post and comb (the Sinkhorn), side by
+    # side in a launch of two programs, or each a launch of one (FIRST 0 / 1: the same code, as
+    # the program id is not a constant either way, so the same bits).
     pdl_wait(PDL)
     rho = tl.rsqrt(_reduce(part_ptr, tl.full([1], MP, tl.int32), NCH, NCHP, MP) / (C * D)
                    + norm_eps)
     kc = tl.arange(0, C)
-    if tl.program_id(0) == 1:
+    if tl.program_id(0) + FIRST == 1:
         post = 2.0 * tl.sigmoid(_reduce(part_ptr, C + kc, NCH, NCHP, MP) * rho
                                 * tl.load(scale_ptr + 1) + tl.load(base_ptr + C + kc))
         tl.store(post_ptr + kc, post)
@@ -112,8 +116,12 @@ def _mix(h2, fn):
     return part, nch, MP
 
 
-def hc_pre_norm(h, fn, scale, base, norm_w, norm_eps, hc_eps, iters):
-    """h [1, c, D] -> (RMSNorm(hc_pre(h)) [1, D] in h's dtype, post [1, c], comb [1, c, c] f32)."""
+def hc_pre_norm(h, fn, scale, base, norm_w, norm_eps, hc_eps, iters, branch=None):
+    """h [1, c, D] -> (RMSNorm(hc_pre(h)) [1, D] in h's dtype, post [1, c], comb [1, c, c] f32).
+    branch: an overlap.Branch made with fork=False; when it is on (capturing), it forks after the
+    mix and the Sinkhorn (post, comb) runs as a launch of its own on its side stream, so the main
+    chain waits for x only; join it before post / comb are read. Otherwise both in one launch (the
+    same bits)."""
     _, C, D = h.shape
     if (C * D) % BK:
         raise ValueError(f"hc_pre_norm: c*D = {C * D} must be a multiple of {BK}")
@@ -122,11 +130,18 @@ def hc_pre_norm(h, fn, scale, base, norm_w, norm_eps, hc_eps, iters):
     x = torch.empty(1, D, dtype=h.dtype, device=h.device)
     post = torch.empty(1, C, dtype=torch.float32, device=h.device)
     comb = torch.empty(1, C, C, dtype=torch.float32, device=h.device)
-    _pre_finish_kernel[(2,)](h2, part, scale, base, norm_w, x, post, comb, D=D, C=C, NCH=nch,
-                             NCHP=triton.next_power_of_2(nch), MP=MP,
-                             BD=triton.next_power_of_2(D), ITERS=iters, norm_eps=norm_eps,
-                             hc_eps=hc_eps, ROUND=h.dtype == torch.bfloat16,
-                             num_warps=FINISH_WARPS, **launch_args(x))
+    kw = dict(D=D, C=C, NCH=nch, NCHP=triton.next_power_of_2(nch), MP=MP,
+              BD=triton.next_power_of_2(D), ITERS=iters, norm_eps=norm_eps, hc_eps=hc_eps,
+              ROUND=h.dtype == torch.bfloat16, num_warps=FINISH_WARPS, **launch_args(x))
+    args = (h2, part, scale, base, norm_w, x, post, comb)
+    if branch is None or not branch.on:
+        _pre_finish_kernel[(2,)](*args, **kw)
+        return x, post, comb
+    branch.fork()   # after the mix: the Sinkhorn reads its partials
+    _pre_finish_kernel[(1,)](*args, FIRST=0, **kw)
+    with branch.side():
+        _pre_finish_kernel[(1,)](*args, FIRST=1, **kw)
+    branch.hold(part)   # the side launch reads it: keep it from the allocator until the join
     return x, post, comb
 
 

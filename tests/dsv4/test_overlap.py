@@ -8,15 +8,18 @@ import torch
 from dsv4 import overlap
 
 
-@pytest.mark.parametrize("value,on", [(None, {"moe", "attn"}), ("1", {"moe", "attn"}),
-                                      ("0", set()), ("moe", {"moe"}), ("mhc", set()),
+ALL = {"moe", "attn", "mhc"}
+
+
+@pytest.mark.parametrize("value,on", [(None, ALL), ("1", ALL), ("0", set()), ("moe", {"moe"}),
+                                      ("mhc", {"mhc"}), ("sinkhorn", set()),
                                       (" attn , moe ", {"moe", "attn"})])
 def test_switch(monkeypatch, value, on):
     if value is None:
         monkeypatch.delenv(overlap.SWITCH, raising=False)
     else:
         monkeypatch.setenv(overlap.SWITCH, value)
-    assert {n for n in ("moe", "attn") if overlap.enabled(n)} == on
+    assert {n for n in ALL if overlap.enabled(n)} == on
 
 
 def test_branch_is_a_no_op_off_cuda(monkeypatch):
@@ -31,5 +34,7 @@ def test_branch_is_a_no_op_off_cuda(monkeypatch):
     assert not br.on
     with br.side():
         y = x * 2                     # runs in order, on the current (CPU) stream
+    br.hold(y)                        # nothing to keep: no side stream
+    assert br._held == []
     br.join()
     assert torch.equal(y, torch.full((3,), 2.0))
