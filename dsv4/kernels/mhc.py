@@ -42,21 +42,22 @@ def _reduce(part_ptr, idx, NCH: tl.constexpr, NCHP: tl.constexpr, MP: tl.constex
     return tl.sum(v, axis=0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["first"])
 def _pre_finish_kernel(h_ptr, part_ptr, scale_ptr, base_ptr, normw_ptr, x_ptr, post_ptr, comb_ptr,
-                       D: tl.constexpr, C: tl.constexpr, NCH: tl.constexpr, NCHP: tl.constexpr,
-                       MP: tl.constexpr,
+                       first, D: tl.constexpr, C: tl.constexpr, NCH: tl.constexpr,
+                       NCHP: tl.constexpr, MP: tl.constexpr,
                        BD: tl.constexpr, ITERS: tl.constexpr, norm_eps, hc_eps,
-                       ROUND: tl.constexpr, PDL: tl.constexpr, FIRST: tl.constexpr = 0):
-    # mixes -> (pre, post, comb) -> x = sum_k pre_k h_k -> RMSNorm(x) * w. Program FIRST + pid:
+                       ROUND: tl.constexpr, PDL: tl.constexpr):
+    # mixes -> (pre, post, comb) -> x = sum_k pre_k h_k -> RMSNorm(x) * w. Program first + pid:
     # 0: x; 1 (hc_pre, not the head's one-program launch): post and comb (the Sinkhorn), side by
-    # side in a launch of two programs, or each a launch of one (FIRST 0 / 1: the same code, as
-    # the program id is not a constant either way, so the same bits).
+    # side in a launch of two programs, or each a launch of one. `first` is a runtime argument
+    # that is never specialized: one binary for all three launches (compiled by the eager
+    # warm-up, not during capture), the same code and so the same bits.
     pdl_wait(PDL)
     rho = tl.rsqrt(_reduce(part_ptr, tl.full([1], MP, tl.int32), NCH, NCHP, MP) / (C * D)
                    + norm_eps)
     kc = tl.arange(0, C)
-    if tl.program_id(0) + FIRST == 1:
+    if tl.program_id(0) + first == 1:
         post = 2.0 * tl.sigmoid(_reduce(part_ptr, C + kc, NCH, NCHP, MP) * rho
                                 * tl.load(scale_ptr + 1) + tl.load(base_ptr + C + kc))
         tl.store(post_ptr + kc, post)
@@ -135,12 +136,12 @@ def hc_pre_norm(h, fn, scale, base, norm_w, norm_eps, hc_eps, iters, branch=None
               ROUND=h.dtype == torch.bfloat16, num_warps=FINISH_WARPS, **launch_args(x))
     args = (h2, part, scale, base, norm_w, x, post, comb)
     if branch is None or not branch.on:
-        _pre_finish_kernel[(2,)](*args, **kw)
+        _pre_finish_kernel[(2,)](*args, 0, **kw)
         return x, post, comb
     branch.fork()   # after the mix: the Sinkhorn reads its partials
-    _pre_finish_kernel[(1,)](*args, FIRST=0, **kw)
+    _pre_finish_kernel[(1,)](*args, 0, **kw)
     with branch.side():
-        _pre_finish_kernel[(1,)](*args, FIRST=1, **kw)
+        _pre_finish_kernel[(1,)](*args, 1, **kw)
     branch.hold(part)   # the side launch reads it: keep it from the allocator until the join
     return x, post, comb
 
@@ -151,7 +152,7 @@ def hc_head_norm(h, fn, scale, base, norm_w, norm_eps, hc_eps):
     h2 = h.reshape(C, D).contiguous()
     part, nch, MP = _mix(h2, fn)
     x = torch.empty(1, D, dtype=h.dtype, device=h.device)
-    _pre_finish_kernel[(1,)](h2, part, scale, base, norm_w, x, x, x, D=D, C=C, NCH=nch,
+    _pre_finish_kernel[(1,)](h2, part, scale, base, norm_w, x, x, x, 0, D=D, C=C, NCH=nch,
                              NCHP=triton.next_power_of_2(nch), MP=MP,
                              BD=triton.next_power_of_2(D), ITERS=1, norm_eps=norm_eps,
                              hc_eps=hc_eps, ROUND=h.dtype == torch.bfloat16,

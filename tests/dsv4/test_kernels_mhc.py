@@ -75,3 +75,49 @@ def test_block_decode_fused_vs_torch_mhc():
     h = torch.randn(1, 4, 256, device="cuda").bfloat16()
     assert B.fused_mhc(h)
     assert not B.fused_mhc(h.float()) and not B.fused_mhc(torch.zeros(2, 4, 256, device="cuda"))
+
+
+def _compiled(fn) -> int:
+    """Binaries Triton holds for JIT function `fn` (every device; the kernel cache comes first)."""
+    return sum(len(c[0]) for c in fn.device_caches.values())
+
+
+@pytest.mark.cuda
+def test_sinkhorn_branch_in_capture(monkeypatch):
+    """Captured with an mHC branch on, hc_pre_norm launches x and the Sinkhorn separately (the
+    Sinkhorn on the branch's side stream): the same bits as the eager two-program launch, and no
+    binary compiled during capture (the eager warm-up compiled the one binary all launches use)."""
+    from dsv4 import overlap
+    from dsv4.kernels import mhc as K
+    dev, g = torch.device("cuda"), torch.Generator(device="cuda").manual_seed(3)
+    D = 4096
+    h = torch.randn(1, 4, D, generator=g, device=dev).bfloat16()
+    fn = torch.randn(24, 4 * D, generator=g, device=dev) / (4 * D) ** 0.5
+    scale = 0.5 + 0.1 * torch.randn(3, generator=g, device=dev)
+    base = 0.5 * torch.randn(24, generator=g, device=dev)
+    w = 1 + 0.1 * torch.randn(D, generator=g, device=dev)
+    monkeypatch.delenv(overlap.SWITCH, raising=False)
+    overlap.prepare(dev)
+
+    def step():
+        br = overlap.Branch(h, "mhc", lane=2, fork=False)
+        out = K.hc_pre_norm(h, fn, scale, base, w, 1e-6, 1e-6, 20, br)
+        on = br.on
+        br.join()
+        return out, on
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        (want, on) = step()                      # warm-up: eager, one launch of two programs
+    torch.cuda.current_stream().wait_stream(side)
+    assert not on
+    n = _compiled(K._pre_finish_kernel)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got, on = step()
+    assert on, "the branch did not fork inside capture"
+    assert _compiled(K._pre_finish_kernel) == n, "a binary was compiled during capture"
+    graph.replay()
+    torch.cuda.synchronize()
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
