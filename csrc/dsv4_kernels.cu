@@ -1036,6 +1036,12 @@ size_t expert_smem_bytes(int warps, int nm) {
   return 256 * SPW + 64 + size_t(warps) * (256 * SPW + 4 * SPW) + size_t(warps) * nm * 16 * sizeof(float);
 }
 
+// A per-tile expert kernel's instantiation as one switch key: (spw, e2m1 decode, steps in flight;
+// depth 0 = spw). Used by both launchers' case labels, so key and labels cannot drift apart.
+constexpr int expert_variant(int spw, int dec, int depth) {
+  return (spw * 2 + (dec != 0)) * 10 + (depth > 0 ? depth : spw);
+}
+
 }  // namespace
 
 extern "C" {
@@ -1101,15 +1107,15 @@ int dsv4_fp4_up(const void* x, const void* idx, const void* rw, const void* w1, 
       default: return -1;
     }
   }
-  switch ((spw * 2 + (dec != 0)) * 10 + (depth > 0 ? depth : spw)) {
-    case 21: return DSV4_UP(1, 0, 1);
-    case 42: return DSV4_UP(2, 0, 2);
-    case 41: return DSV4_UP(2, 0, 1);
-    case 84: return DSV4_UP(4, 0, 4);
-    case 83: return DSV4_UP(4, 0, 3);
-    case 82: return DSV4_UP(4, 0, 2);
-    case 94: return DSV4_UP(4, 1, 4);
-    case 92: return DSV4_UP(4, 1, 2);
+  switch (expert_variant(spw, dec, depth)) {
+    case expert_variant(1, 0, 1): return DSV4_UP(1, 0, 1);
+    case expert_variant(2, 0, 2): return DSV4_UP(2, 0, 2);
+    case expert_variant(2, 0, 1): return DSV4_UP(2, 0, 1);
+    case expert_variant(4, 0, 4): return DSV4_UP(4, 0, 4);
+    case expert_variant(4, 0, 3): return DSV4_UP(4, 0, 3);
+    case expert_variant(4, 0, 2): return DSV4_UP(4, 0, 2);
+    case expert_variant(4, 1, 4): return DSV4_UP(4, 1, 4);
+    case expert_variant(4, 1, 2): return DSV4_UP(4, 1, 2);
     default: return -1;
   }
 #undef DSV4_UP
@@ -1150,13 +1156,13 @@ int dsv4_fp4_down(const void* act, const void* idx, const void* w2, const void* 
       default: return -1;
     }
   }
-  switch ((spw * 2 + (dec != 0)) * 10 + (depth > 0 ? depth : spw)) {
-    case 21: return DSV4_DOWN(1, 0, 1);
-    case 42: return DSV4_DOWN(2, 0, 2);
-    case 41: return DSV4_DOWN(2, 0, 1);
-    case 84: return DSV4_DOWN(4, 0, 4);
-    case 82: return DSV4_DOWN(4, 0, 2);
-    case 52: return DSV4_DOWN(2, 1, 2);
+  switch (expert_variant(spw, dec, depth)) {
+    case expert_variant(1, 0, 1): return DSV4_DOWN(1, 0, 1);
+    case expert_variant(2, 0, 2): return DSV4_DOWN(2, 0, 2);
+    case expert_variant(2, 0, 1): return DSV4_DOWN(2, 0, 1);
+    case expert_variant(4, 0, 4): return DSV4_DOWN(4, 0, 4);
+    case expert_variant(4, 0, 2): return DSV4_DOWN(4, 0, 2);
+    case expert_variant(2, 1, 2): return DSV4_DOWN(2, 1, 2);
     default: return -1;
   }
 #undef DSV4_DOWN

@@ -302,8 +302,8 @@ def measure(model: Transformer, mode: str, granularity: str, context: int, steps
         if kernels and model.head_device.type == "cuda":
             at_context()
             top: dict = {}
-            total = count_kernels(dec.step, devices, top,
-                                  trace and f"{trace}-{mode}{'-' + granularity if mode == 'graph' else ''}.json")
+            suffix = f"-{granularity}" if mode == "graph" else ""
+            total = count_kernels(dec.step, devices, top, trace and f"{trace}-{mode}{suffix}.json")
             res["top_kernels"] = sorted(([k, n, round(us, 1)] for k, (n, us) in top.items()),
                                         key=lambda r: -r[2])[:20]
             for k, n, us in res["top_kernels"][:12]:

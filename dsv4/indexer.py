@@ -71,8 +71,9 @@ class Indexer:
                raw: bool = False, proj: list | None = None) -> torch.Tensor:
         """One query at `pos` -> [1, min(k, n)] indices over the whole fixed-size cache. Capture-safe.
         fused (default: bf16, one token, dsv4.kernels.available): the fused parts below
-        (decode_compress, decode_query, decode_select; cs unused). raw: the top-k entry numbers themselves (unsorted; valid iff
-        < (pos+1)//4), without the offset and the -1 mask (the fused attention takes those).
+        (decode_compress, decode_query, decode_select; cs unused). raw: the top-k entry numbers
+        themselves (unsorted; valid iff < (pos+1)//4), without the offset and the -1 mask (the
+        fused attention takes those).
         proj (fused): [compressor wkv(x), wgate(x), weights_proj(x)] computed by the caller."""
         act = x.dtype
         if fused is None:
