@@ -581,10 +581,9 @@ DEV const uint4* expert_smem(uint8_t* smem, int warp, int nwarps, int g, int q, 
   return (g == q ? xs : zero) + 4 * q;
 }
 
-// up's epilogue for one tile (expert slot j, rows r0 .. r0 + 15): the warps' gate / up sums tot
-// meet in red ([warps][2][16]; a block barrier), then threads 0..15 write their row of a.
-DEV void up_epilogue(float (&tot)[2][2], float* red, int warp, int nwarps, int g, int q,
-                     const float* rw, __nv_bfloat16* out, float limit, int I, int j, int r0) {
+// up's epilogue, the warp's part: its gate / up sums tot of the tile's 16 rows -> red[warp]
+// ([warps][2][16]).
+DEV void up_partial(float (&tot)[2][2], float* red, int warp, int g, int q) {
 #pragma unroll
   for (int m = 0; m < 2; ++m)
 #pragma unroll
@@ -596,21 +595,32 @@ DEV void up_epilogue(float (&tot)[2][2], float* red, int warp, int nwarps, int g
       red[(warp * 2 + m) * 16 + g + 8] = tot[m][1];
     }
   }
-  __syncthreads();
-  if (threadIdx.x < 16) {
-    const int r = threadIdx.x;
-    float gs = 0.0f, us = 0.0f;
-    for (int w = 0; w < nwarps; ++w) {
-      gs += red[(w * 2) * 16 + r];
-      us += red[(w * 2 + 1) * 16 + r];
-    }
-    float gv = bf16_round(gs), uv = bf16_round(us);   // fp4_gemm outputs bf16
-    if (limit > 0.0f) {
-      uv = fminf(fmaxf(uv, -limit), limit);
-      gv = fminf(gv, limit);
-    }
-    out[size_t(j) * I + r0 + r] = __float2bfloat16_rn(gv / (1.0f + expf(-gv)) * uv * rw[j]);
+}
+
+// up's epilogue, the rest (threads r < 16 of one warp, every warp's part in red): row r0 + r of
+// expert slot j: the warps' sums in warp order, bf16, clamp, SwiGLU, route weight -> a.
+DEV void up_finish(const float* red, int r, int nwarps, const float* rw, __nv_bfloat16* out,
+                   float limit, int I, int j, int r0) {
+  float gs = 0.0f, us = 0.0f;
+  for (int w = 0; w < nwarps; ++w) {
+    gs += red[(w * 2) * 16 + r];
+    us += red[(w * 2 + 1) * 16 + r];
   }
+  float gv = bf16_round(gs), uv = bf16_round(us);   // fp4_gemm outputs bf16
+  if (limit > 0.0f) {
+    uv = fminf(fmaxf(uv, -limit), limit);
+    gv = fminf(gv, limit);
+  }
+  out[size_t(j) * I + r0 + r] = __float2bfloat16_rn(gv / (1.0f + expf(-gv)) * uv * rw[j]);
+}
+
+// up's epilogue for one tile (expert slot j, rows r0 .. r0 + 15): the warps' gate / up sums tot
+// meet in red ([warps][2][16]; a block barrier), then threads 0..15 write their row of a.
+DEV void up_epilogue(float (&tot)[2][2], float* red, int warp, int nwarps, int g, int q,
+                     const float* rw, __nv_bfloat16* out, float limit, int I, int j, int r0) {
+  up_partial(tot, red, warp, g, q);
+  __syncthreads();
+  if (threadIdx.x < 16) up_finish(red, threadIdx.x, nwarps, rw, out, limit, I, j, r0);
 }
 
 // a[j, r] = bf16(silu(g) * u * rw[j]), g / u = bf16(W8A8 w1 / w3 of expert idx[j] at x), u clamped
@@ -650,7 +660,11 @@ __global__ void __launch_bounds__(512) fp4_up_kernel(const __nv_bfloat16* x, con
 // (tile t: expert slot t / (I / 16), rows 16 * (t % (I / 16))), its warps' weights for the next
 // tile in flight (registers A / B in turn) while the current one is computed and reduced, so an
 // SM keeps loading between tiles instead of idling through each CTA's compute and epilogue. x is
-// quantized once. Per tile the same sums as fp4_up_kernel<SPW>. k <= 16.
+// quantized once. No block barrier per tile (one cost ~20% of the kernel: every warp waited for
+// the slowest one's loads): each warp leaves its sums in the tile parity's red buffer and counts
+// itself in (shared atomic); the warp that arrives last adds them up in warp order (up_finish:
+// the sums and bits of fp4_up_kernel<SPW>), resets the count and bumps the buffer's generation,
+// which a warp two tiles ahead waits for before it overwrites the buffer. k <= 16.
 template <int SPW, int DEC>
 __global__ void __launch_bounds__(512) fp4_up_stream_kernel(const __nv_bfloat16* x,
                                                             const int64_t* idx, const float* rw,
@@ -669,8 +683,14 @@ __global__ void __launch_bounds__(512) fp4_up_stream_kernel(const __nv_bfloat16*
   const int rt = I / 16, tiles = rt * k, G = gridDim.x;
   const int k0 = warp * 128 * SPW;
   const size_t wrow = size_t(D) / 2, srow = size_t(D) / 32;
+  __shared__ int s_cnt[2];            // warps done with the parity's current tile
+  __shared__ volatile int s_gen[2];   // the parity's tiles added up so far
   pdl_wait();   // the experts come from the routing kernel
   if (threadIdx.x < k) s_e[threadIdx.x] = idx[threadIdx.x];
+  if (threadIdx.x < 2) {
+    s_cnt[threadIdx.x] = 0;
+    s_gen[threadIdx.x] = 0;
+  }
   __syncthreads();
   ExpertStep<2> A[SPW], B[SPW];
   auto load = [&](ExpertStep<2>(&st)[SPW], int t) {
@@ -688,26 +708,49 @@ __global__ void __launch_bounds__(512) fp4_up_stream_kernel(const __nv_bfloat16*
         st[s].sb[m] = ld_stream_u32(sp[m] + 4 * s + 8 * srow);
       }
   };
-  // red: two [warps][2][16] buffers, one per tile parity (see the expert_smem size)
-  auto compute = [&](const ExpertStep<2>(&st)[SPW], int t, int par) {
+  // red: two [warps][2][16] buffers, one per tile parity (see the expert_smem size); use: how
+  // many tiles of this parity the CTA did before this one
+  auto compute = [&](const ExpertStep<2>(&st)[SPW], int t, int par, int use) {
     float tot[2][2] = {{0.0f, 0.0f}, {0.0f, 0.0f}};
 #pragma unroll
     for (int s = 0; s < SPW; ++s) fp4_step<2, DEC>(st[s], xb + s * xstride, ef[s], q, tot);
-    up_epilogue(tot, red + par * nwarps * 32, warp, nwarps, g, q, rw, out, limit, I, t / rt,
-                (t % rt) * 16);
+    float* rp = red + par * nwarps * 32;
+    while (s_gen[par] != use) {   // the buffer's previous tile not yet added up (rare)
+    }
+    __threadfence_block();
+    up_partial(tot, rp, warp, g, q);
+    __syncwarp();   // the warp's writes, then lane 0's count
+    int last = 0;
+    if (lane == 0) {
+      __threadfence_block();
+      last = atomicAdd(&s_cnt[par], 1) == nwarps - 1;
+      __threadfence_block();
+    }
+    if (__shfl_sync(FULL, last, 0)) {
+      __syncwarp();
+      if (lane < 16) up_finish(rp, lane, nwarps, rw, out, limit, I, t / rt, (t % rt) * 16);
+      __syncwarp();   // every read of rp, then the buffer is free
+      if (lane == 0) {
+        s_cnt[par] = 0;
+        __threadfence_block();
+        s_gen[par] = use + 1;
+      }
+    }
   };
-  int t = blockIdx.x;
+  int t = blockIdx.x, n = 0;
   if (t < tiles) load(A, t);
   quant_slice<SPW, DEC>(x + k0, reinterpret_cast<uint16_t*>(xs), ef, lane);
   __syncthreads();   // xs, and the zero operand
-  while (t < tiles) {
+  while (t < tiles) {   // n: the CTA's tiles so far (even ones use A and red buffer 0)
     if (t + G < tiles) load(B, t + G);
-    compute(A, t, 0);
+    compute(A, t, 0, n >> 1);
     t += G;
+    ++n;
     if (t >= tiles) break;
     if (t + G < tiles) load(A, t + G);
-    compute(B, t, 1);
+    compute(B, t, 1, n >> 1);
     t += G;
+    ++n;
   }
 }
 
