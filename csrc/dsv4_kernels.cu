@@ -597,16 +597,18 @@ DEV void up_partial(float (&tot)[2][2], float* red, int warp, int g, int q) {
   }
 }
 
-// up's epilogue, the rest (threads r < 16 of one warp, every warp's part in red): row r0 + r of
-// expert slot j: the warps' sums in warp order, bf16, clamp, SwiGLU, route weight -> a.
-DEV void up_finish(const float* red, int r, int nwarps, const float* rw, __nv_bfloat16* out,
+// up's epilogue, the rest (one warp, every warp's part in red): lane r < 16 writes row r0 + r of
+// expert slot j: the warps' gate (lane r) and up (lane r + 16) sums in warp order, bf16, clamp,
+// SwiGLU, route weight -> a.
+DEV void up_finish(const float* red, int lane, int nwarps, const float* rw, __nv_bfloat16* out,
                    float limit, int I, int j, int r0) {
-  float gs = 0.0f, us = 0.0f;
-  for (int w = 0; w < nwarps; ++w) {
-    gs += red[(w * 2) * 16 + r];
-    us += red[(w * 2 + 1) * 16 + r];
-  }
-  float gv = bf16_round(gs), uv = bf16_round(us);   // fp4_gemm outputs bf16
+  const int r = lane & 15, m = lane >> 4;
+  float sum = 0.0f;
+#pragma unroll 16
+  for (int w = 0; w < nwarps; ++w) sum += red[(w * 2 + m) * 16 + r];
+  const float us = __shfl_down_sync(FULL, sum, 16);
+  if (lane >= 16) return;
+  float gv = bf16_round(sum), uv = bf16_round(us);   // fp4_gemm outputs bf16
   if (limit > 0.0f) {
     uv = fminf(fmaxf(uv, -limit), limit);
     gv = fminf(gv, limit);
@@ -620,7 +622,7 @@ DEV void up_epilogue(float (&tot)[2][2], float* red, int warp, int nwarps, int g
                      const float* rw, __nv_bfloat16* out, float limit, int I, int j, int r0) {
   up_partial(tot, red, warp, g, q);
   __syncthreads();
-  if (threadIdx.x < 16) up_finish(red, threadIdx.x, nwarps, rw, out, limit, I, j, r0);
+  if (threadIdx.x < 32) up_finish(red, threadIdx.x, nwarps, rw, out, limit, I, j, r0);
 }
 
 // a[j, r] = bf16(silu(g) * u * rw[j]), g / u = bf16(W8A8 w1 / w3 of expert idx[j] at x), u clamped
@@ -728,7 +730,7 @@ __global__ void __launch_bounds__(512) fp4_up_stream_kernel(const __nv_bfloat16*
     }
     if (__shfl_sync(FULL, last, 0)) {
       __syncwarp();
-      if (lane < 16) up_finish(rp, lane, nwarps, rw, out, limit, I, t / rt, (t % rt) * 16);
+      up_finish(rp, lane, nwarps, rw, out, limit, I, t / rt, (t % rt) * 16);
       __syncwarp();   // every read of rp, then the buffer is free
       if (lane == 0) {
         s_cnt[par] = 0;
