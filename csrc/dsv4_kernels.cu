@@ -617,7 +617,7 @@ DEV void up_finish(const float* red, int lane, int nwarps, const float* rw, __nv
 }
 
 // up's epilogue for one tile (expert slot j, rows r0 .. r0 + 15): the warps' gate / up sums tot
-// meet in red ([warps][2][16]; a block barrier), then threads 0..15 write their row of a.
+// meet in red ([warps][2][16]; a block barrier), then warp 0 adds them up and writes the rows.
 DEV void up_epilogue(float (&tot)[2][2], float* red, int warp, int nwarps, int g, int q,
                      const float* rw, __nv_bfloat16* out, float limit, int I, int j, int r0) {
   up_partial(tot, red, warp, g, q);
@@ -662,11 +662,11 @@ __global__ void __launch_bounds__(512) fp4_up_kernel(const __nv_bfloat16* x, con
 // (tile t: expert slot t / (I / 16), rows 16 * (t % (I / 16))), its warps' weights for the next
 // tile in flight (registers A / B in turn) while the current one is computed and reduced, so an
 // SM keeps loading between tiles instead of idling through each CTA's compute and epilogue. x is
-// quantized once. No block barrier per tile (one cost ~20% of the kernel: every warp waited for
-// the slowest one's loads): each warp leaves its sums in the tile parity's red buffer and counts
-// itself in (shared atomic); the warp that arrives last adds them up in warp order (up_finish:
-// the sums and bits of fp4_up_kernel<SPW>), resets the count and bumps the buffer's generation,
-// which a warp two tiles ahead waits for before it overwrites the buffer. k <= 16.
+// quantized once. No block barrier per tile (it cost ~20% of the kernel's time: every warp waited
+// for the one whose weights came last): each warp leaves its sums in the tile parity's red buffer
+// and counts itself in (shared atomic); the warp that arrives last adds them up in warp order
+// (up_finish: the sums and bits of fp4_up_kernel<SPW>), resets the count and bumps the buffer's
+// generation, which a warp two tiles ahead waits for before it overwrites the buffer. k <= 16.
 template <int SPW, int DEC>
 __global__ void __launch_bounds__(512) fp4_up_stream_kernel(const __nv_bfloat16* x,
                                                             const int64_t* idx, const float* rw,
