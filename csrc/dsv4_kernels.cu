@@ -63,6 +63,12 @@ DEV uint32_t ld_stream_u32(const void* p) {
   return r;
 }
 
+DEV uint2 ld_stream_u64(const void* p) {
+  uint2 r;
+  asm volatile("ld.global.L1::no_allocate.v2.u32 {%0,%1}, [%2];\n" : "=r"(r.x), "=r"(r.y) : "l"(p));
+  return r;
+}
+
 // ue8m0 byte -> 2^(b-127) as float32 (byte 0 -> 0, as the Triton kernels).
 DEV float e8m0(uint32_t b) { return __uint_as_float((b & 0xFFu) << 23); }
 
@@ -456,6 +462,13 @@ DEV uint32_t f32x2_to_e4m3_f16x2(float lo, float hi) {
 template <int DEC>
 DEV int x_pos(int r) { return DEC == 0 ? (r & 1) * 4 + (r >> 1) : (r & 3) * 2 + (r >> 2); }
 
+// The 16-byte chunk of a warp's activation operand that holds chunk c (8 elements: group c / 4,
+// word c % 4), swizzled so that the four lanes (q, q) reading a step's word w (chunks 4q + w of
+// the step) hit four different bank groups (w, w + 4, w ^ 2, (w ^ 2) + 4 of the 8 16-byte
+// groups) and the other lanes' zero chunks (see expert_smem) two more: one shared-memory
+// wavefront per load (the unswizzled layout with a zero operand per lane q took ~8).
+DEV int xchunk(int c) { return c ^ ((c >> 2) & 2); }
+
 // act_quant of one warp's slice of an activation row (SPW blocks of 128, bf16) into shared memory
 // as f16 MMA operands: the e4m3 values (exact in f16), 16 bytes per 32-group and word (8
 // elements) in the order x_pos<DEC>; ef[s] = 2^(e_s + 6) (DEC 0) or 2^(e_s + 14) (DEC 1): the
@@ -475,9 +488,9 @@ DEV void quant_slice(const __nv_bfloat16* act, uint16_t* xs, float* ef, int lane
 #pragma unroll
   for (int j = 0; j < EPL; j += 2) {
     const uint32_t h = f32x2_to_e4m3_f16x2(v[j] * inv, v[j + 1] * inv);
-    const int t = lane * EPL + j;
-    xs[(t & ~7) + x_pos<DEC>(t & 7)] = uint16_t(h & 0xFFFFu);
-    xs[(t & ~7) + x_pos<DEC>((t + 1) & 7)] = uint16_t(h >> 16);
+    const int t = lane * EPL + j, c = xchunk(t >> 3) * 8;
+    xs[c + x_pos<DEC>(t & 7)] = uint16_t(h & 0xFFFFu);
+    xs[c + x_pos<DEC>((t + 1) & 7)] = uint16_t(h >> 16);
   }
   if (lane % LPB == 0) ef[lane / LPB] = pow2f(e + (DEC == 0 ? 6 : 14));
 }
@@ -485,9 +498,10 @@ DEV void quant_slice(const __nv_bfloat16* act, uint16_t* xs, float* ef, int lane
 // One 128-step of the tensor-core part shared by up and down, for NM matrices on the same rows:
 // lane (g, q) holds 16 bytes of row g and of row g + 8 at group 4s + q (wa, wb) and the 4 scale
 // bytes of groups 4s .. 4s + 3 of each row (sa, sb). B column n = q carries group 4s + q only
-// (lanes g != q read zeros: xb, see expert_smem), so after the group's 8 MMAs C[r][n] is row r's
-// dot with group 4s + n (n < 4). Adds to tot[m][0] / tot[m][1] (rows g / g + 8) the dots of groups
-// 4s + 2q and 4s + 2q + 1 scaled by their ue8m0 and f (lanes q < 2; lanes q >= 2 hold zero columns).
+// (lane (q, q) reads it from the step's xs, the other lanes a zero chunk: xq, see expert_smem),
+// so after the group's 8 MMAs C[r][n] is row r's dot with group 4s + n (n < 4).
+// Adds to tot[m][0] / tot[m][1] (rows g / g + 8) the dots of groups 4s + 2q and 4s + 2q + 1
+// scaled by their ue8m0 and f (lanes q < 2; lanes q >= 2 hold zero columns).
 template <int NM>
 struct ExpertStep {
   uint4 wa[NM], wb[NM];
@@ -495,13 +509,13 @@ struct ExpertStep {
 };
 
 template <int NM, int DEC>
-DEV void fp4_step(const ExpertStep<NM>& st, const uint4* xb, float f, int q, float (&tot)[NM][2]) {
+DEV void fp4_step(const ExpertStep<NM>& st, const uint4* xq, float f, int q, float (&tot)[NM][2]) {
   float c[NM][4];
 #pragma unroll
   for (int m = 0; m < NM; ++m) c[m][0] = c[m][1] = c[m][2] = c[m][3] = 0.0f;
 #pragma unroll
   for (int w = 0; w < 4; ++w) {
-    const uint4 b = xb[w];
+    const uint4 b = xq[w ^ ((q >> 1) << 1)];
 #pragma unroll
     for (int m = 0; m < NM; ++m) {
       const uint32_t ra = w == 0 ? st.wa[m].x : w == 1 ? st.wa[m].y : w == 2 ? st.wa[m].z : st.wa[m].w;
@@ -557,28 +571,66 @@ struct ExpertWarp {
 #pragma unroll
     for (int s = 0; s < DEPTH && s < SPW; ++s) load(s);
   }
-  DEV void run(const uint4* xb, int xstride, const float* ef, float (&tot)[NM][2]) {
+  DEV void run(const uint4* xq, int xstride, const float* ef, float (&tot)[NM][2]) {
 #pragma unroll
     for (int s = 0; s < SPW; ++s) {
-      fp4_step<NM, DEC>(st[s % DEPTH], xb + s * xstride, ef[s], q, tot);
+      fp4_step<NM, DEC>(st[s % DEPTH], xq + s * xstride, ef[s], q, tot);
       if (s + DEPTH < SPW) load(s + DEPTH);
     }
   }
 };
 
-// Shared-memory layout of the expert kernels: a zero region (the B operands of lanes off their
-// column: 256 * SPW + 64 bytes), per warp xs (256 * SPW bytes) and ef (SPW floats), then red
-// [warps][NM][16]. Returns this lane's B operand base for step 0 (see ExpertWarp::run).
+// The scale words of a warp's K slice (word s: the ue8m0 bytes of groups 4s .. 4s + 3, step s)
+// in one load per 32 rows: lane l reads its row's SPW words at p (l & 15: the row in the tile;
+// l >> 4: the matrix or expert, see spread_scales). A per-step load per fragment row asked the
+// memory system for 8 lines for 32 useful bytes, as many line requests as the weights'.
+template <int SPW>
+DEV void ld_scales(const uint8_t* p, uint32_t (&sc)[SPW]) {
+  static_assert(SPW == 1 || SPW == 2 || SPW == 4, "spw");
+  if constexpr (SPW == 1) {
+    sc[0] = ld_stream_u32(p);
+  } else if constexpr (SPW == 2) {
+    const uint2 v = ld_stream_u64(p);
+    sc[0] = v.x;
+    sc[1] = v.y;
+  } else {
+    const uint4 v = ld_stream(p);
+    sc[0] = v.x;
+    sc[1] = v.y;
+    sc[2] = v.z;
+    sc[3] = v.w;
+  }
+}
+
+// Lane (g, q)'s scale words of rows g and g + 8 (sa, sb) from the lanes 16h .. 16h + 15 that
+// loaded them (ld_scales): word w of those lanes.
+DEV void spread_scales(uint32_t w, int h, int g, uint32_t& sa, uint32_t& sb) {
+  sa = __shfl_sync(FULL, w, 16 * h + g);
+  sb = __shfl_sync(FULL, w, 16 * h + g + 8);
+}
+
+// Bytes of the expert_smem layout below (nm red rows per warp).
+template <int SPW>
+__host__ __device__ constexpr size_t expert_smem_bytes(int warps, int nm) {
+  return 128 + size_t(warps) * (256 * SPW + 4 * SPW) + size_t(warps) * nm * 16 * sizeof(float);
+}
+
+// Shared-memory layout of the expert kernels: 128 zero bytes (the B operand of the lanes off
+// their column), per warp xs (its activation operand, 256 * SPW bytes, chunks swizzled by xchunk)
+// and ef (SPW floats), then red [warps][NM][16]. Returns xq, this lane's B operands of step 0 as
+// fp4_step reads them (its word w at xq[w ^ ((q >> 1) << 1)]): xs + 4q for lane (q, q), then
+// 16 chunks further per step (xstride), else zero + 1 for every step (xstride 0; its chunks
+// 1 + (w ^ 0 or 2) lie in bank groups apart from the four lanes (q, q)'s, see xchunk).
 template <int SPW>
 DEV const uint4* expert_smem(uint8_t* smem, int warp, int nwarps, int g, int q, float*& ef,
-                             float*& red, uint4*& xs) {
-  constexpr int ZB = 256 * SPW + 64;
+                             float*& red, uint4*& xs, int& xstride) {
   uint4* zero = reinterpret_cast<uint4*>(smem);
-  for (int i = threadIdx.x; i < ZB / 16; i += blockDim.x) zero[i] = make_uint4(0u, 0u, 0u, 0u);
-  xs = reinterpret_cast<uint4*>(smem + ZB + warp * 256 * SPW);
-  ef = reinterpret_cast<float*>(smem + ZB + nwarps * 256 * SPW) + warp * SPW;
-  red = reinterpret_cast<float*>(smem + ZB + nwarps * 256 * SPW) + nwarps * SPW;
-  return (g == q ? xs : zero) + 4 * q;
+  if (threadIdx.x < 8) zero[threadIdx.x] = make_uint4(0u, 0u, 0u, 0u);
+  xs = reinterpret_cast<uint4*>(smem + 128 + warp * 256 * SPW);
+  ef = reinterpret_cast<float*>(smem + 128 + nwarps * 256 * SPW) + warp * SPW;
+  red = reinterpret_cast<float*>(smem + 128 + nwarps * 256 * SPW) + nwarps * SPW;
+  xstride = g == q ? 16 : 0;
+  return g == q ? xs + 4 * q : zero + 1;
 }
 
 // up's epilogue, the warp's part: its gate / up sums tot of the tile's 16 rows -> red[warp]
@@ -637,7 +689,8 @@ __global__ void __launch_bounds__(512) fp4_up_kernel(const __nv_bfloat16* x, con
   const int g = lane >> 2, q = lane & 3, j = blockIdx.y, r0 = blockIdx.x * 16;
   uint4* xs;
   float *ef, *red;
-  const uint4* xb = expert_smem<SPW>(smem, warp, nwarps, g, q, ef, red, xs);
+  int xstride;
+  const uint4* xq = expert_smem<SPW>(smem, warp, nwarps, g, q, ef, red, xs, xstride);
   pdl_wait();   // the experts come from the routing kernel
   const int64_t e = idx[j];
   const int k0 = warp * 128 * SPW;
@@ -654,7 +707,7 @@ __global__ void __launch_bounds__(512) fp4_up_kernel(const __nv_bfloat16* x, con
   quant_slice<SPW, DEC>(x + k0, reinterpret_cast<uint16_t*>(xs), ef, lane);
   __syncthreads();   // xs, and the zero operand
   float tot[2][2] = {{0.0f, 0.0f}, {0.0f, 0.0f}};
-  ew.run(xb, g == q ? 16 : 0, ef, tot);
+  ew.run(xq, xstride, ef, tot);
   up_epilogue(tot, red, warp, nwarps, g, q, rw, out, limit, I, j, r0);
 }
 
@@ -680,8 +733,8 @@ __global__ void __launch_bounds__(512) fp4_up_stream_kernel(const __nv_bfloat16*
   const int g = lane >> 2, q = lane & 3;
   uint4* xs;
   float *ef, *red;
-  const uint4* xb = expert_smem<SPW>(smem, warp, nwarps, g, q, ef, red, xs);
-  const int xstride = g == q ? 16 : 0;
+  int xstride;
+  const uint4* xq = expert_smem<SPW>(smem, warp, nwarps, g, q, ef, red, xs, xstride);
   const int rt = I / 16, tiles = rt * k, G = gridDim.x;
   const int k0 = warp * 128 * SPW;
   const size_t wrow = size_t(D) / 2, srow = size_t(D) / 32;
@@ -694,28 +747,33 @@ __global__ void __launch_bounds__(512) fp4_up_stream_kernel(const __nv_bfloat16*
     s_gen[threadIdx.x] = 0;
   }
   __syncthreads();
-  ExpertStep<2> A[SPW], B[SPW];
-  auto load = [&](ExpertStep<2>(&st)[SPW], int t) {
-    const size_t rowa = size_t(s_e[t / rt]) * I + (t % rt) * 16 + g;
+  ExpertStep<2> A[SPW], B[SPW];   // the weights of a tile (sa / sb: see compute)
+  uint32_t scA[SPW], scB[SPW];     // its scale words (ld_scales: lanes 0-15 w1, 16-31 w3)
+  auto load = [&](ExpertStep<2>(&st)[SPW], uint32_t(&sc)[SPW], int t) {
+    const size_t row0 = size_t(s_e[t / rt]) * I + (t % rt) * 16, rowa = row0 + g;
     const uint8_t* wp[2] = {w1 + rowa * wrow + (k0 >> 5) * 16 + q * 16,
                             w3 + rowa * wrow + (k0 >> 5) * 16 + q * 16};
-    const uint8_t* sp[2] = {s1 + rowa * srow + (k0 >> 5), s3 + rowa * srow + (k0 >> 5)};
 #pragma unroll
     for (int s = 0; s < SPW; ++s)
 #pragma unroll
       for (int m = 0; m < 2; ++m) {
         st[s].wa[m] = ld_stream(wp[m] + s * 64);
         st[s].wb[m] = ld_stream(wp[m] + s * 64 + 8 * wrow);
-        st[s].sa[m] = ld_stream_u32(sp[m] + 4 * s);
-        st[s].sb[m] = ld_stream_u32(sp[m] + 4 * s + 8 * srow);
       }
+    ld_scales<SPW>((lane < 16 ? s1 : s3) + (row0 + (lane & 15)) * srow + (k0 >> 5), sc);
   };
   // red: two [warps][2][16] buffers, one per tile parity (see the expert_smem size); use: how
   // many tiles of this parity the CTA did before this one
-  auto compute = [&](const ExpertStep<2>(&st)[SPW], int t, int par, int use) {
+  auto compute = [&](const ExpertStep<2>(&st)[SPW], const uint32_t(&sc)[SPW], int t, int par,
+                     int use) {
     float tot[2][2] = {{0.0f, 0.0f}, {0.0f, 0.0f}};
 #pragma unroll
-    for (int s = 0; s < SPW; ++s) fp4_step<2, DEC>(st[s], xb + s * xstride, ef[s], q, tot);
+    for (int s = 0; s < SPW; ++s) {
+      ExpertStep<2> e = st[s];
+#pragma unroll
+      for (int m = 0; m < 2; ++m) spread_scales(sc[s], m, g, e.sa[m], e.sb[m]);
+      fp4_step<2, DEC>(e, xq + s * xstride, ef[s], q, tot);
+    }
     float* rp = red + par * nwarps * 32;
     while (s_gen[par] != use) {   // the buffer's previous tile not yet added up (rare)
     }
@@ -740,17 +798,17 @@ __global__ void __launch_bounds__(512) fp4_up_stream_kernel(const __nv_bfloat16*
     }
   };
   int t = blockIdx.x, n = 0;
-  if (t < tiles) load(A, t);
+  if (t < tiles) load(A, scA, t);
   quant_slice<SPW, DEC>(x + k0, reinterpret_cast<uint16_t*>(xs), ef, lane);
   __syncthreads();   // xs, and the zero operand
   while (t < tiles) {   // n: the CTA's tiles so far (even ones use A and red buffer 0)
-    if (t + G < tiles) load(B, t + G);
-    compute(A, t, 0, n >> 1);
+    if (t + G < tiles) load(B, scB, t + G);
+    compute(A, scA, t, 0, n >> 1);
     t += G;
     ++n;
     if (t >= tiles) break;
-    if (t + G < tiles) load(A, t + G);
-    compute(B, t, 1, n >> 1);
+    if (t + G < tiles) load(A, scA, t + G);
+    compute(B, scB, t, 1, n >> 1);
     t += G;
     ++n;
   }
@@ -771,7 +829,8 @@ __global__ void __launch_bounds__(512) fp4_down_kernel(const __nv_bfloat16* act,
   const int g = lane >> 2, q = lane & 3, j = blockIdx.y, r0 = blockIdx.x * 16;
   uint4* xs;
   float *ef, *red;
-  const uint4* xb = expert_smem<SPW>(smem, warp, nwarps, g, q, ef, red, xs);
+  int xstride;
+  const uint4* xq = expert_smem<SPW>(smem, warp, nwarps, g, q, ef, red, xs, xstride);
   pdl_wait();
   const int64_t e = idx[j];
   const int k0 = warp * 128 * SPW;
@@ -786,7 +845,7 @@ __global__ void __launch_bounds__(512) fp4_down_kernel(const __nv_bfloat16* act,
   quant_slice<SPW, DEC>(act + size_t(j) * I + k0, reinterpret_cast<uint16_t*>(xs), ef, lane);
   __syncthreads();   // xs, and the zero operand
   float tot[1][2] = {{0.0f, 0.0f}};
-  ew.run(xb, g == q ? 16 : 0, ef, tot);
+  ew.run(xq, xstride, ef, tot);
   tot[0][0] += __shfl_xor_sync(FULL, tot[0][0], 1);
   tot[0][1] += __shfl_xor_sync(FULL, tot[0][1], 1);
   if (q == 0) {
@@ -833,46 +892,50 @@ __global__ void __launch_bounds__(512) fp4_down_all_kernel(const __nv_bfloat16* 
                                                            const __nv_bfloat16* add, void* y,
                                                            int D, int I, int y_f32) {
   constexpr int NS = NE * SPW;
+  static_assert(NE % 2 == 0, "the scale loads take two experts");
   extern __shared__ __align__(128) uint8_t smem[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   const int g = lane >> 2, q = lane & 3, r0 = blockIdx.x * 16;
   uint4* xs;
   float *ef, *red;   // the expert_smem layout with NS steps per warp; red [warps][NE][16]
-  const uint4* xb = expert_smem<NS>(smem, warp, nwarps, g, q, ef, red, xs);
+  int xstride;
+  const uint4* xq = expert_smem<NS>(smem, warp, nwarps, g, q, ef, red, xs, xstride);
   pdl_wait();
   const int k0 = warp * 128 * SPW;
   const size_t wrow = size_t(I) / 2, srow = size_t(I) / 32;
   const uint8_t* wp[NE];
-  const uint8_t* sp[NE];
 #pragma unroll
   for (int j = 0; j < NE; ++j) {
     const size_t row = size_t(idx[j]) * D + r0 + g;
     wp[j] = w2 + row * wrow + (k0 >> 5) * 16 + q * 16;
-    sp[j] = s2 + row * srow + (k0 >> 5);
   }
-  ExpertStep<1> st[DEPTH];
+  ExpertStep<1> st[DEPTH];   // sa / sb: see the step loop
   auto load = [&](int s) {
     ExpertStep<1>& e = st[s % DEPTH];
     const int j = s / SPW, t = s % SPW;
     e.wa[0] = ld_stream(wp[j] + t * 64);
     e.wb[0] = ld_stream(wp[j] + t * 64 + 8 * wrow);
-    e.sa[0] = ld_stream_u32(sp[j] + 4 * t);
-    e.sb[0] = ld_stream_u32(sp[j] + 4 * t + 8 * srow);
   };
 #pragma unroll
   for (int s = 0; s < DEPTH && s < NS; ++s) load(s);
+  uint32_t sc[NE / 2][SPW];   // experts 2i (lanes 0-15) and 2i + 1 (lanes 16-31), ld_scales
+#pragma unroll
+  for (int i = 0; i < NE / 2; ++i)
+    ld_scales<SPW>(s2 + (size_t(idx[2 * i + (lane >> 4)]) * D + r0 + (lane & 15)) * srow + (k0 >> 5),
+                   sc[i]);
 #pragma unroll
   for (int j = 0; j < NE; ++j)
     quant_slice<SPW, DEC>(act + size_t(j) * I + k0, reinterpret_cast<uint16_t*>(xs + j * SPW * 16),
                           ef + j * SPW, lane);
   __syncthreads();   // xs, and the zero operand
-  const int xstride = g == q ? 16 : 0;
   float tot[NE][1][2];
 #pragma unroll
   for (int j = 0; j < NE; ++j) tot[j][0][0] = tot[j][0][1] = 0.0f;
 #pragma unroll
   for (int s = 0; s < NS; ++s) {
-    fp4_step<1, DEC>(st[s % DEPTH], xb + s * xstride, ef[s], q, tot[s / SPW]);
+    ExpertStep<1> e = st[s % DEPTH];
+    spread_scales(sc[s / SPW / 2][s % SPW], (s / SPW) & 1, g, e.sa[0], e.sb[0]);
+    fp4_step<1, DEC>(e, xq + s * xstride, ef[s], q, tot[s / SPW]);
     if (s + DEPTH < NS) load(s + DEPTH);
   }
 #pragma unroll
@@ -1076,10 +1139,6 @@ Fp8Launch fp8_pick(int lc, int cpl, int rpl) {
   }
 }
 
-template <int SPW>
-size_t expert_smem_bytes(int warps, int nm) {
-  return 256 * SPW + 64 + size_t(warps) * (256 * SPW + 4 * SPW) + size_t(warps) * nm * 16 * sizeof(float);
-}
 
 // A per-tile expert kernel's instantiation as one switch key: (spw, e2m1 decode, steps in flight;
 // depth 0 = spw). Used by both launchers' case labels, so key and labels cannot drift apart.
