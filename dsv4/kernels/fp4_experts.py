@@ -41,11 +41,11 @@ class ExpertCudaConfig:
 
 
 # measured best on an H200 (bench_kernels --sweep --backend cuda), keyed (k, I, D)
-# up: 100 streaming CTAs (23.6-25 us alone; 25.9 us one CTA per tile) leave SMs for the shared
-# expert's branch beside it (8 Flash layers, graph: 1.441 vs 1.450 ms with 132, 1.456 per tile)
+# up: 100 streaming CTAs (25.0 us alone, 20.2 on 132) leave SMs for the shared expert's branch
+# beside it (8 Flash layers, graph: 1.360 ms vs 1.369-1.377 with 116 / 132 CTAs)
 TUNED_CUDA_UP: dict[tuple, ExpertCudaConfig] = {(6, 2048, 4096): ExpertCudaConfig(2, ctas=100)}
 TUNED_CUDA_DOWN: dict[tuple, ExpertCudaConfig] = {
-    (6, 2048, 4096): ExpertCudaConfig(2, 0, 6, True)}   # 13.9 us (one expert per CTA: 16 us)
+    (6, 2048, 4096): ExpertCudaConfig(2, 0, 6, True)}   # 12.0 us (one expert per CTA: 16 us)
 # the instantiated (spw, dec, depth) of csrc (depth 0 = spw)
 CUDA_UP_VARIANTS = ((1, 0, 1), (2, 0, 2), (2, 0, 1), (4, 0, 4), (4, 0, 3), (4, 0, 2), (4, 1, 4),
                     (4, 1, 2))
