@@ -14,7 +14,9 @@ ENV_SWITCH = "DSV4_KERNELS"   # "0" turns the kernel path off (the torch path is
 
 
 def triton_importable() -> bool:
-    return "triton" in sys.modules or importlib.util.find_spec("triton") is not None
+    if "triton" in sys.modules:             # None there means an import of it is blocked
+        return sys.modules["triton"] is not None
+    return importlib.util.find_spec("triton") is not None
 
 
 def available(device) -> bool:

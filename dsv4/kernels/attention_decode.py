@@ -176,7 +176,8 @@ def _attn_kernel(q_ptr, kv_ptr, idx_ptr, sink_ptr, freqs_ptr, pos_ptr, o_ptr, pm
         if live:
             j = (blk - NWB) * BN + e
             if MODE == 2:
-                t = tl.load(idx_ptr + j, mask=(~win) & (j < KC), other=-1).to(tl.int32)
+                # j < 0 iff win (a vector mask: Triton 3.9's interpreter rejects scalar & vector)
+                t = tl.load(idx_ptr + j, mask=(j >= 0) & (j < KC), other=-1).to(tl.int32)
                 cvalid = (j < KC) & (t >= 0) & (t < vis)
             else:
                 t = j
