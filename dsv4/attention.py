@@ -16,6 +16,7 @@ from .linear import Linear
 from .mhc import rms_norm
 from .quant import fp8_quant_dequant
 from .rope import apply_rope, cos_sin, rope_frequencies
+from .sparse import sparse_attention
 from .state import LayerState
 
 PREFILL_CHUNK = 64  # queries per sparse-attention chunk in prefill (bounds the gathered KV)
@@ -201,20 +202,3 @@ class Attention:
             return [lin(x, dt) for lin, dt in zip(lins, dts)]
         return bf16_linear_multi(x, [lin.weight for lin in lins], dts)
 
-
-def sparse_attention(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor,
-                     scale: float) -> torch.Tensor:
-    """Attention of q [s, h, d] over rows idx [s, k] of kv [n, d] (-1 = masked), with a per-head
-    sink logit in the denominator (official sparse_attn). Logits and sums in float32; in bf16 the
-    probabilities are rounded to bf16 for P.V as the kernel does. Returns [s, h, d] in q's dtype."""
-    valid = idx >= 0                                                          # [s, k]
-    g = kv[idx.clamp_min(0)].to(torch.float32)                                # [s, k, d]
-    logits = torch.einsum("shd,skd->shk", q.to(torch.float32), g) * scale
-    logits = logits.masked_fill(~valid.unsqueeze(1), float("-inf"))
-    m = logits.amax(dim=-1, keepdim=True)                                     # finite: slot p valid
-    p = torch.exp(logits - m)
-    denom = p.sum(dim=-1) + torch.exp(sink - m.squeeze(-1))                   # [s, h]
-    if q.dtype != torch.float32:
-        p = p.to(q.dtype).to(torch.float32)
-    o = torch.einsum("shk,skd->shd", p, g) / denom.unsqueeze(-1)
-    return o.to(q.dtype)

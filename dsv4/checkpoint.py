@@ -56,7 +56,7 @@ def expected_tensor_table(cfg: ModelConfig) -> dict[str, TensorSpec]:
 
     Order: embed, main layers, head/norm/hc_head, MTP blocks (the release's shard order).
     """
-    D, V, hc = cfg.dim, cfg.vocab_size, cfg.hc_mult
+    D, V = cfg.dim, cfg.vocab_size
     t: dict[str, TensorSpec] = {"embed.weight": ((V, D), "BF16")}
     for layer in range(cfg.n_layers):
         _block(t, cfg, f"layers.{layer}.", layer)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -428,5 +428,5 @@ def _validate_blocks(c: ModelConfig) -> None:
         if in_f % FP8_BLOCK or (c.expert_format == "fp8" and out_f % FP8_BLOCK):
             raise ConfigError(f"expert linear {name} has shape [{out_f}, {in_f}]; its input dim must "
                               f"be a multiple of {FP8_BLOCK} (activation quantization)"
-                              + (f" and its output dim too (FP8 blocks)" if c.expert_format == "fp8"
+                              + (" and its output dim too (FP8 blocks)" if c.expert_format == "fp8"
                                  else ""))

@@ -13,6 +13,7 @@ from .config import ModelConfig
 from .linear import Linear
 from .quant import fp4_quant_dequant, hadamard
 from .rope import apply_rope
+from .sparse import index_scores
 from .state import LayerState
 
 SCORE_ELEMS = 1 << 26  # prefill: bound on the [queries, heads, entries] index-score tensor
@@ -41,12 +42,6 @@ class Indexer:
         w = self.weights_proj(x, act) * (self.head_dim ** -0.5 * self.n_heads ** -0.5)
         return q, w
 
-    @staticmethod
-    def _scores(q, w, keys):
-        """sum_h relu(q_h . k_t) * w_h in the activation dtype: [s, t]."""
-        sc = torch.einsum("shd,td->sht", q, keys)
-        return (sc.relu() * w.unsqueeze(-1)).sum(dim=1)
-
     def prefill(self, x, qr, cs, st: LayerState, freqs, offset: int) -> torch.Tensor:
         """Queries 0..s-1 -> compressed indices [s, min(k, s//4)] (+offset, -1 where not visible)."""
         s, act = x.shape[0], x.dtype
@@ -61,7 +56,7 @@ class Indexer:
         c = max(1, SCORE_ELEMS // max(1, self.n_heads * t))
         out = []
         for i in range(0, s, c):
-            sc = self._scores(q[i:i + c], w[i:i + c], keys)                   # [c, t]
+            sc = index_scores(q[i:i + c], w[i:i + c], keys)                   # [c, t]
             sc = sc.masked_fill(cols >= visible[i:i + c], float("-inf"))
             idx = sc.topk(k, dim=-1).indices
             out.append(torch.where(idx >= visible[i:i + c], -1, idx + offset))
@@ -87,7 +82,7 @@ class Indexer:
         else:
             q, w = self._query(x, qr, cs, act)
             self.compressor.decode(x, pos, st.index_compressor, st.index_cache, freqs, fused=False)
-            sc = self._scores(q, w, keys)                                 # [1, n]
+            sc = index_scores(q, w, keys)                                 # [1, n]
             cols = torch.arange(keys.shape[0], device=x.device)
             sc = sc.masked_fill(cols >= visible, float("-inf"))
             k = min(self.cfg.index_topk, keys.shape[0])

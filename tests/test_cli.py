@@ -111,7 +111,7 @@ def test_bad_checkpoints_exit_2(ckpt, tmp_path):
     cfg = json.loads((bad / "config.json").read_text())
     cfg["moe_intermediate_size"] = 256              # every expert tensor now has the wrong shape
     (bad / "config.json").write_text(json.dumps(cfg))
-    line = _one_error_line(run("--ckpt", str(bad), "--prompt-ids", "1,2"), "expected", "found")
+    _one_error_line(run("--ckpt", str(bad), "--prompt-ids", "1,2"), "expected", "found")
 
 
 def test_demo_builds_once_and_runs(tmp_path):

@@ -11,6 +11,10 @@ import torch
 import triton
 import triton.language as tl
 
+from ..mhc import rms_norm
+from ..quant import fp8_quant_dequant
+from ..rope import apply_rope, cos_sin
+from ..sparse import sparse_attention
 from .common import interpreting, launch_args, on_device, pdl_wait, round_bf16
 from .compressor_decode import (NEG_INF, dot_bf16, fp8_fake_quant_rows, from_pairs, load_pos,
                                 rope_cos_sin, rope_pairs, to_pairs)
@@ -305,9 +309,6 @@ def sparse_attention_decode(q: torch.Tensor, kv_cache: torch.Tensor, sink: torch
 
 def attention_prep_reference(q, kv, kv_norm, kv_cache, pos, freqs, eps, n_heads, window):
     """Attention._q_kv after its GEMVs + the ring write of Attention.decode (torch ops)."""
-    from ..mhc import rms_norm
-    from ..quant import fp8_quant_dequant
-    from ..rope import apply_rope, cos_sin
     cs = cos_sin(pos, freqs)
     q = q.unflatten(-1, (n_heads, -1))
     q = q * torch.rsqrt(q.square().mean(-1, keepdim=True) + eps)
@@ -322,8 +323,6 @@ def attention_prep_reference(q, kv, kv_norm, kv_cache, pos, freqs, eps, n_heads,
 def sparse_attention_decode_reference(q, kv_cache, sink, pos, freqs, scale, n_heads, window, ratio,
                                       n_comp, idx=None):
     """Attention.decode's index construction + sparse_attention + inverse RoPE (torch ops)."""
-    from ..attention import sparse_attention
-    from ..rope import apply_rope, cos_sin
     dev = q.device
     slots = torch.arange(window, device=dev)
     full = torch.where(slots <= pos, slots, -1).unsqueeze(0)

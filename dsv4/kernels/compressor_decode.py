@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 from ..formats import FP4_AMAX_FLOOR, FP4_MAX, FP4_MAX_INV
-from .common import (RNE_MAGIC, block_exponent, interpreting, launch_args, on_device, pdl_wait,
+from .common import (RNE_MAGIC, block_exponent, launch_args, on_device, pdl_wait,
                      pow2, quant_dequant, round_bf16)
 
 E2M1_MAX = tl.constexpr(FP4_MAX)

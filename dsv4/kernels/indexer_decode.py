@@ -8,6 +8,9 @@ import torch
 import triton
 import triton.language as tl
 
+from ..quant import fp4_quant_dequant, hadamard, hadamard_matrix
+from ..rope import apply_rope, cos_sin
+from .. import sparse
 from .common import interpreting, launch_args, on_device, pdl, pdl_wait, round_bf16
 from .compressor_decode import (NEG_INF, dot_bf16, fp4_fake_quant_rows, from_pairs, load_pos,
                                 rope_cos_sin, rope_pairs, sylvester, to_pairs)
@@ -79,7 +82,7 @@ def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, pos: torc
                  wscale: float, out: torch.Tensor | None = None) -> torch.Tensor:
     """Index scores [1, n] bf16 of the prepped q [1, h*di] against keys [n, di] (the index cache
     without its scratch row) with head weights w [1, h] * wscale; -inf for entries not yet visible
-    (t >= (pos+1)//4). As Indexer._scores + the decode mask. Capture-safe, deterministic."""
+    (t >= (pos+1)//4). As dsv4.sparse.index_scores + the decode mask. Capture-safe, deterministic."""
     n, DI = keys.shape
     H = w.numel()
     if q.numel() != H * DI or keys.dtype != torch.bfloat16:
@@ -117,17 +120,14 @@ def index_topk(scores: torch.Tensor, k: int, out: torch.Tensor | None = None) ->
 
 def index_query_reference(q, pos, freqs, n_heads):
     """Indexer._query's q after the GEMV (torch ops)."""
-    from ..quant import fp4_quant_dequant, hadamard, hadamard_matrix
-    from ..rope import apply_rope, cos_sin
     q = apply_rope(q.unflatten(-1, (n_heads, -1)), cos_sin(pos, freqs))
     h = hadamard_matrix(q.shape[-1], q.device)
     return fp4_quant_dequant(hadamard(q, h), 32).flatten(1)
 
 
 def index_scores_reference(q, w, keys, pos, wscale):
-    """Indexer.decode's scores: Indexer._scores + the visibility mask (torch ops)."""
-    from ..indexer import Indexer
+    """Indexer.decode's scores: index_scores + the visibility mask (torch ops)."""
     H = w.numel()
-    sc = Indexer._scores(q.unflatten(-1, (H, -1)), w * wscale, keys)
+    sc = sparse.index_scores(q.unflatten(-1, (H, -1)), w * wscale, keys)
     cols = torch.arange(keys.shape[0], device=q.device)
     return sc.masked_fill(cols >= (pos + 1) // 4, float("-inf"))

@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import mhc as torch_mhc
 from .common import launch_args, pdl_wait, round_bf16
 
 BK = 256       # flattened-h elements per program of the partial mix GEMV
@@ -178,16 +179,14 @@ def hc_post(x, res, post, comb, out=None):
 
 
 def hc_pre_norm_reference(h, fn, scale, base, norm_w, norm_eps, hc_eps, iters):
-    from ..mhc import hc_pre, rms_norm
-    x, post, comb = hc_pre(h, fn, scale, base, norm_eps, hc_eps, iters)
-    return rms_norm(x, norm_w, norm_eps), post, comb
+    x, post, comb = torch_mhc.hc_pre(h, fn, scale, base, norm_eps, hc_eps, iters)
+    return torch_mhc.rms_norm(x, norm_w, norm_eps), post, comb
 
 
 def hc_head_norm_reference(h, fn, scale, base, norm_w, norm_eps, hc_eps):
-    from ..mhc import hc_head, rms_norm
-    return rms_norm(hc_head(h, fn, scale, base, norm_eps, hc_eps), norm_w, norm_eps)
+    return torch_mhc.rms_norm(torch_mhc.hc_head(h, fn, scale, base, norm_eps, hc_eps), norm_w,
+                              norm_eps)
 
 
 def hc_post_reference(x, res, post, comb):
-    from ..mhc import hc_post as ref
-    return ref(x, res, post, comb)
+    return torch_mhc.hc_post(x, res, post, comb)

@@ -3,8 +3,8 @@ import math
 
 import torch
 
-from dsv4.attention import sparse_attention
-from dsv4.formats import FP8_MAX, e8m0_to_float
+from dsv4.sparse import sparse_attention
+from dsv4.formats import FP8_MAX
 from dsv4.mhc import hc_post, hc_pre, sinkhorn_split
 from dsv4.presets import TINY
 from dsv4.quant import fp4_quant_dequant, fp8_quant_dequant, hadamard, hadamard_matrix

@@ -1,5 +1,4 @@
 """ModelConfig: both released config styles, presets, and validation messages."""
-import json
 
 import pytest
 
