@@ -19,7 +19,7 @@ from .rope import apply_rope, cos_sin, rope_frequencies
 from .sparse import sparse_attention
 from .state import LayerState
 
-PREFILL_CHUNK = 64  # queries per sparse-attention chunk in prefill (bounds the gathered KV)
+QUERY_BLOCK = 64  # prefill queries per torch sparse-attention call (bounds the gathered KV)
 
 
 class Attention:
@@ -84,32 +84,33 @@ class Attention:
         return self.wo_b(z, act)
 
     # ---- prefill -----------------------------------------------------------------------------
-    def prefill(self, x: torch.Tensor, st: LayerState) -> torch.Tensor:
-        """Positions 0..s-1 from a reset state: x [s, D] -> [s, D]; fills the layer state."""
+    def prefill(self, x: torch.Tensor, st: LayerState, start: int = 0) -> torch.Tensor:
+        """Positions start..start+s-1 after positions < start: x [s, D] -> [s, D]; updates the
+        layer state as s decode steps would (ring, compressor and indexer state, caches)."""
         cfg, s, dev = self.cfg, x.shape[0], x.device
         W, r = cfg.window_size, self.ratio
-        cs = cos_sin(torch.arange(s, device=dev), self.freqs)
+        pos = torch.arange(start, start + s, device=dev)
+        cs = cos_sin(pos, self.freqs)
         qr, q, kv = self._q_kv(x, cs)
-        base = torch.arange(s, device=dev).unsqueeze(1)
-        win = (base - W + 1).clamp_min(0) + torch.arange(min(s, W), device=dev)
-        idx = torch.where(win > base, -1, win)                                 # [s, min(s, W)]
+        # attended rows: [0, W) the ring as it was (positions < start), [W, W+s) this chunk's kv,
+        # [W+s, ...) the compressed entries visible at the chunk's end (its own written first)
+        idx = window_indices(start, s, W, dev)                                 # [s, W]
+        n_vis = (start + s) // r if r else 0
         if r == 4:
-            idx = torch.cat((idx, self.indexer.prefill(x, qr, cs, st, self.freqs, offset=s)), -1)
+            idx = torch.cat((idx, self.indexer.prefill(x, qr, cs, st, self.freqs, start,
+                                                       offset=W + s)), -1)
         elif r:
-            t = s // r
-            comp = torch.arange(t, device=dev).expand(s, t)
-            idx = torch.cat((idx, torch.where(comp >= (base + 1) // r, -1, comp + s)), -1)
-        keep = min(s, W)                                                       # ring write
-        tail = torch.arange(s - keep, s, device=dev)
-        st.kv_cache[tail % W] = kv[s - keep:]
-        kv_all = kv
+            comp = torch.arange(n_vis, device=dev).expand(s, n_vis)
+            idx = torch.cat((idx, torch.where(comp < (pos[:, None] + 1) // r, comp + W + s, -1)),
+                            -1)
         if r:
-            entries = self.compressor.prefill(x, st.compressor, st.kv_cache[W:], self.freqs)
-            if entries is not None:
-                kv_all = torch.cat((kv, entries), dim=0)
-        o = torch.cat([sparse_attention(q[i:i + PREFILL_CHUNK], kv_all, idx[i:i + PREFILL_CHUNK],
+            self.compressor.prefill(x, st.compressor, st.kv_cache[W:], self.freqs, start)
+        kv_all = torch.cat((st.kv_cache[:W], kv, st.kv_cache[W:W + n_vis]))
+        keep = min(s, W)                                 # ring write (the old ring is copied)
+        st.kv_cache[pos[s - keep:] % W] = kv[s - keep:]
+        o = torch.cat([sparse_attention(q[i:i + QUERY_BLOCK], kv_all, idx[i:i + QUERY_BLOCK],
                                         self.attn_sink, cfg.head_dim ** -0.5)
-                       for i in range(0, s, PREFILL_CHUNK)], dim=0)
+                       for i in range(0, s, QUERY_BLOCK)], dim=0)
         return self._out(o, cs)
 
     # ---- decode ------------------------------------------------------------------------------
@@ -202,3 +203,12 @@ class Attention:
             return [lin(x, dt) for lin, dt in zip(lins, dts)]
         return bf16_linear_multi(x, [lin.weight for lin in lins], dts)
 
+
+def window_indices(start: int, s: int, window: int, device) -> torch.Tensor:
+    """Window rows of queries at positions start..start+s-1 in [ring (window rows) | chunk (s
+    rows)]: [s, window] int64, entry e = position p - window + 1 + e (oldest first), -1 before
+    position 0. Positions >= start are chunk rows window + (q - start); older ones ring slots
+    q % window (the ring holds positions start - window .. start - 1)."""
+    p = torch.arange(start, start + s, device=device).unsqueeze(1)
+    q = p - window + 1 + torch.arange(window, device=device)
+    return torch.where(q < 0, -1, torch.where(q >= start, q - start + window, q % window))

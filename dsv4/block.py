@@ -1,7 +1,7 @@
 """One transformer block: hyper-connection mixing around attention and the MoE (DSV4_SPEC §3.2).
 
 Legend: s = tokens, c = hc_mult copies, D = dim. The residual stream h [s, c, D] is in the
-activation dtype. `decode` is capture-safe; `prefill` runs positions 0..s-1 from a reset state.
+activation dtype. `decode` is capture-safe; `prefill` runs a chunk of positions at any offset.
 """
 from __future__ import annotations
 
@@ -56,10 +56,12 @@ class Block:
                                cfg.hc_sinkhorn_iters)
         return rms_norm(x, norm, cfg.norm_eps), post, comb
 
-    def prefill(self, h: torch.Tensor, ids: torch.Tensor, st: LayerState) -> torch.Tensor:
-        """h [s, c, D], ids [s] -> [s, c, D]; fills `st`."""
+    def prefill(self, h: torch.Tensor, ids: torch.Tensor, st: LayerState, start: int = 0
+                ) -> torch.Tensor:
+        """Positions start..start+s-1: h [s, c, D], ids [s] -> [s, c, D]; updates `st` (which
+        holds positions < start) as s decode steps would."""
         x, post, comb = self._mix(h, "attn", self.attn_norm)
-        h = hc_post(self.attn.prefill(x, st), h, post, comb)
+        h = hc_post(self.attn.prefill(x, st, start), h, post, comb)
         x, post, comb = self._mix(h, "ffn", self.ffn_norm)
         return hc_post(self.ffn.prefill(x, ids), h, post, comb)
 

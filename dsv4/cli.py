@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from .errors import InputError, exit_code
+from .model import PREFILL_CHUNK
 
 DEMO_PROMPT = "Write one sentence about the sea."
 
@@ -55,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     r.add_argument("--max-seq-len", type=int, default=None,
                    help="cache capacity (default: prompt + max-new-tokens, rounded up to 256)")
+    r.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK, metavar="N",
+                   help=f"prefill the prompt N tokens at a time (same result; activation memory "
+                        f"grows with N; default {PREFILL_CHUNK})")
     o = p.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="one JSON object on stdout at the end")
     o.add_argument("--dump-logits", help="save float32 logits [n_generated, vocab] to PATH.npy")
@@ -105,6 +109,9 @@ def run(args) -> int:
         raise InputError("give either --ckpt DIR or --demo, not both")
     if args.max_new_tokens is not None and args.max_new_tokens < 1:
         raise InputError(f"--max-new-tokens {args.max_new_tokens}: must be >= 1")
+    if args.prefill_chunk < 1:
+        raise InputError(f"--prefill-chunk {args.prefill_chunk}: must be >= 1 (tokens per "
+                         f"prefill pass; default {PREFILL_CHUNK})")
     sampling = SamplingParams(args.temperature, args.top_p, args.top_k,
                               args.seed if args.seed is not None else secrets.randbelow(2 ** 31))
     devices = resolve_devices(args.device)
@@ -162,7 +169,8 @@ def run(args) -> int:
                          f"lower --max-new-tokens")
 
     # ---- load, prepare, generate ----------------------------------------------------------
-    rt = RuntimeConfig(max_seq_len=cap, dtype=DTYPES[args.dtype], devices=tuple(devices))
+    rt = RuntimeConfig(max_seq_len=cap, dtype=DTYPES[args.dtype], devices=tuple(devices),
+                       prefill_chunk=args.prefill_chunk)
     t0 = time.perf_counter()
     model, ck = load_model(ckpt, rt)
     ck.close()
@@ -182,7 +190,7 @@ def run(args) -> int:
     from .profiling import Profiler
     with Profiler(args.profile, args.profile_steps, session) as prof:
         res = session.generate(prompt_ids, n_new, force_ids=force, eos_id=eos, on_token=on_token,
-                               keep_logits=args.dump_logits is not None)
+                               keep_logits=args.dump_logits is not None, progress=not args.json)
     tail = detok.flush()
     if tail:
         out.write(tail)

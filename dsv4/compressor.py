@@ -52,31 +52,40 @@ class Compressor:
         return torch.cat((fp8_quant_dequant(e[:, :nope], 64), e[:, nope:]), dim=-1)
 
     def prefill(self, x: torch.Tensor, st: CompressorState, cache: torch.Tensor,
-                freqs: torch.Tensor) -> torch.Tensor | None:
-        """Tokens 0..s-1 (x [s, D] act): fill state, write entries to cache[:s//r]; returns them."""
+                freqs: torch.Tensor, start: int = 0) -> None:
+        """Tokens start..start+s-1 (x [s, D] act) after positions < start: the same state and cache
+        as s decode steps. Every block that completes in the chunk is pooled (its earlier rows
+        come from the state) and its entry written to cache[j]; the state then holds the last
+        complete block (overlap mode) and the rows of the unfinished one."""
         r, dc, s = self.ratio, self.dc, x.shape[0]
-        kv, sc = self._project(x)
-        rem = s % r
-        cut = s - rem
-        off = r if self.overlap else 0
-        if self.overlap and cut >= r:                 # keep the last full block as "previous"
-            st.kv[:r] = kv[cut - r:cut]
-            st.score[:r] = sc[cut - r:cut] + self.ape
-        if rem:
-            st.kv[off:off + rem] = kv[cut:]
-            st.score[off:off + rem] = sc[cut:] + self.ape[:rem]
-        if s < r:
-            return None
-        kv = kv[:cut].unflatten(0, (-1, r))                          # [n, r, c*dc]
-        sc = sc[:cut].unflatten(0, (-1, r)) + self.ape
-        if self.overlap:
-            kv = _overlap(kv, dc, 0.0)
-            sc = _overlap(sc, dc, float("-inf"))
-        c = (kv * sc.softmax(dim=1)).sum(dim=1)                      # [n, dc] f32
-        first = torch.arange(0, cut, r, device=x.device)
-        entries = self._finish(c, first, freqs, x.dtype)
-        cache[:cut // r] = entries
-        return entries
+        kv, sc = self._project(x)                                     # [s, c*dc] f32
+        pos = torch.arange(start, start + s, device=x.device)
+        sc = sc + self.ape.index_select(0, pos % r)
+        b0 = start - start % r                        # first position of start's block
+        cur = r if self.overlap else 0                # state row of position b0
+        ext_kv = torch.cat((st.kv[cur:cur + start - b0], kv))         # positions b0 .. start+s-1
+        ext_sc = torch.cat((st.score[cur:cur + start - b0], sc))
+        nb = ext_kv.shape[0] // r                                     # blocks completed here
+        if nb:
+            kvb = ext_kv[:nb * r].unflatten(0, (nb, r))                 # [nb, r, c*dc]
+            scb = ext_sc[:nb * r].unflatten(0, (nb, r))
+            if self.overlap:        # each block also pools the first half of the one before it
+                pkv = torch.cat((st.kv[None, :r], kvb[:-1]))            # block t-1 (t = 0: state)
+                psc = torch.cat((st.score[None, :r], scb[:-1]))
+                kvp = torch.cat((pkv[..., :dc], kvb[..., dc:]), dim=1)  # [nb, 2r, dc]
+                scp = torch.cat((psc[..., :dc], scb[..., dc:]), dim=1)
+            else:
+                kvp, scp = kvb, scb
+            c = (kvp * scp.softmax(dim=1)).sum(dim=1)                   # [nb, dc] f32
+            j0 = b0 // r
+            cache[j0:j0 + nb] = self._finish(c, torch.arange(j0, j0 + nb, device=x.device) * r,
+                                             freqs, x.dtype)
+            if self.overlap:                          # the last complete block -> "previous"
+                st.kv[:r] = kvb[-1]
+                st.score[:r] = scb[-1]
+        tail = ext_kv.shape[0] - nb * r                                 # rows of the open block
+        st.kv[cur:cur + tail] = ext_kv[nb * r:]
+        st.score[cur:cur + tail] = ext_sc[nb * r:]
 
     def decode(self, x: torch.Tensor, pos: torch.Tensor, st: CompressorState, cache: torch.Tensor,
                freqs: torch.Tensor, fused: bool | None = None, proj: list | None = None) -> None:
@@ -114,11 +123,3 @@ class Compressor:
         dst = torch.where(emit, pos // r, torch.full_like(pos, scratch))
         cache.index_copy_(0, dst, entry)
 
-
-def _overlap(t: torch.Tensor, dc: int, fill: float) -> torch.Tensor:
-    """[n, r, 2dc] -> [n, 2r, dc]: rows r.. = block t's second half, rows ..r = block t-1's first."""
-    n, r, _ = t.shape
-    out = t.new_full((n, 2 * r, dc), fill)
-    out[:, r:] = t[:, :, dc:]
-    out[1:, :r] = t[:-1, :, :dc]
-    return out

@@ -102,6 +102,7 @@ class Session:
             mode=mode, granularity=granularity, reset_fn=self.reset, debug=debug,
             nvtx_domain=nvtx_domain, fix_hints=FIX_HINTS)
         self.decoder.allocate()
+        self.length, self.pending = 0, None
         self.capture_s = 0.0
         self.step_hook = None           # profiling: hook(step, before: bool)
         if mode == "graph":
@@ -111,56 +112,99 @@ class Session:
             self.capture_s = time.perf_counter() - t
 
     def reset(self) -> None:
+        """Forget the sequence: model state and decode buffers back to their fill values."""
         self.model.reset()
         self.bufs.token.zero_()
         self.bufs.pos.fill_(1)
         self.bufs.out_ids.fill_(-1)
+        self.length, self.pending = 0, None
 
     def close(self) -> None:
         self.decoder.close()
 
+    # ---- the sequence ------------------------------------------------------------------------
+    # `length`: positions the model state holds (tokens fed); `pending`: the last token chosen by
+    # generate() and not fed yet (None after a prefill). A continuation feeds pending first.
+    def _feed(self, ids: Sequence[int], continue_sequence: bool, n_new: int = 0):
+        """Validate ids; -> (tokens to prefill, their first position). Raises before any state
+        changes: a bad request loses nothing."""
+        cfg = self.model.cfg
+        ids = list(ids)
+        if not ids:
+            raise InputError("empty prompt: give at least one token")
+        for tid in ids:
+            if not 0 <= tid < cfg.vocab_size:
+                raise InputError(f"token id {tid} is out of range: the vocabulary has "
+                                 f"{cfg.vocab_size} ids (0..{cfg.vocab_size - 1})")
+        if not continue_sequence:
+            feed, start = ids, 0
+        else:
+            feed = ([self.pending] if self.pending is not None else []) + ids
+            start = self.length
+        self.model.check_capacity(start + len(feed), n_new)
+        return feed, start
+
+    def prefill(self, ids: Sequence[int], continue_sequence: bool = False,
+                progress: bool = False) -> torch.Tensor:
+        """Feed ids without generating: a new sequence, or (continue_sequence) after the tokens
+        already fed and the last generated one. Returns the logits [V] f32 after the last id
+        (a copy). The next generate(..., continue_sequence=True) goes on from there."""
+        feed, start = self._feed(ids, continue_sequence)
+        if start == 0:
+            self.reset()
+        logits = self.model.prefill(torch.tensor(feed, dtype=torch.int64,
+                                                 device=self.model.head_device), start,
+                                    progress=progress)
+        self.length, self.pending = start + len(feed), None
+        return logits
+
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int,
                  force_ids: Sequence[int] | None = None, eos_id: int | None = None,
                  on_token: Callable[[int], None] | None = None,
-                 keep_logits: bool = False) -> GenerationResult:
-        model, cfg = self.model, self.model.cfg
-        prompt_ids = list(prompt_ids)
-        if not prompt_ids:
-            raise InputError("empty prompt: give at least one token")
+                 keep_logits: bool = False, continue_sequence: bool = False,
+                 progress: bool = False) -> GenerationResult:
+        """Prefill prompt_ids, then decode up to max_new_tokens (stop at eos_id unless forced).
+        continue_sequence: the prompt follows the sequence so far (its tokens stay in the state
+        and are not read again; the last generated token is fed first), e.g. a new chat turn.
+        progress: a bar on stderr for a prompt of many prefill chunks."""
+        model = self.model
         if force_ids is not None:
             force_ids = list(force_ids)
             if not force_ids:
                 raise InputError("--force-ids is empty; give at least one token id")
             max_new_tokens = len(force_ids)
+            for tid in force_ids:
+                if not 0 <= tid < model.cfg.vocab_size:
+                    raise InputError(f"token id {tid} is out of range: the vocabulary has "
+                                     f"{model.cfg.vocab_size} ids (0..{model.cfg.vocab_size - 1})")
         if max_new_tokens < 1:
             raise InputError(f"--max-new-tokens {max_new_tokens}: must be >= 1")
-        for tid in prompt_ids + (force_ids or []):
-            if not 0 <= tid < cfg.vocab_size:
-                raise InputError(f"token id {tid} is out of range: the vocabulary has "
-                                 f"{cfg.vocab_size} ids (0..{cfg.vocab_size - 1})")
-        model.check_capacity(len(prompt_ids), max_new_tokens)
-        hd, n0 = model.head_device, len(prompt_ids)
+        feed, start = self._feed(prompt_ids, continue_sequence, max_new_tokens)
+        hd, p0 = model.head_device, start + len(feed)          # p0: position after the prompt
         sync = torch.cuda.synchronize if hd.type == "cuda" else (lambda: None)
 
-        self.reset()
+        if start == 0:
+            self.reset()
         sync()
         t0 = time.perf_counter()
         with nvtx_range("prefill"):
-            logits = model.prefill(torch.tensor(prompt_ids, dtype=torch.int64, device=hd))
+            logits = model.prefill(torch.tensor(feed, dtype=torch.int64, device=hd), start,
+                                   progress=progress)
         b = self.bufs
-        b.pos.fill_(n0 - 1)
+        b.pos.fill_(p0 - 1)
         first = sample(logits, b.pos, self.params)
         b.token.copy_(first if force_ids is None else
                       torch.tensor(force_ids[:1], dtype=torch.int64, device=hd))
-        b.out_ids[n0:n0 + 1].copy_(b.token)
-        b.pos.fill_(n0)
+        b.out_ids[p0:p0 + 1].copy_(b.token)
+        b.pos.fill_(p0)
+        self.length, self.pending = p0, None
         rows = [logits.to("cpu", copy=True)] if keep_logits else None
         sync()
         t1 = time.perf_counter()
 
         pinned = hd.type == "cuda"
         host = torch.empty(max_new_tokens, dtype=torch.int64, pin_memory=pinned)
-        host[0:1].copy_(b.out_ids[n0:n0 + 1])
+        host[0:1].copy_(b.out_ids[p0:p0 + 1])
         out = []
 
         def take(i, ev=None) -> bool:   # token i reached the host: stream it; stop at EOS?
@@ -174,6 +218,7 @@ class Session:
 
         stop = take(0)
         pending = None                  # step whose token copy to the host is in flight
+        steps = 0
         for i in range(1, max_new_tokens):
             if stop:
                 break
@@ -182,6 +227,7 @@ class Session:
                 self.step_hook(i, True)
             with nvtx_range(f"decode/step{i}"):
                 self.decoder.step(**({"token": [force_ids[i - 1]]} if force_ids is not None else {}))
+            steps += 1
             if self.step_hook is not None:
                 self.step_hook(i, False)
             if keep_logits:
@@ -190,7 +236,7 @@ class Session:
             if force_ids is not None:   # the output is the forced id, whatever was sampled
                 host[i] = force_ids[i]
             else:
-                host[i:i + 1].copy_(b.out_ids[n0 + i:n0 + i + 1], non_blocking=pinned)
+                host[i:i + 1].copy_(b.out_ids[p0 + i:p0 + i + 1], non_blocking=pinned)
                 if pinned:
                     ev = torch.cuda.Event()
                     ev.record()
@@ -202,10 +248,13 @@ class Session:
         finish = "eos" if stop else "length"
         sync()
         t2 = time.perf_counter()
+        # the state now holds tokens 0..steps-1 of `out` (a step one late may have fed the EOS)
+        self.length = p0 + steps
+        self.pending = out[-1] if len(out) > steps else None
         n_dec = max(len(out) - 1, 0)
         timings = {"prefill_s": t1 - t0, "decode_s": t2 - t1,
-                   "prefill_tok_per_s": n0 / max(t1 - t0, 1e-9),
+                   "prefill_tok_per_s": len(feed) / max(t1 - t0, 1e-9),
                    "decode_tok_per_s": n_dec / (t2 - t1) if n_dec else 0.0,
                    "ms_per_token": 1000 * (t2 - t1) / n_dec if n_dec else 0.0}
-        return GenerationResult(prompt_ids, out, finish,
+        return GenerationResult(list(prompt_ids), out, finish,
                                 torch.stack(rows[:len(out)]) if keep_logits else None, timings)

@@ -13,7 +13,7 @@ from .config import ModelConfig
 from .linear import Linear
 from .quant import fp4_quant_dequant, hadamard
 from .rope import apply_rope
-from .sparse import index_scores
+from .sparse import index_scores, topk_lowest
 from .state import LayerState
 
 SCORE_ELEMS = 1 << 26  # prefill: bound on the [queries, heads, entries] index-score tensor
@@ -42,15 +42,19 @@ class Indexer:
         w = self.weights_proj(x, act) * (self.head_dim ** -0.5 * self.n_heads ** -0.5)
         return q, w
 
-    def prefill(self, x, qr, cs, st: LayerState, freqs, offset: int) -> torch.Tensor:
-        """Queries 0..s-1 -> compressed indices [s, min(k, s//4)] (+offset, -1 where not visible)."""
+    def prefill(self, x, qr, cs, st: LayerState, freqs, start: int, offset: int) -> torch.Tensor:
+        """Queries at positions start..start+s-1 -> compressed indices [s, min(k, t)] over the
+        t = (start+s)//4 entries the chunk leaves in the index cache (+offset, -1 where not yet
+        visible to the query); the chunk's entries are compressed into the cache first."""
         s, act = x.shape[0], x.dtype
         q, w = self._query(x, qr, cs, act)
-        self.compressor.prefill(x, st.index_compressor, st.index_cache, freqs)
-        t = s // 4
+        self.compressor.prefill(x, st.index_compressor, st.index_cache, freqs, start)
+        t = (start + s) // 4
         k = min(self.cfg.index_topk, t)
+        if k == 0:
+            return torch.empty(s, 0, dtype=torch.int64, device=x.device)
         keys = st.index_cache[:t]
-        visible = torch.arange(1, s + 1, device=x.device).unsqueeze(1) // 4   # [s, 1]
+        visible = torch.arange(start + 1, start + s + 1, device=x.device).unsqueeze(1) // 4
         cols = torch.arange(t, device=x.device)
         # chunk the queries so the [c, h, t] score tensor stays bounded for long prompts
         c = max(1, SCORE_ELEMS // max(1, self.n_heads * t))
@@ -58,7 +62,7 @@ class Indexer:
         for i in range(0, s, c):
             sc = index_scores(q[i:i + c], w[i:i + c], keys)                   # [c, t]
             sc = sc.masked_fill(cols >= visible[i:i + c], float("-inf"))
-            idx = sc.topk(k, dim=-1).indices
+            idx = topk_lowest(sc, k)
             out.append(torch.where(idx >= visible[i:i + c], -1, idx + offset))
         return torch.cat(out, dim=0)
 
@@ -86,7 +90,7 @@ class Indexer:
             cols = torch.arange(keys.shape[0], device=x.device)
             sc = sc.masked_fill(cols >= visible, float("-inf"))
             k = min(self.cfg.index_topk, keys.shape[0])
-            idx = sc.topk(k, dim=-1, sorted=False).indices   # the set matters, not the order
+            idx = topk_lowest(sc, k)
         if raw:
             return idx
         return torch.where(idx >= visible, -1, idx + offset)

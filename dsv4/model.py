@@ -1,12 +1,13 @@
 """The DSV4 transformer for batch-1 decoding: embedding -> blocks -> hc_head/norm/head logits.
 
 Weights stay in their stored formats on the device that owns their layer; all decode state is
-preallocated at the cache capacity. `prefill` runs positions 0..s-1; `decode_step` is the eager,
-capture-safe one-token step (device tensors for token and position). Legend: s = tokens,
-c = hc_mult, D = dim, V = vocab.
+preallocated at the cache capacity. `prefill` feeds a prompt (or the next tokens of a sequence) in
+chunks at any position; `decode_step` is the eager, capture-safe one-token step (device tensors
+for token and position). Legend: s = tokens, c = hc_mult, D = dim, V = vocab.
 """
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -21,6 +22,8 @@ from .state import LayerState
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 HEAD_CHUNK = 16384  # vocab rows per float32 head matmul (bounds the transient of the fp32 copy)
+PREFILL_CHUNK = 4096  # default prompt tokens per prefill pass: activations scale with it
+PROGRESS_CHUNKS = 4   # a prefill of at least this many chunks shows a progress bar (if asked)
 
 
 @dataclass(frozen=True)
@@ -30,13 +33,15 @@ class RuntimeConfig:
     dtype: torch.dtype = torch.bfloat16          # activation dtype: bfloat16 or float32
     devices: tuple = ("cpu",)                    # layer devices in pipeline order; head on [0]
     cache_dense: bool | None = None              # keep dequantized weights (default: CPU only)
+    prefill_chunk: int = PREFILL_CHUNK           # prompt tokens per prefill pass (bounds memory)
 
     def __post_init__(self):
         if self.dtype not in (torch.bfloat16, torch.float32):
             raise ConfigError(f"dtype = {self.dtype}; allowed: bfloat16, float32")
-        if isinstance(self.max_seq_len, bool) or not isinstance(self.max_seq_len, int) \
-                or self.max_seq_len < 1:
-            raise ConfigError(f"max_seq_len = {self.max_seq_len!r}; expected a positive integer")
+        for name in ("max_seq_len", "prefill_chunk"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError(f"{name} = {v!r}; expected a positive integer")
         object.__setattr__(self, "devices", tuple(torch.device(d) for d in self.devices))
 
 
@@ -140,22 +145,50 @@ class Transformer:
 
     # ---- prefill / decode --------------------------------------------------------------------
     @torch.inference_mode()
-    def prefill(self, ids: torch.Tensor) -> torch.Tensor:
-        """Positions 0..s-1 of a fresh sequence (resets state). ids [s] int64 -> logits [V] f32."""
-        s = ids.shape[0]
-        if not 1 <= s <= self.rt.max_seq_len:
-            raise CapacityError(f"prefill of {s} tokens; capacity is {self.rt.max_seq_len} "
-                                f"(--max-seq-len)")
-        self.reset()
+    def prefill(self, ids: torch.Tensor, start: int = 0, chunk: int | None = None,
+                progress: bool = False) -> torch.Tensor:
+        """Feed ids [s] int64 at positions start..start+s-1 -> logits [V] f32 of the last one.
+
+        start == 0 begins a new sequence (the state is reset); start > 0 continues the sequence
+        whose positions 0..start-1 the state holds (a new chat turn, appended tokens): the state
+        ends exactly as s decode steps would leave it. The tokens go through every layer `chunk`
+        (default rt.prefill_chunk) at a time, so activation memory is bounded by the chunk, not
+        the prompt; `progress` shows a bar on stderr when that takes PROGRESS_CHUNKS or more.
+        May sync with the host (it is not captured)."""
+        s, cap = ids.shape[0], self.rt.max_seq_len
+        chunk = self.rt.prefill_chunk if chunk is None else chunk
+        if s < 1 or start < 0 or start + s > cap:
+            raise CapacityError(f"prefill of {s} tokens at position {start}: positions must stay in "
+                                f"0..{cap - 1} (raise --max-seq-len to at least {start + s})")
+        if chunk < 1:
+            raise ConfigError(f"prefill chunk = {chunk}; expected a positive integer")
+        if start == 0:
+            self.reset()
         ids = ids.to(self.head_device)
+        bar = None
+        if progress and -(-s // chunk) >= PROGRESS_CHUNKS:
+            from tqdm import tqdm
+            bar = tqdm(total=s, desc="prefill", unit="tok", file=sys.stderr, leave=False)
+        try:
+            for c0 in range(0, s, chunk):
+                h = self._prefill_chunk(ids[c0:c0 + chunk], start + c0)
+                if bar is not None:
+                    bar.update(h.shape[0])
+        finally:
+            if bar is not None:
+                bar.close()
+        return self.logits(h[-1:].to(self.head_device))
+
+    def _prefill_chunk(self, ids: torch.Tensor, start: int) -> torch.Tensor:
+        """One chunk through every layer -> the last layer's h [s, c, D] (on its device)."""
         h = self.embed_tokens(ids)
         ids_on = {ids.device: ids}
         for blk, st in zip(self.layers, self.states):
             dev = blk.device
             if dev not in ids_on:
                 ids_on[dev] = ids.to(dev)
-            h = blk.prefill(h.to(dev), ids_on[dev], st)
-        return self.logits(h[-1:].to(self.head_device))
+            h = blk.prefill(h.to(dev), ids_on[dev], st, start)
+        return h
 
     @torch.inference_mode()
     def decode_step(self, token: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,5 @@
 """Sparse attention over selected KV rows with an attention sink, and the lightning indexer's scores
-that select those rows: the plain-torch math that the model (attention.py, indexer.py) and the
+and top-k that select those rows: the plain-torch math that the model (attention.py, indexer.py) and the
 kernels' references (kernels/attention_decode.py, kernels/indexer_decode.py) share.
 
 Legend: s = queries, h = heads, d = head_dim, k = selected entries, t = index-cache entries.
@@ -34,3 +34,11 @@ def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -> torch.
     -> [s, t]."""
     sc = torch.einsum("shd,td->sht", q, keys)
     return (sc.relu() * w.unsqueeze(-1)).sum(dim=1)
+
+
+def topk_lowest(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Columns of the k best scores per row [.., t] -> [.., k] int64, best first; among equal
+    scores the lower column wins (a stable sort), as the CUDA radix select of the decode does.
+    Exact ties are common (a relu'd score of 0 with few index heads): a fixed rule keeps prefill
+    in any chunking and token-by-token decode choosing the same entries."""
+    return scores.sort(dim=-1, descending=True, stable=True).indices[..., :k]

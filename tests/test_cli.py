@@ -76,6 +76,7 @@ def test_force_ids_run_exactly_that_many_steps(ckpt, tmp_path):
     (["--prompt-ids", "1,2", "--bogus"], ["--bogus"]),
     (["--prompt-file", "/nonexistent/p.txt"], ["--prompt-file", "/nonexistent/p.txt"]),
     (["--prompt-ids", "1,2", "--profile-steps", "9-3", "--profile", "torch"], ["--profile-steps"]),
+    (["--prompt-ids", "1,2", "--prefill-chunk", "0"], ["--prefill-chunk", ">= 1"]),
 ])
 def test_bad_inputs_exit_2(ckpt, args, words):
     _one_error_line(run("--ckpt", str(ckpt), *args), *words)
@@ -128,3 +129,18 @@ def test_demo_builds_once_and_runs(tmp_path):
              "4", "--mode", "auto", env=env)
     assert p3.returncode == 0, p3.stderr
     assert "seed=" in p3.stderr and "ms/token" in p3.stderr and "load" in p3.stderr
+
+
+def test_prefill_chunk_same_tokens_and_progress(ckpt):
+    """--prefill-chunk changes how the prompt is read, not what is generated (float32 greedy);
+    a prompt of several chunks shows a progress bar on stderr, silent with --json."""
+    ids = ",".join(str(i) for i in range(100, 140))
+    base = ["--ckpt", str(ckpt), "--prompt-ids", ids, "--max-new-tokens", "6", "--dtype",
+            "float32", "--temperature", "0"]
+    one = run(*base, "--json")
+    chunked = run(*base, "--json", "--prefill-chunk", "7")
+    assert one.returncode == 0 and chunked.returncode == 0, chunked.stderr
+    assert json.loads(one.stdout)["output_ids"] == json.loads(chunked.stdout)["output_ids"]
+    assert "prefill:" not in chunked.stderr
+    shown = run(*base, "--prefill-chunk", "7")
+    assert shown.returncode == 0 and "prefill:" in shown.stderr and "prefill" in shown.stderr

@@ -23,7 +23,7 @@ def test_imports_and_help_without_triton():
              "from dsv4 import kernels; assert not kernels.triton_importable()\n"
              "from dsv4.cli import main; sys.exit(main(['--help']))")
     assert p.returncode == 0, p.stderr
-    assert "--ckpt" in p.stdout
+    assert "--ckpt" in p.stdout and "--prefill-chunk" in p.stdout
 
 
 def test_cpu_decode_without_triton(tmp_path):

@@ -102,8 +102,8 @@ def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, pos: torc
 def index_topk(scores: torch.Tensor, k: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """The k best entries of index scores [1, n] bf16 -> [1, k] int64, unsorted (the set matters;
     among equal scores at the threshold the lowest entries). One CUDA launch (a radix select in
-    csrc/dsv4_kernels.cu) where the CUDA kernels serve the device, else torch.topk (whose ties may
-    fall otherwise). Capture-safe, deterministic."""
+    csrc/dsv4_kernels.cu) where the CUDA kernels serve the device, else dsv4.sparse.topk_lowest
+    (the same tie rule). Capture-safe, deterministic."""
     from . import cuda_lib
     n = scores.shape[-1]
     if not 1 <= k <= n:
@@ -113,7 +113,7 @@ def index_topk(scores: torch.Tensor, k: int, out: torch.Tensor | None = None) ->
         with on_device(out):
             cuda_lib.topk_bf16(cuda_lib.lib_for(out.device), scores, k, out, pdl(out))
         return out
-    return scores.topk(k, dim=-1, sorted=False).indices
+    return sparse.topk_lowest(scores, k)
 
 
 # ---- plain-torch references (the code the kernels replace) -----------------------------------
