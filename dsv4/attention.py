@@ -78,6 +78,11 @@ class Attention:
             from .kernels.fp8_linear import fp8_linear
             z = fp8_linear(o, self.wo_a.weight, self.wo_a.scale, quant_act=False,
                            group_k=o.shape[-1] // G)
+        elif o.shape[0] > 1 and kernels.prefill_ok(o) and self.wo_a.fmt in ("fp8", "bf16") \
+                and cfg.o_lora_rank % 128 == 0 and (o.shape[-1] // G) % 128 == 0:
+            from .kernels.prefill_gemm import linear
+            z = linear(o, self.wo_a.weight, self.wo_a.scale, self.wo_a.fmt, out_dtype=act,
+                       quant_act=False, group_k=o.shape[-1] // G)
         else:
             wo_a = self.wo_a.dense(act).view(G, cfg.o_lora_rank, -1)           # [g, R, h/g*d]
             z = torch.einsum("sgd,grd->sgr", o.view(o.shape[0], G, -1), wo_a).flatten(1)
@@ -108,9 +113,14 @@ class Attention:
         kv_all = torch.cat((st.kv_cache[:W], kv, st.kv_cache[W:W + n_vis]))
         keep = min(s, W)                                 # ring write (the old ring is copied)
         st.kv_cache[pos[s - keep:] % W] = kv[s - keep:]
-        o = torch.cat([sparse_attention(q[i:i + QUERY_BLOCK], kv_all, idx[i:i + QUERY_BLOCK],
-                                        self.attn_sink, cfg.head_dim ** -0.5)
-                       for i in range(0, s, QUERY_BLOCK)], dim=0)
+        scale = cfg.head_dim ** -0.5
+        if kernels.prefill_ok(q):
+            from .kernels.attention_prefill import sparse_attention_rows
+            o = sparse_attention_rows(q, kv_all, idx, self.attn_sink, scale)
+        else:
+            o = torch.cat([sparse_attention(q[i:i + QUERY_BLOCK], kv_all,
+                                            idx[i:i + QUERY_BLOCK], self.attn_sink, scale)
+                           for i in range(0, s, QUERY_BLOCK)], dim=0)
         return self._out(o, cs)
 
     # ---- decode ------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ import argparse
 import datetime
 import importlib.metadata
 import json
+import os
 import shlex
 import statistics
 import sys
@@ -18,9 +19,11 @@ import torch
 
 from graphs import CUDAGraphDecoder
 
+from . import bench_prefill
 from .device_weights import DeviceWeights
 from .errors import DeviceError, InputError, exit_code
 from .generate import Session, resolve_devices
+from .kernels import PREFILL_SWITCH
 from .model import DTYPES, RuntimeConfig, Transformer, balanced_placement
 from .presets import PRESETS, get_preset
 from .sampling import SamplingParams
@@ -361,9 +364,12 @@ def run(args, command: str = "") -> dict:
         notes.append(f"--steps {args.steps} < {MIN_STEPS}: not a figure for BENCHMARKS.md")
     if not on_cuda:
         notes.append("CPU run: perf_counter timing, no copy bandwidth, floor or kernel counts")
+    lengths = _lengths(args.prefill)
+    if args.prefill_reps < 1 or (args.prefill_chunk is not None and args.prefill_chunk < 1):
+        raise InputError("--prefill-reps and --prefill-chunk must be >= 1")
     full = get_preset(args.preset)
     cfg = get_preset(args.preset, args.layers)
-    cap = capacity_for(args.context, args.steps, args.warmup)
+    cap = capacity_for(max([args.context] + lengths), args.steps, args.warmup)
     if cap > cfg.max_position_embeddings:
         raise InputError(f"--context {args.context} + steps + warmup needs capacity {cap}, above "
                          f"the model's {cfg.max_position_embeddings} positions; lower --context")
@@ -386,7 +392,7 @@ def run(args, command: str = "") -> dict:
     floor = nbytes / (copy * 1e12) * 1e3 if copy else None
 
     runs = []
-    for mode in modes:
+    for mode in [] if args.no_decode else modes:
         for g in grans if mode == "graph" else grans[:1]:
             _log(f"measuring {mode}" + (f"/{g}" if mode == "graph" else ""))
             r = measure(model, mode, g, args.context, args.steps, args.warmup, args.seed,
@@ -402,6 +408,14 @@ def run(args, command: str = "") -> dict:
             r["extrapolated_ms"] = r["per_layer_ms"] * full.n_layers + r["head_embed_ms"]
         ext = {"method": EXTRAPOLATION, "layers": full.n_layers, "bytes_per_token": fbytes,
                "floor_ms": ffloor}
+    prefill = None
+    if lengths:
+        graph = next((r for r in runs if r["mode"] == "graph"), None)
+        with _prefill_switch(args.prefill_kernels == "on"):
+            prefill = bench_prefill.run(model, lengths, args.prefill_reps, args.seed,
+                                        args.prefill_chunk, copy,
+                                        graph["ms_per_token"] if graph else None, _log)
+        prefill["prefill_kernels"] = args.prefill_kernels
     spans = {}
     for l, d in enumerate(placement):
         spans.setdefault(str(d), [l, l])[1] = l
@@ -418,7 +432,39 @@ def run(args, command: str = "") -> dict:
               if on_cuda else None,
               **_versions(devices), "command": command,
               "valid": on_cuda and args.steps >= MIN_STEPS, "notes": notes}
+    if prefill is not None:
+        report.update(prefill)
     return report
+
+
+def _prefill_switch(on: bool):
+    """Set DSV4_PREFILL_KERNELS for the run; restores the caller's value afterwards."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def ctx():
+        prior = os.environ.get(PREFILL_SWITCH)
+        os.environ[PREFILL_SWITCH] = "1" if on else "0"
+        try:
+            yield
+        finally:
+            if prior is None:
+                os.environ.pop(PREFILL_SWITCH, None)
+            else:
+                os.environ[PREFILL_SWITCH] = prior
+    return ctx()
+
+
+def _lengths(text: str | None) -> list[int]:
+    if text is None:
+        return []
+    try:
+        out = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise InputError(f"--prefill {text!r}: expected comma-separated token counts") from None
+    if not out or min(out) < 1:
+        raise InputError(f"--prefill {text!r}: lengths must be >= 1")
+    return out
 
 
 def _headline(runs: list[dict], ext: dict | None) -> dict:
@@ -473,6 +519,8 @@ def format_table(rep: dict) -> str:
                          + f" {r['extrapolated_ms']:.3f} ms" for r in rep["runs"])
         lines.append(f"extrapolated to {ext['layers']} layers: {runs}; bytes/token "
                      f"{ext['bytes_per_token'] / 1e9:.3f} GB, floor {f(ext['floor_ms'], '.3f')} ms")
+    if rep.get("prefill_runs"):
+        lines += bench_prefill.format_rows(rep)
     lines += [f"note: {n}" for n in rep["notes"]]
     return "\n".join(lines)
 
@@ -500,6 +548,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reserve-gib", type=float, default=2.0, help="per-device workspace assumed "
                    "by the memory check (besides weights, state, generation temporaries)")
     p.add_argument("--no-kernels", action="store_true", help="skip the profiled kernel count")
+    p.add_argument("--prefill", default=None, metavar="N[,N...]",
+                   help="also time prefill of prompts of these lengths (TTFT, tok/s, floors)")
+    p.add_argument("--prefill-reps", type=int, default=3, help="timed prefills per length")
+    p.add_argument("--prefill-chunk", type=int, default=None, help="prefill chunk (default: "
+                   "the runtime's)")
+    p.add_argument("--prefill-kernels", default="on", choices=("on", "off"),
+                   help="off: the torch prefill path (the state before the prefill kernels)")
+    p.add_argument("--no-decode", action="store_true", help="skip the decode measurement")
     p.add_argument("--trace", metavar="PREFIX", default=None,
                    help="write the Chrome trace of the profiled step to PREFIX-<mode>[-<granularity>]"
                         ".json (needs the kernel count)")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from . import overlap
+from . import kernels, overlap
 from .attention import Attention
 from .config import ModelConfig
 from .mhc import hc_post, hc_pre, rms_norm
@@ -60,10 +60,21 @@ class Block:
                 ) -> torch.Tensor:
         """Positions start..start+s-1: h [s, c, D], ids [s] -> [s, c, D]; updates `st` (which
         holds positions < start) as s decode steps would."""
-        x, post, comb = self._mix(h, "attn", self.attn_norm)
-        h = hc_post(self.attn.prefill(x, st, start), h, post, comb)
-        x, post, comb = self._mix(h, "ffn", self.ffn_norm)
-        return hc_post(self.ffn.prefill(x, ids), h, post, comb)
+        mix, post_fn = self._mix, hc_post
+        if kernels.prefill_ok(h) and (h.shape[1] * h.shape[2]) % 64 == 0:
+            from .kernels import mhc as K
+            mix, post_fn = self._mix_rows, K.hc_post_rows
+        x, post, comb = mix(h, "attn", self.attn_norm)
+        h = post_fn(self.attn.prefill(x, st, start), h, post, comb)
+        x, post, comb = mix(h, "ffn", self.ffn_norm)
+        return post_fn(self.ffn.prefill(x, ids), h, post, comb)
+
+    def _mix_rows(self, h: torch.Tensor, kind: str, norm: torch.Tensor):
+        from .kernels.mhc import hc_pre_norm_rows
+        cfg = self.cfg
+        return hc_pre_norm_rows(h, self.hc[f"hc_{kind}_fn"], self.hc[f"hc_{kind}_scale"],
+                                self.hc[f"hc_{kind}_base"], norm, cfg.norm_eps, cfg.hc_eps,
+                                cfg.hc_sinkhorn_iters)
 
     def _mix_decode(self, h: torch.Tensor, kind: str, norm: torch.Tensor, branch=None):
         if not fused_mhc(h):

@@ -54,16 +54,28 @@ class Linear:
 
     def __call__(self, x: torch.Tensor, act_dtype: torch.dtype) -> torch.Tensor:
         """y = x @ W^T with official semantics; x [..., in] -> [..., out] in act_dtype. Capture-safe.
-        One bf16 decode row on CUDA goes to the Triton GEMV (dsv4.kernels; DSV4_KERNELS=0: off)."""
+        One bf16 decode row on CUDA goes to the GEMV kernels, bf16 rows of a prefill chunk to the
+        prefill GEMM over the stored format (dsv4.kernels; DSV4_KERNELS=0: off)."""
         if x.device.type == "cuda" and x.numel() == self.in_features and kernels.available(x.device):
             y = self._kernel(x, act_dtype)
             if y is not None:
                 return y.view(*x.shape[:-1], self.out_features)
+        elif x.numel() > self.in_features and kernels.prefill_ok(x) and self._gemm_fits(act_dtype):
+            from .kernels.prefill_gemm import linear
+            y = linear(x.reshape(-1, self.in_features), self.weight, self.scale, self.fmt,
+                       out_dtype=act_dtype)
+            return y.view(*x.shape[:-1], self.out_features)
         if self.quantized:
             x = fp8_quant_dequant(x, FP8_BLOCK, out_dtype=act_dtype)
         else:
             x = x.to(act_dtype)
         return F.linear(x, self.dense(act_dtype))
+
+    def _gemm_fits(self, act_dtype: torch.dtype) -> bool:
+        """The prefill GEMM (dsv4.kernels.prefill_gemm) serves this weight for bf16 rows."""
+        from .kernels.prefill_gemm import BK
+        return (self.fmt in ("bf16", "fp8", "fp4") and act_dtype in (torch.bfloat16, torch.float32)
+                and self.in_features % (128 if self.quantized else BK) == 0)
 
     def _kernel(self, x: torch.Tensor, act_dtype: torch.dtype) -> torch.Tensor | None:
         """The GEMV kernel for one row in bf16 mode, or None (torch path). float32 mode (x and

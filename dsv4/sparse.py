@@ -38,7 +38,13 @@ def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -> torch.
 
 def topk_lowest(scores: torch.Tensor, k: int) -> torch.Tensor:
     """Columns of the k best scores per row [.., t] -> [.., k] int64, best first; among equal
-    scores the lower column wins (a stable sort), as the CUDA radix select of the decode does.
-    Exact ties are common (a relu'd score of 0 with few index heads): a fixed rule keeps prefill
-    in any chunking and token-by-token decode choosing the same entries."""
-    return scores.sort(dim=-1, descending=True, stable=True).indices[..., :k]
+    scores the lower column wins, as the CUDA radix select of the decode does. Exact ties are
+    common (a relu'd score of 0 with few index heads): a fixed rule keeps prefill in any chunking
+    and token-by-token decode choosing the same entries. One topk over int64 keys (the score's
+    order-preserving float32 bits, then the reversed column), no sort. Capture-safe."""
+    f = scores.to(torch.float32) + 0.0                   # -0.0 -> +0.0: equal scores, equal keys
+    b = f.view(torch.int32).to(torch.int64)
+    b = torch.where(b < 0, b ^ 0x7FFFFFFF, b)            # float order == integer order
+    t = scores.shape[-1]
+    col = torch.arange(t - 1, -1, -1, device=scores.device)
+    return ((b << 32) | col).topk(k, dim=-1).indices

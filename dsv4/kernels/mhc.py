@@ -2,7 +2,8 @@
 launches (the second one's two programs compute x and the Sinkhorn side by side; inside a
 captured step the Sinkhorn program is a launch of its own on a side stream, off the main chain,
 as only hc_post needs it), hc_post in one, hc_head + final norm in two (instead of ~250 torch ops
-per sublayer).
+per sublayer). The rows of a prefill chunk: the same finish and post kernels with a row grid
+dimension, after one tiled mix kernel (hc_pre_norm_rows, hc_post_rows).
 
 h [c, D] bf16 (c = hc_mult = 4), fn [M, c*D] f32 (M = 24, or 4 for the head), x/out bf16.
 References: dsv4.mhc (hc_pre, hc_post, hc_head, rms_norm). Test: tests/dsv4/test_kernels_mhc.py.
@@ -14,7 +15,7 @@ import triton
 import triton.language as tl
 
 from .. import mhc as torch_mhc
-from .common import launch_args, pdl_wait, round_bf16
+from .common import launch_args, on_device, pdl_wait, round_bf16
 
 BK = 256       # flattened-h elements per program of the partial mix GEMV
 FINISH_WARPS = 8   # warps of the one-program finish (Sinkhorn, weighted sum, RMSNorm)
@@ -33,6 +34,26 @@ def _mix_partial_kernel(h_ptr, fn_ptr, part_ptr, K: tl.constexpr, M: tl.constexp
     dots = tl.sum(f * h[None, :], axis=1)
     tl.store(part_ptr + pid * (MP + 1) + m, dots)
     tl.store(part_ptr + pid * (MP + 1) + MP, tl.sum(h * h, axis=0))
+
+
+@triton.jit
+def _mix_rows_kernel(h_ptr, fn_ptr, part_ptr, S, K: tl.constexpr, M: tl.constexpr,
+                     MP: tl.constexpr, RB: tl.constexpr, BK: tl.constexpr):
+    # rows r of a prefill chunk: part[r, :M] = fn @ h[r]; part[r, MP] = sum(h[r]^2) (float32 FMA)
+    r = tl.program_id(0) * RB + tl.arange(0, RB)
+    rm = r < S
+    m = tl.arange(0, MP)
+    acc = tl.zeros([RB, MP], tl.float32)
+    sq = tl.zeros([RB], tl.float32)
+    for k0 in range(0, K, BK):
+        kk = k0 + tl.arange(0, BK)
+        h = tl.load(h_ptr + r[:, None].to(tl.int64) * K + kk[None, :], mask=rm[:, None],
+                    other=0.0).to(tl.float32)
+        f = tl.load(fn_ptr + m[:, None] * K + kk[None, :], mask=(m < M)[:, None], other=0.0)
+        acc += tl.dot(h, tl.trans(f), input_precision="ieee")
+        sq += tl.sum(h * h, axis=1)
+    tl.store(part_ptr + r[:, None] * (MP + 1) + m[None, :], acc, mask=rm[:, None])
+    tl.store(part_ptr + r * (MP + 1) + MP, sq, mask=rm)
 
 
 @triton.jit
@@ -55,6 +76,12 @@ def _pre_finish_kernel(h_ptr, part_ptr, scale_ptr, base_ptr, normw_ptr, x_ptr, p
     # that is never specialized: one binary for all three launches (compiled by the eager
     # warm-up, not during capture), the same code and so the same bits.
     pdl_wait(PDL)
+    row = tl.program_id(1)            # rows of a prefill chunk (decode: one row, 0)
+    h_ptr += row * (C * D)
+    part_ptr += row * (NCH * (MP + 1))
+    x_ptr += row * D
+    post_ptr += row * C
+    comb_ptr += row * (C * C)
     rho = tl.rsqrt(_reduce(part_ptr, tl.full([1], MP, tl.int32), NCH, NCHP, MP) / (C * D)
                    + norm_eps)
     kc = tl.arange(0, C)
@@ -93,8 +120,14 @@ def _pre_finish_kernel(h_ptr, part_ptr, scale_ptr, base_ptr, normw_ptr, x_ptr, p
 @triton.jit
 def _post_kernel(x_ptr, res_ptr, post_ptr, comb_ptr, out_ptr, D: tl.constexpr, C: tl.constexpr,
                  BD: tl.constexpr, ROUND: tl.constexpr, PDL: tl.constexpr):
-    # out[j, d] = post_j * x[d] + sum_i comb[i, j] * res[i, d]
+    # out[j, d] = post_j * x[d] + sum_i comb[i, j] * res[i, d]; program_id(1): the row
     pdl_wait(PDL)
+    row = tl.program_id(1)
+    x_ptr += row * D
+    res_ptr += row * (C * D)
+    post_ptr += row * C
+    comb_ptr += row * (C * C)
+    out_ptr += row * (C * D)
     d = tl.program_id(0) * BD + tl.arange(0, BD)
     dm = d < D
     kc = tl.arange(0, C)
@@ -175,6 +208,55 @@ def hc_post(x, res, post, comb, out=None):
     _post_kernel[(triton.cdiv(D, bd),)](x, res.contiguous(), post, comb, out, D=D, C=C, BD=bd,
                                         ROUND=x.dtype == torch.bfloat16, num_warps=4,
                                         **launch_args(out))
+    return out
+
+
+ROWS_RB, ROWS_BK = 16, 64      # rows and K step of a _mix_rows_kernel program
+GRID_Y = 32768                  # rows per launch of the row-grid finish / post kernels
+
+
+def hc_pre_norm_rows(h, fn, scale, base, norm_w, norm_eps, hc_eps, iters):
+    """Prefill: h [s, c, D] -> (RMSNorm(hc_pre(h)) [s, D] in h's dtype, post [s, c], comb
+    [s, c, c] f32) in two launches: the mixes of every row (float32 FMA, tiles of rows), then
+    the decode's finish kernel with one program pair per row."""
+    S, C, D = h.shape
+    K = C * D
+    if K % ROWS_BK:
+        raise ValueError(f"hc_pre_norm_rows: c*D = {K} must be a multiple of {ROWS_BK}")
+    h2 = h.reshape(S, K).contiguous()
+    M = fn.shape[0]
+    MP = max(16, triton.next_power_of_2(M))
+    part = torch.empty(S, MP + 1, dtype=torch.float32, device=h.device)
+    x = torch.empty(S, D, dtype=h.dtype, device=h.device)
+    post = torch.empty(S, C, dtype=torch.float32, device=h.device)
+    comb = torch.empty(S, C, C, dtype=torch.float32, device=h.device)
+    with on_device(x):
+        _mix_rows_kernel[(triton.cdiv(S, ROWS_RB),)](h2, fn, part, S, K=K, M=M, MP=MP,
+                                                    RB=ROWS_RB, BK=ROWS_BK, num_warps=4)
+        for r in range(0, S, GRID_Y):     # rows on the grid's second axis (at most 65535)
+            n = min(GRID_Y, S - r)
+            _pre_finish_kernel[(2, n)](h2[r:], part[r:], scale, base, norm_w, x[r:], post[r:],
+                                       comb[r:], 0, D=D, C=C, NCH=1, NCHP=1, MP=MP,
+                                       BD=triton.next_power_of_2(D), ITERS=iters,
+                                       norm_eps=norm_eps, hc_eps=hc_eps,
+                                       ROUND=h.dtype == torch.bfloat16, num_warps=FINISH_WARPS,
+                                       PDL=False)
+    return x, post, comb
+
+
+def hc_post_rows(x, res, post, comb):
+    """Prefill: x [s, D], res [s, c, D], post [s, c], comb [s, c, c] -> [s, c, D] in x's dtype."""
+    S, C, D = res.shape
+    out = torch.empty_like(res)
+    bd = 256
+    x, res = x.contiguous(), res.contiguous()
+    with on_device(out):
+        for r in range(0, S, GRID_Y):
+            n = min(GRID_Y, S - r)
+            _post_kernel[(triton.cdiv(D, bd), n)](x[r:], res[r:], post[r:], comb[r:], out[r:],
+                                                  D=D, C=C, BD=bd,
+                                                  ROUND=x.dtype == torch.bfloat16, num_warps=4,
+                                                  PDL=False)
     return out
 
 

@@ -165,3 +165,37 @@ def test_capacity():
     assert bench.capacity_for(40, 2, 1) == 256
     assert bench.capacity_for(4096, 100, 10) == 4352          # 4207 rounded up to 256
     assert bench.capacity_for(65536, 100, 10) % 256 == 0
+
+
+def test_prefill_bench_on_cpu(capsys):
+    """--prefill: per length TTFT, tok/s, FLOPs and touched bytes (floors need CUDA); the touched
+    bytes lie between the weights without the routed experts and all of them."""
+    rep = _run(capsys, "--prefill", "16,48", "--prefill-reps", "1", "--no-decode", *FAST)
+    assert rep["runs"] == [] and rep["prefill_kernels"] == "on"
+    assert [r["tokens"] for r in rep["prefill_runs"]] == [16, 48]
+    meta = Transformer(TINY, RuntimeConfig(max_seq_len=256, devices=("meta",)))
+    allw = sum(t.numel() * t.element_size() for t in meta.tensors().values()) \
+        - meta.embed.numel() * meta.embed.element_size()
+    noexp = allw - sum(t.numel() * t.element_size() for n, t in meta.tensors().items()
+                       if ".experts." in n)
+    for r in rep["prefill_runs"]:
+        assert r["ttft_ms"] > 0 and r["tok_per_s"] > 0 and r["compute_floor_ms"] is None
+        assert all(0 < h <= TINY.n_routed_experts for h in r["experts_hit"])
+        assert noexp < r["bytes"] <= allw
+    a, b = rep["prefill_runs"]
+    assert b["flops"] > 2 * a["flops"] and a["bytes"] <= b["bytes"]
+    # one layer by hand: 2 x weights per token + window attention (+ the head once)
+    one = get_preset("tiny", 1)
+    m1 = Transformer(one, RuntimeConfig(max_seq_len=256, devices=("meta",)))
+    from dsv4.bench_prefill import prefill_flops
+    D, I, k, H, Dh = one.dim, one.moe_inter_dim, one.n_activated_experts, one.n_heads, one.head_dim
+    w = (one.q_lora_rank * D + H * Dh * one.q_lora_rank + Dh * D + one.o_groups * one.o_lora_rank
+         * H * Dh // one.o_groups + D * one.o_groups * one.o_lora_rank + one.n_routed_experts * D
+         + 3 * I * D * (k + 1) + 2 * one.mix_hc * one.hc_mult * D)
+    att = sum(min(p + 1, one.window_size) for p in range(10))
+    assert prefill_flops(m1, 10) == 2 * w * 10 + 4 * H * Dh * att + 2 * one.vocab_size * D
+    rep = _run(capsys, "--prefill", "8", "--prefill-reps", "1", "--prefill-kernels", "off", *FAST)
+    assert rep["prefill_kernels"] == "off" and rep["eager_ms_per_token"] > 0
+    import os
+    assert "DSV4_PREFILL_KERNELS" not in os.environ
+    assert bench.main(["--preset", "tiny", "--devices", "cpu", "--prefill", "0"]) == 2

@@ -129,3 +129,17 @@ def test_sparse_attention_matches_dense_reference_with_sink_and_masking():
     # bf16 path: probabilities rounded to bf16 for P.V, close to the float32 result
     got16 = sparse_attention(q.bfloat16(), kv.bfloat16(), idx, sink, 0.25)
     assert got16.dtype == torch.bfloat16 and torch.allclose(got16.float(), got, atol=3e-2)
+
+
+def test_topk_lowest_breaks_ties_toward_the_lower_column():
+    from dsv4.sparse import topk_lowest
+    x = torch.tensor([[0.0, 1.0, -0.0, 1.0, 0.0, float("-inf"), 2.0, -3.0, -1e-30]])
+    assert topk_lowest(x, 9).tolist() == [[6, 1, 3, 0, 2, 4, 8, 7, 5]]
+    g = torch.Generator().manual_seed(0)
+    for dt in (torch.float32, torch.bfloat16):
+        for _ in range(50):
+            y = (torch.randn(7, 50, generator=g) * 3).round().to(dt)     # many exact ties
+            y[y.abs() > 4] = float("-inf")
+            k = int(torch.randint(1, 51, (1,), generator=g))
+            want = (y.float() + 0.0).sort(dim=-1, descending=True, stable=True).indices[..., :k]
+            assert torch.equal(topk_lowest(y, k), want)

@@ -1,0 +1,72 @@
+"""Sparse attention of a prefill chunk in one launch: every query attends its own list of KV rows
+(the window's rows of the old ring and of the chunk, then compressed entries; -1 = none) with the
+attention sink, as the official sparse_attn: float32 logits, online softmax over tiles of rows, the
+probabilities rounded to bf16 for P.V, float32 accumulation. All heads share the KV rows (MQA), so a
+program takes a block of heads of one query and reads each of its rows once.
+
+Legend: s = queries, h = heads, d = head_dim, k = attended rows per query.
+Reference: dsv4.sparse.sparse_attention. Test: tests/dsv4/test_prefill_kernels.py.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import interpreting, on_device, round_bf16
+from .compressor_decode import NEG_INF, dot_bf16
+
+HB_MAX = 16     # heads per program (the q block and its float32 accumulator stay in registers)
+ROWS = 32       # KV rows per tile
+
+
+@triton.jit
+def _attn_rows_kernel(q_ptr, kv_ptr, idx_ptr, sink_ptr, o_ptr, scale, KI,
+                      H: tl.constexpr, DH: tl.constexpr, HB: tl.constexpr, BN: tl.constexpr,
+                      F32: tl.constexpr):
+    # program (query i, head block): online softmax over the query's KI indices, BN at a time
+    i = tl.program_id(0).to(tl.int64)
+    hh = tl.program_id(1) * HB + tl.arange(0, HB)
+    hm = hh < H
+    d = tl.arange(0, DH)
+    q = tl.load(q_ptr + (i * H + hh)[:, None] * DH + d[None, :], mask=hm[:, None], other=0.0)
+    m = tl.full([HB], NEG_INF, tl.float32)
+    l = tl.zeros([HB], tl.float32)
+    acc = tl.zeros([HB, DH], tl.float32)
+    for j0 in range(0, KI, BN):
+        j = j0 + tl.arange(0, BN)
+        t = tl.load(idx_ptr + i * KI + j, mask=j < KI, other=-1)
+        valid = t >= 0
+        k = tl.load(kv_ptr + t[:, None].to(tl.int64) * DH + d[None, :], mask=valid[:, None],
+                    other=0.0)
+        s = dot_bf16(q, tl.trans(k), F32) * scale                                # [HB, BN]
+        s = tl.where(valid[None, :], s, NEG_INF)
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == NEG_INF, 0.0, m_new)
+        alpha = tl.exp(m - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        l = l * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + dot_bf16(round_bf16(p), k, F32)
+        m = m_new
+    sink = tl.load(sink_ptr + hh, mask=hm, other=0.0)
+    o = round_bf16(acc / (l + tl.exp(sink - m))[:, None])
+    tl.store(o_ptr + (i * H + hh)[:, None] * DH + d[None, :], o.to(o_ptr.dtype.element_ty),
+             mask=hm[:, None])
+
+
+def sparse_attention_rows(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor,
+                          sink: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [s, h, d] bf16 over rows idx [s, k] (int, -1 = masked; every query has a valid one) of
+    kv [n, d] bf16, sink [h] f32 -> o [s, h, d] bf16 (before the inverse RoPE). One launch."""
+    S, H, DH = q.shape
+    if kv.dtype != torch.bfloat16 or q.dtype != torch.bfloat16 or DH & (DH - 1):
+        raise ValueError(f"sparse_attention_rows: bf16 q / kv with a power-of-two head_dim "
+                         f"(got {q.dtype}, {kv.dtype}, d = {DH})")
+    hb = min(HB_MAX, triton.next_power_of_2(H))
+    o = torch.empty_like(q)
+    idx = idx.to(torch.int32).contiguous()
+    with on_device(o):
+        _attn_rows_kernel[(S, triton.cdiv(H, hb))](q.contiguous(), kv.contiguous(), idx, sink, o,
+                                                   scale, idx.shape[1], H=H, DH=DH, HB=hb,
+                                                   BN=ROWS, F32=interpreting(), num_warps=8)
+    return o
