@@ -414,7 +414,8 @@ def run(args, command: str = "") -> dict:
         with _prefill_switch(args.prefill_kernels == "on"):
             prefill = bench_prefill.run(model, lengths, args.prefill_reps, args.seed,
                                         args.prefill_chunk, copy,
-                                        graph["ms_per_token"] if graph else None, _log)
+                                        graph["ms_per_token"] if graph else None, _log,
+                                        args.prefill_profile)
         prefill["prefill_kernels"] = args.prefill_kernels
     spans = {}
     for l, d in enumerate(placement):
@@ -556,6 +557,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-kernels", default="on", choices=("on", "off"),
                    help="off: the torch prefill path (the state before the prefill kernels)")
     p.add_argument("--no-decode", action="store_true", help="skip the decode measurement")
+    p.add_argument("--prefill-profile", action="store_true",
+                   help="CUDA: one profiled prefill per length (kernel count, top kernels)")
     p.add_argument("--trace", metavar="PREFIX", default=None,
                    help="write the Chrome trace of the profiled step to PREFIX-<mode>[-<granularity>]"
                         ".json (needs the kernel count)")

@@ -127,8 +127,32 @@ def measure(model: Transformer, n: int, reps: int, seed: int, chunk: int | None)
             "peak_bytes": {str(d): torch.cuda.max_memory_allocated(d) for d in devices}}
 
 
+def profile(model: Transformer, n: int, seed: int, chunk: int | None, top: int = 25) -> dict:
+    """One profiled prefill (torch.profiler): CUDA kernels launched, their summed device time,
+    the host time, and the `top` kernels by device time [name, launches, ms]."""
+    from .bench import NOT_KERNELS
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, model.cfg.vocab_size, (n,), generator=gen).to(model.head_device)
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    with torch.profiler.profile(activities=acts) as prof:
+        int(model.prefill(ids, chunk=chunk).argmax())
+    wall = time.perf_counter() - t
+    kern: dict = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith(NOT_KERNELS):
+            k = kern.setdefault(e.name[:70], [0, 0.0])
+            k[0] += 1
+            k[1] += (getattr(e, "device_time", 0.0) or getattr(e, "cuda_time", 0.0)) / 1e3
+    rows = sorted(([k, c, round(ms, 3)] for k, (c, ms) in kern.items()), key=lambda r: -r[2])
+    return {"kernels": sum(c for _, c, _ in rows), "device_ms": sum(ms for *_, ms in rows),
+            "wall_ms_profiled": wall * 1e3, "top": rows[:top]}
+
+
 def run(model: Transformer, lengths: list[int], reps: int, seed: int, chunk: int | None,
-        copy_tbps: float | None, decode_ms: float | None, log) -> dict:
+        copy_tbps: float | None, decode_ms: float | None, log, with_profile: bool = False
+        ) -> dict:
     """Every length, with both floors and their ratios; decode_ms (this run's graph step, if
     measured) gives each length's prefill cost per token relative to decoding."""
     cuda = model.head_device.type == "cuda"
@@ -151,6 +175,12 @@ def run(model: Transformer, lengths: list[int], reps: int, seed: int, chunk: int
             r[f"ratio_to_{k}_floor"] = r["ttft_ms"] / fl if fl else None
         r["ms_per_token"] = r["ttft_ms"] / n
         r["per_token_vs_decode"] = r["ms_per_token"] / decode_ms if decode_ms else None
+        if with_profile and cuda:
+            r["profile"] = pr = profile(model, n, seed, chunk)
+            log(f"prefill {n}: {pr['kernels']} kernels, {pr['device_ms']:.1f} ms on the device, "
+                f"{pr['wall_ms_profiled']:.1f} ms wall (profiled)")
+            for name, c, ms in pr["top"]:
+                log(f"  {ms:9.3f} ms {c:6d}x {name}")
         rows.append(r)
     return {"prefill_rates_tflops": rates, "prefill_chunk": chunk or model.rt.prefill_chunk,
             "prefill_runs": rows}

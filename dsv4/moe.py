@@ -163,21 +163,21 @@ class MoE:
 
     def _prefill_grouped(self, x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor
                          ) -> torch.Tensor:
-        """prefill over dsv4.kernels.prefill_gemm: x act-quantized once (routed and shared
+        """prefill over dsv4.kernels.prefill_moe: x act-quantized once (routed and shared
         share it), routed up (w1, w3, SwiGLU, route weight, act quant) and down per expert tile,
         the shared expert, then each token's sum in ascending expert order plus the shared
         output, as the reference's loop."""
-        from .kernels import prefill_gemm as G
+        from .kernels import prefill_moe as G
         bank, sh, lim = self.experts, self.shared, self.cfg.swiglu_limit
         idx, order = idx.sort(dim=1)              # the reference adds experts in ascending id
         plan = G.expert_plan(idx, w.gather(1, order), bank.n_experts)
         q_r, q_s = bank.fmt != "bf16", sh["w1"].quantized
-        xq = G.act_quant(x) if q_r or q_s else x
-        a = G.moe_up(xq if q_r else x, plan, bank.w1, bank.w1_scale, bank.w3, bank.w3_scale,
-                     bank.fmt, lim, q_r)
+        xq = G.Rows.of(x, True) if q_r or q_s else None        # one act quant serves both
+        xb = G.Rows(x)
+        a = G.moe_up(xq if q_r else xb, plan, bank.w1, bank.w1_scale, bank.w3, bank.w3_scale,
+                     bank.fmt, lim)
         o = G.moe_down(a, plan, bank.w2, bank.w2_scale, bank.fmt)
-        a_sh = G.swiglu_up(xq if q_s else x, sh["w1"].weight, sh["w1"].scale, sh["w3"].weight,
-                           sh["w3"].scale, sh["w1"].fmt, lim, q_s)
-        y_sh = G.linear(a_sh, sh["w2"].weight, sh["w2"].scale, sh["w2"].fmt, out_dtype=x.dtype,
-                        quant_act=False)                      # a_sh is act-quantized already
+        y_sh = G.shared_expert(xq if q_s else xb, sh["w1"].weight, sh["w1"].scale,
+                               sh["w3"].weight, sh["w3"].scale, sh["w2"].weight, sh["w2"].scale,
+                               sh["w1"].fmt, lim)
         return G.moe_combine(o, plan, y_sh)

@@ -38,22 +38,26 @@ def _mix_partial_kernel(h_ptr, fn_ptr, part_ptr, K: tl.constexpr, M: tl.constexp
 
 @triton.jit
 def _mix_rows_kernel(h_ptr, fn_ptr, part_ptr, S, K: tl.constexpr, M: tl.constexpr,
-                     MP: tl.constexpr, RB: tl.constexpr, BK: tl.constexpr):
-    # rows r of a prefill chunk: part[r, :M] = fn @ h[r]; part[r, MP] = sum(h[r]^2) (float32 FMA)
+                     MP: tl.constexpr, RB: tl.constexpr, KC: tl.constexpr, BK: tl.constexpr,
+                     NCH: tl.constexpr):
+    # program (row block, K chunk c): part[r, c, :M] = fn[:, chunk] @ h[r, chunk],
+    # part[r, c, MP] = sum(h[r, chunk]^2) (float32 FMA); the finish kernel sums the NCH chunks
     r = tl.program_id(0) * RB + tl.arange(0, RB)
+    c = tl.program_id(1)
     rm = r < S
     m = tl.arange(0, MP)
     acc = tl.zeros([RB, MP], tl.float32)
     sq = tl.zeros([RB], tl.float32)
-    for k0 in range(0, K, BK):
+    for k0 in range(c * KC, c * KC + KC, BK):
         kk = k0 + tl.arange(0, BK)
         h = tl.load(h_ptr + r[:, None].to(tl.int64) * K + kk[None, :], mask=rm[:, None],
                     other=0.0).to(tl.float32)
         f = tl.load(fn_ptr + m[:, None] * K + kk[None, :], mask=(m < M)[:, None], other=0.0)
         acc += tl.dot(h, tl.trans(f), input_precision="ieee")
         sq += tl.sum(h * h, axis=1)
-    tl.store(part_ptr + r[:, None] * (MP + 1) + m[None, :], acc, mask=rm[:, None])
-    tl.store(part_ptr + r * (MP + 1) + MP, sq, mask=rm)
+    base = part_ptr + (r[:, None].to(tl.int64) * NCH + c) * (MP + 1)
+    tl.store(base + m[None, :], acc, mask=rm[:, None])
+    tl.store(part_ptr + (r.to(tl.int64) * NCH + c) * (MP + 1) + MP, sq, mask=rm)
 
 
 @triton.jit
@@ -212,13 +216,14 @@ def hc_post(x, res, post, comb, out=None):
 
 
 ROWS_RB, ROWS_BK = 16, 64      # rows and K step of a _mix_rows_kernel program
+ROWS_NCH = 16                   # K chunks per row block (partial sums the finish kernel adds)
 GRID_Y = 32768                  # rows per launch of the row-grid finish / post kernels
 
 
 def hc_pre_norm_rows(h, fn, scale, base, norm_w, norm_eps, hc_eps, iters):
     """Prefill: h [s, c, D] -> (RMSNorm(hc_pre(h)) [s, D] in h's dtype, post [s, c], comb
-    [s, c, c] f32) in two launches: the mixes of every row (float32 FMA, tiles of rows), then
-    the decode's finish kernel with one program pair per row."""
+    [s, c, c] f32) in two launches: partial mixes of every row (float32 FMA, tiles of rows x
+    chunks of K), then the decode's finish kernel (which adds the chunks in order) per row."""
     S, C, D = h.shape
     K = C * D
     if K % ROWS_BK:
@@ -226,17 +231,22 @@ def hc_pre_norm_rows(h, fn, scale, base, norm_w, norm_eps, hc_eps, iters):
     h2 = h.reshape(S, K).contiguous()
     M = fn.shape[0]
     MP = max(16, triton.next_power_of_2(M))
-    part = torch.empty(S, MP + 1, dtype=torch.float32, device=h.device)
+    nch = max(1, min(ROWS_NCH, K // ROWS_BK))         # K chunks: programs for short chunks
+    while K % (nch * ROWS_BK):
+        nch -= 1
+    part = torch.empty(S, nch, MP + 1, dtype=torch.float32, device=h.device)
     x = torch.empty(S, D, dtype=h.dtype, device=h.device)
     post = torch.empty(S, C, dtype=torch.float32, device=h.device)
     comb = torch.empty(S, C, C, dtype=torch.float32, device=h.device)
     with on_device(x):
-        _mix_rows_kernel[(triton.cdiv(S, ROWS_RB),)](h2, fn, part, S, K=K, M=M, MP=MP,
-                                                    RB=ROWS_RB, BK=ROWS_BK, num_warps=4)
+        _mix_rows_kernel[(triton.cdiv(S, ROWS_RB), nch)](h2, fn, part, S, K=K, M=M, MP=MP,
+                                                         RB=ROWS_RB, KC=K // nch, BK=ROWS_BK,
+                                                         NCH=nch, num_warps=4)
         for r in range(0, S, GRID_Y):     # rows on the grid's second axis (at most 65535)
             n = min(GRID_Y, S - r)
             _pre_finish_kernel[(2, n)](h2[r:], part[r:], scale, base, norm_w, x[r:], post[r:],
-                                       comb[r:], 0, D=D, C=C, NCH=1, NCHP=1, MP=MP,
+                                       comb[r:], 0, D=D, C=C, NCH=nch,
+                                       NCHP=triton.next_power_of_2(nch), MP=MP,
                                        BD=triton.next_power_of_2(D), ITERS=iters,
                                        norm_eps=norm_eps, hc_eps=hc_eps,
                                        ROUND=h.dtype == torch.bfloat16, num_warps=FINISH_WARPS,

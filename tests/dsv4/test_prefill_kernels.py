@@ -1,5 +1,5 @@
-"""The prefill kernels (dsv4/kernels/prefill_gemm.py, attention_prefill.py, the row variants in
-mhc.py) against their torch references: bit for bit where the arithmetic allows it, else within
+"""The prefill kernels (dsv4/kernels/prefill_gemm.py, prefill_moe.py, attention_prefill.py, the row
+variants in mhc.py) against their torch references: bit for bit where the arithmetic allows it, else within
 the stated float32 / rounding bound; and the whole chunk path of each layer against the torch path
 on the same inputs. Triton interpreter on the CPU (a subprocess: TRITON_INTERPRET must be set
 before triton is imported) and CUDA (real Flash shapes too).
@@ -33,13 +33,13 @@ def _fmt_weight(fmt, n, k, gen, dev, lead=(), spread=0.05):
 def _absdot(x, w, fmt, s, group_k=0):
     """|x| @ |W|^T in float64: the scale of a float32 summation error."""
     from dsv4.kernels.prefill_gemm import dequantize
-    wd = dequantize(fmt, w.cpu(), None if s is None else s.cpu()).abs().double()
-    xa = x.cpu().double().abs()
+    wd = dequantize(fmt, w, s).abs().double()
+    xa = x.double().abs()
     if group_k:
         G = x.shape[1] // group_k
         return torch.einsum("mgk,gnk->mgn", xa.view(-1, G, group_k),
-                            wd.view(G, -1, group_k)).flatten(1)
-    return xa @ wd.t()
+                            wd.view(G, -1, group_k)).flatten(1).cpu()
+    return (xa @ wd.t()).cpu()
 
 
 def check_linear(dev, gen, M=70, N=384, K=256):
@@ -47,14 +47,16 @@ def check_linear(dev, gen, M=70, N=384, K=256):
     from dsv4.quant import fp8_quant_dequant
     x = torch.randn(M, K, generator=gen).bfloat16().to(dev)
     x[3, :128] *= 50                                        # blocks of very different scales
-    assert torch.equal(P.act_quant(x), fp8_quant_dequant(x, 128)), "act_quant"
+    x[5, 128:] *= 1e-6                                      # e4m3 subnormals
+    x8, xs = P.act_quant8(x)
+    assert torch.equal(P.dequant8(x8, xs), fp8_quant_dequant(x, 128).float()), "act_quant8"
     for fmt in ("bf16", "fp8", "fp4"):
         w, s = _fmt_weight(fmt, N, K, gen, dev)
         xq = fp8_quant_dequant(x, 128) if fmt != "bf16" else x
         bound = 1e-5 * _absdot(xq, w, fmt, s)
         for od in (torch.float32, torch.bfloat16):
             out = P.linear(x, w, s, fmt, out_dtype=od)
-            ref = P.linear_reference(x, w, s, fmt, out_dtype=torch.float64)
+            ref = P.linear_reference(x, w, s, fmt, out_dtype=torch.float64).cpu()
             err = (out.cpu().double() - ref).abs()
             lim = bound + (ref.abs() * 2 ** -8 if od == torch.bfloat16 else 0)
             assert (err <= lim).all(), f"linear {fmt} {od}: {(err - lim).max():.3g} over the bound"
@@ -62,7 +64,8 @@ def check_linear(dev, gen, M=70, N=384, K=256):
     o = torch.randn(M, 2 * K, generator=gen).bfloat16().to(dev)
     w, s = _fmt_weight("fp8", 256, K, gen, dev)
     out = P.linear(o, w, s, "fp8", out_dtype=torch.float32, quant_act=False, group_k=K)
-    ref = P.linear_reference(o, w, s, "fp8", out_dtype=torch.float64, quant_act=False, group_k=K)
+    ref = P.linear_reference(o, w, s, "fp8", out_dtype=torch.float64, quant_act=False,
+                             group_k=K).cpu()
     assert ((out.cpu().double() - ref).abs() <= 1e-5 * _absdot(o, w, "fp8", s, K)).all(), "wo_a"
 
 
@@ -87,7 +90,7 @@ def check_linear_exact(dev, gen, M=40, N=256, K=256):
 
 def check_moe(dev, gen, T=50, D=256, I=128, E=8, k=3):
     """expert_plan's invariants; the grouped up / down / combine against the reference loop."""
-    from dsv4.kernels import prefill_gemm as P
+    from dsv4.kernels import prefill_moe as P
     x = torch.randn(T, D, generator=gen).bfloat16().to(dev)
     idx = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)]).sort(1).values
     idx[:5] = torch.arange(k)                                 # one expert gets most pairs
@@ -113,17 +116,27 @@ def check_moe(dev, gen, T=50, D=256, I=128, E=8, k=3):
         w1, s1 = _fmt_weight(fmt, I, D, gen, dev, (E,), 0.1)
         w3, s3 = _fmt_weight(fmt, I, D, gen, dev, (E,), 0.1)
         w2, s2 = _fmt_weight(fmt, D, I, gen, dev, (E,), 0.1)
-        q = fmt != "bf16"
-        xq = P.act_quant(x) if q else x
-        a = P.moe_up(xq, plan, w1, s1, w3, s3, fmt, 10.0, q)
+        rows = P.Rows.of(x, fmt != "bf16")
+        a = P.moe_up(rows, plan, w1, s1, w3, s3, fmt, 10.0)
         o = P.moe_down(a, plan, w2, s2, fmt)
         sh = torch.randn(T, D, generator=gen).bfloat16().to(dev)
-        y = P.moe_combine(o, plan, sh).cpu().float()
-        bank = tuple(None if t is None else t.cpu() for t in (w1, s1, w3, s3, w2, s2))
-        ref = P.moe_reference(x.cpu(), idx.cpu(), wt.cpu(), bank, fmt, 10.0, sh.cpu()).float()
+        y = P.moe_combine(o, plan, sh).float()
+        bank = (w1, s1, w3, s3, w2, s2)
+        ref = P.moe_reference(x, idx, wt, bank, fmt, 10.0, sh).float()
         err = ((y - ref).norm() / ref.norm()).item()
-        # float32 sums in another order can flip a bf16 / e4m3 rounding of an intermediate
-        assert err < 1e-2 and (y != ref).float().mean() < 0.05, f"moe {fmt}: {err:.3g}"
+        # float32 sums in another order can flip a bf16 / e4m3 rounding of an intermediate (the
+        # Flash shapes: ~7% of the outputs by one bf16 step), so the bound is on the norm
+        assert err < 1e-2 and (y != ref).float().mean() < 0.25, f"moe {fmt}: {err:.3g}"
+        # the shared expert through the same GEMMs against its dense reference
+        ws1, ss1 = _fmt_weight(fmt, I, D, gen, dev, spread=0.1)
+        ws3, ss3 = _fmt_weight(fmt, I, D, gen, dev, spread=0.1)
+        ws2, ss2 = _fmt_weight(fmt, D, I, gen, dev, spread=0.1)
+        got = P.shared_expert(rows, ws1, ss1, ws3, ss3, ws2, ss2, fmt, 10.0).float()
+        one = torch.zeros(T, 1, dtype=torch.int64, device=dev)
+        sb = tuple(t.unsqueeze(0) if t is not None else None
+                   for t in (ws1, ss1, ws3, ss3, ws2, ss2))
+        want = P.moe_reference(x, one, torch.ones(T, 1, device=dev), sb, fmt, 10.0).float()
+        assert ((got - want).norm() / want.norm()) < 1e-2, f"shared {fmt}"
         # combine alone: bit for bit (the sums of the reference's order)
         want = o.cpu().float()[inv.reshape(-1).long()].view(T, k, D)
         acc = want[:, 0].clone()
@@ -202,6 +215,28 @@ def check_layers(dev, tmp, seed):
         os.environ["DSV4_KERNELS"] = prior
 
 
+def check_parity_bf16(dev):
+    """The bfloat16 parity cases through the kernel path (the prefill row of each is the kernels'
+    output; decode rows follow from their state) within the cases' tolerances."""
+    sys.path.insert(0, str(REPO / "tests" / "integration"))
+    from conftest import SHARED
+    if not (SHARED / "data" / "parity").is_dir() and not os.environ.get("DSV4_PARITY_DIR"):
+        return
+    from test_parity import check_logits, load_case
+    from dsv4.generate import Session, load_model
+    from dsv4.model import RuntimeConfig
+    from dsv4.sampling import SamplingParams
+    for name in ("p1-bf16-3layer", "p2-fp8-2layer"):
+        d, case, golden, gtokens = load_case(name, "bf16")
+        model, ck = load_model(d, RuntimeConfig(max_seq_len=256, dtype=torch.bfloat16,
+                                                devices=(dev,)))
+        ck.close()
+        got = Session(model, SamplingParams()).generate(case["prompt_ids"], len(gtokens),
+                                                        force_ids=gtokens, keep_logits=True)
+        check_logits(got.logits.numpy(), golden, case["modes"]["bf16"]["tolerance"],
+                     f"{name} through the prefill kernels", exact_argmax=False)
+
+
 def check_all(dev, seed, tmp):
     gen = torch.Generator().manual_seed(seed)
     check_linear(dev, gen)
@@ -210,6 +245,7 @@ def check_all(dev, seed, tmp):
     check_attention_rows(dev, gen)
     check_mhc_rows(dev, gen)
     check_layers(dev, tmp, seed)
+    check_parity_bf16(dev)
 
 
 def _interp_main(seed: int, tmp: str) -> None:
@@ -238,32 +274,39 @@ def compile_all() -> list:
     from dsv4.kernels import attention_prefill as A
     from dsv4.kernels import mhc as M
     from dsv4.kernels import prefill_gemm as P
+    from dsv4.kernels import prefill_moe as Q
     from dsv4.kernels.aot import compile_variant, resources
-    gemm = {"a_ptr": "*bf16", "rows_ptr": "*i32", "w_ptr": "*u8", "s_ptr": "*u8",
-            "w3_ptr": "*u8", "s3_ptr": "*u8", "out_ptr": "*bf16", "rw_ptr": "*fp32",
-            "tile_e_ptr": "*i32", "tile_r_ptr": "*i32", "M": "i32", "limit": "fp32"}
-    base = dict(GROUP_N=0, GROUPED=False, GATHER=False, SWIGLU=False, LIMIT=False,
-                ROUTE_W=False, QUANT=False, OUT_F32=False, BM=P.BM, BN=P.BN, BK=P.BK, F32=False,
-                NATIVE=True)
+    g8 = {"a_ptr": "*u8", "as_ptr": "*fp32", "rows_ptr": "*i32", "w_ptr": "*u8", "s_ptr": "*u8",
+          "w3_ptr": "*u8", "s3_ptr": "*u8", "out_ptr": "*bf16", "os_ptr": "*fp32",
+          "rw_ptr": "*fp32", "tile_e_ptr": "*i32", "tile_r_ptr": "*i32", "M": "i32",
+          "limit": "fp32"}
+    b8 = dict(GROUPED=False, GATHER=False, SWIGLU=False, LIMIT=False, ROUTE_W=False,
+              QUANT=False, OUT_F32=False, BM=P.BM, BN=P.BN, F32=False)
     up = dict(GROUPED=True, GATHER=True, SWIGLU=True, LIMIT=True, ROUTE_W=True, QUANT=True)
+    g16 = {"a_ptr": "*bf16", "rows_ptr": "*i32", "w_ptr": "*u8", "s_ptr": "*u8",
+           "w3_ptr": "*u8", "s3_ptr": "*u8", "out_ptr": "*bf16", "rw_ptr": "*fp32",
+           "tile_e_ptr": "*i32", "tile_r_ptr": "*i32", "M": "i32", "limit": "fp32"}
+    b16 = dict(GROUP_N=0, GROUPED=False, GATHER=False, SWIGLU=False, LIMIT=False, ROUTE_W=False,
+               OUT_F32=False, BM=P.BM, BN=P.BN, BK=P.BK, F32=False, NATIVE=True)
     jobs = [
-        ("linear fp8 (wq_b)", P._gemm_kernel, gemm, dict(base, N=32768, K=1024, LDA=1024, FMT=1),
+        ("fp8 linear (wq_b)", P._gemm8_kernel, g8, dict(b8, N=32768, K=1024, FP4=False), P.WARPS),
+        ("fp4 moe up", P._gemm8_kernel, dict(g8, out_ptr="*u8"),
+         dict(b8, N=2048, K=4096, FP4=True, **up), P.WARPS),
+        ("fp4 moe down", P._gemm8_kernel, g8, dict(b8, N=4096, K=2048, FP4=True, GROUPED=True),
          P.WARPS),
-        ("linear bf16 -> f32 (compressor)", P._gemm_kernel,
-         dict(gemm, w_ptr="*bf16", out_ptr="*fp32"),
-         dict(base, N=1024, K=4096, LDA=4096, FMT=0, OUT_F32=True), P.WARPS),
-        ("linear fp8 grouped (wo_a)", P._gemm_kernel, gemm,
-         dict(base, N=8192, K=4096, LDA=32768, FMT=1, GROUP_N=1024), P.WARPS),
-        ("moe up fp4", P._gemm_kernel, gemm, dict(base, N=2048, K=4096, LDA=4096, FMT=2, **up),
-         P.WARPS),
-        ("moe down fp4", P._gemm_kernel, gemm,
-         dict(base, N=4096, K=2048, LDA=2048, FMT=2, GROUPED=True), P.WARPS),
-        ("shared up fp8", P._gemm_kernel, gemm,
-         dict(base, N=2048, K=4096, LDA=4096, FMT=1, SWIGLU=True, LIMIT=True, QUANT=True),
-         P.WARPS),
-        ("act_quant", P._act_quant_kernel, {"x_ptr": "*bf16", "y_ptr": "*bf16", "M": "i32"},
-         dict(K=4096, R=P.QROWS), 4),
-        ("moe combine", P._combine_kernel, {"o_ptr": "*bf16", "inv_ptr": "*i32",
+        ("fp8 shared up", P._gemm8_kernel, dict(g8, out_ptr="*u8"),
+         dict(b8, N=2048, K=4096, FP4=False, SWIGLU=True, LIMIT=True, QUANT=True), P.WARPS),
+        ("bf16 linear -> f32 (compressor)", P._gemm16_kernel,
+         dict(g16, w_ptr="*bf16", out_ptr="*fp32"),
+         dict(b16, N=1024, K=4096, LDA=4096, FMT=0, OUT_F32=True), P.WARPS),
+        ("fp8 grouped wo_a (bf16 MMA)", P._gemm16_kernel, g16,
+         dict(b16, N=8192, K=4096, LDA=32768, FMT=1, GROUP_N=1024), P.WARPS),
+        ("bf16 moe up", P._gemm16_kernel, dict(g16, w_ptr="*bf16", w3_ptr="*bf16"),
+         dict(b16, N=2048, K=4096, LDA=4096, FMT=0, GROUPED=True, GATHER=True, SWIGLU=True,
+              LIMIT=True, ROUTE_W=True), P.WARPS),
+        ("act_quant8", P._act_quant8_kernel, {"x_ptr": "*bf16", "y_ptr": "*u8", "s_ptr": "*fp32",
+                                              "M": "i32"}, dict(K=4096, R=P.QROWS), 4),
+        ("moe combine", Q._combine_kernel, {"o_ptr": "*bf16", "inv_ptr": "*i32",
                                             "sh_ptr": "*bf16", "y_ptr": "*bf16"},
          dict(D=4096, KE=6, BD=1024, SHARED=True), 4),
         ("attention rows", A._attn_rows_kernel,
@@ -272,11 +315,14 @@ def compile_all() -> list:
          dict(H=64, DH=512, HB=A.HB_MAX, BN=A.ROWS, F32=False), 8),
         ("mhc mix rows", M._mix_rows_kernel, {"h_ptr": "*bf16", "fn_ptr": "*fp32",
                                               "part_ptr": "*fp32", "S": "i32"},
-         dict(K=16384, M=24, MP=32, RB=M.ROWS_RB, BK=M.ROWS_BK), 4),
+         dict(K=16384, M=24, MP=32, RB=M.ROWS_RB, KC=16384 // M.ROWS_NCH, BK=M.ROWS_BK,
+              NCH=M.ROWS_NCH), 4),
     ]
     out = []
     for name, kern, sig, ce, nw in jobs:
-        out.append((name, resources(compile_variant(kern, sig, ce, nw))))
+        c = compile_variant(kern, sig, ce, nw)
+        out.append((name, {**resources(c), "mma": "wgmma" if "wgmma" in c.asm["ptx"] else
+                           "mma.sync" if "mma.sync" in c.asm["ptx"] else "-"}))
     return out
 
 
