@@ -96,7 +96,16 @@ class Attention:
         W, r = cfg.window_size, self.ratio
         pos = torch.arange(start, start + s, device=dev)
         cs = cos_sin(pos, self.freqs)
-        qr, q, kv = self._q_kv(x, cs)
+        rows = kernels.prefill_ok(x)         # the chunk's kernels (bf16 rows on the GPU)
+        pos0 = pos[:1]
+        if rows:
+            from .kernels import attention_decode as K
+            qr = K.rms_norm_rows(self.wq_a(x, x.dtype), self.q_norm, cfg.norm_eps)
+            q, kv = K.attention_prep_rows(self.wq_b(qr, x.dtype), self.wkv(x, x.dtype),
+                                          self.kv_norm, pos0, self.freqs, cfg.norm_eps,
+                                          cfg.n_heads)
+        else:
+            qr, q, kv = self._q_kv(x, cs)
         # attended rows: [0, W) the ring as it was (positions < start), [W, W+s) this chunk's kv,
         # [W+s, ...) the compressed entries visible at the chunk's end (its own written first)
         idx = window_indices(start, s, W, dev)                                 # [s, W]
@@ -114,13 +123,13 @@ class Attention:
         keep = min(s, W)                                 # ring write (the old ring is copied)
         st.kv_cache[pos[s - keep:] % W] = kv[s - keep:]
         scale = cfg.head_dim ** -0.5
-        if kernels.prefill_ok(q):
+        if rows:                                      # inverse RoPE in the kernel's epilogue
             from .kernels.attention_prefill import sparse_attention_rows
-            o = sparse_attention_rows(q, kv_all, idx, self.attn_sink, scale)
-        else:
-            o = torch.cat([sparse_attention(q[i:i + QUERY_BLOCK], kv_all,
-                                            idx[i:i + QUERY_BLOCK], self.attn_sink, scale)
-                           for i in range(0, s, QUERY_BLOCK)], dim=0)
+            return self._project_out(sparse_attention_rows(q, kv_all, idx, self.attn_sink, scale,
+                                                           self.freqs, pos0))
+        o = torch.cat([sparse_attention(q[i:i + QUERY_BLOCK], kv_all, idx[i:i + QUERY_BLOCK],
+                                        self.attn_sink, scale)
+                       for i in range(0, s, QUERY_BLOCK)], dim=0)
         return self._out(o, cs)
 
     # ---- decode ------------------------------------------------------------------------------

@@ -47,7 +47,14 @@ class Indexer:
         t = (start+s)//4 entries the chunk leaves in the index cache (+offset, -1 where not yet
         visible to the query); the chunk's entries are compressed into the cache first."""
         s, act = x.shape[0], x.dtype
-        q, w = self._query(x, qr, cs, act)
+        if kernels.prefill_ok(x):          # RoPE, Hadamard, FP4 fake-quant in one launch
+            from .kernels.indexer_decode import index_query
+            pos0 = torch.full((1,), start, dtype=torch.int64, device=x.device)
+            q = index_query(self.wq_b(qr, act), pos0, freqs, self.n_heads).view(
+                s, self.n_heads, self.head_dim)
+            w = self.weights_proj(x, act) * (self.head_dim ** -0.5 * self.n_heads ** -0.5)
+        else:
+            q, w = self._query(x, qr, cs, act)
         self.compressor.prefill(x, st.index_compressor, st.index_cache, freqs, start)
         t = (start + s) // 4
         k = min(self.cfg.index_topk, t)

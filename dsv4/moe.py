@@ -163,21 +163,20 @@ class MoE:
 
     def _prefill_grouped(self, x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor
                          ) -> torch.Tensor:
-        """prefill over dsv4.kernels.prefill_moe: x act-quantized once (routed and shared
-        share it), routed up (w1, w3, SwiGLU, route weight, act quant) and down per expert tile,
+        """prefill over dsv4.kernels.prefill_moe: x act-quantized (once where routed and shared
+        use one tensor-core path), routed up (w1, w3, SwiGLU, route weight, act quant) and down
+        per expert tile,
         the shared expert, then each token's sum in ascending expert order plus the shared
         output, as the reference's loop."""
         from .kernels import prefill_moe as G
         bank, sh, lim = self.experts, self.shared, self.cfg.swiglu_limit
         idx, order = idx.sort(dim=1)              # the reference adds experts in ascending id
         plan = G.expert_plan(idx, w.gather(1, order), bank.n_experts)
-        q_r, q_s = bank.fmt != "bf16", sh["w1"].quantized
-        xq = G.Rows.of(x, True) if q_r or q_s else None        # one act quant serves both
-        xb = G.Rows(x)
-        a = G.moe_up(xq if q_r else xb, plan, bank.w1, bank.w1_scale, bank.w3, bank.w3_scale,
-                     bank.fmt, lim)
+        xr = G.Rows.of(x, bank.fmt)
+        same = G.Rows.kind(sh["w1"].fmt) == G.Rows.kind(bank.fmt)
+        xs = xr if same else G.Rows.of(x, sh["w1"].fmt)
+        a = G.moe_up(xr, plan, bank.w1, bank.w1_scale, bank.w3, bank.w3_scale, bank.fmt, lim)
         o = G.moe_down(a, plan, bank.w2, bank.w2_scale, bank.fmt)
-        y_sh = G.shared_expert(xq if q_s else xb, sh["w1"].weight, sh["w1"].scale,
-                               sh["w3"].weight, sh["w3"].scale, sh["w2"].weight, sh["w2"].scale,
-                               sh["w1"].fmt, lim)
+        y_sh = G.shared_expert(xs, sh["w1"].weight, sh["w1"].scale, sh["w3"].weight,
+                               sh["w3"].scale, sh["w2"].weight, sh["w2"].scale, sh["w1"].fmt, lim)
         return G.moe_combine(o, plan, y_sh)

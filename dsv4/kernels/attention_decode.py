@@ -40,12 +40,27 @@ class AttnConfig:
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, eps, D: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr):
+    # program r: row r (decode: one row; prefill: a chunk's rows)
     pdl_wait(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    x_ptr += row * D
+    y_ptr += row * D
     d = tl.arange(0, BD)
     x = tl.load(x_ptr + d, mask=d < D, other=0.0).to(tl.float32)
     rs = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
     y = round_bf16(tl.load(w_ptr + d, mask=d < D, other=0.0) * (x * rs))
     tl.store(y_ptr + d, y.to(y_ptr.dtype.element_ty), mask=d < D)
+
+
+def rms_norm_rows(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """dsv4.mhc.rms_norm of bf16 rows x [s, D] (f32 weight) -> [s, D] bf16: one launch (prefill)."""
+    x = x.contiguous()
+    y = torch.empty_like(x)
+    D = x.shape[-1]
+    with on_device(x):
+        _rms_norm_kernel[(x.shape[0],)](x, w, y, eps, D=D, BD=triton.next_power_of_2(D),
+                                        num_warps=4, PDL=False)
+    return y
 
 
 def rms_norm_row(x: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor | None = None
@@ -92,17 +107,28 @@ def _prep_kv(kv_ptr, kvw_ptr, cache_ptr, row, eps, cos, sin, pair, DH: tl.conste
 @triton.jit
 def _prep_kernel(q_ptr, qo_ptr, kv_ptr, kvw_ptr, cache_ptr, freqs_ptr, pos_ptr, eps,
                  H: tl.constexpr, DH: tl.constexpr, HB: tl.constexpr, W: tl.constexpr,
-                 NOPE: tl.constexpr, PDL: tl.constexpr):
-    # programs 0..H/HB-1: q heads; program H/HB: kv, written to ring slot pos % W
+                 NOPE: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr):
+    # programs 0..H/HB-1: q heads; program H/HB: kv, written to ring slot pos % W. ROWS (a
+    # prefill chunk): program_id(1) is the row, at position pos + row; its kv goes to row `row`
+    # of cache_ptr (the chunk's kv, not the ring)
     pdl_wait(PDL)
     pid = tl.program_id(0)
     pos = load_pos(pos_ptr)
+    if ROWS:
+        row = tl.program_id(1)
+        pos = pos + row
+        q_ptr += row.to(tl.int64) * (H * DH)
+        qo_ptr += row.to(tl.int64) * (H * DH)
+        kv_ptr += row.to(tl.int64) * DH
+        slot = row
+    else:
+        slot = pos % W
     pair = tl.arange(0, DH // 2)[None, :]
     cos, sin = rope_cos_sin(pos.to(tl.float32), freqs_ptr, pair, NOPE // 2)
     if pid < H // HB:
         _prep_q(q_ptr, qo_ptr, pid * HB, eps, cos, sin, pair, DH, HB, NOPE)
     else:
-        _prep_kv(kv_ptr, kvw_ptr, cache_ptr, pos % W, eps, cos, sin, pair, DH, NOPE)
+        _prep_kv(kv_ptr, kvw_ptr, cache_ptr, slot, eps, cos, sin, pair, DH, NOPE)
 
 
 def attention_prep(q: torch.Tensor, kv: torch.Tensor, kv_norm: torch.Tensor,
@@ -124,15 +150,35 @@ def attention_prep(q: torch.Tensor, kv: torch.Tensor, kv_norm: torch.Tensor,
     with on_device(q):
         _prep_kernel[(n_heads // hb + 1,)](q, qo, kv, kv_norm, kv_cache, freqs, pos, eps,
                                            H=n_heads, DH=DH, HB=hb, W=window, NOPE=nope,
-                                           num_warps=4, **launch_args(qo))
+                                           ROWS=False, num_warps=4, **launch_args(qo))
     return qo
+
+
+def attention_prep_rows(q: torch.Tensor, kv: torch.Tensor, kv_norm: torch.Tensor,
+                        pos0: torch.Tensor, freqs: torch.Tensor, eps: float, n_heads: int):
+    """attention_prep for the rows of a prefill chunk at positions pos0 + i (pos0 [1] int64):
+    q [s, h*d] -> [s, h, d] (per-head RMS, RoPE), kv [s, d] -> [s, d] (RMSNorm, RoPE, FP8
+    fake-quant), as Attention._q_kv after the GEMMs. One launch; the ring is not touched."""
+    S, DH = kv.shape
+    nope = DH - 2 * freqs.numel()
+    hb = min(n_heads, 16)
+    if DH & (DH - 1) or nope % 64 or n_heads % hb or q.dtype != torch.bfloat16:
+        raise ValueError(f"attention_prep_rows: q {tuple(q.shape)} {q.dtype}, kv "
+                         f"{tuple(kv.shape)}, {n_heads} heads ({HATCH})")
+    q, kv = q.contiguous(), kv.contiguous()
+    qo, kvo = torch.empty_like(q), torch.empty_like(kv)
+    with on_device(q):
+        _prep_kernel[(n_heads // hb + 1, S)](q, qo, kv, kv_norm, kvo, freqs, pos0, eps,
+                                             H=n_heads, DH=DH, HB=hb, W=1, NOPE=nope, ROWS=True,
+                                             num_warps=4, PDL=False)
+    return qo.view(S, n_heads, DH), kvo
 
 
 # ---- sparse attention ----------------------------------------------------------------------
 
 @triton.jit
-def _finish(acc, m, l, sink, pos_f, freqs_ptr, pair, ROWS: tl.constexpr, P: tl.constexpr,
-            NOPE: tl.constexpr):
+def attn_finish(acc, m, l, sink, pos_f, freqs_ptr, pair, ROWS: tl.constexpr, P: tl.constexpr,
+                NOPE: tl.constexpr):
     """o = acc / (l + e^(sink - m)) -> bf16 -> inverse RoPE at pos on pairs `pair`: [ROWS, 2P]."""
     o = round_bf16(acc / (l + tl.exp(sink - m))[:, None])
     cos, sin = rope_cos_sin(pos_f, freqs_ptr, pair, NOPE // 2)
@@ -202,8 +248,8 @@ def _attn_kernel(q_ptr, kv_ptr, idx_ptr, sink_ptr, freqs_ptr, pos_ptr, o_ptr, pm
     hm = hh < H
     if NSPLIT == 1:
         sink = tl.load(sink_ptr + hh, mask=hm, other=0.0)
-        o = _finish(acc, m, l, sink, pos.to(tl.float32), freqs_ptr, tl.arange(0, DH // 2)[None, :],
-                    HB, DH // 2, NOPE)
+        o = attn_finish(acc, m, l, sink, pos.to(tl.float32), freqs_ptr,
+                        tl.arange(0, DH // 2)[None, :], HB, DH // 2, NOPE)
         tl.store(o_ptr + hh[:, None] * DH + d[None, :], o.to(o_ptr.dtype.element_ty),
                  mask=hm[:, None])
     else:
@@ -234,8 +280,8 @@ def _combine_kernel(pm_ptr, pl_ptr, pacc_ptr, sink_ptr, freqs_ptr, pos_ptr, o_pt
                                     mask=hm[:, None], other=0.0)
     sink = tl.load(sink_ptr + hh, mask=hm, other=0.0)
     pair = tl.program_id(1) * (BD // 2) + tl.arange(0, BD // 2)[None, :]
-    o = _finish(acc, mx, l, sink, load_pos(pos_ptr).to(tl.float32), freqs_ptr, pair, HC, BD // 2,
-                NOPE)
+    o = attn_finish(acc, mx, l, sink, load_pos(pos_ptr).to(tl.float32), freqs_ptr, pair, HC,
+                    BD // 2, NOPE)
     tl.store(o_ptr + hh[:, None] * DH + dd[None, :], o.to(o_ptr.dtype.element_ty), mask=hm[:, None])
 
 

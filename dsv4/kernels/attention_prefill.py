@@ -1,11 +1,12 @@
 """Sparse attention of a prefill chunk in one launch: every query attends its own list of KV rows
 (the window's rows of the old ring and of the chunk, then compressed entries; -1 = none) with the
 attention sink, as the official sparse_attn: float32 logits, online softmax over tiles of rows, the
-probabilities rounded to bf16 for P.V, float32 accumulation. All heads share the KV rows (MQA), so a
-program takes a block of heads of one query and reads each of its rows once.
+probabilities rounded to bf16 for P.V, float32 accumulation, then the inverse RoPE at the query's
+position (the decode kernel's epilogue). All heads share the KV rows (MQA), so a program takes a
+block of heads of one query and reads each of its rows once.
 
 Legend: s = queries, h = heads, d = head_dim, k = attended rows per query.
-Reference: dsv4.sparse.sparse_attention. Test: tests/dsv4/test_prefill_kernels.py.
+Reference: dsv4.sparse.sparse_attention + dsv4.rope.apply_rope(inverse). Test: tests/dsv4/test_prefill_kernels.py.
 """
 from __future__ import annotations
 
@@ -13,18 +14,20 @@ import torch
 import triton
 import triton.language as tl
 
+from .attention_decode import attn_finish
 from .common import interpreting, on_device, round_bf16
-from .compressor_decode import NEG_INF, dot_bf16
+from .compressor_decode import NEG_INF, dot_bf16, load_pos
 
 HB_MAX = 16     # heads per program (the q block and its float32 accumulator stay in registers)
 ROWS = 32       # KV rows per tile
 
 
 @triton.jit
-def _attn_rows_kernel(q_ptr, kv_ptr, idx_ptr, sink_ptr, o_ptr, scale, KI,
+def _attn_rows_kernel(q_ptr, kv_ptr, idx_ptr, sink_ptr, freqs_ptr, pos_ptr, o_ptr, scale, KI,
                       H: tl.constexpr, DH: tl.constexpr, HB: tl.constexpr, BN: tl.constexpr,
-                      F32: tl.constexpr):
-    # program (query i, head block): online softmax over the query's KI indices, BN at a time
+                      NOPE: tl.constexpr, F32: tl.constexpr):
+    # program (query i, head block): online softmax over the query's KI indices, BN at a time;
+    # then the sink, bf16, and the inverse RoPE at the query's position pos + i
     i = tl.program_id(0).to(tl.int64)
     hh = tl.program_id(1) * HB + tl.arange(0, HB)
     hm = hh < H
@@ -49,15 +52,19 @@ def _attn_rows_kernel(q_ptr, kv_ptr, idx_ptr, sink_ptr, o_ptr, scale, KI,
         acc = acc * alpha[:, None] + dot_bf16(round_bf16(p), k, F32)
         m = m_new
     sink = tl.load(sink_ptr + hh, mask=hm, other=0.0)
-    o = round_bf16(acc / (l + tl.exp(sink - m))[:, None])
+    pos = (load_pos(pos_ptr) + i).to(tl.float32)
+    o = attn_finish(acc, m, l, sink, pos, freqs_ptr, tl.arange(0, DH // 2)[None, :], HB, DH // 2,
+               NOPE)
     tl.store(o_ptr + (i * H + hh)[:, None] * DH + d[None, :], o.to(o_ptr.dtype.element_ty),
              mask=hm[:, None])
 
 
 def sparse_attention_rows(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor,
-                          sink: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [s, h, d] bf16 over rows idx [s, k] (int, -1 = masked; every query has a valid one) of
-    kv [n, d] bf16, sink [h] f32 -> o [s, h, d] bf16 (before the inverse RoPE). One launch."""
+                          sink: torch.Tensor, scale: float, freqs: torch.Tensor,
+                          pos0: torch.Tensor) -> torch.Tensor:
+    """q [s, h, d] bf16 (query i at position pos0 + i, pos0 [1] int64) over rows idx [s, k]
+    (int, -1 = masked; every query has a valid one) of kv [n, d] bf16, sink [h] f32 -> o
+    [s, h, d] bf16, inverse RoPE (freqs) applied. One launch."""
     S, H, DH = q.shape
     if kv.dtype != torch.bfloat16 or q.dtype != torch.bfloat16 or DH & (DH - 1):
         raise ValueError(f"sparse_attention_rows: bf16 q / kv with a power-of-two head_dim "
@@ -66,7 +73,9 @@ def sparse_attention_rows(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor,
     o = torch.empty_like(q)
     idx = idx.to(torch.int32).contiguous()
     with on_device(o):
-        _attn_rows_kernel[(S, triton.cdiv(H, hb))](q.contiguous(), kv.contiguous(), idx, sink, o,
-                                                   scale, idx.shape[1], H=H, DH=DH, HB=hb,
-                                                   BN=ROWS, F32=interpreting(), num_warps=8)
+        _attn_rows_kernel[(S, triton.cdiv(H, hb))](q.contiguous(), kv.contiguous(), idx, sink,
+                                                   freqs, pos0, o, scale, idx.shape[1], H=H,
+                                                   DH=DH, HB=hb, BN=ROWS,
+                                                   NOPE=DH - 2 * freqs.numel(),
+                                                   F32=interpreting(), num_warps=8)
     return o

@@ -22,8 +22,12 @@ HATCH = "DSV4_KERNELS=0 runs the torch path"
 @triton.jit
 def _query_kernel(q_ptr, qo_ptr, freqs_ptr, pos_ptr, H: tl.constexpr, DI: tl.constexpr,
                   HQ: tl.constexpr, NOPE: tl.constexpr, F32: tl.constexpr, PDL: tl.constexpr):
-    # HQ heads per program: RoPE (bf16) -> normalized Sylvester Hadamard (bf16) -> FP4 fake-quant
+    # HQ heads per program: RoPE (bf16) -> normalized Sylvester Hadamard (bf16) -> FP4 fake-quant;
+    # program_id(1): the row (prefill: a chunk's rows at positions pos + row; decode: one row)
     pdl_wait(PDL)
+    row = tl.program_id(1)
+    q_ptr += row.to(tl.int64) * (H * DI)
+    qo_ptr += row.to(tl.int64) * (H * DI)
     hh = tl.program_id(0) * HQ + tl.arange(0, HQ)
     hm = (hh < H)[:, None]
     d = tl.arange(0, DI)
@@ -31,7 +35,8 @@ def _query_kernel(q_ptr, qo_ptr, freqs_ptr, pos_ptr, H: tl.constexpr, DI: tl.con
     q = tl.load(q_ptr + off, mask=hm, other=0.0).to(tl.float32)
     P: tl.constexpr = DI // 2
     pair = tl.arange(0, P)[None, :]
-    cos, sin = rope_cos_sin(load_pos(pos_ptr).to(tl.float32), freqs_ptr, pair, NOPE // 2)
+    cos, sin = rope_cos_sin((load_pos(pos_ptr) + row).to(tl.float32), freqs_ptr, pair,
+                            NOPE // 2)
     a, b = to_pairs(q, HQ, P)
     a, b = rope_pairs(a, b, cos, sin, pair >= NOPE // 2, False)
     h = sylvester(d[:, None], d[None, :])                              # [DI, DI] +-1, symmetric
@@ -62,19 +67,21 @@ def _scores_kernel(q_ptr, w_ptr, k_ptr, pos_ptr, out_ptr, wscale, N, H: tl.const
 
 def index_query(q: torch.Tensor, pos: torch.Tensor, freqs: torch.Tensor, n_heads: int,
                 out: torch.Tensor | None = None) -> torch.Tensor:
-    """q [1, h*di] bf16 (indexer.wq_b output) -> RoPE(pos), Hadamard, FP4 fake-quant: [1, h*di]
-    bf16 (Indexer._query's q). One launch. Capture-safe, deterministic."""
+    """q [s, h*di] bf16 (indexer.wq_b output; decode: one row) -> RoPE at pos + row, Hadamard,
+    FP4 fake-quant: [s, h*di] bf16 (Indexer._query's q). One launch. Capture-safe,
+    deterministic."""
     DI = q.shape[-1] // n_heads
     nope = DI - 2 * freqs.numel()
-    if q.numel() != n_heads * DI or DI & (DI - 1) or DI < 32 or q.dtype != torch.bfloat16:
+    S = q.numel() // (n_heads * DI)
+    if q.shape[-1] != n_heads * DI or DI & (DI - 1) or DI < 32 or q.dtype != torch.bfloat16:
         raise ValueError(f"index_query: q {tuple(q.shape)} {q.dtype}, {n_heads} heads; expected "
                          f"bf16 [1, h*di] with di a power of two >= 32 ({HATCH})")
     hq = 16
     out = torch.empty_like(q) if out is None else out
     with on_device(q):
-        _query_kernel[(triton.cdiv(n_heads, hq),)](q, out, freqs, pos, H=n_heads, DI=DI, HQ=hq,
-                                                   NOPE=nope, F32=interpreting(), num_warps=4,
-                                                   **launch_args(out))
+        _query_kernel[(triton.cdiv(n_heads, hq), S)](q, out, freqs, pos, H=n_heads, DI=DI,
+                                                     HQ=hq, NOPE=nope, F32=interpreting(),
+                                                     num_warps=4, **launch_args(out))
     return out
 
 

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from .. import mhc as torch_mhc
-from .common import launch_args, on_device, pdl_wait, round_bf16
+from .common import interpreting, launch_args, on_device, pdl_wait, round_bf16
 
 BK = 256       # flattened-h elements per program of the partial mix GEMV
 FINISH_WARPS = 8   # warps of the one-program finish (Sinkhorn, weighted sum, RMSNorm)
@@ -39,9 +39,12 @@ def _mix_partial_kernel(h_ptr, fn_ptr, part_ptr, K: tl.constexpr, M: tl.constexp
 @triton.jit
 def _mix_rows_kernel(h_ptr, fn_ptr, part_ptr, S, K: tl.constexpr, M: tl.constexpr,
                      MP: tl.constexpr, RB: tl.constexpr, KC: tl.constexpr, BK: tl.constexpr,
-                     NCH: tl.constexpr):
+                     NCH: tl.constexpr, F32: tl.constexpr):
     # program (row block, K chunk c): part[r, c, :M] = fn[:, chunk] @ h[r, chunk],
-    # part[r, c, MP] = sum(h[r, chunk]^2) (float32 FMA); the finish kernel sums the NCH chunks
+    # part[r, c, MP] = sum(h[r, chunk]^2); the finish kernel sums the NCH chunks. On tensor
+    # cores: h is bf16 (exact) and fn = f1 + f2 + f3 in bf16 (a float32 split to 24 bits), so
+    # three bf16 MMAs with float32 accumulation give the float32 products (F32: the interpreter,
+    # one exact float32 dot).
     r = tl.program_id(0) * RB + tl.arange(0, RB)
     c = tl.program_id(1)
     rm = r < S
@@ -50,11 +53,21 @@ def _mix_rows_kernel(h_ptr, fn_ptr, part_ptr, S, K: tl.constexpr, M: tl.constexp
     sq = tl.zeros([RB], tl.float32)
     for k0 in range(c * KC, c * KC + KC, BK):
         kk = k0 + tl.arange(0, BK)
-        h = tl.load(h_ptr + r[:, None].to(tl.int64) * K + kk[None, :], mask=rm[:, None],
-                    other=0.0).to(tl.float32)
+        h = tl.load(h_ptr + r[:, None].to(tl.int64) * K + kk[None, :], mask=rm[:, None], other=0.0)
         f = tl.load(fn_ptr + m[:, None] * K + kk[None, :], mask=(m < M)[:, None], other=0.0)
-        acc += tl.dot(h, tl.trans(f), input_precision="ieee")
-        sq += tl.sum(h * h, axis=1)
+        hf = h.to(tl.float32)
+        sq += tl.sum(hf * hf, axis=1)
+        if F32:
+            acc += tl.dot(hf, tl.trans(f), input_precision="ieee")
+        else:
+            f1 = f.to(tl.bfloat16)
+            rest = f - f1.to(tl.float32)
+            f2 = rest.to(tl.bfloat16)
+            f3 = (rest - f2.to(tl.float32)).to(tl.bfloat16)
+            hb = h.to(tl.bfloat16)
+            acc = tl.dot(hb, tl.trans(f1), acc)
+            acc = tl.dot(hb, tl.trans(f2), acc)
+            acc = tl.dot(hb, tl.trans(f3), acc)
     base = part_ptr + (r[:, None].to(tl.int64) * NCH + c) * (MP + 1)
     tl.store(base + m[None, :], acc, mask=rm[:, None])
     tl.store(part_ptr + (r.to(tl.int64) * NCH + c) * (MP + 1) + MP, sq, mask=rm)
@@ -215,15 +228,15 @@ def hc_post(x, res, post, comb, out=None):
     return out
 
 
-ROWS_RB, ROWS_BK = 16, 64      # rows and K step of a _mix_rows_kernel program
+ROWS_RB, ROWS_BK = 64, 64      # rows and K step of a _mix_rows_kernel program
 ROWS_NCH = 16                   # K chunks per row block (partial sums the finish kernel adds)
 GRID_Y = 32768                  # rows per launch of the row-grid finish / post kernels
 
 
 def hc_pre_norm_rows(h, fn, scale, base, norm_w, norm_eps, hc_eps, iters):
-    """Prefill: h [s, c, D] -> (RMSNorm(hc_pre(h)) [s, D] in h's dtype, post [s, c], comb
-    [s, c, c] f32) in two launches: partial mixes of every row (float32 FMA, tiles of rows x
-    chunks of K), then the decode's finish kernel (which adds the chunks in order) per row."""
+    """Prefill: h [s, c, D] bf16 -> (RMSNorm(hc_pre(h)) [s, D] bf16, post [s, c], comb [s, c, c]
+    f32) in two launches: partial mixes of every row (tensor cores, tiles of rows x chunks of
+    K), then the decode's finish kernel (which adds the chunks in order) per row."""
     S, C, D = h.shape
     K = C * D
     if K % ROWS_BK:
@@ -241,7 +254,8 @@ def hc_pre_norm_rows(h, fn, scale, base, norm_w, norm_eps, hc_eps, iters):
     with on_device(x):
         _mix_rows_kernel[(triton.cdiv(S, ROWS_RB), nch)](h2, fn, part, S, K=K, M=M, MP=MP,
                                                          RB=ROWS_RB, KC=K // nch, BK=ROWS_BK,
-                                                         NCH=nch, num_warps=4)
+                                                         NCH=nch, F32=interpreting(),
+                                                         num_warps=4)
         for r in range(0, S, GRID_Y):     # rows on the grid's second axis (at most 65535)
             n = min(GRID_Y, S - r)
             _pre_finish_kernel[(2, n)](h2[r:], part[r:], scale, base, norm_w, x[r:], post[r:],

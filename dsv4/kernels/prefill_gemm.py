@@ -16,14 +16,17 @@ References: `linear_reference`. Test: tests/dsv4/test_prefill_kernels.py.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
 from ..formats import FP8_BLOCK, dequantize_fp4_weight, dequantize_fp8_weight
 from ..quant import fp8_quant_dequant
-from .common import (AMAX_FLOOR, E4M3_MAX_INV, e4m3_to_f32, e8m0_to_f32, interpreting, on_device,
-                     pow2, round_bf16, round_e4m3)
+from .common import (AMAX_FLOOR, E4M3_MAX_INV, block_exponent, e2m1_word_to_f32, e4m3_to_f32,
+                     e8m0_to_f32, interpreting, on_device, pow2, quant_dequant, round_bf16,
+                     round_e4m3)
 
 FORMATS = {"bf16": 0, "fp8": 1, "fp4": 2}
 BM, BN, BK = 64, 128, 64          # row tile, output-feature tile (= the act-quant block), bf16 K step
@@ -84,7 +87,8 @@ def _epilogue(acc, acc3, out_ptr, os_ptr, rw_ptr, rows, rm, n, nm, limit, N: tl.
               QUANT: tl.constexpr, OUT_F32: tl.constexpr):
     """acc, acc3 [BN, BM] -> out[rows, n]. SWIGLU: the GEMMs' bf16 outputs g (acc) and u (acc3),
     clamped (u both ways, g from above), silu(g) * u in float32, times the route weight, rounded
-    to bf16; QUANT (BN = 128): then act-quantized, e4m3 bytes to out and 2^e to os[row, n-tile]."""
+    to bf16; then act-quantized per 128 (BN = 128) when QUANT: 1, as exact bf16 values; 2, e4m3
+    bytes to out and 2^e to os[row, n-tile]."""
     acc = tl.trans(acc)                                                     # [BM, BN]
     optr = out_ptr + rows[:, None].to(tl.int64) * N + n[None, :]
     om = rm[:, None] & nm[None, :]
@@ -98,11 +102,13 @@ def _epilogue(acc, acc3, out_ptr, os_ptr, rw_ptr, rows, rm, n, nm, limit, N: tl.
         if ROUTE_W:
             y = y * tl.load(rw_ptr + rows, mask=rm, other=0.0)[:, None]
         y = round_bf16(y)
-        if QUANT:
+        if QUANT == 2:
             y8, ys = _quant8(y)
             tl.store(optr, y8, mask=om)
             tl.store(os_ptr + rows.to(tl.int64) * (N // 128) + tl.program_id(1), ys, mask=rm)
         else:
+            if QUANT == 1:
+                y = quant_dequant(y, block_exponent(y)[:, None])
             tl.store(optr, y.to(out_ptr.dtype.element_ty), mask=om)
     elif OUT_F32:
         tl.store(optr, acc, mask=om)
@@ -193,7 +199,7 @@ def _gemm8_kernel(a_ptr, as_ptr, rows_ptr, w_ptr, s_ptr, w3_ptr, s3_ptr, out_ptr
                 ws3 = e8m0_to_f32(tl.load(s3_ptr + srow * (K // 128) + kb, mask=nm, other=0))
                 acc3 += _mma8(w38, a8, F32) * (ws3[:, None] * a_s[None, :])
     _epilogue(acc, acc3, out_ptr, os_ptr, rw_ptr, rows, rm, n, nm, limit, N, SWIGLU, LIMIT,
-              ROUTE_W, QUANT, OUT_F32)
+              ROUTE_W, QUANT * 2, OUT_F32)
 
 
 # ---- bf16 tensor cores: bf16 weights, or FP8 weights on unquantized rows (wo_a) ------------------
@@ -201,28 +207,49 @@ def _gemm8_kernel(a_ptr, as_ptr, rows_ptr, w_ptr, s_ptr, w3_ptr, s3_ptr, out_ptr
 @triton.jit
 def _w16_load(w_ptr, s_ptr, wrow, n, nm, k0, N: tl.constexpr, K: tl.constexpr,
               FMT: tl.constexpr, BK: tl.constexpr):
-    """Stored bytes of rows wrow x columns k0 .. k0+BK (k0 may be K: all masked, the prefetch)."""
-    kk = k0 + tl.arange(0, BK)
-    live = nm & (n * 0 + k0 < K)
-    b = tl.load(w_ptr + wrow[:, None] * K + kk[None, :], mask=live[:, None], other=0)
-    if FMT == 0:
-        return b, tl.zeros([1], tl.float32)
-    else:
+    """Stored bytes of rows wrow x columns k0 .. k0+BK (k0 may be K: all masked, the prefetch).
+    FP4: int32 words [BN, BK/32, 4] (8 e2m1 each) and their group scales [BN, BK/32]."""
+    live = nm & (n * 0 + k0 < K)                  # vector masks only (Triton 3.9's interpreter)
+    if FMT == 2:
+        G: tl.constexpr = BK // 32
+        gg = tl.arange(0, G)
+        wo = (k0 // 8 + gg[:, None] * 4 + tl.arange(0, 4)[None, :])[None, :, :]   # [1, G, 4]
+        b = tl.load(w_ptr + wrow[:, None, None] * (K // 8) + wo, mask=live[:, None, None],
+                    other=0)
+        s = tl.load(s_ptr + wrow[:, None] * (K // 32) + (k0 // 32 + gg)[None, :],
+                    mask=live[:, None], other=0)
+    elif FMT == 1:
+        kk = k0 + tl.arange(0, BK)
+        b = tl.load(w_ptr + wrow[:, None] * K + kk[None, :], mask=live[:, None], other=0)
         s = tl.load(s_ptr + (wrow // N * (N // 128) + n // 128) * (K // 128) + k0 // 128,
                     mask=live, other=0)
-        return b, e8m0_to_f32(s)
+    else:
+        kk = k0 + tl.arange(0, BK)
+        b = tl.load(w_ptr + wrow[:, None] * K + kk[None, :], mask=live[:, None], other=0)
+        s = tl.zeros([1], tl.uint8)
+    return b, s
 
 
 @triton.jit
-def _w16_decode(b, s, FMT: tl.constexpr, NATIVE: tl.constexpr):
-    """-> the exact weights as bf16 [BN, BK]."""
+def _w16_decode(b, s, FMT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                NATIVE: tl.constexpr):
+    """-> the exact weights as bf16 [BN, BK]. FP4: the words' 8 e2m1 values (e2m1_word_to_f32:
+    3 integer ops per 4 values and the hardware e4m3 -> f16 converts, NATIVE) times the group
+    scale, interleaved back into K order (element 32g + 8a + r is value r of word (g, a))."""
     if FMT == 0:
         return b.to(tl.bfloat16)
-    else:
+    elif FMT == 1:
         v = e4m3_to_f32(b, NATIVE)                        # value, or value * 2^-8 (interpreter)
         if not NATIVE:
             v = v * 256.0
-        return (v * s[:, None]).to(tl.bfloat16)
+        return (v * e8m0_to_f32(s)[:, None]).to(tl.bfloat16)
+    else:
+        fold = 6 if NATIVE else 14                         # the decode's 2^-6 / 2^-14
+        sf = (((s.to(tl.int32) + fold) << 23).to(tl.float32, bitcast=True))[:, :, None]
+        v0, v1, v2, v3, v4, v5, v6, v7 = e2m1_word_to_f32(b, NATIVE)
+        x0 = tl.join(tl.join(v0 * sf, v4 * sf), tl.join(v2 * sf, v6 * sf))
+        x1 = tl.join(tl.join(v1 * sf, v5 * sf), tl.join(v3 * sf, v7 * sf))
+        return tl.reshape(tl.join(x0, x1), (BN, BK)).to(tl.bfloat16)
 
 
 @triton.jit
@@ -240,8 +267,9 @@ def _gemm16_kernel(a_ptr, rows_ptr, w_ptr, s_ptr, w3_ptr, s3_ptr, out_ptr, rw_pt
                    tile_r_ptr, M, limit, N: tl.constexpr, K: tl.constexpr, LDA: tl.constexpr,
                    GROUP_N: tl.constexpr, FMT: tl.constexpr, GROUPED: tl.constexpr,
                    GATHER: tl.constexpr, SWIGLU: tl.constexpr, LIMIT: tl.constexpr,
-                   ROUTE_W: tl.constexpr, OUT_F32: tl.constexpr, BM: tl.constexpr,
-                   BN: tl.constexpr, BK: tl.constexpr, F32: tl.constexpr, NATIVE: tl.constexpr):
+                   ROUTE_W: tl.constexpr, QUANT: tl.constexpr, OUT_F32: tl.constexpr,
+                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, F32: tl.constexpr,
+                   NATIVE: tl.constexpr):
     # program (row tile, n tile): acc [BN, BM] = W[n] @ A[rows]^T over K in BK steps, the next
     # step's weight bytes in flight. GROUP_N: output features [g*GROUP_N, (g+1)*GROUP_N) read A
     # columns [g*K, (g+1)*K) (the grouped wo_a).
@@ -264,14 +292,26 @@ def _gemm16_kernel(a_ptr, rows_ptr, w_ptr, s_ptr, w3_ptr, s3_ptr, out_ptr, rw_pt
         kk = k0 + tl.arange(0, BK)
         a = tl.load(a_ptr + arow[:, None] * LDA + acol + kk[None, :], mask=rm[:, None], other=0.0)
         bn, sn = _w16_load(w_ptr, s_ptr, wrow, n, nm, k0 + BK, N, K, FMT, BK)
-        acc = _mma16(acc, _w16_decode(b, s, FMT, NATIVE), a, F32)
+        acc = _mma16(acc, _w16_decode(b, s, FMT, BN, BK, NATIVE), a, F32)
         b, s = bn, sn
         if SWIGLU:
             bn3, sn3 = _w16_load(w3_ptr, s3_ptr, wrow, n, nm, k0 + BK, N, K, FMT, BK)
-            acc3 = _mma16(acc3, _w16_decode(b3, s3, FMT, NATIVE), a, F32)
+            acc3 = _mma16(acc3, _w16_decode(b3, s3, FMT, BN, BK, NATIVE), a, F32)
             b3, s3 = bn3, sn3
     _epilogue(acc, acc3, out_ptr, out_ptr, rw_ptr, rows, rm, n, nm, limit, N, SWIGLU, LIMIT,
-              ROUTE_W, False, OUT_F32)
+              ROUTE_W, QUANT, OUT_F32)
+
+
+@triton.jit
+def _act_quant_kernel(x_ptr, y_ptr, M, K: tl.constexpr, R: tl.constexpr):
+    # program (row block, 128-column block): the official act_quant -> the exact values, bf16
+    r = tl.program_id(0) * R + tl.arange(0, R)
+    c = tl.program_id(1) * 128 + tl.arange(0, 128)
+    m = (r < M)[:, None]
+    off = r[:, None].to(tl.int64) * K + c[None, :]
+    x = tl.load(x_ptr + off, mask=m, other=0.0).to(tl.float32)
+    tl.store(y_ptr + off, quant_dequant(x, block_exponent(x)[:, None]).to(y_ptr.dtype.element_ty),
+             mask=m)
 
 
 @triton.jit
@@ -288,9 +328,36 @@ def _act_quant8_kernel(x_ptr, y_ptr, s_ptr, M, K: tl.constexpr, R: tl.constexpr)
 
 # ---- host side ----------------------------------------------------------------------------------
 
+MMA_SWITCH = "DSV4_PREFILL_MMA"   # e.g. "fp4=fp8,fp8=bf16": the tensor-core path per format
+MMA = {"bf16": "bf16", "fp8": "fp8", "fp4": "bf16"}   # measured defaults (BENCHMARKS.md)
+
+
+def mma_path(fmt: str) -> str:
+    """The tensor cores a weight format's GEMMs use: "fp8" (act-quantized e4m3 rows, a fresh
+    MMA per weight-scale group) or "bf16" (the weights decoded to bf16). DSV4_PREFILL_MMA
+    overrides the table for the quantized formats (benchmarks)."""
+    if fmt == "bf16":
+        return "bf16"
+    for item in os.environ.get(MMA_SWITCH, "").split(","):
+        f, _, path = item.partition("=")
+        if f.strip() == fmt and path.strip() in ("fp8", "bf16"):
+            return path.strip()
+    return MMA[fmt]
+
+
+def pick_bm(rows_per_group: float, wide: bool = False) -> int:
+    """Row tile for ~rows_per_group rows per weight matrix (tokens per expert; all rows for a
+    plain linear): the smallest of 16 / 32 / 64 holding them; wide: 128 past 64 (the bf16 path
+    without SwiGLU has the registers for it, sm_90 compile)."""
+    for bm in (16, 32, 64):
+        if rows_per_group <= bm:
+            return bm
+    return 128 if wide else 64
+
+
 def _bytes(t: torch.Tensor | None) -> torch.Tensor | None:
-    """FP8 / e8m0 / packed-FP4 tensors as raw bytes (the kernels read the bits)."""
-    if t is None or t.dtype in (torch.bfloat16, torch.float32, torch.uint8):
+    """FP8 / e8m0 tensors as raw bytes (the kernels read the bits)."""
+    if t is None or t.dtype in (torch.bfloat16, torch.float32, torch.uint8, torch.int32):
         return t
     return t.view(torch.uint8)
 
@@ -310,48 +377,75 @@ def act_quant8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return y, s
 
 
+def act_quant(x: torch.Tensor) -> torch.Tensor:
+    """x [m, k] bf16 -> the official act_quant's values as exact bf16 (== fp8_quant_dequant(x,
+    128)): the A operand of the bf16 path for quantized weights. One launch."""
+    M, K = x.shape
+    if K % 128:
+        raise ValueError(f"act_quant: k = {K} is not a multiple of 128")
+    x = x.contiguous()
+    y = torch.empty_like(x)
+    with on_device(y):
+        _act_quant_kernel[(triton.cdiv(M, QROWS), K // 128)](x, y, M, K=K, R=QROWS, num_warps=4)
+    return y
+
+
 def dequant8(x8: torch.Tensor, xs: torch.Tensor) -> torch.Tensor:
     """act_quant8's output -> the values it stands for, float32 [m, k] (references, tests)."""
     v = x8.view(torch.float8_e4m3fn).float().unflatten(-1, (-1, 128))
     return (v * xs.unsqueeze(-1)).flatten(-2)
 
 
-def gemm8(x8, xs, w, s, fmt: str, out: torch.Tensor, *, rows=None, tiles=None, grid_m=None,
-          w3=None, s3=None, rw=None, limit: float = 0.0, out_scale=None) -> torch.Tensor:
-    """out = (A8 @ W^T) over e4m3 rows x8 [m_a, k] (+ scales xs [m_a, k/128]) and an FP8 or FP4
-    weight (stacked [e, n, ..] with `tiles`), the rows gathered by `rows` if given. w3: the
-    SwiGLU epilogue (w1 = w); out_scale: act-quantize its output (out uint8, out_scale f32)."""
+def _grid(out, bm, grid_m, N):
+    return (grid_m or triton.cdiv(out.shape[0], bm), triton.cdiv(N, BN))
+
+
+def gemm8(x8, xs, w, s, fmt: str, out: torch.Tensor, *, bm: int = BM, rows=None, tiles=None,
+          grid_m=None, w3=None, s3=None, rw=None, limit: float = 0.0, out_scale=None
+          ) -> torch.Tensor:
+    """FP8 tensor cores: out = (A8 @ W^T) over e4m3 rows x8 [m_a, k] (+ scales xs [m_a, k/128])
+    and an FP8 or FP4 weight (stacked [e, n, ..] with `tiles`: row tiles of bm rows), the rows
+    gathered by `rows` if given. w3: the SwiGLU epilogue (w1 = w); out_scale: act-quantize the
+    output (out uint8, out_scale f32 [m, n/128])."""
     K = x8.shape[1]
     N = w.shape[-2]
-    M = out.shape[0]
     if K % 128 or (out_scale is not None and N % BN):
         raise ValueError(f"FP8 GEMM: k = {K} must be a multiple of 128 (and n = {N} of {BN} "
                          f"for a quantized output)")
     dummy = out
     tile_e, tile_r = tiles if tiles is not None else (dummy, dummy)
     with on_device(out):
-        _gemm8_kernel[(grid_m or triton.cdiv(M, BM), triton.cdiv(N, BN))](
+        _gemm8_kernel[_grid(out, bm, grid_m, N)](
             x8, xs, rows if rows is not None else dummy, _bytes(w), _bytes(s),
             _bytes(w3) if w3 is not None else dummy, _bytes(s3) if s3 is not None else dummy,
             out, out_scale if out_scale is not None else dummy, rw if rw is not None else dummy,
-            tile_e, tile_r, M, float(limit), N=N, K=K, FP4=fmt == "fp4",
+            tile_e, tile_r, out.shape[0], float(limit), N=N, K=K, FP4=fmt == "fp4",
             GROUPED=tiles is not None, GATHER=rows is not None, SWIGLU=w3 is not None,
             LIMIT=limit > 0, ROUTE_W=rw is not None, QUANT=out_scale is not None,
-            OUT_F32=out.dtype == torch.float32, BM=BM, BN=BN, F32=interpreting(),
+            OUT_F32=out.dtype == torch.float32, BM=bm, BN=BN, F32=interpreting(),
             num_warps=WARPS, num_stages=STAGES)
     return out
 
 
-def gemm16(a, w, s, fmt: str, out: torch.Tensor, *, rows=None, tiles=None, grid_m=None,
-           w3=None, s3=None, rw=None, limit: float = 0.0, group_k: int = 0) -> torch.Tensor:
-    """out = A @ W^T over bf16 rows a [m_a, k] (unquantized) and a bf16 or FP8 weight decoded to
-    bf16; rows / tiles / w3 as gemm8. group_k: the grouped wo_a (output group g = rows
-    [g*n/G, (g+1)*n/G) reads a[:, g*group_k:(g+1)*group_k])."""
+def _words(w: torch.Tensor | None, fmt: str):
+    """Packed FP4 as int32 words of 8 e2m1 (the bf16 path's decode unit); else raw bytes."""
+    if w is None or fmt != "fp4":
+        return _bytes(w)
+    return w.view(torch.int32)
+
+
+def gemm16(a, w, s, fmt: str, out: torch.Tensor, *, bm: int = BM, rows=None, tiles=None,
+           grid_m=None, w3=None, s3=None, rw=None, limit: float = 0.0, quant: bool = False,
+           group_k: int = 0) -> torch.Tensor:
+    """bf16 tensor cores: out = A @ W^T over bf16 rows a [m_a, k] (already act-quantized for
+    quantized weights, or not: wo_a) and a bf16 / FP8 / FP4 weight decoded to bf16 in registers;
+    rows / tiles / w3 as gemm8; quant: act-quantize the SwiGLU output (exact bf16 values).
+    group_k: the grouped wo_a (output group g = rows [g*n/G, (g+1)*n/G) reads
+    a[:, g*group_k:(g+1)*group_k])."""
     K = group_k or a.shape[1]
     N = w.shape[-2]
-    M = out.shape[0]
-    if K % BK or (fmt == "fp8" and K % 128):
-        raise ValueError(f"bf16 GEMM: k = {K} must be a multiple of {BK} (of 128 for FP8)")
+    if K % BK or (fmt != "bf16" and K % 128):
+        raise ValueError(f"bf16 GEMM: k = {K} must be a multiple of {BK} (of 128 quantized)")
     gn = 0
     if group_k:
         gn = N // (a.shape[1] // group_k)
@@ -360,14 +454,14 @@ def gemm16(a, w, s, fmt: str, out: torch.Tensor, *, rows=None, tiles=None, grid_
     dummy = out
     tile_e, tile_r = tiles if tiles is not None else (dummy, dummy)
     with on_device(out):
-        _gemm16_kernel[(grid_m or triton.cdiv(M, BM), triton.cdiv(N, BN))](
-            a, rows if rows is not None else dummy, _bytes(w),
-            _bytes(s) if s is not None else dummy, _bytes(w3) if w3 is not None else dummy,
+        _gemm16_kernel[_grid(out, bm, grid_m, N)](
+            a, rows if rows is not None else dummy, _words(w, fmt),
+            _bytes(s) if s is not None else dummy, _words(w3, fmt) if w3 is not None else dummy,
             _bytes(s3) if s3 is not None else dummy, out, rw if rw is not None else dummy,
-            tile_e, tile_r, M, float(limit), N=N, K=K, LDA=a.shape[1], GROUP_N=gn,
+            tile_e, tile_r, out.shape[0], float(limit), N=N, K=K, LDA=a.shape[1], GROUP_N=gn,
             FMT=FORMATS[fmt], GROUPED=tiles is not None, GATHER=rows is not None,
-            SWIGLU=w3 is not None, LIMIT=limit > 0, ROUTE_W=rw is not None,
-            OUT_F32=out.dtype == torch.float32, BM=BM, BN=BN, BK=BK, F32=interpreting(),
+            SWIGLU=w3 is not None, LIMIT=limit > 0, ROUTE_W=rw is not None, QUANT=int(quant),
+            OUT_F32=out.dtype == torch.float32, BM=bm, BN=BN, BK=BK, F32=interpreting(),
             NATIVE=not interpreting(), num_warps=WARPS, num_stages=STAGES)
     return out
 
@@ -377,15 +471,16 @@ def linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, fmt: st
            ) -> torch.Tensor:
     """y = x @ W^T for rows x [m, k] bf16 and a weight in its stored format (bf16 [n, k]; fp8
     [n, k] + [n/128, k/128]; fp4 [n, k/2] + [n, k/32]) -> [m, n] in out_dtype (bf16 or float32).
-    quant_act (default: for quantized weights): act-quantize x (W8A8, FP8 tensor cores); else
-    bf16 tensor cores on the exact weights. group_k: the grouped wo_a (see gemm16)."""
+    quant_act (default: for quantized weights): act-quantize x first (W8A8), on the format's
+    tensor-core path (mma_path); group_k: the grouped wo_a (see gemm16)."""
     if quant_act is None:
         quant_act = fmt != "bf16"
     out = torch.empty(x.shape[0], w.shape[0], dtype=out_dtype, device=x.device)
-    if quant_act:
+    if quant_act and mma_path(fmt) == "fp8":
         x8, xs = act_quant8(x)
-        return gemm8(x8, xs, w, scale, fmt, out)
-    return gemm16(x.contiguous(), w, scale, fmt, out, group_k=group_k)
+        return gemm8(x8, xs, w, scale, fmt, out, bm=pick_bm(x.shape[0]))
+    return gemm16(act_quant(x) if quant_act else x.contiguous(), w, scale, fmt, out,
+                  bm=pick_bm(x.shape[0], wide=True), group_k=group_k)
 
 
 # ---- plain-torch references (the code the kernels replace) -----------------------------------

@@ -21,100 +21,122 @@ import triton.language as tl
 from ..formats import FP8_BLOCK
 from ..quant import fp8_quant_dequant
 from .common import on_device, round_bf16
-from .prefill_gemm import BM, act_quant8, dequantize, gemm8, gemm16
+from .prefill_gemm import act_quant, act_quant8, dequantize, gemm8, gemm16, mma_path, pick_bm
 
 
 @dataclass
 class ExpertPlan:
     """(token, expert) pairs sorted by expert (stable: token order within an expert), cut into row
-    tiles of at most BM pairs of one expert. Sorted pair i is pair (token[i], its slot) with route
+    tiles of at most bm pairs of one expert. Sorted pair i is pair (token[i], its slot) with route
     weight weight[i]; inv[t, j] is the sorted position of token t's j-th expert."""
     token: torch.Tensor     # [p] int32: token of each sorted pair
     weight: torch.Tensor    # [p] f32: its route weight
     inv: torch.Tensor       # [t, k] int32
     tile_e: torch.Tensor    # [tiles] int32: expert of each row tile, -1 = unused
     tile_r: torch.Tensor    # [tiles, 2] int32: sorted pairs [r0, r1) of the tile's expert
+    bm: int                 # rows per tile
 
     @property
     def n_tiles(self) -> int:
         return self.tile_e.shape[0]
 
-    @property
-    def tiles(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.tile_e, self.tile_r
+    def launch(self) -> dict:
+        """The GEMM arguments that make a launch run over the plan's tiles."""
+        return dict(bm=self.bm, tiles=(self.tile_e, self.tile_r), grid_m=self.n_tiles)
 
 
-def expert_plan(idx: torch.Tensor, w: torch.Tensor, n_experts: int) -> ExpertPlan:
-    """idx [t, k] int64 experts (ascending in each row), w [t, k] f32 -> ExpertPlan. Device ops
-    only (no host sync); the tile grid has the fixed bound p/BM + min(e, p) tiles."""
+def expert_plan(idx: torch.Tensor, w: torch.Tensor, n_experts: int, bm: int | None = None
+                ) -> ExpertPlan:
+    """idx [t, k] int64 experts (ascending in each row), w [t, k] f32 -> ExpertPlan, with row
+    tiles sized for the average pairs per expert (pick_bm) unless bm is given. Device ops only (no
+    host sync); the tile grid has the fixed bound p/bm + min(e, p) tiles."""
     T, k = idx.shape
     P, dev = T * k, idx.device
+    bm = bm or pick_bm(P / n_experts)
     flat = idx.reshape(-1)
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat, minlength=n_experts)
     ends = counts.cumsum(0)
-    ntile = (counts + BM - 1) // BM
+    ntile = (counts + bm - 1) // bm
     tcum = ntile.cumsum(0)
-    t = torch.arange(P // BM + min(n_experts, P), device=dev)
+    t = torch.arange(P // bm + min(n_experts, P), device=dev)
     te = torch.searchsorted(tcum, t, right=True)
     ok = te < n_experts
     tec = te.clamp(max=n_experts - 1)
-    r0 = ends[tec] - counts[tec] + (t - tcum[tec] + ntile[tec]) * BM
+    r0 = ends[tec] - counts[tec] + (t - tcum[tec] + ntile[tec]) * bm
     inv = torch.empty(P, dtype=torch.int32, device=dev)
     inv[order] = torch.arange(P, dtype=torch.int32, device=dev)
     return ExpertPlan(token=(order // k).to(torch.int32), weight=w.reshape(-1)[order].float(),
                       inv=inv.view(T, k), tile_e=torch.where(ok, te, -1).to(torch.int32),
-                      tile_r=torch.stack((r0, ends[tec]), 1).to(torch.int32).contiguous())
+                      tile_r=torch.stack((r0, ends[tec]), 1).to(torch.int32).contiguous(), bm=bm)
 
 
 @dataclass
 class Rows:
-    """A chunk's rows as a GEMM input: act-quantized (x8, xs: FP8 / FP4 weights) or bf16 (x)."""
+    """A chunk's rows as the A operand of a format's GEMMs: e4m3 bytes + scales (x8, xs) on the
+    FP8 path, else bf16 x (act-quantized, exact values, for quantized weights)."""
     x: torch.Tensor | None = None
     x8: torch.Tensor | None = None
     xs: torch.Tensor | None = None
 
+    @staticmethod
+    def kind(fmt: str) -> str:
+        """Which A operand a weight format's GEMMs take: "bf16" (unquantized), "fp8" (e4m3
+        bytes + scales) or "bf16q" (act-quantized, exact bf16 values)."""
+        return "bf16" if fmt == "bf16" else "fp8" if mma_path(fmt) == "fp8" else "bf16q"
+
     @classmethod
-    def of(cls, x: torch.Tensor, quantized: bool) -> "Rows":
-        return cls(None, *act_quant8(x)) if quantized else cls(x)
+    def of(cls, x: torch.Tensor, fmt: str) -> "Rows":
+        k = cls.kind(fmt)
+        return cls(x) if k == "bf16" else cls(None, *act_quant8(x)) if k == "fp8" else \
+            cls(act_quant(x))
+
+    @property
+    def n(self) -> int:
+        return (self.x if self.x is not None else self.x8).shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return (self.x if self.x is not None else self.x8).device
 
 
 def _up(r: Rows, w1, s1, w3, s3, fmt, limit, n_rows, **kw) -> Rows:
+    """bf16(route_w * SwiGLU(w1 x, w3 x)) of n_rows rows, act-quantized for a quantized down."""
     I = w1.shape[-2]
-    if fmt == "bf16":
-        out = torch.empty(n_rows, I, dtype=torch.bfloat16, device=r.x.device)
-        return Rows(gemm16(r.x, w1, None, fmt, out, w3=w3, limit=limit, **kw))
-    a8 = torch.empty(n_rows, I, dtype=torch.uint8, device=r.x8.device)
-    a_s = torch.empty(n_rows, I // 128, dtype=torch.float32, device=r.x8.device)
+    if r.x8 is None:
+        out = torch.empty(n_rows, I, dtype=torch.bfloat16, device=r.device)
+        return Rows(gemm16(r.x, w1, s1, fmt, out, w3=w3, s3=s3, limit=limit,
+                           quant=fmt != "bf16", **kw))
+    a8 = torch.empty(n_rows, I, dtype=torch.uint8, device=r.device)
+    a_s = torch.empty(n_rows, I // 128, dtype=torch.float32, device=r.device)
     gemm8(r.x8, r.xs, w1, s1, fmt, a8, w3=w3, s3=s3, limit=limit, out_scale=a_s, **kw)
     return Rows(None, a8, a_s)
 
 
 def _down(a: Rows, w2, s2, fmt, **kw) -> torch.Tensor:
-    n = (a.x if a.x is not None else a.x8).shape[0]
-    dev = (a.x if a.x is not None else a.x8).device
-    out = torch.empty(n, w2.shape[-2], dtype=torch.bfloat16, device=dev)
-    if fmt == "bf16":
-        return gemm16(a.x, w2, None, fmt, out, **kw)
+    out = torch.empty(a.n, w2.shape[-2], dtype=torch.bfloat16, device=a.device)
+    if a.x8 is None:
+        return gemm16(a.x, w2, s2, fmt, out, **kw)
     return gemm8(a.x8, a.xs, w2, s2, fmt, out, **kw)
 
 
 def moe_up(x: Rows, plan: ExpertPlan, w1, s1, w3, s3, fmt: str, limit: float) -> Rows:
     """Routed up of every sorted pair: bf16(route_w * SwiGLU(w1 x, w3 x)) [p, I], act-quantized
-    for down when the weights are (x: the chunk's rows, Rows.of(x, fmt != "bf16"))."""
+    for down when the weights are (x: the chunk's rows, Rows.of(x, fmt))."""
     return _up(x, w1, s1, w3, s3, fmt, limit, plan.token.shape[0], rows=plan.token,
-               tiles=plan.tiles, grid_m=plan.n_tiles, rw=plan.weight)
+               rw=plan.weight, **plan.launch())
 
 
 def moe_down(a: Rows, plan: ExpertPlan, w2, s2, fmt: str) -> torch.Tensor:
     """Routed down of every sorted pair: its up output a [p, I] -> [p, D] bf16."""
-    return _down(a, w2, s2, fmt, tiles=plan.tiles, grid_m=plan.n_tiles)
+    return _down(a, w2, s2, fmt, **plan.launch())
 
 
 def shared_expert(x: Rows, w1, s1, w3, s3, w2, s2, fmt: str, limit: float) -> torch.Tensor:
-    """The shared expert of the rows x: w2(bf16(SwiGLU(w1 x, w3 x))) -> [t, D] bf16."""
-    n = (x.x if x.x is not None else x.x8).shape[0]
-    return _down(_up(x, w1, s1, w3, s3, fmt, limit, n), w2, s2, fmt)
+    """The shared expert of the rows x (Rows.of(x, fmt)): w2(bf16(SwiGLU(w1 x, w3 x))) -> [t, D]
+    bf16."""
+    a = _up(x, w1, s1, w3, s3, fmt, limit, x.n, bm=pick_bm(x.n))
+    return _down(a, w2, s2, fmt, bm=pick_bm(x.n, wide=a.x8 is None))
 
 
 @triton.jit

@@ -28,7 +28,8 @@ def _compile_all():
     comp = "kv_ptr sc_ptr ape_ptr skv_ptr ssc_ptr norm_ptr freqs_ptr"
     jobs = [  # kernel, float32 pointer args (others bf16), constexprs, num_warps
         (A._rms_norm_kernel, "w_ptr", dict(D=1536, BD=2048), 4),
-        (A._prep_kernel, "kvw_ptr freqs_ptr", dict(H=64, DH=512, HB=16, W=128, NOPE=448), 4),
+        (A._prep_kernel, "kvw_ptr freqs_ptr", dict(H=64, DH=512, HB=16, W=128, NOPE=448,
+                                                        ROWS=False), 4),
         (A._attn_kernel, "sink_ptr freqs_ptr pm_ptr pl_ptr pacc_ptr", {**attn, **split}, 4),
         (A._combine_kernel, "pm_ptr pl_ptr pacc_ptr sink_ptr freqs_ptr",
          dict(H=64, DH=512, HC=pl["hc"], BD=pl["bd"], NSPLIT=pl["nsplit"], NOPE=448), 4),

@@ -42,6 +42,29 @@ def _absdot(x, w, fmt, s, group_k=0):
     return (xa @ wd.t()).cpu()
 
 
+def _tol(fmt):
+    """Summation error bound relative to |x| @ |W|: float32 (1e-5), or on the FP8 tensor cores,
+    which align a group's products to ~14 bits before adding them (as the official fp8_gemm),
+    2^-11."""
+    from dsv4.kernels.prefill_gemm import interpreting, mma_path
+    return 2 ** -11 if mma_path(fmt) == "fp8" and not interpreting() else 1e-5
+
+
+def _both_paths(fn):
+    """Run fn under the default tensor-core path of each format and under the other one."""
+    from dsv4.kernels.prefill_gemm import MMA_SWITCH
+    prior = os.environ.get(MMA_SWITCH)
+    try:
+        for setting in ("", "fp4=fp8,fp8=bf16"):
+            os.environ[MMA_SWITCH] = setting
+            fn()
+    finally:
+        if prior is None:
+            os.environ.pop(MMA_SWITCH, None)
+        else:
+            os.environ[MMA_SWITCH] = prior
+
+
 def check_linear(dev, gen, M=70, N=384, K=256):
     from dsv4.kernels import prefill_gemm as P
     from dsv4.quant import fp8_quant_dequant
@@ -53,7 +76,7 @@ def check_linear(dev, gen, M=70, N=384, K=256):
     for fmt in ("bf16", "fp8", "fp4"):
         w, s = _fmt_weight(fmt, N, K, gen, dev)
         xq = fp8_quant_dequant(x, 128) if fmt != "bf16" else x
-        bound = 1e-5 * _absdot(xq, w, fmt, s)
+        bound = _tol(fmt) * _absdot(xq, w, fmt, s)
         for od in (torch.float32, torch.bfloat16):
             out = P.linear(x, w, s, fmt, out_dtype=od)
             ref = P.linear_reference(x, w, s, fmt, out_dtype=torch.float64).cpu()
@@ -82,6 +105,8 @@ def check_linear_exact(dev, gen, M=40, N=256, K=256):
         m = grid[torch.randint(0, 8, (N, K), generator=gen)] * sign
         w, s = (quantize_fp8_weight if fmt == "fp8" else quantize_fp4_weight)(m)
         w, s = w.to(dev), s.to(dev)
+        if P.mma_path(fmt) == "fp8" and not P.interpreting():
+            continue                     # the FP8 tensor cores' alignment: check_linear's bound
         for od in (torch.float32, torch.bfloat16):
             out = P.linear(x, w, s, fmt, out_dtype=od).cpu()
             assert torch.equal(out, P.linear_reference(x.cpu(), w.cpu(), s.cpu(), fmt,
@@ -108,7 +133,7 @@ def check_moe(dev, gen, T=50, D=256, I=128, E=8, k=3):
     for e, (r0, r1) in zip(tile_e.tolist(), tile_r.tolist()):
         if e < 0:
             continue
-        rows = torch.arange(r0, min(r0 + P.BM, r1))
+        rows = torch.arange(r0, min(r0 + plan.bm, r1))
         covered[rows] += 1
         assert (flat[srt[rows]] == e).all(), f"tile of expert {e} holds other pairs"
     assert (covered == 1).all(), "every sorted pair in exactly one tile"
@@ -116,7 +141,7 @@ def check_moe(dev, gen, T=50, D=256, I=128, E=8, k=3):
         w1, s1 = _fmt_weight(fmt, I, D, gen, dev, (E,), 0.1)
         w3, s3 = _fmt_weight(fmt, I, D, gen, dev, (E,), 0.1)
         w2, s2 = _fmt_weight(fmt, D, I, gen, dev, (E,), 0.1)
-        rows = P.Rows.of(x, fmt != "bf16")
+        rows = P.Rows.of(x, fmt)
         a = P.moe_up(rows, plan, w1, s1, w3, s3, fmt, 10.0)
         o = P.moe_down(a, plan, w2, s2, fmt)
         sh = torch.randn(T, D, generator=gen).bfloat16().to(dev)
@@ -154,8 +179,14 @@ def check_attention_rows(dev, gen, S=20, H=4, D=128, n=90, KI=45):
     idx[:, 0] = torch.arange(S)
     idx[2, 1:] = -1                                            # a query with one valid row
     sink = torch.randn(H, generator=gen)
-    got = sparse_attention_rows(q.to(dev), kv.to(dev), idx.to(dev), sink.to(dev), D ** -0.5).cpu()
+    from dsv4.presets import TINY
+    from dsv4.rope import apply_rope, cos_sin, rope_frequencies
+    freqs = rope_frequencies(TINY, 4)
+    pos0 = torch.tensor([37])
+    got = sparse_attention_rows(q.to(dev), kv.to(dev), idx.to(dev), sink.to(dev), D ** -0.5,
+                                freqs.to(dev), pos0.to(dev)).cpu()
     ref = sparse_attention(q.float(), kv.float(), idx, sink, D ** -0.5)
+    ref = apply_rope(ref, cos_sin(torch.arange(37, 37 + S), freqs), inverse=True)
     # the probabilities are rounded to bf16 (at the running max, as the official kernel)
     assert (got.float() - ref).abs().max() <= 2 ** -7 * ref.abs().max(), "attention rows"
 
@@ -180,7 +211,8 @@ def check_mhc_rows(dev, gen, S=33, D=128):
 
 def check_layers(dev, tmp, seed):
     """Each layer's chunk path with kernels == without, on the same input and state (bf16, so
-    within rounding: O(1) for a wrong row, position or offset), for chunks at several offsets."""
+    within rounding: a wrong row, position or offset moves it by 0.3 or more), for chunks at
+    several offsets."""
     sys.path.insert(0, str(REPO / "tests"))
     from helpers import small_checkpoint
     from dsv4.generate import load_model
@@ -204,7 +236,9 @@ def check_layers(dev, tmp, seed):
             os.environ["DSV4_KERNELS"] = "interpret" if dev == "cpu" else "1"
             got = blk.prefill(hin, ids[start:start + s], st, start).float()
             err = ((got - ref).norm() / ref.norm()).item()
-            assert err < 2e-2, f"layer {blk.layer_id} at {start}+{s}: {err:.3g}"
+            # bf16 rounding in another order flips e4m3 roundings (KV fake-quant, W8A8) and
+            # top-k choices: up to ~3% per layer here, as the parity cases' bf16 noise
+            assert err < 5e-2, f"layer {blk.layer_id} at {start}+{s}: {err:.3g}"
             for k, v in st.buffers().items():
                 fin = torch.isfinite(ref_state[k])
                 d = (v.float()[fin] - ref_state[k].float()[fin]).norm()
@@ -239,9 +273,8 @@ def check_parity_bf16(dev):
 
 def check_all(dev, seed, tmp):
     gen = torch.Generator().manual_seed(seed)
-    check_linear(dev, gen)
-    check_linear_exact(dev, gen)
-    check_moe(dev, gen)
+    _both_paths(lambda: (check_linear(dev, gen), check_linear_exact(dev, gen),
+                         check_moe(dev, gen)))
     check_attention_rows(dev, gen)
     check_mhc_rows(dev, gen)
     check_layers(dev, tmp, seed)
@@ -287,6 +320,7 @@ def compile_all() -> list:
            "w3_ptr": "*u8", "s3_ptr": "*u8", "out_ptr": "*bf16", "rw_ptr": "*fp32",
            "tile_e_ptr": "*i32", "tile_r_ptr": "*i32", "M": "i32", "limit": "fp32"}
     b16 = dict(GROUP_N=0, GROUPED=False, GATHER=False, SWIGLU=False, LIMIT=False, ROUTE_W=False,
+               QUANT=0,
                OUT_F32=False, BM=P.BM, BN=P.BN, BK=P.BK, F32=False, NATIVE=True)
     jobs = [
         ("fp8 linear (wq_b)", P._gemm8_kernel, g8, dict(b8, N=32768, K=1024, FP4=False), P.WARPS),
@@ -304,6 +338,19 @@ def compile_all() -> list:
         ("bf16 moe up", P._gemm16_kernel, dict(g16, w_ptr="*bf16", w3_ptr="*bf16"),
          dict(b16, N=2048, K=4096, LDA=4096, FMT=0, GROUPED=True, GATHER=True, SWIGLU=True,
               LIMIT=True, ROUTE_W=True), P.WARPS),
+        ("fp4 moe up (bf16 MMA)", P._gemm16_kernel, dict(g16, w_ptr="*i32", w3_ptr="*i32"),
+         dict(b16, N=2048, K=4096, LDA=4096, FMT=2, GROUPED=True, GATHER=True, SWIGLU=True,
+              LIMIT=True, ROUTE_W=True, QUANT=1), P.WARPS),
+        ("fp4 moe down (bf16 MMA)", P._gemm16_kernel, dict(g16, w_ptr="*i32"),
+         dict(b16, N=4096, K=2048, LDA=2048, FMT=2, GROUPED=True), P.WARPS),
+        ("fp4 moe up (bf16 MMA, 16-row tiles)", P._gemm16_kernel,
+         dict(g16, w_ptr="*i32", w3_ptr="*i32"),
+         dict(b16, N=2048, K=4096, LDA=4096, FMT=2, GROUPED=True, GATHER=True, SWIGLU=True,
+              LIMIT=True, ROUTE_W=True, QUANT=1, BM=16), P.WARPS),
+        ("fp8 linear (bf16 MMA, 128-row tiles)", P._gemm16_kernel, g16,
+         dict(b16, N=32768, K=1024, LDA=1024, FMT=1, BM=128), P.WARPS),
+        ("fp4 moe up (FP8 MMA, 16-row tiles)", P._gemm8_kernel, dict(g8, out_ptr="*u8"),
+         dict(b8, N=2048, K=4096, FP4=True, **up, BM=16), P.WARPS),
         ("act_quant8", P._act_quant8_kernel, {"x_ptr": "*bf16", "y_ptr": "*u8", "s_ptr": "*fp32",
                                               "M": "i32"}, dict(K=4096, R=P.QROWS), 4),
         ("moe combine", Q._combine_kernel, {"o_ptr": "*bf16", "inv_ptr": "*i32",
@@ -311,12 +358,12 @@ def compile_all() -> list:
          dict(D=4096, KE=6, BD=1024, SHARED=True), 4),
         ("attention rows", A._attn_rows_kernel,
          {"q_ptr": "*bf16", "kv_ptr": "*bf16", "idx_ptr": "*i32", "sink_ptr": "*fp32",
-          "o_ptr": "*bf16", "scale": "fp32", "KI": "i32"},
-         dict(H=64, DH=512, HB=A.HB_MAX, BN=A.ROWS, F32=False), 8),
+          "freqs_ptr": "*fp32", "pos_ptr": "*i64", "o_ptr": "*bf16", "scale": "fp32",
+          "KI": "i32"}, dict(H=64, DH=512, HB=A.HB_MAX, BN=A.ROWS, NOPE=448, F32=False), 8),
         ("mhc mix rows", M._mix_rows_kernel, {"h_ptr": "*bf16", "fn_ptr": "*fp32",
                                               "part_ptr": "*fp32", "S": "i32"},
          dict(K=16384, M=24, MP=32, RB=M.ROWS_RB, KC=16384 // M.ROWS_NCH, BK=M.ROWS_BK,
-              NCH=M.ROWS_NCH), 4),
+              NCH=M.ROWS_NCH, F32=False), 4),
     ]
     out = []
     for name, kern, sig, ce, nw in jobs:
@@ -328,7 +375,9 @@ def compile_all() -> list:
 
 def _compile_main() -> None:
     for name, res in compile_all():
-        assert res.get("local", 0) == 0 and res.get("stack", 0) == 0, f"{name} spills: {res}"
+        # the attention epilogue's sin / cos keep a 32-byte frame (as the decode kernel's does)
+        frame = 32 if name == "attention rows" else 0
+        assert res.get("local", 0) == 0 and res.get("stack", 0) <= frame, f"{name} spills: {res}"
         print(name, res)
     print("ok")
 
@@ -358,6 +407,9 @@ def test_prefill_kernels_cuda(tmp_path):
 def test_prefill_gemm_flash_shapes():
     """The Flash linears of a 300-token chunk (odd tile counts) against float64 references."""
     gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(2), "little"))
-    for n, k in ((1024, 4096), (32768, 1024), (512, 4096), (4096, 8192)):
-        check_linear("cuda", gen, M=300, N=n, K=k)
-    check_moe("cuda", gen, T=300, D=4096, I=2048, E=256, k=6)
+    def run():
+        for n, k in ((1024, 4096), (32768, 1024), (512, 4096), (4096, 8192)):
+            check_linear("cuda", gen, M=300, N=n, K=k)
+        check_moe("cuda", gen, T=300, D=4096, I=2048, E=256, k=6)
+        check_moe("cuda", gen, T=20, D=4096, I=2048, E=256, k=6)          # 16-row tiles
+    _both_paths(run)
