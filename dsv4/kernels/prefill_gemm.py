@@ -30,6 +30,7 @@ from .common import (AMAX_FLOOR, E4M3_MAX_INV, block_exponent, e2m1_word_to_f32,
 
 FORMATS = {"bf16": 0, "fp8": 1, "fp4": 2}
 BM, BN, BK = 64, 128, 64          # row tile, output-feature tile (= the act-quant block), bf16 K step
+BK16 = {"bf16": 64, "fp8": 64, "fp4": 64}   # the bf16 path's K step per weight format
 WARPS, STAGES = 8, 3
 QROWS = 16                        # rows per act_quant8 program
 
@@ -401,8 +402,8 @@ def _grid(out, bm, grid_m, N):
 
 
 def gemm8(x8, xs, w, s, fmt: str, out: torch.Tensor, *, bm: int = BM, rows=None, tiles=None,
-          grid_m=None, w3=None, s3=None, rw=None, limit: float = 0.0, out_scale=None
-          ) -> torch.Tensor:
+          grid_m=None, w3=None, s3=None, rw=None, limit: float = 0.0, out_scale=None,
+          warps: int = WARPS) -> torch.Tensor:
     """FP8 tensor cores: out = (A8 @ W^T) over e4m3 rows x8 [m_a, k] (+ scales xs [m_a, k/128])
     and an FP8 or FP4 weight (stacked [e, n, ..] with `tiles`: row tiles of bm rows), the rows
     gathered by `rows` if given. w3: the SwiGLU epilogue (w1 = w); out_scale: act-quantize the
@@ -423,7 +424,7 @@ def gemm8(x8, xs, w, s, fmt: str, out: torch.Tensor, *, bm: int = BM, rows=None,
             GROUPED=tiles is not None, GATHER=rows is not None, SWIGLU=w3 is not None,
             LIMIT=limit > 0, ROUTE_W=rw is not None, QUANT=out_scale is not None,
             OUT_F32=out.dtype == torch.float32, BM=bm, BN=BN, F32=interpreting(),
-            num_warps=WARPS, num_stages=STAGES)
+            num_warps=warps, num_stages=STAGES)
     return out
 
 
@@ -436,7 +437,7 @@ def _words(w: torch.Tensor | None, fmt: str):
 
 def gemm16(a, w, s, fmt: str, out: torch.Tensor, *, bm: int = BM, rows=None, tiles=None,
            grid_m=None, w3=None, s3=None, rw=None, limit: float = 0.0, quant: bool = False,
-           group_k: int = 0) -> torch.Tensor:
+           group_k: int = 0, bk: int | None = None, warps: int = WARPS) -> torch.Tensor:
     """bf16 tensor cores: out = A @ W^T over bf16 rows a [m_a, k] (already act-quantized for
     quantized weights, or not: wo_a) and a bf16 / FP8 / FP4 weight decoded to bf16 in registers;
     rows / tiles / w3 as gemm8; quant: act-quantize the SwiGLU output (exact bf16 values).
@@ -444,8 +445,9 @@ def gemm16(a, w, s, fmt: str, out: torch.Tensor, *, bm: int = BM, rows=None, til
     a[:, g*group_k:(g+1)*group_k])."""
     K = group_k or a.shape[1]
     N = w.shape[-2]
-    if K % BK or (fmt != "bf16" and K % 128):
-        raise ValueError(f"bf16 GEMM: k = {K} must be a multiple of {BK} (of 128 quantized)")
+    bk = bk or BK16.get(fmt, BK)
+    if K % bk or (fmt != "bf16" and K % 128):
+        raise ValueError(f"bf16 GEMM: k = {K} must be a multiple of {bk} (of 128 quantized)")
     gn = 0
     if group_k:
         gn = N // (a.shape[1] // group_k)
@@ -461,8 +463,8 @@ def gemm16(a, w, s, fmt: str, out: torch.Tensor, *, bm: int = BM, rows=None, til
             tile_e, tile_r, out.shape[0], float(limit), N=N, K=K, LDA=a.shape[1], GROUP_N=gn,
             FMT=FORMATS[fmt], GROUPED=tiles is not None, GATHER=rows is not None,
             SWIGLU=w3 is not None, LIMIT=limit > 0, ROUTE_W=rw is not None, QUANT=int(quant),
-            OUT_F32=out.dtype == torch.float32, BM=bm, BN=BN, BK=BK, F32=interpreting(),
-            NATIVE=not interpreting(), num_warps=WARPS, num_stages=STAGES)
+            OUT_F32=out.dtype == torch.float32, BM=bm, BN=BN, BK=bk, F32=interpreting(),
+            NATIVE=not interpreting(), num_warps=warps, num_stages=STAGES)
     return out
 
 

@@ -1,0 +1,131 @@
+"""Microbenchmark of the prefill GEMMs at a preset's real shapes: the routed experts' up and down for a
+chunk of T tokens (uniform random routing, k experts each) and the largest FP8 linear (wq_b), over
+tile, K-step, warp and tensor-core-path variants. CUDA events, median of REPS after warm-up;
+achieved TFLOP/s and the weight bytes read per second. The model's defaults come from this sweep
+(prefill_gemm.BK16, pick_bm, MMA; BENCHMARKS.md).
+Run: `python -m dsv4.kernels.bench_prefill [flash|pro] [T,T,...]`.
+"""
+from __future__ import annotations
+
+import statistics
+import sys
+
+import torch
+
+from ..presets import get_preset
+from . import prefill_gemm as G
+from . import prefill_moe as M
+
+REPS = 10
+
+
+def _time(fn) -> float:
+    for _ in range(2):
+        fn()
+    evs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+           for _ in range(REPS)]
+    for a, b in evs:
+        a.record()
+        fn()
+        b.record()
+    torch.cuda.synchronize()
+    return statistics.median(a.elapsed_time(b) for a, b in evs)
+
+
+def _bank(E, n, k, gen, dev):
+    """A random FP4 bank [E, n, k/2] + scales [E, n, k/32] (scales near 2^-8, e2m1 codes random)."""
+    w = torch.randint(-128, 128, (E, n, k // 2), dtype=torch.int8, device=dev, generator=gen)
+    s = torch.randint(118, 124, (E, n, k // 32), dtype=torch.uint8, device=dev, generator=gen)
+    return w, s.view(torch.float8_e8m0fnu)
+
+
+def moe_rows(cfg, T, dev, gen):
+    E, k, D, I = cfg.n_routed_experts, cfg.n_activated_experts, cfg.dim, cfg.moe_inter_dim
+    w1, s1 = _bank(E, I, D, gen, dev)
+    w3, s3 = _bank(E, I, D, gen, dev)
+    w2, s2 = _bank(E, D, I, gen, dev)
+    x = torch.randn(T, D, device=dev, generator=gen).bfloat16()
+    idx = torch.rand(T, E, device=dev, generator=gen).topk(k, dim=-1).indices.sort(-1).values
+    wt = torch.rand(T, k, device=dev, generator=gen)
+    hit = int(torch.unique(idx).numel())
+    flops_up = 2 * 2 * T * k * I * D
+    flops_down = 2 * T * k * I * D
+    up_bytes = hit * 2 * (I * D // 2 + I * D // 32)
+    down_bytes = hit * (D * I // 2 + D * I // 32)
+    rows = []
+    for path in ("bf16", "fp8"):
+        xr = M.Rows(G.act_quant(x)) if path == "bf16" else M.Rows(None, *G.act_quant8(x))
+        for bm in (16, 32, 64):
+            plan = M.expert_plan(idx, wt, E, bm=bm)
+            for bk in ((64, 128) if path == "bf16" else (32,)):
+                for warps in (4, 8):
+                    a8 = torch.empty(T * k, I, dtype=torch.uint8, device=dev)
+                    a_s = torch.empty(T * k, I // 128, dtype=torch.float32, device=dev)
+                    a16 = torch.empty(T * k, I, dtype=torch.bfloat16, device=dev)
+                    o = torch.empty(T * k, D, dtype=torch.bfloat16, device=dev)
+                    kw = dict(bm=bm, tiles=(plan.tile_e, plan.tile_r), grid_m=plan.n_tiles,
+                              warps=warps)
+                    if path == "bf16":
+                        up = lambda: G.gemm16(xr.x, w1, s1, "fp4", a16, rows=plan.token,  # noqa
+                                              w3=w3, s3=s3, rw=plan.weight, limit=10.0,
+                                              quant=True, bk=bk, **kw)
+                        down = lambda: G.gemm16(a16, w2, s2, "fp4", o, bk=bk, **kw)  # noqa
+                    else:
+                        up = lambda: G.gemm8(xr.x8, xr.xs, w1, s1, "fp4", a8,  # noqa
+                                             rows=plan.token, w3=w3, s3=s3, rw=plan.weight,
+                                             limit=10.0, out_scale=a_s, **kw)
+                        down = lambda: G.gemm8(a8, a_s, w2, s2, "fp4", o, **kw)  # noqa
+                    try:
+                        tu, td = _time(up), _time(down)
+                    except Exception as e:          # a config the compiler rejects
+                        print(f"  {path} bm={bm} bk={bk} warps={warps}: {type(e).__name__}",
+                              file=sys.stderr)
+                        continue
+                    rows.append((f"moe T={T}", path, bm, bk, warps, tu, td,
+                                 flops_up / tu / 1e9, flops_down / td / 1e9,
+                                 up_bytes / tu / 1e6, down_bytes / td / 1e6))
+    return rows, hit
+
+
+def linear_rows(cfg, T, dev, gen):
+    N, K = cfg.n_heads * cfg.head_dim, cfg.q_lora_rank
+    from ..formats import quantize_fp8_weight
+    w, s = quantize_fp8_weight(torch.randn(N, K, device=dev, generator=gen) * 0.05)
+    x = torch.randn(T, K, device=dev, generator=gen).bfloat16()
+    out = torch.empty(T, N, dtype=torch.bfloat16, device=dev)
+    rows = []
+    x8, xs = G.act_quant8(x)
+    xq = G.act_quant(x)
+    for bm in (64, 128):
+        for warps in (4, 8):
+            if bm == 64:
+                t = _time(lambda: G.gemm8(x8, xs, w, s, "fp8", out, bm=bm, warps=warps))
+                rows.append((f"wq_b T={T}", "fp8", bm, 128, warps, t, 0.0,
+                             2 * T * N * K / t / 1e9, 0.0, N * K / t / 1e6, 0.0))
+            for bk in (64, 128):
+                t = _time(lambda: G.gemm16(xq, w, s, "fp8", out, bm=bm, bk=bk, warps=warps))
+                rows.append((f"wq_b T={T}", "bf16", bm, bk, warps, t, 0.0,
+                             2 * T * N * K / t / 1e9, 0.0, N * K / t / 1e6, 0.0))
+    return rows
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    cfg = get_preset(argv[0] if argv else "flash")
+    tokens = [int(t) for t in argv[1].split(",")] if len(argv) > 1 else [128, 4096]
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(0)
+    print(f"{'case':<12}{'path':>5}{'bm':>5}{'bk':>5}{'warps':>6}{'up ms':>9}{'down ms':>9}"
+          f"{'up TF/s':>9}{'dn TF/s':>9}{'up GB/s':>9}{'dn GB/s':>9}")
+    for T in tokens:
+        rows, hit = moe_rows(cfg, T, dev, gen)
+        rows += linear_rows(cfg, T, dev, gen)
+        print(f"# T={T}: {hit} experts hit")
+        for r in sorted(rows, key=lambda r: (r[0], r[5] + r[6])):
+            print(f"{r[0]:<12}{r[1]:>5}{r[2]:>5}{r[3]:>5}{r[4]:>6}{r[5]:>9.3f}{r[6]:>9.3f}"
+                  f"{r[7]:>9.0f}{r[8]:>9.0f}{r[9]:>9.0f}{r[10]:>9.0f}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
