@@ -89,14 +89,20 @@ class Attention:
         return self.wo_b(z, act)
 
     # ---- prefill -----------------------------------------------------------------------------
-    def prefill(self, x: torch.Tensor, st: LayerState, start: int = 0) -> torch.Tensor:
+    def prefill(self, x: torch.Tensor, st: LayerState, start: int = 0,
+                shared: dict | None = None) -> torch.Tensor:
         """Positions start..start+s-1 after positions < start: x [s, D] -> [s, D]; updates the
-        layer state as s decode steps would (ring, compressor and indexer state, caches)."""
+        layer state as s decode steps would (ring, compressor and indexer state, caches).
+        shared: a dict the layers of one chunk share (its positions and window rows)."""
         cfg, s, dev = self.cfg, x.shape[0], x.device
         W, r = cfg.window_size, self.ratio
-        pos = torch.arange(start, start + s, device=dev)
-        cs = cos_sin(pos, self.freqs)
+        shared = {} if shared is None else shared
+        if ("pos", dev) not in shared:
+            shared["pos", dev] = torch.arange(start, start + s, device=dev)
+            shared["win", dev] = window_indices(start, s, W, dev)               # [s, W]
+        pos = shared["pos", dev]
         rows = kernels.prefill_ok(x)         # the chunk's kernels (bf16 rows on the GPU)
+        cs = None if rows else cos_sin(pos, self.freqs)
         pos0 = pos[:1]
         if rows:
             from .kernels import attention_decode as K
@@ -108,7 +114,7 @@ class Attention:
             qr, q, kv = self._q_kv(x, cs)
         # attended rows: [0, W) the ring as it was (positions < start), [W, W+s) this chunk's kv,
         # [W+s, ...) the compressed entries visible at the chunk's end (its own written first)
-        idx = window_indices(start, s, W, dev)                                 # [s, W]
+        idx = shared["win", dev]                                               # [s, W]
         n_vis = (start + s) // r if r else 0
         if r == 4:
             idx = torch.cat((idx, self.indexer.prefill(x, qr, cs, st, self.freqs, start,

@@ -56,16 +56,17 @@ class Block:
                                cfg.hc_sinkhorn_iters)
         return rms_norm(x, norm, cfg.norm_eps), post, comb
 
-    def prefill(self, h: torch.Tensor, ids: torch.Tensor, st: LayerState, start: int = 0
-                ) -> torch.Tensor:
+    def prefill(self, h: torch.Tensor, ids: torch.Tensor, st: LayerState, start: int = 0,
+                shared: dict | None = None) -> torch.Tensor:
         """Positions start..start+s-1: h [s, c, D], ids [s] -> [s, c, D]; updates `st` (which
-        holds positions < start) as s decode steps would."""
+        holds positions < start) as s decode steps would. shared: values the layers of one chunk
+        compute once (Attention.prefill)."""
         mix, post_fn = self._mix, hc_post
         if kernels.prefill_ok(h) and (h.shape[1] * h.shape[2]) % 64 == 0:
             from .kernels import mhc as K
             mix, post_fn = self._mix_rows, K.hc_post_rows
         x, post, comb = mix(h, "attn", self.attn_norm)
-        h = post_fn(self.attn.prefill(x, st, start), h, post, comb)
+        h = post_fn(self.attn.prefill(x, st, start, shared), h, post, comb)
         x, post, comb = mix(h, "ffn", self.ffn_norm)
         return post_fn(self.ffn.prefill(x, ids), h, post, comb)
 

@@ -66,7 +66,15 @@ class Compressor:
         ext_kv = torch.cat((st.kv[cur:cur + start - b0], kv))         # positions b0 .. start+s-1
         ext_sc = torch.cat((st.score[cur:cur + start - b0], sc))
         nb = ext_kv.shape[0] // r                                     # blocks completed here
-        if nb:
+        j0 = b0 // r
+        if nb and kernels.prefill_ok(x) and ext_kv.is_contiguous():
+            from .kernels.compressor_prefill import compress_rows
+            compress_rows(ext_kv, ext_sc, st.kv, st.score, nb, j0, self.norm, freqs, cache,
+                          self.cfg.norm_eps, r, self.rotate, dc - self.cfg.rope_head_dim)
+            if self.overlap:                          # the last complete block -> "previous"
+                st.kv[:r] = ext_kv[(nb - 1) * r:nb * r]
+                st.score[:r] = ext_sc[(nb - 1) * r:nb * r]
+        elif nb:
             kvb = ext_kv[:nb * r].unflatten(0, (nb, r))                 # [nb, r, c*dc]
             scb = ext_sc[:nb * r].unflatten(0, (nb, r))
             if self.overlap:        # each block also pools the first half of the one before it
@@ -77,7 +85,6 @@ class Compressor:
             else:
                 kvp, scp = kvb, scb
             c = (kvp * scp.softmax(dim=1)).sum(dim=1)                   # [nb, dc] f32
-            j0 = b0 // r
             cache[j0:j0 + nb] = self._finish(c, torch.arange(j0, j0 + nb, device=x.device) * r,
                                              freqs, x.dtype)
             if self.overlap:                          # the last complete block -> "previous"

@@ -183,11 +183,12 @@ class Transformer:
         """One chunk through every layer -> the last layer's h [s, c, D] (on its device)."""
         h = self.embed_tokens(ids)
         ids_on = {ids.device: ids}
+        shared: dict = {}                  # positions, window rows: computed once per chunk
         for blk, st in zip(self.layers, self.states):
             dev = blk.device
             if dev not in ids_on:
                 ids_on[dev] = ids.to(dev)
-            h = blk.prefill(h.to(dev), ids_on[dev], st, start)
+            h = blk.prefill(h.to(dev), ids_on[dev], st, start, shared)
         return h
 
     @torch.inference_mode()

@@ -171,9 +171,10 @@ class MoE:
         from .kernels import prefill_moe as G
         bank, sh, lim = self.experts, self.shared, self.cfg.swiglu_limit
         idx, order = idx.sort(dim=1)              # the reference adds experts in ascending id
-        plan = G.expert_plan(idx, w.gather(1, order), bank.n_experts)
+        plan = G.expert_plan(idx, w.gather(1, order), bank.n_experts, bank.fmt)
         xr = G.Rows.of(x, bank.fmt)
-        same = G.Rows.kind(sh["w1"].fmt) == G.Rows.kind(bank.fmt)
+        n = x.shape[0]
+        same = G.Rows.kind(sh["w1"].fmt, n) == G.Rows.kind(bank.fmt, n)
         xs = xr if same else G.Rows.of(x, sh["w1"].fmt)
         a = G.moe_up(xr, plan, bank.w1, bank.w1_scale, bank.w3, bank.w3_scale, bank.fmt, lim)
         o = G.moe_down(a, plan, bank.w2, bank.w2_scale, bank.fmt)

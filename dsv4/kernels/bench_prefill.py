@@ -48,42 +48,47 @@ def moe_rows(cfg, T, dev, gen):
     idx = torch.rand(T, E, device=dev, generator=gen).topk(k, dim=-1).indices.sort(-1).values
     wt = torch.rand(T, k, device=dev, generator=gen)
     hit = int(torch.unique(idx).numel())
-    flops_up = 2 * 2 * T * k * I * D
-    flops_down = 2 * T * k * I * D
+    flops_up, flops_down = 2 * 2 * T * k * I * D, 2 * T * k * I * D
     up_bytes = hit * 2 * (I * D // 2 + I * D // 32)
     down_bytes = hit * (D * I // 2 + D * I // 32)
+    xq, (x8, xs) = G.act_quant(x), G.act_quant8(x)
+    a16 = torch.empty(T * k, I, dtype=torch.bfloat16, device=dev)
+    a8 = torch.empty(T * k, I, dtype=torch.uint8, device=dev)
+    a_s = torch.empty(T * k, I // 128, dtype=torch.float32, device=dev)
+    o = torch.empty(T * k, D, dtype=torch.bfloat16, device=dev)
+    variants = [("bf16", bm, bk, bn, w) for bm in (16, 32, 64, 128) for bk in (64, 128)
+                for bn in (64, 128) for w in (4, 8) if not (bm == 128 and bn == 128)]
+    variants += [("fp8", bm, 32, 128, w) for bm in (16, 32, 64) for w in (4, 8)]
     rows = []
-    for path in ("bf16", "fp8"):
-        xr = M.Rows(G.act_quant(x)) if path == "bf16" else M.Rows(None, *G.act_quant8(x))
-        for bm in (16, 32, 64):
-            plan = M.expert_plan(idx, wt, E, bm=bm)
-            for bk in ((64, 128) if path == "bf16" else (32,)):
-                for warps in (4, 8):
-                    a8 = torch.empty(T * k, I, dtype=torch.uint8, device=dev)
-                    a_s = torch.empty(T * k, I // 128, dtype=torch.float32, device=dev)
-                    a16 = torch.empty(T * k, I, dtype=torch.bfloat16, device=dev)
-                    o = torch.empty(T * k, D, dtype=torch.bfloat16, device=dev)
-                    kw = dict(bm=bm, tiles=(plan.tile_e, plan.tile_r), grid_m=plan.n_tiles,
-                              warps=warps)
-                    if path == "bf16":
-                        up = lambda: G.gemm16(xr.x, w1, s1, "fp4", a16, rows=plan.token,  # noqa
-                                              w3=w3, s3=s3, rw=plan.weight, limit=10.0,
-                                              quant=True, bk=bk, **kw)
-                        down = lambda: G.gemm16(a16, w2, s2, "fp4", o, bk=bk, **kw)  # noqa
-                    else:
-                        up = lambda: G.gemm8(xr.x8, xr.xs, w1, s1, "fp4", a8,  # noqa
-                                             rows=plan.token, w3=w3, s3=s3, rw=plan.weight,
-                                             limit=10.0, out_scale=a_s, **kw)
-                        down = lambda: G.gemm8(a8, a_s, w2, s2, "fp4", o, **kw)  # noqa
-                    try:
-                        tu, td = _time(up), _time(down)
-                    except Exception as e:          # a config the compiler rejects
-                        print(f"  {path} bm={bm} bk={bk} warps={warps}: {type(e).__name__}",
-                              file=sys.stderr)
-                        continue
-                    rows.append((f"moe T={T}", path, bm, bk, warps, tu, td,
-                                 flops_up / tu / 1e9, flops_down / td / 1e9,
-                                 up_bytes / tu / 1e6, down_bytes / td / 1e6))
+    for path, bm, bk, bn, warps in variants:
+        if T * k / E > 4 * bm or T * k / E < bm / 4:
+            continue                            # tiles far from the rows per expert
+        plan = M.expert_plan(idx, wt, E, bm=bm)
+        kw = dict(bm=bm, tiles=(plan.tile_e, plan.tile_r), grid_m=plan.n_tiles, warps=warps)
+        if path == "bf16":                      # bn 64: the act quant in a launch of its own
+            def up():
+                G.gemm16(xq, w1, s1, "fp4", a16, rows=plan.token, w3=w3, s3=s3, rw=plan.weight,
+                         limit=10.0, quant=bn == 128, bk=bk, bn=bn, **kw)
+                if bn != 128:
+                    G.act_quant(a16)
+
+            def down():
+                G.gemm16(a16, w2, s2, "fp4", o, bk=bk, **kw)
+        else:
+            def up():
+                G.gemm8(x8, xs, w1, s1, "fp4", a8, rows=plan.token, w3=w3, s3=s3,
+                        rw=plan.weight, limit=10.0, out_scale=a_s, **kw)
+
+            def down():
+                G.gemm8(a8, a_s, w2, s2, "fp4", o, **kw)
+        try:
+            tu, td = _time(up), _time(down)
+        except Exception as e:                  # a config the compiler rejects
+            print(f"  {path} bm={bm} bk={bk} bn={bn} warps={warps}: {type(e).__name__}",
+                  file=sys.stderr)
+            continue
+        rows.append((f"moe T={T}", path, bm, f"{bk}/{bn}", warps, tu, td, flops_up / tu / 1e9,
+                     flops_down / td / 1e9, up_bytes / tu / 1e6, down_bytes / td / 1e6))
     return rows, hit
 
 
@@ -100,11 +105,11 @@ def linear_rows(cfg, T, dev, gen):
         for warps in (4, 8):
             if bm == 64:
                 t = _time(lambda: G.gemm8(x8, xs, w, s, "fp8", out, bm=bm, warps=warps))
-                rows.append((f"wq_b T={T}", "fp8", bm, 128, warps, t, 0.0,
+                rows.append((f"wq_b T={T}", "fp8", bm, "128", warps, t, 0.0,
                              2 * T * N * K / t / 1e9, 0.0, N * K / t / 1e6, 0.0))
             for bk in (64, 128):
                 t = _time(lambda: G.gemm16(xq, w, s, "fp8", out, bm=bm, bk=bk, warps=warps))
-                rows.append((f"wq_b T={T}", "bf16", bm, bk, warps, t, 0.0,
+                rows.append((f"wq_b T={T}", "bf16", bm, str(bk), warps, t, 0.0,
                              2 * T * N * K / t / 1e9, 0.0, N * K / t / 1e6, 0.0))
     return rows
 
@@ -115,14 +120,14 @@ def main(argv=None) -> int:
     tokens = [int(t) for t in argv[1].split(",")] if len(argv) > 1 else [128, 4096]
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
-    print(f"{'case':<12}{'path':>5}{'bm':>5}{'bk':>5}{'warps':>6}{'up ms':>9}{'down ms':>9}"
+    print(f"{'case':<12}{'path':>5}{'bm':>5}{'bk/bn':>8}{'warps':>6}{'up ms':>9}{'down ms':>9}"
           f"{'up TF/s':>9}{'dn TF/s':>9}{'up GB/s':>9}{'dn GB/s':>9}")
     for T in tokens:
         rows, hit = moe_rows(cfg, T, dev, gen)
         rows += linear_rows(cfg, T, dev, gen)
         print(f"# T={T}: {hit} experts hit")
         for r in sorted(rows, key=lambda r: (r[0], r[5] + r[6])):
-            print(f"{r[0]:<12}{r[1]:>5}{r[2]:>5}{r[3]:>5}{r[4]:>6}{r[5]:>9.3f}{r[6]:>9.3f}"
+            print(f"{r[0]:<12}{r[1]:>5}{r[2]:>5}{str(r[3]):>8}{r[4]:>6}{r[5]:>9.3f}{r[6]:>9.3f}"
                   f"{r[7]:>9.0f}{r[8]:>9.0f}{r[9]:>9.0f}{r[10]:>9.0f}", flush=True)
     return 0
 

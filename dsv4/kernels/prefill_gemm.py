@@ -17,6 +17,7 @@ References: `linear_reference`. Test: tests/dsv4/test_prefill_kernels.py.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -330,30 +331,53 @@ def _act_quant8_kernel(x_ptr, y_ptr, s_ptr, M, K: tl.constexpr, R: tl.constexpr)
 # ---- host side ----------------------------------------------------------------------------------
 
 MMA_SWITCH = "DSV4_PREFILL_MMA"   # e.g. "fp4=fp8,fp8=bf16": the tensor-core path per format
-MMA = {"bf16": "bf16", "fp8": "fp8", "fp4": "bf16"}   # measured defaults (BENCHMARKS.md)
+FP8_MMA_MIN_ROWS = 256   # FP8 weights: FP8 tensor cores from this many rows, bf16 below
 
 
-def mma_path(fmt: str) -> str:
-    """The tensor cores a weight format's GEMMs use: "fp8" (act-quantized e4m3 rows, a fresh
-    MMA per weight-scale group) or "bf16" (the weights decoded to bf16). DSV4_PREFILL_MMA
-    overrides the table for the quantized formats (benchmarks)."""
+@dataclass(frozen=True)
+class Tile:
+    """A launch config of the bf16 path: bm rows x bn output features per program, bk K step."""
+    bm: int
+    bn: int
+    bk: int
+    warps: int
+
+
+def mma_path(fmt: str, rows: int | None = None) -> str:
+    """The tensor cores a weight format's GEMM over `rows` rows uses: "fp8" (act-quantized e4m3
+    rows, a fresh MMA per weight-scale group) or "bf16" (the weights decoded to bf16). Measured
+    on an H200 (python -m dsv4.kernels.bench_prefill, BENCHMARKS.md): FP8 weights take the FP8
+    tensor cores for long chunks (wq_b, 4096 rows: 0.60 ms vs 0.86) and the bf16 ones for short
+    (128 rows: 0.07 vs 0.09); FP4 experts the bf16 ones (the FP8 path rescales every 32 of K: 2.2x
+    slower at 4096 rows). DSV4_PREFILL_MMA overrides (benchmarks, tests)."""
     if fmt == "bf16":
         return "bf16"
     for item in os.environ.get(MMA_SWITCH, "").split(","):
         f, _, path = item.partition("=")
         if f.strip() == fmt and path.strip() in ("fp8", "bf16"):
             return path.strip()
-    return MMA[fmt]
+    if fmt == "fp8":
+        return "fp8" if rows is None or rows >= FP8_MMA_MIN_ROWS else "bf16"
+    return "bf16"
 
 
 def pick_bm(rows_per_group: float, wide: bool = False) -> int:
-    """Row tile for ~rows_per_group rows per weight matrix (tokens per expert; all rows for a
-    plain linear): the smallest of 16 / 32 / 64 holding them; wide: 128 past 64 (the bf16 path
-    without SwiGLU has the registers for it, sm_90 compile)."""
+    """Row tile for ~rows_per_group rows per weight matrix: the smallest of 16 / 32 / 64 holding
+    them; wide: 128 past 64."""
     for bm in (16, 32, 64):
         if rows_per_group <= bm:
             return bm
     return 128 if wide else 64
+
+
+def tile16(rows_per_group: float) -> Tile:
+    """The bf16 path's tile for ~rows_per_group rows per weight matrix (tokens per expert, or the
+    rows of a plain linear), from the H200 sweep: few rows, 16-row tiles over 128 features with 8
+    warps (latency-bound: more programs in flight); many, 128-row tiles over 64 features with 4
+    warps (each decoded weight tile serves twice the rows: experts up 5.0 -> 3.3 ms, down 2.5 ->
+    2.0 ms for a 4096-token Flash chunk)."""
+    bm = pick_bm(rows_per_group, wide=True)
+    return Tile(16, 128, 64, 8) if bm == 16 else Tile(bm, 64, 64, 4)
 
 
 def _bytes(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -397,8 +421,8 @@ def dequant8(x8: torch.Tensor, xs: torch.Tensor) -> torch.Tensor:
     return (v * xs.unsqueeze(-1)).flatten(-2)
 
 
-def _grid(out, bm, grid_m, N):
-    return (grid_m or triton.cdiv(out.shape[0], bm), triton.cdiv(N, BN))
+def _grid(out, bm, grid_m, N, bn=BN):
+    return (grid_m or triton.cdiv(out.shape[0], bm), triton.cdiv(N, bn))
 
 
 def gemm8(x8, xs, w, s, fmt: str, out: torch.Tensor, *, bm: int = BM, rows=None, tiles=None,
@@ -437,33 +461,36 @@ def _words(w: torch.Tensor | None, fmt: str):
 
 def gemm16(a, w, s, fmt: str, out: torch.Tensor, *, bm: int = BM, rows=None, tiles=None,
            grid_m=None, w3=None, s3=None, rw=None, limit: float = 0.0, quant: bool = False,
-           group_k: int = 0, bk: int | None = None, warps: int = WARPS) -> torch.Tensor:
+           group_k: int = 0, bk: int | None = None, bn: int = BN, warps: int = WARPS
+           ) -> torch.Tensor:
     """bf16 tensor cores: out = A @ W^T over bf16 rows a [m_a, k] (already act-quantized for
     quantized weights, or not: wo_a) and a bf16 / FP8 / FP4 weight decoded to bf16 in registers;
-    rows / tiles / w3 as gemm8; quant: act-quantize the SwiGLU output (exact bf16 values).
+    rows / tiles / w3 as gemm8; quant: act-quantize the SwiGLU output (exact bf16 values; needs
+    bn = 128, the quant block). bk, bn, warps: the K step, output-feature tile and warps.
     group_k: the grouped wo_a (output group g = rows [g*n/G, (g+1)*n/G) reads
     a[:, g*group_k:(g+1)*group_k])."""
     K = group_k or a.shape[1]
     N = w.shape[-2]
     bk = bk or BK16.get(fmt, BK)
-    if K % bk or (fmt != "bf16" and K % 128):
-        raise ValueError(f"bf16 GEMM: k = {K} must be a multiple of {bk} (of 128 quantized)")
+    if K % bk or (fmt != "bf16" and K % 128) or (quant and bn != 128):
+        raise ValueError(f"bf16 GEMM: k = {K} must be a multiple of {bk} (of 128 quantized); "
+                         f"an act-quantized output needs bn = 128 (got {bn})")
     gn = 0
     if group_k:
         gn = N // (a.shape[1] // group_k)
-        if gn % BN:
-            raise ValueError(f"bf16 GEMM: a wo_a group of {gn} rows is not a multiple of {BN}")
+        if gn % bn:
+            raise ValueError(f"bf16 GEMM: a wo_a group of {gn} rows is not a multiple of {bn}")
     dummy = out
     tile_e, tile_r = tiles if tiles is not None else (dummy, dummy)
     with on_device(out):
-        _gemm16_kernel[_grid(out, bm, grid_m, N)](
+        _gemm16_kernel[_grid(out, bm, grid_m, N, bn)](
             a, rows if rows is not None else dummy, _words(w, fmt),
             _bytes(s) if s is not None else dummy, _words(w3, fmt) if w3 is not None else dummy,
             _bytes(s3) if s3 is not None else dummy, out, rw if rw is not None else dummy,
             tile_e, tile_r, out.shape[0], float(limit), N=N, K=K, LDA=a.shape[1], GROUP_N=gn,
             FMT=FORMATS[fmt], GROUPED=tiles is not None, GATHER=rows is not None,
             SWIGLU=w3 is not None, LIMIT=limit > 0, ROUTE_W=rw is not None, QUANT=int(quant),
-            OUT_F32=out.dtype == torch.float32, BM=bm, BN=BN, BK=bk, F32=interpreting(),
+            OUT_F32=out.dtype == torch.float32, BM=bm, BN=bn, BK=bk, F32=interpreting(),
             NATIVE=not interpreting(), num_warps=warps, num_stages=STAGES)
     return out
 
@@ -473,16 +500,18 @@ def linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, fmt: st
            ) -> torch.Tensor:
     """y = x @ W^T for rows x [m, k] bf16 and a weight in its stored format (bf16 [n, k]; fp8
     [n, k] + [n/128, k/128]; fp4 [n, k/2] + [n, k/32]) -> [m, n] in out_dtype (bf16 or float32).
-    quant_act (default: for quantized weights): act-quantize x first (W8A8), on the format's
-    tensor-core path (mma_path); group_k: the grouped wo_a (see gemm16)."""
+    quant_act (default: for quantized weights): act-quantize x first (W8A8), on the tensor-core
+    path mma_path picks; group_k: the grouped wo_a (see gemm16)."""
     if quant_act is None:
         quant_act = fmt != "bf16"
-    out = torch.empty(x.shape[0], w.shape[0], dtype=out_dtype, device=x.device)
-    if quant_act and mma_path(fmt) == "fp8":
+    M = x.shape[0]
+    out = torch.empty(M, w.shape[0], dtype=out_dtype, device=x.device)
+    if quant_act and mma_path(fmt, M) == "fp8":
         x8, xs = act_quant8(x)
-        return gemm8(x8, xs, w, scale, fmt, out, bm=pick_bm(x.shape[0]))
-    return gemm16(act_quant(x) if quant_act else x.contiguous(), w, scale, fmt, out,
-                  bm=pick_bm(x.shape[0], wide=True), group_k=group_k)
+        return gemm8(x8, xs, w, scale, fmt, out, bm=pick_bm(M), warps=4)
+    t = tile16(M)
+    return gemm16(act_quant(x) if quant_act else x.contiguous(), w, scale, fmt, out, bm=t.bm,
+                  bn=BN if group_k else t.bn, bk=t.bk, warps=t.warps, group_k=group_k)
 
 
 # ---- plain-torch references (the code the kernels replace) -----------------------------------

@@ -11,7 +11,7 @@ Reference: `moe_reference`. Test: tests/dsv4/test_prefill_kernels.py.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -21,20 +21,21 @@ import triton.language as tl
 from ..formats import FP8_BLOCK
 from ..quant import fp8_quant_dequant
 from .common import on_device, round_bf16
-from .prefill_gemm import act_quant, act_quant8, dequantize, gemm8, gemm16, mma_path, pick_bm
+from .prefill_gemm import (Tile, act_quant, act_quant8, dequantize, gemm8, gemm16, mma_path,
+                           pick_bm, tile16)
 
 
 @dataclass
 class ExpertPlan:
     """(token, expert) pairs sorted by expert (stable: token order within an expert), cut into row
-    tiles of at most bm pairs of one expert. Sorted pair i is pair (token[i], its slot) with route
-    weight weight[i]; inv[t, j] is the sorted position of token t's j-th expert."""
+    tiles of at most tile.bm pairs of one expert. Sorted pair i is pair (token[i], its slot) with
+    route weight weight[i]; inv[t, j] is the sorted position of token t's j-th expert."""
     token: torch.Tensor     # [p] int32: token of each sorted pair
     weight: torch.Tensor    # [p] f32: its route weight
     inv: torch.Tensor       # [t, k] int32
     tile_e: torch.Tensor    # [tiles] int32: expert of each row tile, -1 = unused
     tile_r: torch.Tensor    # [tiles, 2] int32: sorted pairs [r0, r1) of the tile's expert
-    bm: int                 # rows per tile
+    tile: Tile              # the launch config the tiles are cut for
 
     @property
     def n_tiles(self) -> int:
@@ -42,17 +43,28 @@ class ExpertPlan:
 
     def launch(self) -> dict:
         """The GEMM arguments that make a launch run over the plan's tiles."""
-        return dict(bm=self.bm, tiles=(self.tile_e, self.tile_r), grid_m=self.n_tiles)
+        return dict(tiles=(self.tile_e, self.tile_r), grid_m=self.n_tiles)
 
 
-def expert_plan(idx: torch.Tensor, w: torch.Tensor, n_experts: int, bm: int | None = None
-                ) -> ExpertPlan:
+def group_tile(fmt: str, rows: int, per_group: float) -> Tile:
+    """The launch config of a format's GEMMs over `rows` rows, ~per_group rows per weight
+    matrix: tile16 on the bf16 path; on the FP8 path up to 64-row tiles (more spill)."""
+    if mma_path(fmt, rows) == "bf16":
+        return tile16(per_group)
+    return Tile(pick_bm(per_group), 128, 32, 4)
+
+
+def expert_plan(idx: torch.Tensor, w: torch.Tensor, n_experts: int, fmt: str = "fp4",
+                bm: int | None = None) -> ExpertPlan:
     """idx [t, k] int64 experts (ascending in each row), w [t, k] f32 -> ExpertPlan, with row
-    tiles sized for the average pairs per expert (pick_bm) unless bm is given. Device ops only (no
-    host sync); the tile grid has the fixed bound p/bm + min(e, p) tiles."""
+    tiles sized for the average pairs per expert (group_tile; bm overrides the height). Device
+    ops only (no host sync); the tile grid has the fixed bound p/bm + min(e, p) tiles."""
     T, k = idx.shape
     P, dev = T * k, idx.device
-    bm = bm or pick_bm(P / n_experts)
+    tile = group_tile(fmt, T, P / n_experts)
+    if bm:
+        tile = replace(tile, bm=bm)
+    bm = tile.bm
     flat = idx.reshape(-1)
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat, minlength=n_experts)
@@ -68,7 +80,8 @@ def expert_plan(idx: torch.Tensor, w: torch.Tensor, n_experts: int, bm: int | No
     inv[order] = torch.arange(P, dtype=torch.int32, device=dev)
     return ExpertPlan(token=(order // k).to(torch.int32), weight=w.reshape(-1)[order].float(),
                       inv=inv.view(T, k), tile_e=torch.where(ok, te, -1).to(torch.int32),
-                      tile_r=torch.stack((r0, ends[tec]), 1).to(torch.int32).contiguous(), bm=bm)
+                      tile_r=torch.stack((r0, ends[tec]), 1).to(torch.int32).contiguous(),
+                      tile=tile)
 
 
 @dataclass
@@ -80,14 +93,14 @@ class Rows:
     xs: torch.Tensor | None = None
 
     @staticmethod
-    def kind(fmt: str) -> str:
-        """Which A operand a weight format's GEMMs take: "bf16" (unquantized), "fp8" (e4m3
-        bytes + scales) or "bf16q" (act-quantized, exact bf16 values)."""
-        return "bf16" if fmt == "bf16" else "fp8" if mma_path(fmt) == "fp8" else "bf16q"
+    def kind(fmt: str, rows: int) -> str:
+        """Which A operand a weight format's GEMMs over `rows` rows take: "bf16" (unquantized),
+        "fp8" (e4m3 bytes + scales) or "bf16q" (act-quantized, exact bf16 values)."""
+        return "bf16" if fmt == "bf16" else "fp8" if mma_path(fmt, rows) == "fp8" else "bf16q"
 
     @classmethod
     def of(cls, x: torch.Tensor, fmt: str) -> "Rows":
-        k = cls.kind(fmt)
+        k = cls.kind(fmt, x.shape[0])
         return cls(x) if k == "bf16" else cls(None, *act_quant8(x)) if k == "fp8" else \
             cls(act_quant(x))
 
@@ -100,43 +113,48 @@ class Rows:
         return (self.x if self.x is not None else self.x8).device
 
 
-def _up(r: Rows, w1, s1, w3, s3, fmt, limit, n_rows, **kw) -> Rows:
-    """bf16(route_w * SwiGLU(w1 x, w3 x)) of n_rows rows, act-quantized for a quantized down."""
+def _up(r: Rows, w1, s1, w3, s3, fmt, limit, n_rows, tile: Tile, **kw) -> Rows:
+    """bf16(route_w * SwiGLU(w1 x, w3 x)) of n_rows rows, act-quantized for a quantized down: in
+    the epilogue (128-feature tiles) or in a launch after it."""
     I = w1.shape[-2]
     if r.x8 is None:
         out = torch.empty(n_rows, I, dtype=torch.bfloat16, device=r.device)
-        return Rows(gemm16(r.x, w1, s1, fmt, out, w3=w3, s3=s3, limit=limit,
-                           quant=fmt != "bf16", **kw))
+        q = fmt != "bf16"
+        gemm16(r.x, w1, s1, fmt, out, w3=w3, s3=s3, limit=limit, quant=q and tile.bn == 128,
+               bm=tile.bm, bn=tile.bn, bk=tile.bk, warps=tile.warps, **kw)
+        return Rows(act_quant(out) if q and tile.bn != 128 else out)
     a8 = torch.empty(n_rows, I, dtype=torch.uint8, device=r.device)
     a_s = torch.empty(n_rows, I // 128, dtype=torch.float32, device=r.device)
-    gemm8(r.x8, r.xs, w1, s1, fmt, a8, w3=w3, s3=s3, limit=limit, out_scale=a_s, **kw)
+    gemm8(r.x8, r.xs, w1, s1, fmt, a8, w3=w3, s3=s3, limit=limit, out_scale=a_s, bm=tile.bm,
+          warps=tile.warps, **kw)
     return Rows(None, a8, a_s)
 
 
-def _down(a: Rows, w2, s2, fmt, **kw) -> torch.Tensor:
+def _down(a: Rows, w2, s2, fmt, tile: Tile, **kw) -> torch.Tensor:
     out = torch.empty(a.n, w2.shape[-2], dtype=torch.bfloat16, device=a.device)
     if a.x8 is None:
-        return gemm16(a.x, w2, s2, fmt, out, **kw)
-    return gemm8(a.x8, a.xs, w2, s2, fmt, out, **kw)
+        return gemm16(a.x, w2, s2, fmt, out, bm=tile.bm, bn=tile.bn, bk=tile.bk,
+                      warps=tile.warps, **kw)
+    return gemm8(a.x8, a.xs, w2, s2, fmt, out, bm=tile.bm, warps=tile.warps, **kw)
 
 
 def moe_up(x: Rows, plan: ExpertPlan, w1, s1, w3, s3, fmt: str, limit: float) -> Rows:
     """Routed up of every sorted pair: bf16(route_w * SwiGLU(w1 x, w3 x)) [p, I], act-quantized
     for down when the weights are (x: the chunk's rows, Rows.of(x, fmt))."""
-    return _up(x, w1, s1, w3, s3, fmt, limit, plan.token.shape[0], rows=plan.token,
+    return _up(x, w1, s1, w3, s3, fmt, limit, plan.token.shape[0], plan.tile, rows=plan.token,
                rw=plan.weight, **plan.launch())
 
 
 def moe_down(a: Rows, plan: ExpertPlan, w2, s2, fmt: str) -> torch.Tensor:
     """Routed down of every sorted pair: its up output a [p, I] -> [p, D] bf16."""
-    return _down(a, w2, s2, fmt, **plan.launch())
+    return _down(a, w2, s2, fmt, plan.tile, **plan.launch())
 
 
 def shared_expert(x: Rows, w1, s1, w3, s3, w2, s2, fmt: str, limit: float) -> torch.Tensor:
     """The shared expert of the rows x (Rows.of(x, fmt)): w2(bf16(SwiGLU(w1 x, w3 x))) -> [t, D]
     bf16."""
-    a = _up(x, w1, s1, w3, s3, fmt, limit, x.n, bm=pick_bm(x.n))
-    return _down(a, w2, s2, fmt, bm=pick_bm(x.n, wide=a.x8 is None))
+    tile = group_tile(fmt, x.n, x.n)
+    return _down(_up(x, w1, s1, w3, s3, fmt, limit, x.n, tile), w2, s2, fmt, tile)
 
 
 @triton.jit

@@ -133,11 +133,12 @@ def check_moe(dev, gen, T=50, D=256, I=128, E=8, k=3):
     for e, (r0, r1) in zip(tile_e.tolist(), tile_r.tolist()):
         if e < 0:
             continue
-        rows = torch.arange(r0, min(r0 + plan.bm, r1))
+        rows = torch.arange(r0, min(r0 + plan.tile.bm, r1))
         covered[rows] += 1
         assert (flat[srt[rows]] == e).all(), f"tile of expert {e} holds other pairs"
     assert (covered == 1).all(), "every sorted pair in exactly one tile"
     for fmt in ("fp4", "fp8", "bf16"):
+        plan = P.expert_plan(idx, wt, E, fmt)
         w1, s1 = _fmt_weight(fmt, I, D, gen, dev, (E,), 0.1)
         w3, s3 = _fmt_weight(fmt, I, D, gen, dev, (E,), 0.1)
         w2, s2 = _fmt_weight(fmt, D, I, gen, dev, (E,), 0.1)
@@ -189,6 +190,51 @@ def check_attention_rows(dev, gen, S=20, H=4, D=128, n=90, KI=45):
     ref = apply_rope(ref, cos_sin(torch.arange(37, 37 + S), freqs), inverse=True)
     # the probabilities are rounded to bf16 (at the running max, as the official kernel)
     assert (got.float() - ref).abs().max() <= 2 ** -7 * ref.abs().max(), "attention rows"
+
+
+def check_compressor_rows(dev, gen):
+    """Compressor.prefill with the entry kernel == the torch path (same inputs and state): cache
+    rows within bf16 rounding (plus an e4m3 / e2m1 step where a rounding flips), state within
+    float32 noise."""
+    from dsv4.compressor import Compressor
+    from dsv4.presets import TINY
+    from dsv4.quant import hadamard_matrix
+    from dsv4.rope import rope_frequencies
+    from dsv4.state import CompressorState
+    prior = os.environ.get("DSV4_KERNELS")
+    for ratio, dc, rotate in ((4, 128, False), (4, 128, True), (16, 128, False)):
+        comp = Compressor(TINY, ratio, dc, rotate, dev)
+        for lin in (comp.wkv, comp.wgate):
+            lin.weight.copy_(torch.randn(lin.weight.shape, generator=gen) * 0.05)
+        comp.ape.copy_(torch.randn(comp.ape.shape, generator=gen))
+        comp.norm.copy_(1 + 0.1 * torch.randn(dc, generator=gen))
+        comp.hadamard = hadamard_matrix(dc, dev)
+        freqs = rope_frequencies(TINY, ratio, dev)
+        for start, s in ((0, 37), (6, 21), (ratio * 2 + 1, 3)):
+            x = torch.randn(s, TINY.dim, generator=gen).bfloat16().to(dev)
+            st0 = CompressorState.allocate(ratio, dc, dev)
+            st0.kv.normal_(generator=None)
+            st0.score.normal_()
+            out = {}
+            for mode in ("torch", "kernel"):
+                os.environ["DSV4_KERNELS"] = ("interpret" if dev == "cpu" else "1") \
+                    if mode == "kernel" else ("1" if dev == "cpu" else "0")
+                st = CompressorState(st0.kv.clone(), st0.score.clone())
+                cache = torch.zeros(64, dc, dtype=torch.bfloat16, device=dev)
+                comp.prefill(x, st, cache, freqs, start)
+                out[mode] = (cache.float(), st.kv, st.score)
+            (ct, kt, st_), (ck, kk, sk) = out["torch"], out["kernel"]
+            # the projections are the prefill GEMM's float32 sums (another order than torch's)
+            assert torch.allclose(kt, kk, rtol=1e-4, atol=1e-4), (ratio, rotate, start, "kv")
+            assert torch.allclose(st_, sk, rtol=1e-4, atol=1e-4), (ratio, rotate, start, "score")
+            err = (ck - ct).abs().max() / max(ct.abs().max().item(), 1e-6)
+            assert err <= (0.5 if rotate else 0.13), (ratio, rotate, start, err)   # one step
+            close = ((ck - ct).abs() <= 2 ** -7 * ct.abs() + 1e-6).float().mean()
+            assert close > 0.97, (ratio, rotate, start, close)
+    if prior is None:
+        os.environ.pop("DSV4_KERNELS", None)
+    else:
+        os.environ["DSV4_KERNELS"] = prior
 
 
 def check_mhc_rows(dev, gen, S=33, D=128):
@@ -274,8 +320,9 @@ def check_parity_bf16(dev):
 def check_all(dev, seed, tmp):
     gen = torch.Generator().manual_seed(seed)
     _both_paths(lambda: (check_linear(dev, gen), check_linear_exact(dev, gen),
-                         check_moe(dev, gen)))
+                         check_moe(dev, gen), check_moe(dev, gen, T=150, E=2, k=2)))
     check_attention_rows(dev, gen)
+    check_compressor_rows(dev, gen)
     check_mhc_rows(dev, gen)
     check_layers(dev, tmp, seed)
     check_parity_bf16(dev)
@@ -305,6 +352,7 @@ def test_prefill_kernels_interpreter(tmp_path):
 def compile_all() -> list:
     """Compile every prefill kernel at the Flash shapes for sm_90 -> [(name, resources)]."""
     from dsv4.kernels import attention_prefill as A
+    from dsv4.kernels import compressor_prefill as C
     from dsv4.kernels import mhc as M
     from dsv4.kernels import prefill_gemm as P
     from dsv4.kernels import prefill_moe as Q
@@ -360,6 +408,21 @@ def compile_all() -> list:
          {"q_ptr": "*bf16", "kv_ptr": "*bf16", "idx_ptr": "*i32", "sink_ptr": "*fp32",
           "freqs_ptr": "*fp32", "pos_ptr": "*i64", "o_ptr": "*bf16", "scale": "fp32",
           "KI": "i32"}, dict(H=64, DH=512, HB=A.HB_MAX, BN=A.ROWS, NOPE=448, F32=False), 8),
+        ("compressor rows (ratio 4)", C._compress_rows_kernel,
+         {"ekv_ptr": "*fp32", "esc_ptr": "*fp32", "pkv_ptr": "*fp32", "psc_ptr": "*fp32",
+          "norm_ptr": "*fp32", "freqs_ptr": "*fp32", "cache_ptr": "*bf16", "j0": "i32",
+          "eps": "fp32"},
+         dict(R=4, DC=512, OVERLAP=True, ROTATE=False, NOPE=448, RB=4), 8),
+        ("compressor rows (ratio 128)", C._compress_rows_kernel,
+         {"ekv_ptr": "*fp32", "esc_ptr": "*fp32", "pkv_ptr": "*fp32", "psc_ptr": "*fp32",
+          "norm_ptr": "*fp32", "freqs_ptr": "*fp32", "cache_ptr": "*bf16", "j0": "i32",
+          "eps": "fp32"},
+         dict(R=128, DC=512, OVERLAP=False, ROTATE=False, NOPE=448, RB=16), 8),
+        ("compressor rows (indexer)", C._compress_rows_kernel,
+         {"ekv_ptr": "*fp32", "esc_ptr": "*fp32", "pkv_ptr": "*fp32", "psc_ptr": "*fp32",
+          "norm_ptr": "*fp32", "freqs_ptr": "*fp32", "cache_ptr": "*bf16", "j0": "i32",
+          "eps": "fp32"},
+         dict(R=4, DC=128, OVERLAP=True, ROTATE=True, NOPE=64, RB=4), 4),
         ("mhc mix rows", M._mix_rows_kernel, {"h_ptr": "*bf16", "fn_ptr": "*fp32",
                                               "part_ptr": "*fp32", "S": "i32"},
          dict(K=16384, M=24, MP=32, RB=M.ROWS_RB, KC=16384 // M.ROWS_NCH, BK=M.ROWS_BK,
@@ -376,7 +439,7 @@ def compile_all() -> list:
 def _compile_main() -> None:
     for name, res in compile_all():
         # the attention epilogue's sin / cos keep a 32-byte frame (as the decode kernel's does)
-        frame = 32 if name == "attention rows" else 0
+        frame = 32 if name.startswith(("attention rows", "compressor rows")) else 0
         assert res.get("local", 0) == 0 and res.get("stack", 0) <= frame, f"{name} spills: {res}"
         print(name, res)
     print("ok")
@@ -412,4 +475,5 @@ def test_prefill_gemm_flash_shapes():
             check_linear("cuda", gen, M=300, N=n, K=k)
         check_moe("cuda", gen, T=300, D=4096, I=2048, E=256, k=6)
         check_moe("cuda", gen, T=20, D=4096, I=2048, E=256, k=6)          # 16-row tiles
+        check_moe("cuda", gen, T=600, D=4096, I=2048, E=16, k=6)          # 128-row tiles
     _both_paths(run)
