@@ -42,12 +42,15 @@ def _absdot(x, w, fmt, s, group_k=0):
     return (xa @ wd.t()).cpu()
 
 
-def _tol(fmt):
-    """Summation error bound relative to |x| @ |W|: float32 (1e-5), or on the FP8 tensor cores,
-    which align a group's products to ~14 bits before adding them (as the official fp8_gemm),
-    2^-11."""
+def _tol(fmt, rows=None):
+    """Summation error bound relative to |x| @ |W|: float32 (the interpreter: 1e-5); the bf16
+    tensor cores, whose float32 accumulation aligns products first (2^-14 measured at K = 8192 on
+    an H200: 1.6e-5); the FP8 tensor cores, which align a group's products to ~14 bits before
+    adding them (as the official fp8_gemm), 2^-11."""
     from dsv4.kernels.prefill_gemm import interpreting, mma_path
-    return 2 ** -11 if mma_path(fmt) == "fp8" and not interpreting() else 1e-5
+    if interpreting():
+        return 1e-5
+    return 2 ** -11 if mma_path(fmt, rows) == "fp8" else 2 ** -14
 
 
 def _both_paths(fn):
@@ -76,7 +79,7 @@ def check_linear(dev, gen, M=70, N=384, K=256):
     for fmt in ("bf16", "fp8", "fp4"):
         w, s = _fmt_weight(fmt, N, K, gen, dev)
         xq = fp8_quant_dequant(x, 128) if fmt != "bf16" else x
-        bound = _tol(fmt) * _absdot(xq, w, fmt, s)
+        bound = _tol(fmt, M) * _absdot(xq, w, fmt, s)
         for od in (torch.float32, torch.bfloat16):
             out = P.linear(x, w, s, fmt, out_dtype=od)
             ref = P.linear_reference(x, w, s, fmt, out_dtype=torch.float64).cpu()
@@ -89,7 +92,8 @@ def check_linear(dev, gen, M=70, N=384, K=256):
     out = P.linear(o, w, s, "fp8", out_dtype=torch.float32, quant_act=False, group_k=K)
     ref = P.linear_reference(o, w, s, "fp8", out_dtype=torch.float64, quant_act=False,
                              group_k=K).cpu()
-    assert ((out.cpu().double() - ref).abs() <= 1e-5 * _absdot(o, w, "fp8", s, K)).all(), "wo_a"
+    assert ((out.cpu().double() - ref).abs() <= _tol("bf16") * _absdot(o, w, "fp8", s, K)).all(), \
+        "wo_a"
 
 
 def check_linear_exact(dev, gen, M=40, N=256, K=256):
