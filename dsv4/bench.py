@@ -380,7 +380,8 @@ def run(args, command: str = "") -> dict:
     if bw:
         _log("copy bandwidth " + ", ".join(f"{d} {v:.3f} TB/s" for d, v in bw.items()))
 
-    model = Transformer(cfg, RuntimeConfig(cap, dtype, tuple(devices)), placement)
+    model = Transformer(cfg, RuntimeConfig(cap, dtype, tuple(devices), mtp=args.speculative),
+                        placement)
     t0 = time.perf_counter()
     model.load(DeviceWeights(cfg, args.seed))
     _sync(devices)
@@ -417,6 +418,12 @@ def run(args, command: str = "") -> dict:
                                         graph["ms_per_token"] if graph else None, _log,
                                         args.prefill_profile)
         prefill["prefill_kernels"] = args.prefill_kernels
+    spec = None
+    if args.speculative:
+        from . import bench_spec
+        graph = next((r for r in runs if r["mode"] == "graph"), None)
+        spec = bench_spec.run(model, args.context, args.seed,
+                              graph["ms_per_token"] if graph else None, _log)
     spans = {}
     for l, d in enumerate(placement):
         spans.setdefault(str(d), [l, l])[1] = l
@@ -435,6 +442,8 @@ def run(args, command: str = "") -> dict:
               "valid": on_cuda and args.steps >= MIN_STEPS, "notes": notes}
     if prefill is not None:
         report.update(prefill)
+    if spec is not None:
+        report.update(spec)
     return report
 
 
@@ -557,6 +566,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-kernels", default="on", choices=("on", "off"),
                    help="off: the torch prefill path (the state before the prefill kernels)")
     p.add_argument("--no-decode", action="store_true", help="skip the decode measurement")
+    p.add_argument("--speculative", action="store_true",
+                   help="also measure the speculative mechanism (MTP block loaded): verify pass "
+                        "T = 1..4, draft, end-to-end tok/s at forced acceptance rates")
     p.add_argument("--prefill-profile", action="store_true",
                    help="CUDA: one profiled prefill per length (kernel count, top kernels)")
     p.add_argument("--trace", metavar="PREFIX", default=None,

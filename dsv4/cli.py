@@ -59,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK, metavar="N",
                    help=f"prefill the prompt N tokens at a time (same result; activation memory "
                         f"grows with N; default {PREFILL_CHUNK})")
+    r.add_argument("--speculative", type=int, default=0, metavar="K",
+                   help="self-speculative decoding with the checkpoint's MTP block, K drafted "
+                        "tokens per step (0 = off; K = 1 is implemented; eager mode)")
     o = p.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="one JSON object on stdout at the end")
     o.add_argument("--dump-logits", help="save float32 logits [n_generated, vocab] to PATH.npy")
@@ -112,10 +115,16 @@ def run(args) -> int:
     if args.prefill_chunk < 1:
         raise InputError(f"--prefill-chunk {args.prefill_chunk}: must be >= 1 (tokens per "
                          f"prefill pass; default {PREFILL_CHUNK})")
+    if args.speculative not in (0, 1):
+        raise InputError(f"--speculative {args.speculative}: allowed 0 (off) or 1 (one drafted "
+                         f"token per step; more is not implemented)")
     sampling = SamplingParams(args.temperature, args.top_p, args.top_k,
                               args.seed if args.seed is not None else secrets.randbelow(2 ** 31))
     devices = resolve_devices(args.device)
-    mode = resolve_mode(args.mode, devices)
+    if args.speculative and args.mode == "graph":
+        raise InputError(f"--speculative {args.speculative} runs in eager mode (the speculative "
+                         f"step is not captured yet): use --mode eager or auto")
+    mode = "eager" if args.speculative else resolve_mode(args.mode, devices)
     force = _parse_ids(args.force_ids, "--force-ids") if args.force_ids is not None else None
     from .profiling import parse_steps
     if args.profile != "none":
@@ -169,13 +178,17 @@ def run(args) -> int:
                          f"lower --max-new-tokens")
 
     # ---- load, prepare, generate ----------------------------------------------------------
+    if args.speculative and cfg.n_mtp_layers < 1:
+        raise InputError(f"--speculative {args.speculative}: the checkpoint has no MTP block "
+                         f"(num_nextn_predict_layers = 0); use --speculative 0")
     rt = RuntimeConfig(max_seq_len=cap, dtype=DTYPES[args.dtype], devices=tuple(devices),
-                       prefill_chunk=args.prefill_chunk)
+                       prefill_chunk=args.prefill_chunk, mtp=bool(args.speculative))
     t0 = time.perf_counter()
     model, ck = load_model(ckpt, rt)
     ck.close()
     load_s = time.perf_counter() - t0
-    session = Session(model, sampling, mode=mode, granularity=args.granularity)
+    session = Session(model, sampling, mode=mode, granularity=args.granularity,
+                      speculative=args.speculative)
     detok = IncrementalDetokenizer(tok)
     eos = tok.eos_id
 
@@ -207,7 +220,9 @@ def run(args) -> int:
                           "text": tok.decode(text_ids), "finish_reason": res.finish_reason,
                           "device": ",".join(devices), "mode": mode, "dtype": args.dtype,
                           "seed": sampling.seed, "timings": timings, "memory": mem,
-                          "profile": prof.summary_path}))
+                          "profile": prof.summary_path,
+                          **({k: timings[k] for k in ("speculative", "acceptance_rate",
+                                                      "tokens_per_step") if k in timings})}))
     else:
         _summary(res, timings, mem, mode, devices, sampling, prompt_ids, prof)
     session.close()
@@ -230,6 +245,9 @@ def _summary(res, t, mem, mode, devices, sampling, prompt_ids, prof) -> None:
     w(f"[dsv4] load {t['load_s']:.2f} s | capture {t['capture_s']:.2f} s | prefill "
       f"{t['prefill_tok_per_s']:.1f} tok/s | decode {t['decode_tok_per_s']:.2f} tok/s "
       f"({t['ms_per_token']:.2f} ms/token)\n")
+    if "acceptance_rate" in t:
+        w(f"[dsv4] speculative K={t['speculative']}: acceptance rate {t['acceptance_rate']:.2f}, "
+          f"{t['tokens_per_step']:.2f} tokens per step ({t['steps']} steps)\n")
     for d, b in mem["graph_bytes"].items():
         w(f"[dsv4] graph memory {d}: {b / 2**20:.1f} MiB\n")
     for d, b in mem.get("peak_bytes", {}).items():

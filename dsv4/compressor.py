@@ -56,7 +56,7 @@ class Compressor:
         """Tokens start..start+s-1 (x [s, D] act) after positions < start: the same state and cache
         as s decode steps. Every block that completes in the chunk is pooled (its earlier rows
         come from the state) and its entry written to cache[j]; the state then holds the last
-        complete block (overlap mode) and the rows of the unfinished one."""
+        complete block (overlap mode) and each block row as decode steps leave it."""
         r, dc, s = self.ratio, self.dc, x.shape[0]
         kv, sc = self._project(x)                                     # [s, c*dc] f32
         pos = torch.arange(start, start + s, device=x.device)
@@ -90,9 +90,12 @@ class Compressor:
             if self.overlap:                          # the last complete block -> "previous"
                 st.kv[:r] = kvb[-1]
                 st.score[:r] = scb[-1]
-        tail = ext_kv.shape[0] - nb * r                                 # rows of the open block
-        st.kv[cur:cur + tail] = ext_kv[nb * r:]
-        st.score[cur:cur + tail] = ext_sc[nb * r:]
+        # block rows as decode steps leave them: position p in row cur + p % r, the latest
+        # position of each row winning (rows past the open block's end keep the block before)
+        m = min(ext_kv.shape[0], r)
+        rows = cur + torch.arange(start + s - m, start + s, device=x.device) % r
+        st.kv[rows] = ext_kv[-m:]
+        st.score[rows] = ext_sc[-m:]
 
     def decode(self, x: torch.Tensor, pos: torch.Tensor, st: CompressorState, cache: torch.Tensor,
                freqs: torch.Tensor, fused: bool | None = None, proj: list | None = None) -> None:

@@ -92,8 +92,16 @@ class Session:
     """Prefill + decode of one sequence at a time over a loaded model (eager or graph mode)."""
 
     def __init__(self, model: Transformer, params: SamplingParams, mode: str = "eager",
-                 granularity: str = "segment", debug: bool = False, nvtx_domain: str = "dsv4"):
+                 granularity: str = "segment", debug: bool = False, nvtx_domain: str = "dsv4",
+                 speculative: int = 0):
         self.model, self.params, self.mode = model, params, mode
+        self.spec = None                # speculative decoding (dsv4.speculative): eager only
+        if speculative:
+            if mode == "graph":
+                raise InputError(f"--speculative {speculative}: the speculative step is not "
+                                 f"captured yet; use --mode eager")
+            from .speculative import Speculator
+            self.spec = Speculator(model, params, speculative)
         self.bufs = DecodeBuffers.allocate(model)
         segs = build_segments(model, self.bufs, params)
         self.decoder = CUDAGraphDecoder(
@@ -141,6 +149,12 @@ class Session:
         else:
             feed = ([self.pending] if self.pending is not None else []) + ids
             start = self.length
+            m = self.model
+            if self.spec is not None and start and not (
+                    m.mtp_len == start or (m.mtp_len == start - 1 and m.h_last is not None)):
+                raise InputError("this sequence cannot be continued with speculative decoding: "
+                                 "its last tokens were not decoded with it (forced ids); start a "
+                                 "new sequence")
         self.model.check_capacity(start + len(feed), n_new)
         return feed, start
 
@@ -154,7 +168,7 @@ class Session:
             self.reset()
         logits = self.model.prefill(torch.tensor(feed, dtype=torch.int64,
                                                  device=self.model.head_device), start,
-                                    progress=progress)
+                                    progress=progress, mtp=self.spec is not None)
         self.length, self.pending = start + len(feed), None
         return logits
 
@@ -180,6 +194,9 @@ class Session:
         if max_new_tokens < 1:
             raise InputError(f"--max-new-tokens {max_new_tokens}: must be >= 1")
         feed, start = self._feed(prompt_ids, continue_sequence, max_new_tokens)
+        if self.spec is not None and force_ids is None:
+            return self._generate_speculative(feed, start, list(prompt_ids), max_new_tokens,
+                                              eos_id, on_token, keep_logits, progress)
         hd, p0 = model.head_device, start + len(feed)          # p0: position after the prompt
         sync = torch.cuda.synchronize if hd.type == "cuda" else (lambda: None)
 
@@ -189,7 +206,7 @@ class Session:
         t0 = time.perf_counter()
         with nvtx_range("prefill"):
             logits = model.prefill(torch.tensor(feed, dtype=torch.int64, device=hd), start,
-                                   progress=progress)
+                                   progress=progress, mtp=self.spec is not None)
         b = self.bufs
         b.pos.fill_(p0 - 1)
         first = sample(logits, b.pos, self.params)
@@ -258,3 +275,54 @@ class Session:
                    "ms_per_token": 1000 * (t2 - t1) / n_dec if n_dec else 0.0}
         return GenerationResult(list(prompt_ids), out, finish,
                                 torch.stack(rows[:len(out)]) if keep_logits else None, timings)
+
+    @torch.inference_mode()
+    def _generate_speculative(self, feed, start, prompt_ids, max_new_tokens, eos_id, on_token,
+                              keep_logits, progress) -> GenerationResult:
+        """generate() with the MTP block's drafts (eager): prefill (the MTP block following),
+        the first token, then speculative steps of up to 1 + k tokens each."""
+        model, spec, hd = self.model, self.spec, self.model.head_device
+        sync = torch.cuda.synchronize if hd.type == "cuda" else (lambda: None)
+        steps0, prop0, acc0 = spec.steps, spec.proposed, spec.accepted
+        sync()
+        t0 = time.perf_counter()
+        with nvtx_range("prefill"):
+            logits = model.prefill(torch.tensor(feed, dtype=torch.int64, device=hd), start,
+                                   progress=progress, mtp=True)
+        p0 = start + len(feed)
+        tok = sample(logits, torch.tensor([p0 - 1], device=hd), self.params)
+        d, q = spec.first_draft(tok, p0)
+        rows = [logits.to("cpu", copy=True)] if keep_logits else None
+        out = [int(tok)]
+        sync()
+        t1 = time.perf_counter()
+        if on_token is not None:
+            on_token(out[0])
+        stop = eos_id is not None and out[0] == eos_id
+        pos, pending = p0, tok
+        while not stop and len(out) < max_new_tokens:
+            with nvtx_range(f"decode/spec{spec.steps}"):
+                y, lg, d, q = spec.step(pending, d, q, pos, max_new_tokens - len(out), eos_id)
+            ys = y.tolist()
+            for tid in ys:
+                out.append(tid)
+                if on_token is not None:
+                    on_token(tid)
+            if keep_logits:
+                rows += list(lg.to("cpu"))
+            pos, pending = pos + len(ys), y[-1:]
+            stop = eos_id is not None and ys[-1] == eos_id
+        sync()
+        t2 = time.perf_counter()
+        self.length, self.pending = pos, out[-1]
+        n_dec, steps = len(out) - 1, spec.steps - steps0
+        proposed, accepted = spec.proposed - prop0, spec.accepted - acc0
+        timings = {"prefill_s": t1 - t0, "decode_s": t2 - t1,
+                   "prefill_tok_per_s": len(feed) / max(t1 - t0, 1e-9),
+                   "decode_tok_per_s": n_dec / (t2 - t1) if n_dec else 0.0,
+                   "ms_per_token": 1000 * (t2 - t1) / n_dec if n_dec else 0.0,
+                   "speculative": spec.k, "steps": steps,
+                   "acceptance_rate": accepted / proposed if proposed else 0.0,
+                   "tokens_per_step": n_dec / steps if steps else 0.0}
+        return GenerationResult(prompt_ids, out, "eos" if stop else "length",
+                                torch.stack(rows) if keep_logits else None, timings)

@@ -34,6 +34,7 @@ class RuntimeConfig:
     devices: tuple = ("cpu",)                    # layer devices in pipeline order; head on [0]
     cache_dense: bool | None = None              # keep dequantized weights (default: CPU only)
     prefill_chunk: int = PREFILL_CHUNK           # prompt tokens per prefill pass (bounds memory)
+    mtp: bool = False                            # hold the MTP block (speculative decoding)
 
     def __post_init__(self):
         if self.dtype not in (torch.bfloat16, torch.float32):
@@ -73,14 +74,28 @@ class Transformer:
                 had[dev] = hadamard_matrix(cfg.index_head_dim, dev)
             self.layers.append(Block(cfg, l, dev, had[dev]))
             self.states.append(LayerState.allocate(cfg, cfg.ratio(l), rt.max_seq_len, self.act, dev))
+        self.mtp = None                    # the MTP block on the head device (rt.mtp)
+        if rt.mtp:
+            if cfg.n_mtp_layers < 1:
+                raise ConfigError("RuntimeConfig(mtp=True) but the checkpoint has no MTP block "
+                                  "(num_nextn_predict_layers = 0)")
+            from .mtp import MTPBlock
+            had.setdefault(hdev, hadamard_matrix(cfg.index_head_dim, hdev))
+            self.mtp = MTPBlock(cfg, 0, hdev, rt.max_seq_len, self.act, had[hdev])
+        # the MTP block's rows follow the main model's by one (row t needs token t+1): it has read
+        # positions < mtp_len; h_last = the main hidden stream of position mtp_len when pending
+        self.mtp_len, self.h_last = 0, None
 
     # ---- weights -----------------------------------------------------------------------------
     def tensors(self) -> dict[str, torch.Tensor]:
-        """Checkpoint name -> destination tensor for every weight the runtime holds (no MTP)."""
+        """Checkpoint name -> destination tensor for every weight the runtime holds (the MTP
+        block's only with rt.mtp)."""
         d = {"embed.weight": self.embed, "head.weight": self.head, "norm.weight": self.norm}
         d.update(self.hc_head)
         for l, blk in enumerate(self.layers):
             d.update(blk.tensors(f"layers.{l}"))
+        if self.mtp is not None:
+            d.update(self.mtp.tensors())
         return d
 
     def load(self, source, progress: bool | None = None) -> None:
@@ -102,6 +117,9 @@ class Transformer:
         for blk in self.layers:
             for w in blk.weights():
                 w.dense_cache = {} if on else None
+        if self.mtp is not None:
+            for w in self.mtp.weights():
+                w.dense_cache = {} if on else None
 
     def weight_bytes(self, layer: int | None = None) -> int:
         tensors = self.layers[layer].tensors("") if layer is not None else self.tensors()
@@ -113,16 +131,18 @@ class Transformer:
         h = self.embed.index_select(0, ids).to(self.act)
         return h.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
 
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """h [1, c, D] (last position) -> logits [V] float32 (hc_head, final norm, head in fp32)."""
+    def logits(self, h: torch.Tensor, head: tuple | None = None) -> torch.Tensor:
+        """h [1, c, D] (last position) -> logits [V] float32 (hc_head, final norm, head in fp32).
+        head: (hc_head_* tensors, norm) other than the model's (the MTP block's)."""
         cfg = self.cfg
-        hc = (self.hc_head["hc_head_fn"], self.hc_head["hc_head_scale"], self.hc_head["hc_head_base"])
+        hc_t, norm = head if head is not None else (self.hc_head, self.norm)
+        hc = (hc_t["hc_head_fn"], hc_t["hc_head_scale"], hc_t["hc_head_base"])
         if fused_mhc(h):
             from .kernels.mhc import hc_head_norm
-            x = hc_head_norm(h, *hc, self.norm, cfg.norm_eps, cfg.hc_eps)[0].to(torch.float32)
+            x = hc_head_norm(h, *hc, norm, cfg.norm_eps, cfg.hc_eps)[0].to(torch.float32)
         else:
             x = hc_head(h, *hc, cfg.norm_eps, cfg.hc_eps)
-            x = rms_norm(x, self.norm, cfg.norm_eps)[0].to(torch.float32)      # [D]
+            x = rms_norm(x, norm, cfg.norm_eps)[0].to(torch.float32)           # [D]
         from . import kernels
         if kernels.available(x.device):     # one float32-accumulating GEMV over the bf16 head
             from .kernels.bf16_linear import bf16_linear
@@ -134,6 +154,9 @@ class Transformer:
         """Start a new sequence (all layer state back to its fill values, in place)."""
         for st in self.states:
             st.reset()
+        if self.mtp is not None:
+            self.mtp.reset()
+        self.mtp_len, self.h_last = 0, None
 
     def check_capacity(self, n_prompt: int, n_new: int) -> None:
         cap = self.rt.max_seq_len
@@ -146,7 +169,7 @@ class Transformer:
     # ---- prefill / decode --------------------------------------------------------------------
     @torch.inference_mode()
     def prefill(self, ids: torch.Tensor, start: int = 0, chunk: int | None = None,
-                progress: bool = False) -> torch.Tensor:
+                progress: bool = False, mtp: bool = False) -> torch.Tensor:
         """Feed ids [s] int64 at positions start..start+s-1 -> logits [V] f32 of the last one.
 
         start == 0 begins a new sequence (the state is reset); start > 0 continues the sequence
@@ -154,7 +177,8 @@ class Transformer:
         ends exactly as s decode steps would leave it. The tokens go through every layer `chunk`
         (default rt.prefill_chunk) at a time, so activation memory is bounded by the chunk, not
         the prompt; `progress` shows a bar on stderr when that takes PROGRESS_CHUNKS or more.
-        May sync with the host (it is not captured)."""
+        mtp: the MTP block follows (reads every row whose next token is known: all but the
+        last, which waits for the next token, see mtp_follow_token). May sync with the host."""
         s, cap = ids.shape[0], self.rt.max_seq_len
         chunk = self.rt.prefill_chunk if chunk is None else chunk
         if s < 1 or start < 0 or start + s > cap:
@@ -172,6 +196,8 @@ class Transformer:
         try:
             for c0 in range(0, s, chunk):
                 h = self._prefill_chunk(ids[c0:c0 + chunk], start + c0)
+                if mtp:
+                    self._mtp_follow(h, ids[c0:c0 + chunk], start + c0, ids[c0 + 1:c0 + chunk + 1])
                 if bar is not None:
                     bar.update(h.shape[0])
         finally:
@@ -192,8 +218,55 @@ class Transformer:
         return h
 
     @torch.inference_mode()
-    def decode_step(self, token: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """One token: token, pos [1] int64 on the head device -> logits [V] f32. No host sync."""
+    def hidden(self, ids: torch.Tensor, start: int) -> torch.Tensor:
+        """ids [s] at positions start.. in one pass (causal within the rows) -> the last layer's
+        hidden stream [s, c, D] (before hc_head), on the last layer's device; the state then
+        holds positions < start + s (start == 0 resets it first)."""
+        if start == 0:
+            self.reset()
+        return self._prefill_chunk(ids.to(self.head_device), start)
+
+    # ---- the MTP block along the sequence ----------------------------------------------------
+    def _mtp_follow(self, h: torch.Tensor, ids: torch.Tensor, pos0: int, nxt: torch.Tensor) -> None:
+        """Main rows h [n, c, D] of ids at pos0.. were computed; nxt: the tokens after them that
+        are known ([n] or [n-1]). The MTP block reads its rows up to the last known pair (first
+        the row before pos0 if it waited for ids[0]); an unpaired last row waits in h_last."""
+        hd = h.to(self.head_device)
+        rows, toks, first = hd[:nxt.shape[0]], nxt, pos0
+        if self.h_last is not None and self.mtp_len == pos0 - 1:
+            rows, toks, first = torch.cat((self.h_last, rows)), torch.cat((ids[:1], nxt)), pos0 - 1
+        elif self.mtp_len != pos0:
+            raise ConfigError(f"the MTP block has read {self.mtp_len} positions of a sequence "
+                              f"continued at {pos0}: it did not follow the tokens in between "
+                              f"(start a new sequence)")
+        if toks.shape[0]:
+            self.mtp.prefill(rows, self.embed.index_select(0, toks), toks, first)
+        self.mtp_len = first + toks.shape[0]
+        self.h_last = hd[-1:] if self.mtp_len < pos0 + hd.shape[0] else None
+
+    def mtp_follow_token(self, token: torch.Tensor) -> torch.Tensor:
+        """The token after the waiting row (h_last) was chosen: token [1] -> the MTP logits [V]
+        f32 of that row (the prediction of the token after `token`)."""
+        if self.h_last is None:
+            raise ConfigError("no main row waits for the MTP block (prefill with mtp=True first)")
+        hm = self.mtp.prefill(self.h_last, self.embed.index_select(0, token), token, self.mtp_len)
+        self.mtp_len, self.h_last = self.mtp_len + 1, None
+        return self.logits(hm, head=self.mtp.head())
+
+    def mtp_rows(self, h: torch.Tensor, toks: torch.Tensor, pos0: int) -> torch.Tensor:
+        """MTP rows at pos0.. for main rows h [n, c, D] and the tokens after them [n] -> [n, c, D].
+        The caller owns the bookkeeping (mtp_commit) and any rewind of rejected rows."""
+        if self.mtp_len != pos0:
+            raise ConfigError(f"MTP rows at {pos0}: the block has read {self.mtp_len} positions")
+        return self.mtp.prefill(h, self.embed.index_select(0, toks), toks, pos0)
+
+    def mtp_commit(self, length: int) -> None:
+        """The MTP block has read positions < length (no row waits)."""
+        self.mtp_len, self.h_last = length, None
+
+    @torch.inference_mode()
+    def decode_hidden(self, token: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """decode_step without the head: -> the last layer's hidden stream [1, c, D]."""
         h = self.embed_tokens(token)
         inputs = {token.device: (token, pos)}
         for blk, st in zip(self.layers, self.states):
@@ -202,7 +275,12 @@ class Transformer:
                 inputs[dev] = (token.to(dev, non_blocking=True), pos.to(dev, non_blocking=True))
             tok_d, pos_d = inputs[dev]
             h = blk.decode(h.to(dev, non_blocking=True), tok_d, pos_d, st)
-        return self.logits(h.to(self.head_device, non_blocking=True))
+        return h
+
+    @torch.inference_mode()
+    def decode_step(self, token: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """One token: token, pos [1] int64 on the head device -> logits [V] f32. No host sync."""
+        return self.logits(self.decode_hidden(token, pos).to(self.head_device, non_blocking=True))
 
 
 def balanced_placement(layer_bytes: Sequence[int], devices: Sequence, head_bytes: int = 0

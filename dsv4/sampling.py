@@ -56,11 +56,10 @@ def uniform_noise(seed: int, pos: torch.Tensor, n: int) -> torch.Tensor:
     return (h.to(torch.float64) + 0.5).div_(2.0 ** 31).to(torch.float32).clamp_(1e-12, 1.0)
 
 
-def sample(logits: torch.Tensor, pos: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """logits [V] float32, pos [1] int64 (the position being decoded; keys the noise) -> token [1]
-    int64. Python branches only on `params` (fixed per capture), never on tensor values."""
-    if params.greedy:
-        return logits.argmax(dim=-1, keepdim=True)
+def filtered_probs(logits: torch.Tensor, params: SamplingParams, normalize: bool = True
+                   ) -> torch.Tensor:
+    """logits [V] f32 -> the sampling distribution [V] (softmax at the temperature, top-k / top-p
+    applied, renormalised unless `normalize` is off). Not for greedy params."""
     probs = torch.softmax(logits / max(params.temperature, 1e-5), dim=-1)
     if params.top_k or params.top_p < 1.0:
         sp, si = probs.sort(descending=True)
@@ -70,5 +69,16 @@ def sample(logits: torch.Tensor, pos: torch.Tensor, params: SamplingParams) -> t
         if params.top_p < 1.0:   # keep the smallest prefix whose mass reaches top_p
             keep &= (sp.cumsum(0) - sp) < params.top_p
         probs = torch.zeros_like(probs).scatter_(0, si, torch.where(keep, sp, 0.0))
+        if normalize:
+            probs = probs / probs.sum()
+    return probs
+
+
+def sample(logits: torch.Tensor, pos: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """logits [V] float32, pos [1] int64 (the position being decoded; keys the noise) -> token [1]
+    int64. Python branches only on `params` (fixed per capture), never on tensor values."""
+    if params.greedy:
+        return logits.argmax(dim=-1, keepdim=True)
+    probs = filtered_probs(logits, params, normalize=False)
     e = -torch.log(uniform_noise(params.seed, pos, logits.shape[-1]))
     return (probs / e).argmax(dim=-1, keepdim=True)

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 from dsv4.presets import TINY
 
 # TINY's architecture (hash layer, window-only, ratio 4 + indexer, ratio 16, MTP) at vocab 2048
@@ -15,3 +17,32 @@ def small_checkpoint(root: Path, weights: str = "fp8", cfg=SMALL, seed: int = 0)
     if not (out / "config.json").exists():
         write_checkpoint(cfg, out, weights=weights, seed=seed, shards=2)
     return out
+
+
+def live_state(m, length: int | None = None) -> list:
+    """Every decode state buffer of m's main layers (clones), scratch rows excluded: the window
+    ring, compressed / index entries and both compressors' block rows, stale rows included
+    (prefill, decode and a speculative rewind must leave the same rows). `length` is unused
+    (kept for call sites that name the sequence length)."""
+    out = []
+    for blk, st in zip(m.layers, m.states):
+        r = blk.ratio
+        out.append(st.kv_cache[:-1] if r else st.kv_cache)
+        if st.index_cache is not None:
+            out.append(st.index_cache[:-1])
+        for c in (st.compressor, st.index_compressor):
+            if c is not None:
+                out += [c.kv, c.score]
+    return [t.clone() for t in out]
+
+
+def assert_state_close(a, b, tol=1e-5):
+    """Same shapes and -inf pattern; max abs error <= tol * max(|b|, 1) per buffer."""
+    assert len(a) == len(b)
+    for i, (x, y) in enumerate(zip(a, b)):
+        assert x.shape == y.shape, i
+        fin = torch.isfinite(y)
+        assert torch.equal(fin, torch.isfinite(x)), f"state tensor {i}: -inf pattern differs"
+        err = (x[fin] - y[fin]).abs().max().item() if fin.any() else 0.0
+        scale = max(y[fin].abs().max().item(), 1.0) if fin.any() else 1.0
+        assert err <= tol * scale, f"state tensor {i}: max abs error {err:.3g} (scale {scale:.3g})"

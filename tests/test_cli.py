@@ -77,6 +77,10 @@ def test_force_ids_run_exactly_that_many_steps(ckpt, tmp_path):
     (["--prompt-file", "/nonexistent/p.txt"], ["--prompt-file", "/nonexistent/p.txt"]),
     (["--prompt-ids", "1,2", "--profile-steps", "9-3", "--profile", "torch"], ["--profile-steps"]),
     (["--prompt-ids", "1,2", "--prefill-chunk", "0"], ["--prefill-chunk", ">= 1"]),
+    (["--prompt-ids", "1,2", "--speculative", "-1"], ["--speculative -1", "0 (off) or 1"]),
+    (["--prompt-ids", "1,2", "--speculative", "3"], ["--speculative 3", "not implemented"]),
+    (["--prompt-ids", "1,2", "--speculative", "1", "--mode", "graph"], ["--speculative 1",
+                                                                        "--mode eager"]),
 ])
 def test_bad_inputs_exit_2(ckpt, args, words):
     _one_error_line(run("--ckpt", str(ckpt), *args), *words)
@@ -144,3 +148,19 @@ def test_prefill_chunk_same_tokens_and_progress(ckpt):
     assert "prefill:" not in chunked.stderr
     shown = run(*base, "--prefill-chunk", "7")
     assert shown.returncode == 0 and "prefill:" in shown.stderr and "prefill" in shown.stderr
+
+
+def test_speculative_cli(ckpt):
+    """--speculative 1: the same float32 greedy tokens as plain decoding, eager mode, and the
+    acceptance rate and tokens per step in the JSON object and the stats line."""
+    base = ["--ckpt", str(ckpt), "--prompt-ids", "5,6,7,8,9", "--max-new-tokens", "12",
+            "--dtype", "float32", "--temperature", "0", "--device", "cpu"]
+    plain, spec = run(*base, "--json"), run(*base, "--json", "--speculative", "1")
+    assert plain.returncode == 0 and spec.returncode == 0, spec.stderr
+    a, b = json.loads(plain.stdout), json.loads(spec.stdout)
+    assert b["output_ids"] == a["output_ids"] and b["mode"] == "eager" and b["speculative"] == 1
+    assert 0 <= b["acceptance_rate"] <= 1 and 1 <= b["tokens_per_step"] <= 2
+    assert b["timings"]["acceptance_rate"] == b["acceptance_rate"]
+    assert "acceptance_rate" not in a and "tokens_per_step" not in a["timings"]
+    shown = run(*base, "--speculative", "1")
+    assert shown.returncode == 0 and "acceptance rate" in shown.stderr

@@ -199,3 +199,16 @@ def test_prefill_bench_on_cpu(capsys):
     import os
     assert "DSV4_PREFILL_KERNELS" not in os.environ
     assert bench.main(["--preset", "tiny", "--devices", "cpu", "--prefill", "0"]) == 2
+
+
+def test_speculative_bench_on_cpu(capsys):
+    """--speculative: verify passes T = 1..4, the draft, and end-to-end rates whose measured
+    acceptance follows the forced rate a (the tokens per step = 1 + acceptance)."""
+    rep = _run(capsys, "--speculative", "--layers", "2", *FAST)
+    assert set(rep["spec_verify_ms"]) == {"1", "2", "3", "4"}     # JSON keys
+    assert rep["spec_draft_ms"] > 0 and rep["spec_eager_step_ms"] > 0
+    e2e = {r["a"]: r for r in rep["spec_e2e"]}
+    assert e2e[0.0]["acceptance_rate"] == 0 and e2e[0.0]["tokens_per_step"] == 1
+    assert e2e[1.0]["acceptance_rate"] == 1
+    for r in e2e.values():
+        assert r["tokens_per_step"] == pytest.approx(1 + r["acceptance_rate"], abs=0.05)

@@ -8,7 +8,8 @@ from dsv4.errors import CapacityError, InputError
 from dsv4.generate import Session, load_model
 from dsv4.model import RuntimeConfig
 from dsv4.sampling import SamplingParams
-from helpers import small_checkpoint
+from helpers import assert_state_close as _assert_state_close
+from helpers import live_state, small_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -26,37 +27,6 @@ def _model(path, dtype=torch.float32, cap=256, chunk=4096):
 def _ids(m, n, seed=0):
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, m.cfg.vocab_size, (n,), generator=g)
-
-
-def live_state(m, length: int) -> list:
-    """The decode state that later steps read after `length` positions: ring rows that hold a
-    position, emitted compressed / index entries, and the compressor rows of the previous and the
-    open block (stale rows and scratch rows excluded)."""
-    W, out = m.cfg.window_size, []
-    for blk, st in zip(m.layers, m.states):
-        r = blk.ratio
-        out.append(st.kv_cache[:min(W, length)])
-        if r:
-            out.append(st.kv_cache[W:W + length // r])
-            for c, cache in ((st.compressor, None), (st.index_compressor, st.index_cache)):
-                if c is None:
-                    continue
-                if cache is not None:
-                    out.append(cache[:length // r])
-                cur = r if r == 4 else 0
-                rows = list(range(r if r == 4 else 0)) + list(range(cur, cur + length % r))
-                out += [c.kv[rows], c.score[rows]]
-    return [t.clone() for t in out]
-
-
-def _assert_state_close(a, b, tol=1e-5):
-    for i, (x, y) in enumerate(zip(a, b)):
-        assert x.shape == y.shape, i
-        fin = torch.isfinite(y)
-        assert torch.equal(fin, torch.isfinite(x)), f"state tensor {i}: -inf pattern differs"
-        err = (x[fin] - y[fin]).abs().max().item() if fin.any() else 0.0
-        scale = max(y[fin].abs().max().item(), 1.0) if fin.any() else 1.0
-        assert err <= tol * scale, f"state tensor {i}: max abs error {err:.3g} (scale {scale:.3g})"
 
 
 def _rel(a, b):

@@ -1,0 +1,272 @@
+"""The MTP block against the official reference (p3-mtp goldens) and self-speculative decoding:
+greedy output equals plain decoding, the state after accepted and rejected drafts equals plain
+decoding's, and the speculative sampler draws from the plain sampling distribution."""
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import parity_case_dir
+from dsv4.generate import Session, load_model
+from dsv4.model import RuntimeConfig
+from dsv4.sampling import SamplingParams, filtered_probs, sample
+from dsv4.speculative import accept, draft
+
+DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+
+
+def rel_err(a, b):
+    return np.linalg.norm(a - b, axis=1) / np.linalg.norm(b, axis=1)
+
+
+def mtp_logits_teacher_forced(model, tokens, s):
+    """MTP logits of every position 0..len(tokens)-2 along `tokens` (the golden's alignment):
+    prefill of the prompt rows, then one decode step per later position."""
+    dev = model.head_device
+    tok = torch.tensor(tokens, dtype=torch.int64, device=dev)
+    mtp, rows = model.mtp, []
+    h = model.hidden(tok[:s], 0).to(dev)                                  # main rows 0..s-1
+    hm = mtp.prefill(h, model.embed.index_select(0, tok[1:s + 1]), tok[1:s + 1], 0)
+    rows += [model.logits(hm[i:i + 1], head=mtp.head()) for i in range(s)]
+    for t in range(s, len(tokens) - 1):
+        pos = torch.tensor([t], device=dev)
+        h = model.decode_hidden(tok[t:t + 1], pos).to(dev)
+        nxt = tok[t + 1:t + 2]
+        hm = mtp.decode(h, model.embed.index_select(0, nxt), nxt, pos)
+        rows.append(model.logits(hm, head=mtp.head()))
+    return torch.stack(rows).float().cpu().numpy()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mode", ["fp32", "bf16"])
+def test_mtp_parity(mode, device):
+    d = parity_case_dir("p3-mtp")
+    case = json.loads((d / "case.json").read_text())
+    g = np.load(d / f"golden-mtp-{mode}.npz")
+    golden, tokens = g["mtp_logits"], g["tokens"].tolist()
+    rt = RuntimeConfig(max_seq_len=128, dtype=DTYPE[mode], devices=(device,), mtp=True)
+    model, ck = load_model(d, rt)
+    ck.close()
+    with torch.inference_mode():
+        got = mtp_logits_teacher_forced(model, tokens, len(case["prompt_ids"]))
+    assert got.shape == golden.shape
+    err = rel_err(got, golden)
+    tol = case["modes"][mode]["mtp"]["tolerance"]
+    med, p95 = float(np.median(err)), float(np.percentile(err, 95))
+    assert med < tol["median"] and p95 < tol["p95"], (med, p95, tol)
+    if mode == "fp32":
+        top2 = np.sort(golden, axis=1)[:, -2:]
+        sure = (top2[:, 1] - top2[:, 0]) > 1e-3
+        assert not np.any(sure & (got.argmax(1) != golden.argmax(1)))
+
+
+# ---- speculative decoding ---------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    from helpers import small_checkpoint
+    root = tmp_path_factory.mktemp("mtp")
+    return {"fp8": small_checkpoint(root, "fp8"), "bf16": small_checkpoint(root, "bf16")}
+
+
+def _model(path, cap=320, dtype=torch.float32, sharpen=30.0):
+    """The model with its head scaled by `sharpen`: the same greedy tokens, but the random
+    model's logits stop being near-ties every few rows (margins x 30)."""
+    m, ck = load_model(path, RuntimeConfig(max_seq_len=cap, dtype=dtype, mtp=True))
+    ck.close()
+    m.head.mul_(sharpen)
+    return m
+
+
+def oracle(seq, a, vocab, seed=0):
+    """A draft hook: the token of `seq` at the drafted position with probability a, else a wrong
+    one (the MTP block of a random checkpoint never guesses right)."""
+    g = np.random.default_rng(seed)
+
+    def hook(pos, d):
+        t = seq[pos] if pos < len(seq) else 0
+        return torch.tensor([t if g.random() < a else (t + 1) % vocab], device=d.device)
+    return hook
+
+
+def first_near_tie(logits):
+    top2 = logits.topk(2, dim=-1).values
+    small_ = ((top2[:, 0] - top2[:, 1]) < 1e-3).nonzero()
+    return int(small_[0]) if small_.numel() else logits.shape[0]
+
+
+# bf16 weights: 260 tokens agree to float32 noise. FP8 weights: the W8A8 activation quantization
+# is chaotic (a 1e-7 difference flips an e4m3 rounding now and then, moving a row's logits by up
+# to ~1e-2 after a few hundred tokens), so the FP8 comparison is shorter.
+@pytest.mark.parametrize("weights,n_new", [("bf16", 260), ("fp8", 64)])
+@pytest.mark.parametrize("a", [0.0, 0.6, 1.0])
+def test_speculative_greedy_equals_plain(small, weights, n_new, a):
+    m = _model(small[weights])
+    prompt = list(range(5, 45))
+    plain = Session(m, SamplingParams()).generate(prompt, n_new, keep_logits=True)
+    s = Session(m, SamplingParams(), speculative=1)
+    s.spec.draft_hook = oracle(prompt + plain.output_ids, a, m.cfg.vocab_size) if a else None
+    spec = s.generate(prompt, n_new, keep_logits=True)
+    n = first_near_tie(plain.logits)
+    assert n == n_new, "a near-tie: the comparison would stop early"
+    assert spec.output_ids[:n] == plain.output_ids[:n]
+    assert torch.allclose(spec.logits[:n], plain.logits[:n], rtol=0, atol=2e-3 * float(
+        plain.logits.abs().max()))
+    t = spec.timings
+    steps_expected = n_new - 1 if a == 0 else None
+    if steps_expected:
+        assert t["steps"] == steps_expected and t["acceptance_rate"] == 0.0
+    if a == 1.0:       # every draft right: two tokens per step (the last step may be single)
+        assert t["acceptance_rate"] > 0.99 and t["tokens_per_step"] > 1.95
+    if a == 0.6:
+        assert 0.35 < t["acceptance_rate"] < 0.85
+        assert t["tokens_per_step"] == pytest.approx(1 + t["acceptance_rate"], abs=0.02)
+
+
+@pytest.mark.parametrize("name", ["p1-bf16-3layer", "p2-fp8-2layer", "p3-mtp"])
+def test_speculative_parity_cases(name):
+    """float32 greedy with speculation on the parity cases: the reference's tokens up to the first
+    near-tie, and the logits that chose them within the float32 tolerance."""
+    d = parity_case_dir(name)
+    case = json.loads((d / "case.json").read_text())
+    g = np.load(d / "golden-fp32.npz")
+    m, ck = load_model(d, RuntimeConfig(max_seq_len=128, dtype=torch.float32, mtp=True))
+    ck.close()
+    out = Session(m, SamplingParams(), speculative=1).generate(
+        case["prompt_ids"], case["max_new_tokens"], keep_logits=True)
+    golden = g["logits"]
+    n = first_near_tie(torch.from_numpy(golden))
+    assert out.output_ids[:n] == g["tokens"].tolist()[:n]
+    err = rel_err(out.logits.numpy()[:n], golden[:n])
+    tol = case["modes"]["fp32"]["tolerance"]
+    assert np.median(err) < tol["median"] and np.percentile(err, 95) < tol["p95"]
+
+
+def _mtp_state(m):
+    st = m.mtp.state
+    return [st.kv_cache.clone()]
+
+
+def test_state_after_rejections_equals_plain(small, no_fake_quant):
+    from helpers import assert_state_close, live_state
+    m = _model(small["fp8"])
+    prompt = list(range(7, 40))
+    plain = Session(m, SamplingParams()).generate(prompt, 150)
+    s = Session(m, SamplingParams(), speculative=1)
+    s.spec.draft_hook = oracle(prompt + plain.output_ids, 0.5, m.cfg.vocab_size, seed=3)
+    out = s.generate(prompt, 150)
+    assert out.output_ids == plain.output_ids
+    assert 0.3 < out.timings["acceptance_rate"] < 0.7
+    L = s.length                                  # positions in the state (pending not fed)
+    seq = prompt + out.output_ids
+    got, got_mtp = live_state(m), _mtp_state(m)
+    # plain decoding over the same tokens, the MTP block along (row t: h_t and token t+1)
+    m.reset()
+    with torch.inference_mode():
+        for t in range(L):
+            pos = torch.tensor([t])
+            h = m.decode_hidden(torch.tensor([seq[t]]), pos)
+            nxt = torch.tensor([seq[t + 1]])
+            m.mtp.decode(h, m.embed.index_select(0, nxt), nxt, pos)
+    assert_state_close(got, live_state(m))
+    assert_state_close(got_mtp, _mtp_state(m))
+
+
+def test_continue_a_speculative_sequence(small, no_fake_quant):
+    m = _model(small["fp8"])
+    a, b = list(range(3, 30)), list(range(40, 52))
+    ref = Session(m, SamplingParams())
+    r1 = ref.generate(a, 20)
+    r2 = ref.generate(b, 30, continue_sequence=True)
+    s = Session(m, SamplingParams(), speculative=1)
+    o1 = s.generate(a, 20)
+    o2 = s.generate(b, 30, continue_sequence=True)
+    assert (o1.output_ids, o2.output_ids) == (r1.output_ids, r2.output_ids)
+    assert s.length == ref.length and s.pending == ref.pending
+
+
+def test_speculative_needs_an_mtp_block_and_eager(small):
+    from dsv4.errors import ConfigError, InputError
+    m, ck = load_model(small["fp8"], RuntimeConfig(max_seq_len=64, dtype=torch.float32))
+    ck.close()
+    with pytest.raises(ConfigError, match="MTP block"):
+        Session(m, SamplingParams(), speculative=1)
+    m = _model(small["fp8"], cap=64)
+    with pytest.raises(ConfigError, match="only 1 draft"):
+        Session(m, SamplingParams(), speculative=2)
+    with pytest.raises(InputError, match="--mode eager"):
+        Session(m, SamplingParams(), mode="graph", speculative=1)
+
+
+# ---- the speculative sampler's distribution ---------------------------------------------------
+def _chi2(counts, probs):
+    n = counts.sum()
+    exp = probs * n
+    keep = exp > 0
+    assert counts[~keep].sum() == 0, "drew a token of probability 0"
+    return float(((counts[keep] - exp[keep]) ** 2 / exp[keep]).sum()), int(keep.sum()) - 1
+
+
+# chi-square critical values at p = 0.001 by degrees of freedom
+CHI2_999 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32}
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0, seed=5),
+                                    SamplingParams(temperature=0.7, top_k=5, seed=9),
+                                    SamplingParams(temperature=1.3, top_p=0.8, seed=2)])
+def test_rejection_sampling_keeps_the_distribution(params):
+    """Each output token of a step follows plain sampling: the first from the target row given a
+    draft from another distribution; the second (after an acceptance) from the next row."""
+    g = torch.Generator().manual_seed(0)
+    V, N = 8, 6000
+    lp = torch.randn(2, V, generator=g) * 1.5            # target rows (pos, pos + 1)
+    lq = torch.randn(V, generator=g) * 1.5                # the draft model's row
+    p0, p1 = filtered_probs(lp[0], params), filtered_probs(lp[1], params)
+    first, second = np.zeros(V), np.zeros(V)
+    for i in range(N):
+        pos = 10 * i + 3
+        d, q = draft(lq, torch.tensor([pos]), params)
+        y, n = accept(lp, d, q[None], pos, params)
+        first[int(y[0])] += 1
+        if n == 1:
+            second[int(y[1])] += 1
+    for counts, p in ((first, p0), (second, p1)):
+        stat, df = _chi2(counts, p.double().numpy())
+        assert stat < CHI2_999[df], (stat, df, counts, p)
+    assert 200 < second.sum() < N - 200               # both branches taken
+    # the test has power: the draft distribution itself is rejected
+    stat, df = _chi2(first, filtered_probs(lq, params).double().numpy() * 0.999 + 0.001 / V)
+    assert stat > CHI2_999[min(df, 7)]
+
+
+def test_speculative_sampling_matches_plain_on_a_model(small):
+    """A small-vocabulary model: the second generated token (the first a speculative step
+    emits) has the same distribution with and without speculation over many seeds."""
+    from dsv4.generate import Session as S
+    from dsv4.synthetic import write_checkpoint
+    from helpers import SMALL
+    import tempfile
+    with tempfile.TemporaryDirectory() as tmp:
+        path = write_checkpoint(SMALL.replace(vocab_size=16), tmp, weights="bf16", seed=1)
+        m = _model(path, cap=32, sharpen=1.0)
+        V = m.cfg.vocab_size
+        counts = {0: np.zeros((V, V)), 1: np.zeros((V, V))}
+        acc = []
+        for k in (0, 1):
+            for seed in range(300):
+                s = S(m, SamplingParams(temperature=3.0, seed=seed), speculative=k)
+                out = s.generate([1, 2, 3], 3).output_ids
+                counts[k][out[0], out[1]] += 1
+                if k:
+                    acc.append(s.spec.accepted)
+    # the second token given the first (pooled over first tokens with enough draws)
+    a, b = counts[0].sum(0), counts[1].sum(0)
+    keep = (a + b) >= 10
+    exp_a = (a + b)[keep] * a.sum() / (a.sum() + b.sum())
+    exp_b = (a + b)[keep] * b.sum() / (a.sum() + b.sum())
+    stat = float(((a[keep] - exp_a) ** 2 / exp_a).sum() + ((b[keep] - exp_b) ** 2 / exp_b).sum())
+    df = int(keep.sum()) - 1
+    crit = {k: v for k, v in CHI2_999.items()}.get(df, df + 3.3 * (2 * df) ** 0.5)
+    assert stat < crit, (stat, df)
+    assert sum(acc) > 40, "the drafts were never accepted: the test would not exercise acceptance"
