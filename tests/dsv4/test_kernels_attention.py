@@ -40,6 +40,20 @@ def assert_bf16_close(out, ref, what, ulps=4):
     assert d <= ulps * 2 ** -8 * scale, f"{what}: max diff {d:.3g} > {ulps} bf16 ulps of {scale:.3g}"
 
 
+def assert_attention_close(out, ref, values, what):
+    """Two bf16 attention outputs over the same rows `values`: the kernel's online softmax rounds
+    its bf16 probabilities against a running maximum, the torch path against the final one, so
+    each probability sits within one bf16 rounding (2^-8 relative) of the exact one on either
+    path and P.V / denominator moves by up to 2^-8 max|v| per path, plus each output's own
+    rounding. (The scale of the output alone is no bound: averaging rows makes max|o| far smaller
+    than max|v| when no row dominates.)"""
+    o, r = out.float(), ref.float()
+    assert torch.isfinite(o).all(), f"{what}: non-finite values (unwritten output?)"
+    tol = 2 * 2 ** -8 * values.float().abs().max() + 2 * 2 ** -8 * r.abs().max()
+    d = (o - r).abs().max()
+    assert d <= tol, f"{what}: max diff {d:.3g} > {tol:.3g} (2^-7 of max|v| + 2^-7 of max|o|)"
+
+
 def assert_quant_close(out, ref, what, mant_bits, ulps=4, frac=0.02):
     """Fake-quantized values: within bf16 ulps, except a few elements one grid step apart (the
     quantizer rounding the other way after a 1-ulp difference upstream)."""
@@ -204,9 +218,11 @@ def clone_state(st):
 
 
 def check_attention_decode(dev, g, capacity=64, steps=36, layers=(0, 1, 2), seed=0):
-    """Consecutive decode steps after a short prefill: the wo_b input within bf16 rounding, the
-    output within the FP8 act-quant of wo_b (a 1-ulp input change can move an e4m3 step), and the
-    caches and compressor states of the two paths agree (states to float32 summation order)."""
+    """Consecutive decode steps after a short prefill: the attention output (wo_a input) within
+    the bf16 rounding of the two softmaxes, wo_a of the fused path's own output within bf16
+    rounding, the layer output within the FP8 act-quant of wo_b (a 1-ulp input change can move an
+    e4m3 step), and the caches and compressor states of the two paths agree (states to float32
+    summation order)."""
     from dsv4.attention import Attention
     from dsv4.device_weights import DeviceWeights
     from dsv4.quant import hadamard_matrix
@@ -220,9 +236,12 @@ def check_attention_decode(dev, g, capacity=64, steps=36, layers=(0, 1, 2), seed
         attn = Attention(cfg, r, "fp8", dev, had)
         for name, dst in attn.tensors(f"layers.{l}.attn").items():
             src.load_into(name, dst)
-        seen = []
-        wo_b = attn.wo_b
+        seen, outs = [], []
+        wo_b, project = attn.wo_b, attn._project_out
         attn.wo_b = lambda z, act: (seen.append(z), wo_b(z, act))[1]
+        attn._project_out = lambda o: (outs.append(o.reshape(1, -1)), project(o))[1]
+        G = cfg.o_groups
+        wo_a = attn.wo_a.dense(torch.float32).view(G, cfg.o_lora_rank, -1)
         st_r = LayerState.allocate(cfg, r, capacity, torch.bfloat16, dev)
         s0 = int(torch.randint(1, 7, (1,), generator=g))
         with torch.inference_mode():
@@ -232,9 +251,14 @@ def check_attention_decode(dev, g, capacity=64, steps=36, layers=(0, 1, 2), seed
                 x, pos = randn(g, 1, cfg.dim, device=dev), torch.tensor([p], device=dev)
                 y_r = attn.decode(x, pos, st_r, fused=False)
                 y_f = attn.decode(x, pos, st_f, fused=True)
-                z_r, z_f = seen[-2:]
+                (o_r, o_f), z_f = outs[-2:], seen[-1]
                 what = f"Attention.decode layer {l} (r={r}) p={p}"
-                assert_bf16_close(z_f, z_r, what + " wo_b input", ulps=4)
+                vis = [st_r.kv_cache[:min(p + 1, cfg.window_size)]]
+                if r:
+                    vis.append(st_r.kv_cache[cfg.window_size:][:(p + 1) // r])
+                assert_attention_close(o_f, o_r, torch.cat(vis), what + " attention output")
+                z_ref = torch.einsum("sgd,grd->sgr", o_f.float().view(1, G, -1), wo_a).flatten(1)
+                assert_bf16_close(z_f, z_ref, what + " wo_a", ulps=4)
                 rel = (y_f.float() - y_r.float()).norm() / y_r.float().norm()
                 assert rel <= 0.05, f"{what}: output rel. error {rel:.3g}"
         scratch = -1 if r else None
@@ -274,12 +298,17 @@ def _interp_main(group: str, seed: int) -> None:
 def _run_interp(group: str) -> None:
     env = dict(os.environ, TRITON_INTERPRET="1",
                PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests"), str(REPO / "tests/dsv4")]))
-    seed = str(int.from_bytes(os.urandom(2), "little"))     # fresh inputs every run
     code = "import sys, test_kernels_attention as T; T._interp_main(sys.argv[1], int(sys.argv[2]))"
-    p = subprocess.run([sys.executable, "-c", code, group, seed], env=env, capture_output=True,
-                       text=True, timeout=600)
-    assert p.returncode == 0 and "ok" in p.stdout, \
-        f"seed {seed}:\n{p.stdout[-2000:]}{p.stderr[-4000:]}"
+    for seed in INTERP_SEEDS:
+        p = subprocess.run([sys.executable, "-c", code, group, str(seed)], env=env,
+                           capture_output=True, text=True, timeout=600)
+        assert p.returncode == 0 and "ok" in p.stdout, \
+            f"seed {seed}:\n{p.stdout[-2000:]}{p.stderr[-4000:]}"
+
+
+# Fixed inputs, so that CI is repeatable: 40578 is the case where the online softmax's rounding
+# moved the output most (layer 2, an r = 16 emission step: the new compressed row takes the max).
+INTERP_SEEDS = (1, 40578)
 
 
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
