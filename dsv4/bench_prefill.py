@@ -128,11 +128,24 @@ def measure(model: Transformer, n: int, reps: int, seed: int, chunk: int | None)
 
 
 def profile(model: Transformer, n: int, seed: int, chunk: int | None, top: int = 25) -> dict:
-    """One profiled prefill (torch.profiler): CUDA kernels launched, their summed device time,
-    the host time, and the `top` kernels by device time [name, launches, ms]."""
+    """One unprofiled prefill (host issue time vs device span), then one profiled prefill
+    (torch.profiler): CUDA kernels launched, their summed device time, the host time, the `top`
+    kernels by device time [name, launches, ms] and the `top` host ops by self CPU time [name,
+    calls, ms]."""
     from .bench import NOT_KERNELS
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, model.cfg.vocab_size, (n,), generator=gen).to(model.head_device)
+    # unprofiled: how long the host takes to issue the prefill vs the device's span over it (the
+    # GPU waits on Python when the two are equal)
+    ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    ev[0].record()
+    logits = model.prefill(ids, chunk=chunk)
+    ev[1].record()
+    issue = time.perf_counter() - t
+    int(logits.argmax())
+    span = ev[0].elapsed_time(ev[1])
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     torch.cuda.synchronize()
     t = time.perf_counter()
@@ -146,8 +159,11 @@ def profile(model: Transformer, n: int, seed: int, chunk: int | None, top: int =
             k[0] += 1
             k[1] += (getattr(e, "device_time", 0.0) or getattr(e, "cuda_time", 0.0)) / 1e3
     rows = sorted(([k, c, round(ms, 3)] for k, (c, ms) in kern.items()), key=lambda r: -r[2])
+    host = sorted(([a.key[:70], a.count, round(a.self_cpu_time_total / 1e3, 3)]
+                   for a in prof.key_averages()), key=lambda r: -r[2])
     return {"kernels": sum(c for _, c, _ in rows), "device_ms": sum(ms for *_, ms in rows),
-            "wall_ms_profiled": wall * 1e3, "top": rows[:top]}
+            "wall_ms_profiled": wall * 1e3, "host_issue_ms": issue * 1e3, "device_span_ms": span,
+            "top": rows[:top], "host_top": host[:top]}
 
 
 def run(model: Transformer, lengths: list[int], reps: int, seed: int, chunk: int | None,
@@ -178,7 +194,8 @@ def run(model: Transformer, lengths: list[int], reps: int, seed: int, chunk: int
         if with_profile and cuda:
             r["profile"] = pr = profile(model, n, seed, chunk)
             log(f"prefill {n}: {pr['kernels']} kernels, {pr['device_ms']:.1f} ms on the device, "
-                f"{pr['wall_ms_profiled']:.1f} ms wall (profiled)")
+                f"{pr['wall_ms_profiled']:.1f} ms wall (profiled); unprofiled: host issue "
+                f"{pr['host_issue_ms']:.1f} ms, device span {pr['device_span_ms']:.1f} ms")
             for name, c, ms in pr["top"]:
                 log(f"  {ms:9.3f} ms {c:6d}x {name}")
         rows.append(r)

@@ -125,6 +125,9 @@ def run(args) -> int:
         raise InputError(f"--speculative {args.speculative} runs in eager mode (the speculative "
                          f"step is not captured yet): use --mode eager or auto")
     mode = "eager" if args.speculative else resolve_mode(args.mode, devices)
+    if args.speculative and devices[0].startswith("cuda"):
+        print("[dsv4] note: --speculative runs in eager mode (its step is not captured yet); on "
+              "CUDA plain graph decoding (--speculative 0) is faster", file=sys.stderr)
     force = _parse_ids(args.force_ids, "--force-ids") if args.force_ids is not None else None
     from .profiling import parse_steps
     if args.profile != "none":

@@ -164,3 +164,4 @@ def test_speculative_cli(ckpt):
     assert "acceptance_rate" not in a and "tokens_per_step" not in a["timings"]
     shown = run(*base, "--speculative", "1")
     assert shown.returncode == 0 and "acceptance rate" in shown.stderr
+    assert "plain graph decoding" not in shown.stderr      # the CUDA-only note

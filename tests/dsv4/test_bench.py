@@ -212,3 +212,15 @@ def test_speculative_bench_on_cpu(capsys):
     assert e2e[1.0]["acceptance_rate"] == 1
     for r in e2e.values():
         assert r["tokens_per_step"] == pytest.approx(1 + r["acceptance_rate"], abs=0.05)
+
+
+@pytest.mark.cuda
+def test_prefill_profile_cuda(capsys):
+    """--prefill-profile: the kernel table, the host ops, and the unprofiled host issue time vs
+    the device's span over the same prefill."""
+    rep = _run(capsys, "--devices", "cuda:0", "--prefill", "32", "--prefill-reps", "1",
+               "--prefill-profile", "--no-decode", "--no-kernels", "--json", "-")
+    pr = rep["prefill_runs"][0]["profile"]
+    assert pr["kernels"] > 0 and pr["device_ms"] > 0 and pr["top"] and pr["host_top"]
+    assert pr["host_issue_ms"] > 0 and pr["device_span_ms"] > 0
+    assert sum(c for _, c, _ in pr["top"]) <= pr["kernels"]
