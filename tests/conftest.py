@@ -1,7 +1,10 @@
 """Shared fixtures: the ../shared data folder (skip when absent) and CUDA gating."""
 from __future__ import annotations
 
+import importlib.metadata
+import importlib.util
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -9,6 +12,29 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("DSV4_SHARED", REPO.parent / "shared"))
+
+
+def _version(text: str) -> tuple:
+    return tuple(int(re.match(r"\d*", part).group() or 0) for part in text.split(".")[:2])
+
+
+def interpreter_unusable() -> str | None:
+    """Why the Triton interpreter cannot run the kernel tests on this machine, or None. Triton
+    3.6's interpreter turns 1-element NumPy arrays into Python ints (a loop bound such as
+    range(0, n, BLOCK) with a runtime n), which NumPy 2.4 refuses (triton-lang/triton#9171,
+    fixed after 3.6); the CUDA tests cover the same kernels on a GPU."""
+    if importlib.util.find_spec("triton") is None:
+        return "triton is not installed (the 'dev' extra brings it)"
+    import numpy
+    tv, nv = importlib.metadata.version("triton"), numpy.__version__
+    if _version(tv) < (3, 7) and _version(nv) >= (2, 4):
+        return (f"Triton {tv}'s interpreter cannot run with NumPy {nv} (triton-lang/triton#9171); "
+                f"use Triton >= 3.7 or NumPy < 2.4 for the interpreter tests")
+    return None
+
+
+needs_interpreter = pytest.mark.skipif(interpreter_unusable() is not None,
+                                       reason=str(interpreter_unusable()))
 
 
 def _cuda_ok() -> bool:

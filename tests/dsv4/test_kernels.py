@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import needs_interpreter
 from dsv4 import kernels
 
 HERE = Path(__file__).resolve().parent
@@ -166,7 +167,7 @@ def test_configs_fit_the_real_shapes():
         assert dim % down_config(k, inter, dim).bn == 0
 
 
-@pytest.mark.skipif(not kernels.triton_importable(), reason="triton is not installed")
+@needs_interpreter
 def test_kernels_under_interpreter():
     """TRITON_INTERPRET must be set before triton is imported: run the cases in a fresh process."""
     env = dict(os.environ, TRITON_INTERPRET="1",

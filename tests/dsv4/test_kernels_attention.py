@@ -6,7 +6,6 @@ poisoned with NaN first. `python -m pytest tests/dsv4/test_kernels_attention.py 
 """
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -14,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO
+from conftest import REPO, needs_interpreter
 from test_kernels import capture_step
 
 SMALL_POS = (0, 3, 5, 15, 16, 17, 31, 40, 47, 63)            # capacity 64, W = 16, r = 4 / 16
@@ -311,16 +310,12 @@ def _run_interp(group: str) -> None:
 INTERP_SEEDS = (1, 40578)
 
 
-needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
-                                  reason="triton not installed")
-
-
-@needs_triton
+@needs_interpreter
 def test_attention_kernels_interpreter():
     _run_interp("kernels")
 
 
-@needs_triton
+@needs_interpreter
 def test_attention_decode_fused_interpreter():
     _run_interp("decode")
 

@@ -1,6 +1,5 @@
 """Fused mHC kernels (dsv4/kernels/mhc.py) against the torch reference: Triton interpreter on the CPU
 (in a subprocess, since TRITON_INTERPRET must be set before triton is imported) and CUDA."""
-import importlib.util
 import os
 import subprocess
 import sys
@@ -9,7 +8,7 @@ import textwrap
 import pytest
 import torch
 
-from conftest import REPO
+from conftest import REPO, needs_interpreter
 
 CHECK = textwrap.dedent("""
     import sys, torch
@@ -58,7 +57,7 @@ def _run(dev, dims, interp):
     assert p.returncode == 0 and "ok" in p.stdout, p.stderr[-3000:]
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
+@needs_interpreter
 def test_mhc_kernels_interpreter():
     _run("cpu", "256,384", interp=True)
 

@@ -12,15 +12,19 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO
+from conftest import REPO, needs_interpreter
 
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                   reason="triton is not installed (the 'dev' extra brings it)")
 
 
 def _fmt_weight(fmt, n, k, gen, dev, lead=(), spread=0.05):
+    """Random weights of a format, drawn and quantized on `dev` (a generator seeded from `gen`:
+    a Flash expert bank drawn and quantized on the host took minutes)."""
     from dsv4.formats import quantize_fp4_weight, quantize_fp8_weight
-    m = torch.randn(*lead, n, k, generator=gen) * spread
+    seed = int(torch.randint(0, 2 ** 62, (1,), generator=gen))
+    m = torch.randn(*lead, n, k, device=dev,
+                    generator=torch.Generator(device=dev).manual_seed(seed)) * spread
     if fmt == "bf16":
         return m.bfloat16().to(dev), None
     q = quantize_fp8_weight if fmt == "fp8" else quantize_fp4_weight
@@ -338,7 +342,7 @@ def _interp_main(seed: int, tmp: str) -> None:
     print("ok")
 
 
-@needs_triton
+@needs_interpreter
 def test_prefill_kernels_interpreter(tmp_path):
     env = dict(os.environ, TRITON_INTERPRET="1", DSV4_KERNELS="interpret",
                PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests"),
