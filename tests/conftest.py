@@ -14,6 +14,16 @@ REPO = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("DSV4_SHARED", REPO.parent / "shared"))
 
 
+def input_seed(default: int) -> int:
+    """The seed of a kernel test's random inputs: `default`, so that CI repeats itself, unless
+    DSV4_TEST_SEED is set: an integer, or "random" for fresh inputs each run (the tests print
+    the seed on failure; rerun with DSV4_TEST_SEED=<it>)."""
+    v = os.environ.get("DSV4_TEST_SEED")
+    if not v:
+        return default
+    return int.from_bytes(os.urandom(2), "little") if v == "random" else int(v)
+
+
 def _version(text: str) -> tuple:
     return tuple(int(re.match(r"\d*", part).group() or 0) for part in text.split(".")[:2])
 

@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO, needs_interpreter
+from conftest import REPO, input_seed, needs_interpreter
 from test_kernels import capture_step
 
 SMALL_POS = (0, 3, 5, 15, 16, 17, 31, 40, 47, 63)            # capacity 64, W = 16, r = 4 / 16
@@ -298,7 +298,7 @@ def _run_interp(group: str) -> None:
     env = dict(os.environ, TRITON_INTERPRET="1",
                PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests"), str(REPO / "tests/dsv4")]))
     code = "import sys, test_kernels_attention as T; T._interp_main(sys.argv[1], int(sys.argv[2]))"
-    for seed in INTERP_SEEDS:
+    for seed in INTERP_SEEDS if not os.environ.get("DSV4_TEST_SEED") else (input_seed(0),):
         p = subprocess.run([sys.executable, "-c", code, group, str(seed)], env=env,
                            capture_output=True, text=True, timeout=600)
         assert p.returncode == 0 and "ok" in p.stdout, \
@@ -331,7 +331,7 @@ REAL_POS = (0, 5, 127, 128, 1000, 2047, 2048, 4095)
 def test_attention_kernels_cuda_real_shapes(preset, capacity):
     from dsv4.presets import PRESETS
     cfg = PRESETS[preset]
-    g = torch.Generator().manual_seed(int.from_bytes(os.urandom(2), "little"))
+    g = torch.Generator().manual_seed(input_seed(7))
     pos = tuple(p for p in REAL_POS + (capacity - 1,) if p < capacity)
     for ratio in (0, 4):
         check_prep("cuda", g, cfg, ratio, pos)
@@ -345,7 +345,7 @@ def test_attention_kernels_cuda_real_shapes(preset, capacity):
 
 @pytest.mark.cuda
 def test_attention_decode_fused_cuda():
-    g = torch.Generator().manual_seed(int.from_bytes(os.urandom(2), "little"))
+    g = torch.Generator().manual_seed(input_seed(40578))
     check_attention_decode("cuda", g, capacity=256, steps=60)
 
 
