@@ -23,18 +23,15 @@ ACCEPTANCE = (0.0, 0.5, 0.7, 0.9, 1.0)
 
 def _time(fn, devices, reps: int, warmup: int = 2) -> float:
     """Median ms of fn() (synchronized: eager work, host time included)."""
+    from .bench import _sync
     for _ in range(warmup):
         fn()
     out = []
     for _ in range(reps):
-        for d in devices:
-            if d.type == "cuda":
-                torch.cuda.synchronize(d)
+        _sync(devices)
         t = time.perf_counter()
         fn()
-        for d in devices:
-            if d.type == "cuda":
-                torch.cuda.synchronize(d)
+        _sync(devices)
         out.append(1e3 * (time.perf_counter() - t))
     return statistics.median(out)
 

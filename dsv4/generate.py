@@ -269,10 +269,7 @@ class Session:
         self.length = p0 + steps
         self.pending = out[-1] if len(out) > steps else None
         n_dec = max(len(out) - 1, 0)
-        timings = {"prefill_s": t1 - t0, "decode_s": t2 - t1,
-                   "prefill_tok_per_s": len(feed) / max(t1 - t0, 1e-9),
-                   "decode_tok_per_s": n_dec / (t2 - t1) if n_dec else 0.0,
-                   "ms_per_token": 1000 * (t2 - t1) / n_dec if n_dec else 0.0}
+        timings = _timings(len(feed), n_dec, t0, t1, t2)
         return GenerationResult(list(prompt_ids), out, finish,
                                 torch.stack(rows[:len(out)]) if keep_logits else None, timings)
 
@@ -317,12 +314,16 @@ class Session:
         self.length, self.pending = pos, out[-1]
         n_dec, steps = len(out) - 1, spec.steps - steps0
         proposed, accepted = spec.proposed - prop0, spec.accepted - acc0
-        timings = {"prefill_s": t1 - t0, "decode_s": t2 - t1,
-                   "prefill_tok_per_s": len(feed) / max(t1 - t0, 1e-9),
-                   "decode_tok_per_s": n_dec / (t2 - t1) if n_dec else 0.0,
-                   "ms_per_token": 1000 * (t2 - t1) / n_dec if n_dec else 0.0,
-                   "speculative": spec.k, "steps": steps,
+        timings = {**_timings(len(feed), n_dec, t0, t1, t2), "speculative": spec.k, "steps": steps,
                    "acceptance_rate": accepted / proposed if proposed else 0.0,
                    "tokens_per_step": n_dec / steps if steps else 0.0}
         return GenerationResult(prompt_ids, out, "eos" if stop else "length",
                                 torch.stack(rows) if keep_logits else None, timings)
+
+
+def _timings(n_feed: int, n_dec: int, t0: float, t1: float, t2: float) -> dict:
+    """Prefill over [t0, t1) of n_feed tokens, decode over [t1, t2) of n_dec tokens."""
+    return {"prefill_s": t1 - t0, "decode_s": t2 - t1,
+            "prefill_tok_per_s": n_feed / max(t1 - t0, 1e-9),
+            "decode_tok_per_s": n_dec / (t2 - t1) if n_dec else 0.0,
+            "ms_per_token": 1000 * (t2 - t1) / n_dec if n_dec else 0.0}

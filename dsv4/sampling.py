@@ -74,11 +74,16 @@ def filtered_probs(logits: torch.Tensor, params: SamplingParams, normalize: bool
     return probs
 
 
+def race(probs: torch.Tensor, seed: int, pos: torch.Tensor) -> torch.Tensor:
+    """One draw from probs [V] (need not sum to 1) by the exponential race, noise keyed by (seed,
+    pos) -> token [1] int64."""
+    e = -torch.log(uniform_noise(seed, pos, probs.shape[-1]))
+    return (probs / e).argmax(dim=-1, keepdim=True)
+
+
 def sample(logits: torch.Tensor, pos: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """logits [V] float32, pos [1] int64 (the position being decoded; keys the noise) -> token [1]
     int64. Python branches only on `params` (fixed per capture), never on tensor values."""
     if params.greedy:
         return logits.argmax(dim=-1, keepdim=True)
-    probs = filtered_probs(logits, params, normalize=False)
-    e = -torch.log(uniform_noise(params.seed, pos, logits.shape[-1]))
-    return (probs / e).argmax(dim=-1, keepdim=True)
+    return race(filtered_probs(logits, params, normalize=False), params.seed, pos)

@@ -22,7 +22,7 @@ from typing import Sequence
 import torch
 
 from .errors import ConfigError
-from .sampling import SamplingParams, filtered_probs, sample, uniform_noise
+from .sampling import SamplingParams, filtered_probs, race, sample, uniform_noise
 from .state import LayerState
 
 STREAM = {"draft": 1, "accept": 2, "residual": 3}
@@ -31,12 +31,6 @@ STREAM = {"draft": 1, "accept": 2, "residual": 3}
 def _seed(params: SamplingParams, stream: str) -> int:
     """A seed of its own per noise stream (bits 40+ reach the hash through seed >> 31)."""
     return params.seed + (STREAM[stream] << 40)
-
-
-def race(probs: torch.Tensor, seed: int, pos: torch.Tensor) -> torch.Tensor:
-    """One draw from probs [V] (need not sum to 1) by the exponential race -> token [1] int64."""
-    e = -torch.log(uniform_noise(seed, pos, probs.shape[-1]))
-    return (probs / e).argmax(dim=-1, keepdim=True)
 
 
 def draft(logits: torch.Tensor, pos: torch.Tensor, params: SamplingParams):

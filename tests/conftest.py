@@ -43,8 +43,9 @@ def interpreter_unusable() -> str | None:
     return None
 
 
-needs_interpreter = pytest.mark.skipif(interpreter_unusable() is not None,
-                                       reason=str(interpreter_unusable()))
+_INTERPRETER_UNUSABLE = interpreter_unusable()
+needs_interpreter = pytest.mark.skipif(_INTERPRETER_UNUSABLE is not None,
+                                       reason=str(_INTERPRETER_UNUSABLE))
 
 
 def _cuda_ok() -> bool:

@@ -19,11 +19,10 @@ def small_checkpoint(root: Path, weights: str = "fp8", cfg=SMALL, seed: int = 0)
     return out
 
 
-def live_state(m, length: int | None = None) -> list:
+def live_state(m) -> list:
     """Every decode state buffer of m's main layers (clones), scratch rows excluded: the window
     ring, compressed / index entries and both compressors' block rows, stale rows included
-    (prefill, decode and a speculative rewind must leave the same rows). `length` is unused
-    (kept for call sites that name the sequence length)."""
+    (prefill, decode and a speculative rewind must leave the same rows)."""
     out = []
     for blk, st in zip(m.layers, m.states):
         r = blk.ratio

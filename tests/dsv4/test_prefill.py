@@ -48,10 +48,10 @@ def test_chunked_prefill_equals_one_chunk(ckpts, chunk, no_fake_quant):
     m = _model(ckpts["bf16"])
     ids = _ids(m, 100, chunk)
     one = m.prefill(ids)
-    ref_state = live_state(m, 100)
+    ref_state = live_state(m)
     got = m.prefill(ids, chunk=chunk)
     assert _rel(got, one) < 1e-5
-    _assert_state_close(live_state(m, 100), ref_state)
+    _assert_state_close(live_state(m), ref_state)
 
 
 @pytest.mark.parametrize("first,chunk", [(1, 5), (37, 11), (50, 64), (96, 3)])
@@ -59,11 +59,11 @@ def test_prefill_at_offset_equals_token_by_token(ckpts, first, chunk, no_fake_qu
     m = _model(ckpts["bf16"])
     ids = _ids(m, 100, first)
     tbt = _token_by_token(m, ids)
-    ref_state = live_state(m, 100)
+    ref_state = live_state(m)
     m.prefill(ids[:first])
     got = m.prefill(ids[first:], start=first, chunk=chunk)
     assert _rel(got, tbt[-1]) < 1e-5
-    _assert_state_close(live_state(m, 100), ref_state)
+    _assert_state_close(live_state(m), ref_state)
 
 
 def test_chunked_prefill_with_fake_quant(ckpts):
