@@ -89,19 +89,24 @@ class Attention:
         return self.wo_b(z, act)
 
     # ---- prefill -----------------------------------------------------------------------------
-    def prefill(self, x: torch.Tensor, st: LayerState, start: int = 0,
+    def prefill(self, x: torch.Tensor, st: LayerState, start=0,
                 shared: dict | None = None) -> torch.Tensor:
         """Positions start..start+s-1 after positions < start: x [s, D] -> [s, D]; updates the
         layer state as s decode steps would (ring, compressor and indexer state, caches).
-        shared: a dict the layers of one chunk share (its positions and window rows)."""
+        start: an int, or a [1] int64 device tensor: with the kernels (bf16 rows on a GPU) the
+        chunk then has fixed shapes (every compressed entry of the cache is a candidate, masked
+        by position) and no host sync, so it can be captured; the torch path reads it on the
+        host. shared: a dict the layers of one chunk share (its positions and window rows)."""
         cfg, s, dev = self.cfg, x.shape[0], x.device
         W, r = cfg.window_size, self.ratio
         shared = {} if shared is None else shared
+        rows = kernels.prefill_ok(x)         # the chunk's kernels (bf16 rows on the GPU)
+        if not rows and isinstance(start, torch.Tensor):
+            start = int(start)                # the torch path: host shapes (never captured)
         if ("pos", dev) not in shared:
-            shared["pos", dev] = torch.arange(start, start + s, device=dev)
+            shared["pos", dev] = start + torch.arange(s, device=dev)
             shared["win", dev] = window_indices(start, s, W, dev)               # [s, W]
         pos = shared["pos", dev]
-        rows = kernels.prefill_ok(x)         # the chunk's kernels (bf16 rows on the GPU)
         cs = None if rows else cos_sin(pos, self.freqs)
         pos0 = pos[:1]
         if rows:
@@ -113,9 +118,10 @@ class Attention:
         else:
             qr, q, kv = self._q_kv(x, cs)
         # attended rows: [0, W) the ring as it was (positions < start), [W, W+s) this chunk's kv,
-        # [W+s, ...) the compressed entries visible at the chunk's end (its own written first)
+        # [W+s, ...) the compressed entries visible at the chunk's end (its own written first;
+        # with a device start: every entry of the cache, the invisible ones masked)
         idx = shared["win", dev]                                               # [s, W]
-        n_vis = (start + s) // r if r else 0
+        n_vis = visible_bound(start, s, r, st.kv_cache.shape[0] - W - 1) if r else 0
         if r == 4:
             idx = torch.cat((idx, self.indexer.prefill(x, qr, cs, st, self.freqs, start,
                                                        offset=W + s)), -1)
@@ -124,7 +130,8 @@ class Attention:
             idx = torch.cat((idx, torch.where(comp < (pos[:, None] + 1) // r, comp + W + s, -1)),
                             -1)
         if r:
-            self.compressor.prefill(x, st.compressor, st.kv_cache[W:], self.freqs, start)
+            self.compressor.prefill(x, st.compressor, st.kv_cache[W:], self.freqs,
+                                    pos0 if rows else start)
         kv_all = torch.cat((st.kv_cache[:W], kv, st.kv_cache[W:W + n_vis]))
         keep = min(s, W)                                 # ring write (the old ring is copied)
         st.kv_cache[pos[s - keep:] % W] = kv[s - keep:]
@@ -229,11 +236,18 @@ class Attention:
         return bf16_linear_multi(x, [lin.weight for lin in lins], dts)
 
 
-def window_indices(start: int, s: int, window: int, device) -> torch.Tensor:
+def visible_bound(start, s: int, ratio: int, n: int) -> int:
+    """Compressed entries a chunk of s queries at `start` may attend (the first (start+s)//ratio
+    of the cache's n); a device start (capture) gives the whole cache."""
+    return n if isinstance(start, torch.Tensor) else min(n, (start + s) // ratio)
+
+
+def window_indices(start, s: int, window: int, device) -> torch.Tensor:
     """Window rows of queries at positions start..start+s-1 in [ring (window rows) | chunk (s
     rows)]: [s, window] int64, entry e = position p - window + 1 + e (oldest first), -1 before
     position 0. Positions >= start are chunk rows window + (q - start); older ones ring slots
-    q % window (the ring holds positions start - window .. start - 1)."""
-    p = torch.arange(start, start + s, device=device).unsqueeze(1)
+    q % window (the ring holds positions start - window .. start - 1). start: an int or a [1]
+    int64 tensor on `device` (no host sync)."""
+    p = (start + torch.arange(s, device=device)).unsqueeze(1)
     q = p - window + 1 + torch.arange(window, device=device)
     return torch.where(q < 0, -1, torch.where(q >= start, q - start + window, q % window))

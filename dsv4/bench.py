@@ -367,6 +367,9 @@ def run(args, command: str = "") -> dict:
     lengths = _lengths(args.prefill)
     if args.prefill_reps < 1 or (args.prefill_chunk is not None and args.prefill_chunk < 1):
         raise InputError("--prefill-reps and --prefill-chunk must be >= 1")
+    g = args.prefill_graphs
+    if g < 0 or g & (g - 1) or (g and not lengths):
+        raise InputError(f"--prefill-graphs {g}: expected 0 or a power of two, with --prefill")
     full = get_preset(args.preset)
     cfg = get_preset(args.preset, args.layers)
     cap = capacity_for(max([args.context] + lengths), args.steps, args.warmup)
@@ -413,11 +416,20 @@ def run(args, command: str = "") -> dict:
     if lengths:
         graph = next((r for r in runs if r["mode"] == "graph"), None)
         with _prefill_switch(args.prefill_kernels == "on"):
+            pg = None
+            if args.prefill_graphs:
+                from .prefill_graphs import PrefillGraphs
+                _log(f"capturing prefill chunk graphs up to {args.prefill_graphs} tokens")
+                pg = model.prefill_graphs = PrefillGraphs(model, args.prefill_graphs)
             prefill = bench_prefill.run(model, lengths, args.prefill_reps, args.seed,
                                         args.prefill_chunk, copy,
                                         graph["ms_per_token"] if graph else None, _log,
                                         args.prefill_profile)
+            model.prefill_graphs = None
         prefill["prefill_kernels"] = args.prefill_kernels
+        prefill["prefill_graphs"] = (None if pg is None else
+                                     {"max_rows": pg.max_rows, "max_prompt": pg.max_prompt,
+                                      "capture_s": pg.capture_s, "graph_bytes": pg.graph_bytes()})
     spec = None
     if args.speculative:
         from . import bench_spec
@@ -569,6 +581,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--speculative", action="store_true",
                    help="also measure the speculative mechanism (MTP block loaded): verify pass "
                         "T = 1..4, draft, end-to-end tok/s at forced acceptance rates")
+    p.add_argument("--prefill-graphs", type=int, default=0, metavar="N",
+                   help="CUDA: capture prefill chunk graphs of 1..N tokens (a power of two) and "
+                        "time prompts up to 4N through them (capture time in the JSON)")
     p.add_argument("--prefill-profile", action="store_true",
                    help="CUDA: one profiled prefill per length (kernel count, top kernels)")
     p.add_argument("--trace", metavar="PREFIX", default=None,

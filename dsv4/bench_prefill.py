@@ -107,8 +107,12 @@ def measure(model: Transformer, n: int, reps: int, seed: int, chunk: int | None)
         blk.ffn.hits = torch.zeros(blk.ffn.experts.n_experts, dtype=torch.bool,
                                    device=blk.device)
     devices = [d for d in dict.fromkeys([dev, *model.placement]) if d.type == "cuda"]
+    graphs, model.prefill_graphs = model.prefill_graphs, None
     try:
-        model.prefill(ids, chunk=chunk)
+        model.prefill(ids, chunk=chunk)     # eager: records the hits (graphs were captured without)
+        model.prefill_graphs = graphs
+        if graphs is not None:
+            model.prefill(ids, chunk=chunk)
         for d in devices:
             torch.cuda.synchronize(d)
             torch.cuda.reset_peak_memory_stats(d)
@@ -119,12 +123,14 @@ def measure(model: Transformer, n: int, reps: int, seed: int, chunk: int | None)
             ms.append(1e3 * (time.perf_counter() - t))
         hits = [int(blk.ffn.hits.sum()) for blk in model.layers]
     finally:
+        model.prefill_graphs = graphs
         for blk in model.layers:
             blk.ffn.hits = None
     med = statistics.median(ms)
     return {"tokens": n, "ttft_ms": med, "spread_ms": [min(ms), max(ms)],
             "tok_per_s": n / med * 1e3, "experts_hit": hits,
-            "peak_bytes": {str(d): torch.cuda.max_memory_allocated(d) for d in devices}}
+            "peak_bytes": {str(d): torch.cuda.max_memory_allocated(d) for d in devices},
+            "graphs": graphs is not None and graphs.covers(n)}
 
 
 def profile(model: Transformer, n: int, seed: int, chunk: int | None, top: int = 25) -> dict:
@@ -206,8 +212,11 @@ def run(model: Transformer, lengths: list[int], reps: int, seed: int, chunk: int
 def format_rows(rep: dict) -> list[str]:
     f = lambda v, fmt: "-" if v is None else format(v, fmt)  # noqa: E731
     rates = rep["prefill_rates_tflops"]
+    pg = rep.get("prefill_graphs")
+    graphs = (f"; chunk graphs 1..{pg['max_rows']} for prompts <= {pg['max_prompt']} (capture "
+              f"{pg['capture_s']:.1f} s, {pg['graph_bytes'] / GIB:.2f} GiB)") if pg else ""
     lines = [f"prefill, chunk {rep['prefill_chunk']}; dense matmul bf16 {f(rates['bf16'], '.0f')} "
-             f"/ fp8 {f(rates['fp8'], '.0f')} TFLOP/s",
+             f"/ fp8 {f(rates['fp8'], '.0f')} TFLOP/s{graphs}",
              f"{'tokens':>8}{'TTFT ms':>11}{'min-max':>17}{'tok/s':>9}{'x compute':>11}"
              f"{'x bytes':>9}{'GB read':>9}{'peak GiB':>10}{'tok/decode':>12}"]
     for r in rep["prefill_runs"]:

@@ -56,11 +56,12 @@ class Block:
                                cfg.hc_sinkhorn_iters)
         return rms_norm(x, norm, cfg.norm_eps), post, comb
 
-    def prefill(self, h: torch.Tensor, ids: torch.Tensor, st: LayerState, start: int = 0,
+    def prefill(self, h: torch.Tensor, ids: torch.Tensor, st: LayerState, start=0,
                 shared: dict | None = None) -> torch.Tensor:
         """Positions start..start+s-1: h [s, c, D], ids [s] -> [s, c, D]; updates `st` (which
-        holds positions < start) as s decode steps would. shared: values the layers of one chunk
-        compute once (Attention.prefill)."""
+        holds positions < start) as s decode steps would. start: an int, or a [1] int64 device
+        tensor (with the kernels: capture-safe, see Attention.prefill). shared: values the
+        layers of one chunk compute once (Attention.prefill)."""
         mix, post_fn = self._mix, hc_post
         if kernels.prefill_ok(h) and (h.shape[1] * h.shape[2]) % 64 == 0:
             from .kernels import mhc as K

@@ -59,6 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK, metavar="N",
                    help=f"prefill the prompt N tokens at a time (same result; activation memory "
                         f"grows with N; default {PREFILL_CHUNK})")
+    r.add_argument("--prefill-graphs", type=int, default=0, metavar="N",
+                   help="graph mode: capture prefill chunks of 1, 2, 4, ..., N tokens at startup "
+                        "(N a power of two; 0 = off) and replay them for prompts up to 4N "
+                        "tokens: a faster first token for short prompts, paid for by the capture "
+                        "(worth it when one process serves several prompts)")
     r.add_argument("--speculative", type=int, default=0, metavar="K",
                    help="self-speculative decoding with the checkpoint's MTP block, K drafted "
                         "tokens per step (0 = off; K = 1 is implemented; eager mode)")
@@ -115,6 +120,10 @@ def run(args) -> int:
     if args.prefill_chunk < 1:
         raise InputError(f"--prefill-chunk {args.prefill_chunk}: must be >= 1 (tokens per "
                          f"prefill pass; default {PREFILL_CHUNK})")
+    g = args.prefill_graphs
+    if g < 0 or g & (g - 1):
+        raise InputError(f"--prefill-graphs {g}: expected 0 (off) or a power of two (the "
+                         f"largest captured chunk, e.g. 256)")
     if args.speculative not in (0, 1):
         raise InputError(f"--speculative {args.speculative}: allowed 0 (off) or 1 (one drafted "
                          f"token per step; more is not implemented)")
@@ -125,6 +134,9 @@ def run(args) -> int:
         raise InputError(f"--speculative {args.speculative} runs in eager mode (the speculative "
                          f"step is not captured yet): use --mode eager or auto")
     mode = "eager" if args.speculative else resolve_mode(args.mode, devices)
+    if g and mode != "graph":
+        raise InputError(f"--prefill-graphs {g} needs graph mode (CUDA, --mode graph or auto, "
+                         f"without --speculative); use --prefill-graphs 0")
     if args.speculative and devices[0].startswith("cuda"):
         print("[dsv4] note: --speculative runs in eager mode (its step is not captured yet); on "
               "CUDA plain graph decoding (--speculative 0) is faster", file=sys.stderr)
@@ -185,7 +197,8 @@ def run(args) -> int:
         raise InputError(f"--speculative {args.speculative}: the checkpoint has no MTP block "
                          f"(num_nextn_predict_layers = 0); use --speculative 0")
     rt = RuntimeConfig(max_seq_len=cap, dtype=DTYPES[args.dtype], devices=tuple(devices),
-                       prefill_chunk=args.prefill_chunk, mtp=bool(args.speculative))
+                       prefill_chunk=args.prefill_chunk, mtp=bool(args.speculative),
+                       prefill_graphs=args.prefill_graphs if mode == "graph" else 0)
     t0 = time.perf_counter()
     model, ck = load_model(ckpt, rt)
     ck.close()

@@ -52,13 +52,20 @@ class Compressor:
         return torch.cat((fp8_quant_dequant(e[:, :nope], 64), e[:, nope:]), dim=-1)
 
     def prefill(self, x: torch.Tensor, st: CompressorState, cache: torch.Tensor,
-                freqs: torch.Tensor, start: int = 0) -> None:
+                freqs: torch.Tensor, start) -> None:
         """Tokens start..start+s-1 (x [s, D] act) after positions < start: the same state and cache
         as s decode steps. Every block that completes in the chunk is pooled (its earlier rows
         come from the state) and its entry written to cache[j]; the state then holds the last
-        complete block (overlap mode) and each block row as decode steps leave it."""
-        r, dc, s = self.ratio, self.dc, x.shape[0]
+        complete block (overlap mode) and each block row as decode steps leave it.
+        start: an int, or a [1] int64 device tensor (the kernel path is then capture-safe; the
+        torch path reads it on the host)."""
         kv, sc = self._project(x)                                     # [s, c*dc] f32
+        if kernels.prefill_ok(x):
+            pos0 = start if isinstance(start, torch.Tensor) else torch.full(
+                (1,), start, dtype=torch.int64, device=x.device)
+            return self._prefill_rows(kv, sc, st, cache, freqs, pos0)
+        start = int(start)
+        r, dc, s = self.ratio, self.dc, x.shape[0]
         pos = torch.arange(start, start + s, device=x.device)
         sc = sc + self.ape.index_select(0, pos % r)
         b0 = start - start % r                        # first position of start's block
@@ -67,14 +74,7 @@ class Compressor:
         ext_sc = torch.cat((st.score[cur:cur + start - b0], sc))
         nb = ext_kv.shape[0] // r                                     # blocks completed here
         j0 = b0 // r
-        if nb and kernels.prefill_ok(x) and ext_kv.is_contiguous():
-            from .kernels.compressor_prefill import compress_rows
-            compress_rows(ext_kv, ext_sc, st.kv, st.score, nb, j0, self.norm, freqs, cache,
-                          self.cfg.norm_eps, r, self.rotate, dc - self.cfg.rope_head_dim)
-            if self.overlap:                          # the last complete block -> "previous"
-                st.kv[:r] = ext_kv[(nb - 1) * r:nb * r]
-                st.score[:r] = ext_sc[(nb - 1) * r:nb * r]
-        elif nb:
+        if nb:
             kvb = ext_kv[:nb * r].unflatten(0, (nb, r))                 # [nb, r, c*dc]
             scb = ext_sc[:nb * r].unflatten(0, (nb, r))
             if self.overlap:        # each block also pools the first half of the one before it
@@ -96,6 +96,37 @@ class Compressor:
         rows = cur + torch.arange(start + s - m, start + s, device=x.device) % r
         st.kv[rows] = ext_kv[-m:]
         st.score[rows] = ext_sc[-m:]
+
+    def _prefill_rows(self, kv: torch.Tensor, sc: torch.Tensor, st: CompressorState,
+                      cache: torch.Tensor, freqs: torch.Tensor, pos0: torch.Tensor) -> None:
+        """prefill's kernel path: positions from the device tensor pos0 ([1] int64), fixed
+        shapes, no host sync (capture-safe). kv, sc [s, c*dc] f32: the chunk's projections."""
+        r, s, dev = self.ratio, kv.shape[0], kv.device
+        cur = r if self.overlap else 0
+        j = torch.arange(r, device=dev)
+        o = pos0 % r                                  # [1]: open block rows before the chunk
+        sc = sc + self.ape.index_select(0, (pos0 + torch.arange(s, device=dev)) % r)
+        # ext: the open block's state rows rolled so that row r - o + i is block row i, then the
+        # chunk (rows r - o - 1 and before are stale rows no completed block reads)
+        roll = cur + (j + o) % r
+        ext_kv = torch.cat((st.kv.index_select(0, roll), kv))         # [r + s, c*dc]
+        ext_sc = torch.cat((st.score.index_select(0, roll), sc))
+        from .kernels.compressor_prefill import compress_rows
+        compress_rows(ext_kv, ext_sc, st.kv, st.score, pos0, self.norm, freqs, cache,
+                      self.cfg.norm_eps, r, self.rotate, self.dc - self.cfg.rope_head_dim)
+        if self.overlap:                              # the last complete block -> "previous"
+            nb = (o + s) // r                                           # [1] blocks completed
+            last = (r - o + (nb - 1) * r).clamp_min(0) + j              # its ext rows
+            done = (nb > 0)[:, None]
+            st.kv[:r] = torch.where(done, ext_kv.index_select(0, last), st.kv[:r])
+            st.score[:r] = torch.where(done, ext_sc.index_select(0, last), st.score[:r])
+        # block row j as decode steps leave it: the chunk's latest position p == j (mod r), if any
+        d = (j - pos0) % r                                              # chunk offset of the first
+        has = (d < s)[:, None]
+        src = r + (d + r * ((s - 1 - d).clamp_min(0) // r)).clamp(max=s - 1)
+        st.kv[cur:cur + r] = torch.where(has, ext_kv.index_select(0, src), st.kv[cur:cur + r])
+        st.score[cur:cur + r] = torch.where(has, ext_sc.index_select(0, src),
+                                            st.score[cur:cur + r])
 
     def decode(self, x: torch.Tensor, pos: torch.Tensor, st: CompressorState, cache: torch.Tensor,
                freqs: torch.Tensor, fused: bool | None = None, proj: list | None = None) -> None:

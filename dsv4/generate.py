@@ -118,6 +118,10 @@ class Session:
             self.decoder.warmup()
             self.decoder.capture()
             self.capture_s = time.perf_counter() - t
+            if model.rt.prefill_graphs and model.prefill_graphs is None and self.spec is None:
+                from .prefill_graphs import PrefillGraphs   # short prompts replay chunk graphs
+                model.prefill_graphs = PrefillGraphs(model, model.rt.prefill_graphs)
+                self.capture_s += model.prefill_graphs.capture_s
 
     def reset(self) -> None:
         """Forget the sequence: model state and decode buffers back to their fill values."""

@@ -42,26 +42,34 @@ class Indexer:
         w = self.weights_proj(x, act) * (self.head_dim ** -0.5 * self.n_heads ** -0.5)
         return q, w
 
-    def prefill(self, x, qr, cs, st: LayerState, freqs, start: int, offset: int) -> torch.Tensor:
+    def prefill(self, x, qr, cs, st: LayerState, freqs, start, offset: int) -> torch.Tensor:
         """Queries at positions start..start+s-1 -> compressed indices [s, min(k, t)] over the
         t = (start+s)//4 entries the chunk leaves in the index cache (+offset, -1 where not yet
-        visible to the query); the chunk's entries are compressed into the cache first."""
+        visible to the query); the chunk's entries are compressed into the cache first.
+        start: an int, or a [1] int64 device tensor (kernel path: t is then the whole cache,
+        masked by position, and nothing syncs with the host)."""
         s, act = x.shape[0], x.dtype
-        if kernels.prefill_ok(x):          # RoPE, Hadamard, FP4 fake-quant in one launch
+        rows = kernels.prefill_ok(x)
+        if not rows and isinstance(start, torch.Tensor):
+            start = int(start)
+        pos0 = start if isinstance(start, torch.Tensor) else torch.full(
+            (1,), start, dtype=torch.int64, device=x.device)
+        if rows:                           # RoPE, Hadamard, FP4 fake-quant in one launch
             from .kernels.indexer_decode import index_query
-            pos0 = torch.full((1,), start, dtype=torch.int64, device=x.device)
             q = index_query(self.wq_b(qr, act), pos0, freqs, self.n_heads).view(
                 s, self.n_heads, self.head_dim)
             w = self.weights_proj(x, act) * (self.head_dim ** -0.5 * self.n_heads ** -0.5)
         else:
             q, w = self._query(x, qr, cs, act)
-        self.compressor.prefill(x, st.index_compressor, st.index_cache, freqs, start)
-        t = (start + s) // 4
+        self.compressor.prefill(x, st.index_compressor, st.index_cache, freqs,
+                                pos0 if rows else start)
+        n = st.index_cache.shape[0] - 1
+        t = n if isinstance(start, torch.Tensor) else min(n, (start + s) // 4)
         k = min(self.cfg.index_topk, t)
         if k == 0:
             return torch.empty(s, 0, dtype=torch.int64, device=x.device)
         keys = st.index_cache[:t]
-        visible = torch.arange(start + 1, start + s + 1, device=x.device).unsqueeze(1) // 4
+        visible = (start + 1 + torch.arange(s, device=x.device)).unsqueeze(1) // 4
         cols = torch.arange(t, device=x.device)
         # chunk the queries so the [c, h, t] score tensor stays bounded for long prompts
         c = max(1, SCORE_ELEMS // max(1, self.n_heads * t))

@@ -35,10 +35,15 @@ class RuntimeConfig:
     cache_dense: bool | None = None              # keep dequantized weights (default: CPU only)
     prefill_chunk: int = PREFILL_CHUNK           # prompt tokens per prefill pass (bounds memory)
     mtp: bool = False                            # hold the MTP block (speculative decoding)
+    prefill_graphs: int = 0                      # graph mode: largest captured prefill chunk
+    # (a power of two; 0 = off): prompts up to 4x it replay chunk graphs (dsv4.prefill_graphs)
 
     def __post_init__(self):
         if self.dtype not in (torch.bfloat16, torch.float32):
             raise ConfigError(f"dtype = {self.dtype}; allowed: bfloat16, float32")
+        g = self.prefill_graphs
+        if isinstance(g, bool) or not isinstance(g, int) or g < 0 or g & (g - 1):
+            raise ConfigError(f"prefill_graphs = {g!r}; expected 0 (off) or a power of two")
         for name in ("max_seq_len", "prefill_chunk"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -85,6 +90,7 @@ class Transformer:
         # the MTP block's rows follow the main model's by one (row t needs token t+1): it has read
         # positions < mtp_len; h_last = the main hidden stream of position mtp_len when pending
         self.mtp_len, self.h_last = 0, None
+        self.prefill_graphs = None         # dsv4.prefill_graphs.PrefillGraphs, when captured
 
     # ---- weights -----------------------------------------------------------------------------
     def tensors(self) -> dict[str, torch.Tensor]:
@@ -178,7 +184,9 @@ class Transformer:
         (default rt.prefill_chunk) at a time, so activation memory is bounded by the chunk, not
         the prompt; `progress` shows a bar on stderr when that takes PROGRESS_CHUNKS or more.
         mtp: the MTP block follows (reads every row whose next token is known: all but the
-        last, which waits for the next token, see mtp_follow_token). May sync with the host."""
+        last, which waits for the next token, see mtp_follow_token). May sync with the host.
+        With captured chunk graphs attached (self.prefill_graphs) a prompt they cover replays
+        them instead (same state and logits; `chunk` does not apply there)."""
         s, cap = ids.shape[0], self.rt.max_seq_len
         chunk = self.rt.prefill_chunk if chunk is None else chunk
         if s < 1 or start < 0 or start + s > cap:
@@ -189,6 +197,9 @@ class Transformer:
         if start == 0:
             self.reset()
         ids = ids.to(self.head_device)
+        g = self.prefill_graphs
+        if g is not None and not mtp and g.covers(s):
+            return g.run(ids, start)
         bar = None
         if progress and -(-s // chunk) >= PROGRESS_CHUNKS:
             from tqdm import tqdm

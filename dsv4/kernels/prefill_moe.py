@@ -67,7 +67,9 @@ def expert_plan(idx: torch.Tensor, w: torch.Tensor, n_experts: int, fmt: str = "
     bm = tile.bm
     flat = idx.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=n_experts)
+    # (not torch.bincount: on CUDA it sizes its output from a host read of the maximum)
+    counts = torch.zeros(n_experts, dtype=torch.int64, device=dev).index_add_(
+        0, flat, torch.ones_like(flat))
     ends = counts.cumsum(0)
     ntile = (counts + bm - 1) // bm
     tcum = ntile.cumsum(0)

@@ -289,6 +289,16 @@ def check_layers(dev, tmp, seed):
                 st.buffers()[k].copy_(v)
             os.environ["DSV4_KERNELS"] = "interpret" if dev == "cpu" else "1"
             got = blk.prefill(hin, ids[start:start + s], st, start).float()
+            # the capture-safe form (start on the device: every cache entry a masked candidate)
+            # computes the same bits
+            got_state = {k: v.clone() for k, v in st.buffers().items()}
+            for k, v in saved.items():
+                st.buffers()[k].copy_(v)
+            start_t = torch.full((1,), start, dtype=torch.int64, device=dev)
+            fixed = blk.prefill(hin, ids[start:start + s], st, start_t).float()
+            assert torch.equal(fixed, got), f"layer {blk.layer_id} at {start}: device start"
+            for k, v in st.buffers().items():
+                assert torch.equal(v, got_state[k]), (blk.layer_id, k, "device start")
             err = ((got - ref).norm() / ref.norm()).item()
             # bf16 rounding in another order flips e4m3 roundings (KV fake-quant, W8A8) and
             # top-k choices: up to ~3% per layer here, as the parity cases' bf16 noise

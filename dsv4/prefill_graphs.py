@@ -1,0 +1,129 @@
+"""CUDA graphs of short prefill chunks: a prompt of a few hundred tokens is host-bound in eager mode
+(~100 launches per layer issued from Python), so its chunks replay from graphs instead.
+
+One `graphs.CUDAGraphDecoder` per chunk size S (the powers of two up to `max_rows`), each a
+sequence of segments: `embed` (ids [S] -> h) -> `layer{l}` (Block.prefill at a device start, on
+the layer's device) -> `lm_head` (the last row's logits). A prompt of n <= max_rows tokens is fed
+as the binary decomposition of n, largest piece first, each piece at the position the previous
+one reached: chunked prefill at any position is exact, so the state and logits equal
+Transformer.prefill's. Capturing runs every size once eagerly and resets the model: build before
+the first sequence (Session does, with RuntimeConfig.prefill_graphs).
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from graphs import CUDAGraphDecoder, Segment
+
+from .errors import ConfigError
+
+FIX_HINTS = ("lower --prefill-graphs (fewer and smaller chunk graphs)", "--prefill-graphs 0")
+
+
+def chunk_sizes(max_rows: int) -> list[int]:
+    """The graph chunk sizes for max_rows (a power of two): 1, 2, 4, ..., max_rows."""
+    if isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1 \
+            or max_rows & (max_rows - 1):
+        raise ConfigError(f"prefill_graphs = {max_rows!r}; expected 0 (off) or a power of two")
+    return [1 << i for i in range(max_rows.bit_length())]
+
+
+def pieces(n: int, max_rows: int) -> list[int]:
+    """n tokens as graph chunks: max_rows-sized ones, then the binary decomposition of the rest
+    (largest first)."""
+    out = [max_rows] * (n // max_rows)
+    rest = n % max_rows
+    out += [1 << i for i in range(rest.bit_length() - 1, -1, -1) if rest >> i & 1]
+    return out
+
+
+class _ChunkGraphs:
+    """The captured prefill of one chunk size S: static ids [S] and start [1] on the head device,
+    hidden rows [S, c, D] per layer device, logits [V] of the last row."""
+
+    def __init__(self, model, S: int, nvtx_domain: str):
+        cfg, hd = model.cfg, model.head_device
+        self.S = S
+        self.ids = torch.zeros(S, dtype=torch.int64, device=hd)
+        self.start = torch.zeros(1, dtype=torch.int64, device=hd)
+        self.logits = torch.zeros(cfg.vocab_size, dtype=torch.float32, device=hd)
+        h, ids_on, start_on = {}, {}, {}
+        for dev in [hd] + model.placement:
+            if dev not in h:
+                h[dev] = torch.zeros(S, cfg.hc_mult, cfg.dim, dtype=model.act, device=dev)
+                ids_on[dev] = self.ids if dev == hd else torch.zeros_like(self.ids, device=dev)
+                start_on[dev] = self.start if dev == hd else torch.zeros_like(self.start,
+                                                                              device=dev)
+        segs = [Segment("embed", hd, _embed_fn(model, self.ids, h[hd]),
+                        reads={"ids": self.ids}, writes={"h": h[hd]})]
+        for l, (blk, st) in enumerate(zip(model.layers, model.states)):
+            dev = blk.device
+            segs.append(Segment(f"layer{l}", dev,
+                                _layer_fn(blk, st, h[dev], ids_on[dev], start_on[dev]),
+                                reads={"h": h[dev], "ids": ids_on[dev], "start": start_on[dev]},
+                                writes={"h": h[dev]}))
+        segs.append(Segment("lm_head", hd, _head_fn(model, h[hd], self.logits),
+                            reads={"h": h[hd]}, writes={"logits": self.logits}))
+        self.decoder = CUDAGraphDecoder(segs, inputs={"ids": self.ids, "start": self.start},
+                                        outputs={"logits": self.logits}, mode="graph",
+                                        warmup_iters=1, reset_fn=model.reset,
+                                        nvtx_domain=nvtx_domain, fix_hints=FIX_HINTS)
+        self.decoder.allocate()
+        self.decoder.warmup()
+        self.decoder.capture()
+
+
+class PrefillGraphs:
+    """Captured prefill chunks of 1, 2, 4, ..., max_rows tokens for one model (CUDA only).
+
+    Attach with `model.prefill_graphs = PrefillGraphs(model, n)`: Transformer.prefill then feeds
+    prompts of at most `max_prompt` tokens through them (longer ones, and prefills that the MTP
+    block follows, stay eager: there the device, not the host, bounds the time)."""
+
+    def __init__(self, model, max_rows: int, max_prompt: int | None = None,
+                 nvtx_domain: str = "dsv4-prefill"):
+        if model.head_device.type != "cuda":
+            raise ConfigError("prefill graphs need CUDA devices (the model is on "
+                              f"{model.head_device}); use prefill_graphs = 0")
+        self.max_rows = max_rows
+        self.max_prompt = max_rows * 4 if max_prompt is None else max_prompt
+        t = time.perf_counter()
+        with torch.inference_mode():
+            self.chunks = {S: _ChunkGraphs(model, S, nvtx_domain) for S in chunk_sizes(max_rows)}
+        self.capture_s = time.perf_counter() - t
+
+    def covers(self, n: int) -> bool:
+        return n <= self.max_prompt
+
+    def graph_bytes(self) -> int:
+        return sum(sum(c.decoder.graph_bytes.values()) for c in self.chunks.values())
+
+    def run(self, ids: torch.Tensor, start: int) -> torch.Tensor:
+        """Feed ids [n] (head device) at positions start.. through the chunk graphs -> the last
+        position's logits [V] f32 (a new tensor). No host sync."""
+        pos, out = start, None
+        for S in pieces(ids.shape[0], self.max_rows):
+            c = self.chunks[S]
+            out = c.decoder.step(ids=ids[pos - start:pos - start + S], start=pos)["logits"]
+            pos += S
+        return out.clone()
+
+
+def _embed_fn(model, ids, h):
+    def fn():
+        h.copy_(model.embed_tokens(ids))
+    return fn
+
+
+def _layer_fn(blk, st, h, ids, start):
+    def fn():
+        h.copy_(blk.prefill(h, ids, st, start))
+    return fn
+
+
+def _head_fn(model, h, logits):
+    def fn():
+        logits.copy_(model.logits(h[-1:]))
+    return fn

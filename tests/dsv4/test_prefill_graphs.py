@@ -1,0 +1,114 @@
+"""Captured prefill chunks (dsv4/prefill_graphs.py): the piece decomposition and knobs on the CPU;
+on a GPU, replay == the same pieces run eagerly, bit for bit (logits and every state row), at the
+start of a sequence and continuing it, with no host sync in warm-up, capture or replay."""
+import pytest
+import torch
+
+from dsv4.errors import ConfigError
+from dsv4.model import RuntimeConfig
+from dsv4.prefill_graphs import chunk_sizes, pieces
+from helpers import live_state, small_checkpoint
+
+
+def test_pieces_cover_the_prompt_largest_first():
+    assert chunk_sizes(8) == [1, 2, 4, 8] and chunk_sizes(1) == [1]
+    for n in range(1, 70):
+        p = pieces(n, 16)
+        assert sum(p) == n and p == sorted(p, reverse=True) and all(s in chunk_sizes(16) for s in p)
+        assert len(p) <= n // 16 + 4                  # full chunks, then one per set bit
+    assert pieces(45, 8) == [8, 8, 8, 8, 8, 4, 1]
+
+
+@pytest.mark.parametrize("bad", [3, -4, 6, True, 2.0])
+def test_prefill_graphs_knob_is_zero_or_a_power_of_two(bad):
+    with pytest.raises(ConfigError, match="prefill_graphs"):
+        RuntimeConfig(prefill_graphs=bad)
+    if isinstance(bad, int) and not isinstance(bad, bool) and bad > 0:
+        with pytest.raises(ConfigError, match="power of two"):
+            chunk_sizes(bad)
+    assert RuntimeConfig(prefill_graphs=256).prefill_graphs == 256
+
+
+def test_prefill_graphs_refuse_the_cpu(tmp_path):
+    from dsv4.generate import load_model
+    from dsv4.prefill_graphs import PrefillGraphs
+    m, ck = load_model(small_checkpoint(tmp_path, "fp8"), RuntimeConfig(max_seq_len=64))
+    ck.close()
+    with pytest.raises(ConfigError, match="need CUDA"):
+        PrefillGraphs(m, 4)
+
+
+# ---- on the GPU ---------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return small_checkpoint(tmp_path_factory.mktemp("pg"), "fp8")
+
+
+def _model(ckpt, cap=512, graphs=0):
+    from dsv4.generate import load_model
+    m, ck = load_model(ckpt, RuntimeConfig(max_seq_len=cap, devices=("cuda:0",),
+                                           prefill_graphs=graphs))
+    ck.close()
+    return m
+
+
+def _eager_pieces(m, ids, start, max_rows):
+    """The same pieces through the eager chunk path (graphs detached)."""
+    g, m.prefill_graphs = m.prefill_graphs, None
+    try:
+        pos = start
+        for S in pieces(ids.shape[0], max_rows):
+            out = m.prefill(ids[pos - start:pos - start + S], pos)
+            pos += S
+    finally:
+        m.prefill_graphs = g
+    return out
+
+
+@pytest.mark.cuda
+def test_prefill_graphs_equal_eager_bitwise_without_host_sync(ckpt):
+    from dsv4.prefill_graphs import PrefillGraphs
+    graphed, eager = _model(ckpt), _model(ckpt)
+    torch.cuda.synchronize()
+    prev = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")           # warm-up and capture: no host sync
+    try:
+        graphed.prefill_graphs = PrefillGraphs(graphed, 8)
+    finally:
+        torch.cuda.set_sync_debug_mode(prev)
+    pg = graphed.prefill_graphs
+    assert pg.covers(32) and not pg.covers(33) and pg.capture_s > 0
+    gen = torch.Generator().manual_seed(3)
+    V = graphed.cfg.vocab_size
+    # a first prompt (8+8+8+4+1 rows), then continuations at offsets that cross compressor
+    # blocks (ratios 4 and 16), wrap the 16-row window ring and saturate the indexer's top-k
+    for start, n in ((0, 29), (29, 6), (35, 31), (66, 32), (98, 32)):
+        ids = torch.randint(0, V, (n,), generator=gen).cuda()
+        torch.cuda.set_sync_debug_mode("error")       # replay: no host sync either
+        try:
+            got = graphed.prefill(ids, start)
+        finally:
+            torch.cuda.set_sync_debug_mode(prev)
+        want = _eager_pieces(eager, ids, start, 8)
+        assert torch.equal(got, want), f"logits after {start}+{n}"
+        for a, b in zip(live_state(graphed), live_state(eager)):
+            assert torch.equal(a, b), f"state after {start}+{n}"
+    # prompts the graphs do not cover go through the eager chunks
+    ids = torch.randint(0, V, (40,), generator=gen).cuda()
+    assert torch.equal(graphed.prefill(ids, 0), eager.prefill(ids, 0))
+
+
+@pytest.mark.cuda
+def test_session_with_prefill_graphs_decodes_as_without(ckpt):
+    from dsv4.generate import Session
+    from dsv4.sampling import SamplingParams
+    prompt = list(range(200, 220))                  # 16 + 4 rows through the chunk graphs
+    a = Session(_model(ckpt, graphs=16), SamplingParams(), mode="graph")
+    assert a.model.prefill_graphs is not None
+    ra = a.generate(prompt, 24, keep_logits=True)
+    b = Session(_model(ckpt), SamplingParams(), mode="graph")
+    assert b.model.prefill_graphs is None
+    b.prefill(prompt[:16])                          # the same pieces, eagerly
+    rb = b.generate(prompt[16:], 24, keep_logits=True, continue_sequence=True)
+    assert ra.output_ids == rb.output_ids and torch.equal(ra.logits, rb.logits)
