@@ -36,7 +36,7 @@ class RuntimeConfig:
     prefill_chunk: int = PREFILL_CHUNK           # prompt tokens per prefill pass (bounds memory)
     mtp: bool = False                            # hold the MTP block (speculative decoding)
     prefill_graphs: int = 0                      # graph mode: largest captured prefill chunk
-    # (a power of two; 0 = off): prompts up to 4x it replay chunk graphs (dsv4.prefill_graphs)
+    # (a power of two; 0 = off): prompts up to it replay chunk graphs (dsv4.prefill_graphs)
 
     def __post_init__(self):
         if self.dtype not in (torch.bfloat16, torch.float32):

@@ -88,7 +88,7 @@ class PrefillGraphs:
             raise ConfigError("prefill graphs need CUDA devices (the model is on "
                               f"{model.head_device}); use prefill_graphs = 0")
         self.max_rows = max_rows
-        self.max_prompt = max_rows * 4 if max_prompt is None else max_prompt
+        self.max_prompt = max_rows if max_prompt is None else max_prompt
         t = time.perf_counter()
         with torch.inference_mode():
             self.chunks = {S: _ChunkGraphs(model, S, nvtx_domain) for S in chunk_sizes(max_rows)}

@@ -74,7 +74,7 @@ def test_prefill_graphs_equal_eager_bitwise_without_host_sync(ckpt):
     prev = torch.cuda.get_sync_debug_mode()
     torch.cuda.set_sync_debug_mode("error")           # warm-up and capture: no host sync
     try:
-        graphed.prefill_graphs = PrefillGraphs(graphed, 8)
+        graphed.prefill_graphs = PrefillGraphs(graphed, 8, max_prompt=32)
     finally:
         torch.cuda.set_sync_debug_mode(prev)
     pg = graphed.prefill_graphs
