@@ -433,7 +433,8 @@ def run(args, command: str = "") -> dict:
         prefill["prefill_graphs"] = (None if pg is None else
                                      {"max_rows": pg.max_rows, "max_prompt": pg.max_prompt,
                                       "capture_s": pg.capture_s, "graph_bytes": pg.graph_bytes(),
-                                      "chunk_ms": pg_ms})
+                                      "chunk_ms": pg_ms, "built_replay_ms": pg.replay_ms,
+                                      "built_eager_ms": pg.eager_ms})
     spec = None
     if args.speculative:
         from . import bench_spec

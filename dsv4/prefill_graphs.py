@@ -6,8 +6,12 @@ sequence of segments: `embed` (ids [S] -> h) -> `layer{l}` (Block.prefill at a d
 the layer's device) -> `lm_head` (the last row's logits). A prompt of n <= max_rows tokens is fed
 as the binary decomposition of n, largest piece first, each piece at the position the previous
 one reached: chunked prefill at any position is exact, so the state and logits equal
-Transformer.prefill's. Capturing runs every size once eagerly and resets the model: build before
-the first sequence (Session does, with RuntimeConfig.prefill_graphs).
+Transformer.prefill's. Every replay costs a fixed part (the prefill GEMMs read all weights even
+for a few rows), so a prompt of many pieces can be slower than one eager chunk: building times
+each size eagerly and replayed, and `covers` picks the graphs only where the pieces' measured
+replays beat the eager chunk (of the next captured size). Capturing runs every size eagerly and
+resets the model: build before the first sequence (Session does, with
+RuntimeConfig.prefill_graphs).
 """
 from __future__ import annotations
 
@@ -37,6 +41,24 @@ def pieces(n: int, max_rows: int) -> list[int]:
     rest = n % max_rows
     out += [1 << i for i in range(rest.bit_length() - 1, -1, -1) if rest >> i & 1]
     return out
+
+
+def graphs_pay(n: int, max_rows: int, replay_ms: dict, eager_ms: dict) -> bool:
+    """Whether n tokens replay faster as graph pieces than as one eager chunk, by the measured
+    times per chunk size (eager: that of the smallest size >= n; longer prompts: the largest)."""
+    eager = eager_ms[min([S for S in eager_ms if S >= n], default=max_rows)]
+    return sum(replay_ms[S] for S in pieces(n, max_rows)) < eager
+
+
+def _timed(fn, devices) -> float:
+    """Host wall time of fn() in ms, the devices synchronized before and after (build time only)."""
+    for d in devices:
+        torch.cuda.synchronize(d)
+    t = time.perf_counter()
+    fn()
+    for d in devices:
+        torch.cuda.synchronize(d)
+    return 1e3 * (time.perf_counter() - t)
 
 
 class _ChunkGraphs:
@@ -71,8 +93,12 @@ class _ChunkGraphs:
                                         warmup_iters=1, reset_fn=model.reset,
                                         nvtx_domain=nvtx_domain, fix_hints=FIX_HINTS)
         self.decoder.allocate()
-        self.decoder.warmup()
+        self.decoder.warmup()                 # compiles the kernels of this size
+        devs = list(dict.fromkeys([hd] + model.placement))
+        self.eager_ms = _timed(self.decoder.warmup, devs)   # one eager chunk, warm
         self.decoder.capture()
+        self.replay_ms = _timed(self.decoder.step, devs)
+        model.reset()
 
 
 class PrefillGraphs:
@@ -93,9 +119,14 @@ class PrefillGraphs:
         with torch.inference_mode():
             self.chunks = {S: _ChunkGraphs(model, S, nvtx_domain) for S in chunk_sizes(max_rows)}
         self.capture_s = time.perf_counter() - t
+        self.replay_ms = {S: c.replay_ms for S, c in self.chunks.items()}
+        self.eager_ms = {S: c.eager_ms for S, c in self.chunks.items()}
 
     def covers(self, n: int) -> bool:
-        return n <= self.max_prompt
+        """Feed n tokens through the graphs: n <= max_prompt and the replays of its pieces took
+        less than one eager chunk of the next captured size (both measured when built)."""
+        return n <= self.max_prompt and graphs_pay(n, self.max_rows, self.replay_ms,
+                                                   self.eager_ms)
 
     def graph_bytes(self) -> int:
         return sum(sum(c.decoder.graph_bytes.values()) for c in self.chunks.values())

@@ -6,7 +6,7 @@ import torch
 
 from dsv4.errors import ConfigError
 from dsv4.model import RuntimeConfig
-from dsv4.prefill_graphs import chunk_sizes, pieces
+from dsv4.prefill_graphs import chunk_sizes, graphs_pay, pieces
 from helpers import live_state, small_checkpoint
 
 
@@ -17,6 +17,16 @@ def test_pieces_cover_the_prompt_largest_first():
         assert sum(p) == n and p == sorted(p, reverse=True) and all(s in chunk_sizes(16) for s in p)
         assert len(p) <= n // 16 + 4                  # full chunks, then one per set bit
     assert pieces(45, 8) == [8, 8, 8, 8, 8, 4, 1]
+
+
+def test_graphs_pay_where_the_measured_replays_beat_one_eager_chunk():
+    # the H200 figures of Flash 30 layers: a replay costs a fixed ~35 ms, eager ~180 ms
+    replay = {1: 21, 2: 36, 4: 37, 8: 38, 16: 41, 32: 46, 64: 53, 128: 67, 256: 81, 512: 122}
+    eager = {S: 180 for S in replay}
+    assert graphs_pay(128, 512, replay, eager) and graphs_pay(192, 512, replay, eager)
+    assert not graphs_pay(255, 512, replay, eager)      # 8 pieces: 339 ms
+    assert graphs_pay(512, 512, replay, eager) and not graphs_pay(1024, 512, replay, eager)
+    assert not graphs_pay(128, 512, replay, {S: 60 for S in replay})
 
 
 @pytest.mark.parametrize("bad", [3, -4, 6, True, 2.0])
@@ -85,9 +95,11 @@ def test_prefill_graphs_equal_eager_bitwise_without_host_sync(ckpt):
     # blocks (ratios 4 and 16), wrap the 16-row window ring and saturate the indexer's top-k
     for start, n in ((0, 29), (29, 6), (35, 31), (66, 32), (98, 32)):
         ids = torch.randint(0, V, (n,), generator=gen).cuda()
+        if start == 0:
+            graphed.reset()
         torch.cuda.set_sync_debug_mode("error")       # replay: no host sync either
         try:
-            got = graphed.prefill(ids, start)
+            got = pg.run(ids, start)                  # the pieces, whatever covers() says
         finally:
             torch.cuda.set_sync_debug_mode(prev)
         want = _eager_pieces(eager, ids, start, 8)
@@ -103,12 +115,12 @@ def test_prefill_graphs_equal_eager_bitwise_without_host_sync(ckpt):
 def test_session_with_prefill_graphs_decodes_as_without(ckpt):
     from dsv4.generate import Session
     from dsv4.sampling import SamplingParams
-    prompt = list(range(200, 220))                  # 16 + 4 rows through the chunk graphs
+    prompt = list(range(200, 212))                  # 8 + 4 rows through the chunk graphs
     a = Session(_model(ckpt, graphs=16), SamplingParams(), mode="graph")
-    assert a.model.prefill_graphs is not None
+    assert a.model.prefill_graphs is not None and a.model.prefill_graphs.covers(12)
     ra = a.generate(prompt, 24, keep_logits=True)
     b = Session(_model(ckpt), SamplingParams(), mode="graph")
     assert b.model.prefill_graphs is None
-    b.prefill(prompt[:16])                          # the same pieces, eagerly
-    rb = b.generate(prompt[16:], 24, keep_logits=True, continue_sequence=True)
+    b.prefill(prompt[:8])                           # the same pieces, eagerly
+    rb = b.generate(prompt[8:], 24, keep_logits=True, continue_sequence=True)
     assert ra.output_ids == rb.output_ids and torch.equal(ra.logits, rb.logits)
