@@ -131,6 +131,7 @@ class PrefillGraphs:
     def graph_bytes(self) -> int:
         return sum(sum(c.decoder.graph_bytes.values()) for c in self.chunks.values())
 
+    @torch.inference_mode()
     def run(self, ids: torch.Tensor, start: int) -> torch.Tensor:
         """Feed ids [n] (head device) at positions start.. through the chunk graphs -> the last
         position's logits [V] f32 (a new tensor). No host sync."""
