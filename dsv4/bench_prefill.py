@@ -133,22 +133,6 @@ def measure(model: Transformer, n: int, reps: int, seed: int, chunk: int | None)
             "graphs": graphs is not None and graphs.covers(n)}
 
 
-def chunk_times(model: Transformer, graphs, seed: int, reps: int = 5) -> dict:
-    """Median host wall time (call to the first token's argmax on the host) of one replay of
-    each captured chunk size, from position 0."""
-    gen = torch.Generator().manual_seed(seed)
-    out = {}
-    for S in graphs.chunks:
-        ids = torch.randint(0, model.cfg.vocab_size, (S,), generator=gen).to(model.head_device)
-        ms = []
-        for _ in range(reps + 1):
-            t = time.perf_counter()
-            int(model.prefill(ids).argmax())
-            ms.append(1e3 * (time.perf_counter() - t))
-        out[S] = statistics.median(ms[1:])
-    return out
-
-
 def profile(model: Transformer, n: int, seed: int, chunk: int | None, top: int = 25) -> dict:
     """One unprofiled prefill (host issue time vs device span), then one profiled prefill
     (torch.profiler): CUDA kernels launched, their summed device time, the host time, the `top`
