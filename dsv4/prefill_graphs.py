@@ -93,6 +93,9 @@ class _ChunkGraphs:
                                         warmup_iters=1, reset_fn=model.reset,
                                         nvtx_domain=nvtx_domain, fix_hints=FIX_HINTS)
         self.decoder.allocate()
+        # time on random tokens: identical ones would route every row to the same few experts
+        gen = torch.Generator(device=hd).manual_seed(S)
+        torch.randint(0, cfg.vocab_size, (S,), generator=gen, device=hd, out=self.ids)
         self.decoder.warmup()                 # compiles the kernels of this size
         devs = list(dict.fromkeys([hd] + model.placement))
         self.eager_ms = _timed(self.decoder.warmup, devs)   # one eager chunk, warm

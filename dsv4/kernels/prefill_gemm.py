@@ -266,15 +266,18 @@ def _mma16(acc, w, a, F32: tl.constexpr):
 
 @triton.jit
 def _gemm16_kernel(a_ptr, rows_ptr, w_ptr, s_ptr, w3_ptr, s3_ptr, out_ptr, rw_ptr, tile_e_ptr,
-                   tile_r_ptr, M, limit, N: tl.constexpr, K: tl.constexpr, LDA: tl.constexpr,
-                   GROUP_N: tl.constexpr, FMT: tl.constexpr, GROUPED: tl.constexpr,
-                   GATHER: tl.constexpr, SWIGLU: tl.constexpr, LIMIT: tl.constexpr,
-                   ROUTE_W: tl.constexpr, QUANT: tl.constexpr, OUT_F32: tl.constexpr,
-                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, F32: tl.constexpr,
-                   NATIVE: tl.constexpr):
-    # program (row tile, n tile): acc [BN, BM] = W[n] @ A[rows]^T over K in BK steps, the next
-    # step's weight bytes in flight. GROUP_N: output features [g*GROUP_N, (g+1)*GROUP_N) read A
-    # columns [g*K, (g+1)*K) (the grouped wo_a).
+                   tile_r_ptr, ws_ptr, M, PLANE, limit, N: tl.constexpr, K: tl.constexpr,
+                   LDA: tl.constexpr, GROUP_N: tl.constexpr, FMT: tl.constexpr,
+                   GROUPED: tl.constexpr, GATHER: tl.constexpr, SWIGLU: tl.constexpr,
+                   LIMIT: tl.constexpr, ROUTE_W: tl.constexpr, QUANT: tl.constexpr,
+                   OUT_F32: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                   SPLIT: tl.constexpr, F32: tl.constexpr, NATIVE: tl.constexpr):
+    # program (row tile, n tile, K split): acc [BN, BM] = W[n] @ A[rows]^T over the split's K
+    # range in BK steps, the next step's weight bytes in flight. GROUP_N: output features
+    # [g*GROUP_N, (g+1)*GROUP_N) read A columns [g*K, (g+1)*K) (the grouped wo_a). SPLIT > 1:
+    # the float32 partial sums go to ws [SPLIT, 1 + SWIGLU, M, N] (PLANE = M * N; every output
+    # row belongs to one live tile) and _splitk_kernel adds them in split order and applies the
+    # epilogue.
     e, rows, rm, arow = _tile_rows(rows_ptr, tile_e_ptr, tile_r_ptr, M, GROUPED, GATHER, BM)
     if tl.max(rm.to(tl.int32), axis=0) == 0:
         return
@@ -284,13 +287,15 @@ def _gemm16_kernel(a_ptr, rows_ptr, w_ptr, s_ptr, w3_ptr, s3_ptr, out_ptr, rw_pt
     acol = 0
     if GROUP_N > 0:
         acol = (tl.program_id(1) * BN // GROUP_N) * K
+    KS: tl.constexpr = K // SPLIT
+    ks = tl.program_id(2) * KS
     acc = tl.zeros([BN, BM], tl.float32)
     acc3 = tl.zeros([BN, BM], tl.float32)
-    b, s = _w16_load(w_ptr, s_ptr, wrow, n, nm, 0, N, K, FMT, BK)
+    b, s = _w16_load(w_ptr, s_ptr, wrow, n, nm, ks, N, K, FMT, BK)
     b3, s3 = b, s
     if SWIGLU:
-        b3, s3 = _w16_load(w3_ptr, s3_ptr, wrow, n, nm, 0, N, K, FMT, BK)
-    for k0 in range(0, K, BK):
+        b3, s3 = _w16_load(w3_ptr, s3_ptr, wrow, n, nm, ks, N, K, FMT, BK)
+    for k0 in range(ks, ks + KS, BK):
         kk = k0 + tl.arange(0, BK)
         a = tl.load(a_ptr + arow[:, None] * LDA + acol + kk[None, :], mask=rm[:, None], other=0.0)
         bn, sn = _w16_load(w_ptr, s_ptr, wrow, n, nm, k0 + BK, N, K, FMT, BK)
@@ -300,6 +305,40 @@ def _gemm16_kernel(a_ptr, rows_ptr, w_ptr, s_ptr, w3_ptr, s3_ptr, out_ptr, rw_pt
             bn3, sn3 = _w16_load(w3_ptr, s3_ptr, wrow, n, nm, k0 + BK, N, K, FMT, BK)
             acc3 = _mma16(acc3, _w16_decode(b3, s3, FMT, BN, BK, NATIVE), a, F32)
             b3, s3 = bn3, sn3
+    if SPLIT > 1:
+        NMAT: tl.constexpr = 2 if SWIGLU else 1
+        off = rows[None, :].to(tl.int64) * N + n[:, None]                         # [BN, BM]
+        wm = nm[:, None] & rm[None, :]
+        plane = tl.program_id(2) * NMAT * PLANE
+        tl.store(ws_ptr + plane + off, acc, mask=wm)
+        if SWIGLU:
+            tl.store(ws_ptr + plane + PLANE + off, acc3, mask=wm)
+    else:
+        _epilogue(acc, acc3, out_ptr, out_ptr, rw_ptr, rows, rm, n, nm, limit, N, SWIGLU, LIMIT,
+                  ROUTE_W, QUANT, OUT_F32)
+
+
+@triton.jit
+def _splitk_kernel(ws_ptr, out_ptr, rw_ptr, M, PLANE, limit, N: tl.constexpr,
+                   SPLIT: tl.constexpr, SWIGLU: tl.constexpr, LIMIT: tl.constexpr,
+                   ROUTE_W: tl.constexpr, QUANT: tl.constexpr, OUT_F32: tl.constexpr,
+                   BM: tl.constexpr, BN: tl.constexpr):
+    # program (row tile, n tile): the K splits' partial sums of _gemm16_kernel added in split
+    # order (a fixed float32 order: the same bits every run), then its epilogue
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    rm = rows < M
+    n = tl.program_id(1) * BN + tl.arange(0, BN)
+    nm = n < N
+    off = rows[None, :].to(tl.int64) * N + n[:, None]                             # [BN, BM]
+    lm = nm[:, None] & rm[None, :]
+    NMAT: tl.constexpr = 2 if SWIGLU else 1
+    acc = tl.zeros([BN, BM], tl.float32)
+    acc3 = tl.zeros([BN, BM], tl.float32)
+    for sp in tl.static_range(SPLIT):
+        plane = sp * NMAT * PLANE
+        acc += tl.load(ws_ptr + plane + off, mask=lm, other=0.0)
+        if SWIGLU:
+            acc3 += tl.load(ws_ptr + plane + PLANE + off, mask=lm, other=0.0)
     _epilogue(acc, acc3, out_ptr, out_ptr, rw_ptr, rows, rm, n, nm, limit, N, SWIGLU, LIMIT,
               ROUTE_W, QUANT, OUT_F32)
 
@@ -332,6 +371,10 @@ def _act_quant8_kernel(x_ptr, y_ptr, s_ptr, M, K: tl.constexpr, R: tl.constexpr)
 
 MMA_SWITCH = "DSV4_PREFILL_MMA"   # e.g. "fp4=fp8,fp8=bf16": the tensor-core path per format
 FP8_MMA_MIN_ROWS = 256   # FP8 weights: FP8 tensor cores from this many rows, bf16 below
+SPLIT_PROGRAMS = int(os.environ.get("DSV4_SPLIT_PROGRAMS", 264))  # k_split: programs to aim
+# for (two per SM of an H100 / H200; the variable: benchmarks)
+SPLIT_MIN_STEPS = 4      # k_split: K steps per program at least
+SPLIT_BM = 16            # rows per program of the split-K sum
 
 
 @dataclass(frozen=True)
@@ -459,16 +502,29 @@ def _words(w: torch.Tensor | None, fmt: str):
     return w.view(torch.int32)
 
 
+def k_split(programs: int, steps: int) -> int:
+    """K splits for a plain GEMM of `programs` (row tile, n tile) programs and `steps` K steps
+    each: a few rows leave most SMs idle while each program walks all of K, one weight tile at a
+    time, so split K (a power of two dividing steps) until ~SPLIT_PROGRAMS programs run, each
+    keeping >= SPLIT_MIN_STEPS steps."""
+    split = 1
+    while (programs * split * 2 <= SPLIT_PROGRAMS and steps % (split * 2) == 0
+           and steps // (split * 2) >= SPLIT_MIN_STEPS):
+        split *= 2
+    return split
+
+
 def gemm16(a, w, s, fmt: str, out: torch.Tensor, *, bm: int = BM, rows=None, tiles=None,
            grid_m=None, w3=None, s3=None, rw=None, limit: float = 0.0, quant: bool = False,
-           group_k: int = 0, bk: int | None = None, bn: int = BN, warps: int = WARPS
-           ) -> torch.Tensor:
+           group_k: int = 0, bk: int | None = None, bn: int = BN, warps: int = WARPS,
+           split: int | None = None) -> torch.Tensor:
     """bf16 tensor cores: out = A @ W^T over bf16 rows a [m_a, k] (already act-quantized for
     quantized weights, or not: wo_a) and a bf16 / FP8 / FP4 weight decoded to bf16 in registers;
     rows / tiles / w3 as gemm8; quant: act-quantize the SwiGLU output (exact bf16 values; needs
     bn = 128, the quant block). bk, bn, warps: the K step, output-feature tile and warps.
     group_k: the grouped wo_a (output group g = rows [g*n/G, (g+1)*n/G) reads
-    a[:, g*group_k:(g+1)*group_k])."""
+    a[:, g*group_k:(g+1)*group_k]). split: K splits (None: k_split's choice over the grid's
+    programs), their float32 partials added in split order by a second launch."""
     K = group_k or a.shape[1]
     N = w.shape[-2]
     bk = bk or BK16.get(fmt, BK)
@@ -482,16 +538,31 @@ def gemm16(a, w, s, fmt: str, out: torch.Tensor, *, bm: int = BM, rows=None, til
             raise ValueError(f"bf16 GEMM: a wo_a group of {gn} rows is not a multiple of {bn}")
     dummy = out
     tile_e, tile_r = tiles if tiles is not None else (dummy, dummy)
+    grid = _grid(out, bm, grid_m, N, bn)
+    if split is None:
+        split = k_split(grid[0] * grid[1], K // bk)
+    if K % (split * bk):
+        raise ValueError(f"bf16 GEMM: {split} K splits need k = {K} a multiple of {split} x {bk}")
+    M = out.shape[0]
+    nmat = 2 if w3 is not None else 1
+    ws = torch.empty(split, nmat, M, N, dtype=torch.float32, device=out.device) \
+        if split > 1 else dummy
     with on_device(out):
-        _gemm16_kernel[_grid(out, bm, grid_m, N, bn)](
+        _gemm16_kernel[grid + (split,)](
             a, rows if rows is not None else dummy, _words(w, fmt),
             _bytes(s) if s is not None else dummy, _words(w3, fmt) if w3 is not None else dummy,
             _bytes(s3) if s3 is not None else dummy, out, rw if rw is not None else dummy,
-            tile_e, tile_r, out.shape[0], float(limit), N=N, K=K, LDA=a.shape[1], GROUP_N=gn,
-            FMT=FORMATS[fmt], GROUPED=tiles is not None, GATHER=rows is not None,
+            tile_e, tile_r, ws, M, M * N, float(limit), N=N, K=K, LDA=a.shape[1],
+            GROUP_N=gn, FMT=FORMATS[fmt], GROUPED=tiles is not None, GATHER=rows is not None,
             SWIGLU=w3 is not None, LIMIT=limit > 0, ROUTE_W=rw is not None, QUANT=int(quant),
-            OUT_F32=out.dtype == torch.float32, BM=bm, BN=bn, BK=bk, F32=interpreting(),
-            NATIVE=not interpreting(), num_warps=warps, num_stages=STAGES)
+            OUT_F32=out.dtype == torch.float32, BM=bm, BN=bn, BK=bk, SPLIT=split,
+            F32=interpreting(), NATIVE=not interpreting(), num_warps=warps, num_stages=STAGES)
+        if split > 1:
+            _splitk_kernel[(triton.cdiv(M, SPLIT_BM), triton.cdiv(N, BN))](
+                ws, out, rw if rw is not None else dummy, M, M * N, float(limit), N=N,
+                SPLIT=split, SWIGLU=w3 is not None, LIMIT=limit > 0, ROUTE_W=rw is not None,
+                QUANT=int(quant), OUT_F32=out.dtype == torch.float32, BM=SPLIT_BM, BN=BN,
+                num_warps=4)
     return out
 
 

@@ -121,6 +121,66 @@ def check_linear_exact(dev, gen, M=40, N=256, K=256):
                                                        out_dtype=od)), f"exact {fmt} {od}"
 
 
+def check_split_k(dev, gen, M=3, N=256, K=512):
+    """K split into 1..8 parts (the few-row GEMMs): exactly representable sums, so every split
+    gives the reference's bits, plain and with the SwiGLU + act-quant epilogue; linear() on a few
+    rows splits by itself."""
+    from dsv4.formats import quantize_fp4_weight, quantize_fp8_weight
+    from dsv4.kernels import prefill_gemm as P
+    x = (torch.randint(-8, 9, (M, K), generator=gen).float() / 16).bfloat16().to(dev)
+    grid = torch.tensor([0, .5, 1, 1.5, 2, 3, 4, 6])
+    mats = {}
+    for fmt in ("bf16", "fp8", "fp4"):
+        ws = []
+        for _ in range(2):
+            sign = torch.randint(0, 2, (N, K), generator=gen) * 2 - 1
+            m = grid[torch.randint(0, 8, (N, K), generator=gen)] * sign
+            if fmt == "bf16":
+                ws.append((m.bfloat16().to(dev), None))
+            else:
+                w, sc = (quantize_fp8_weight if fmt == "fp8" else quantize_fp4_weight)(m)
+                ws.append((w.to(dev), sc.to(dev)))
+        mats[fmt] = ws
+    assert P.k_split(3, 8) > 1, "a 3-program GEMM should split K"
+    for fmt, ((w, sc), (w3, s3)) in mats.items():
+        for od in (torch.float32, torch.bfloat16):
+            ref = P.linear_reference(x.cpu(), w.cpu(), None if sc is None else sc.cpu(), fmt,
+                                     out_dtype=od, quant_act=False)
+            for split in (1, 2, 4, 8):
+                out = torch.empty(M, N, dtype=od, device=dev)
+                P.gemm16(x, w, sc, fmt, out, bm=16, split=split)
+                assert torch.equal(out.cpu(), ref), f"split {split} {fmt} {od}"
+            out = P.linear(x, w, sc, fmt, out_dtype=od).cpu()    # auto split; x is act_quant-exact
+            assert torch.equal(out, ref), f"linear {fmt} {od} (auto split)"
+        outs = []
+        for split in (1, 2, 8):
+            out = torch.empty(M, N, dtype=torch.bfloat16, device=dev)
+            P.gemm16(x, w, sc, fmt, out, bm=16, w3=w3, s3=s3, limit=7.0, quant=fmt != "bf16",
+                     split=split)
+            outs.append(out.cpu())
+        assert all(torch.equal(o, outs[0]) for o in outs[1:]), f"split SwiGLU {fmt}"
+        assert outs[0].abs().sum() > 0
+    # grouped experts (gathered rows, route weights): the same bits for every split
+    from dsv4.kernels import prefill_moe as Q
+    T, E, k = 5, 4, 2
+    idx = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)]).sort(1).values
+    wt = torch.rand(T, k, generator=gen).to(dev)
+    for fmt in ("fp8", "fp4"):
+        (w, sc), (w3, s3) = mats[fmt]
+        bank = [t[None].repeat(E, *([1] * t.dim())) for t in (w, sc, w3, s3)]
+        plan = Q.expert_plan(idx.to(dev), wt, E, fmt)
+        tile = plan.tile
+        outs = []
+        for split in (1, 2, 4):
+            out = torch.empty(T * k, N, dtype=torch.bfloat16, device=dev)
+            P.gemm16(x, bank[0], bank[1], fmt, out, rows=plan.token, w3=bank[2], s3=bank[3],
+                     rw=plan.weight, limit=7.0, quant=True, bm=tile.bm, bn=128, bk=64,
+                     warps=tile.warps, split=split, **plan.launch())
+            outs.append(out.cpu())
+        assert all(torch.equal(o, outs[0]) for o in outs[1:]), f"grouped split {fmt}"
+        assert outs[0].abs().sum() > 0
+
+
 def check_moe(dev, gen, T=50, D=256, I=128, E=8, k=3):
     """expert_plan's invariants; the grouped up / down / combine against the reference loop."""
     from dsv4.kernels import prefill_moe as P
@@ -337,6 +397,7 @@ def check_parity_bf16(dev):
 
 def check_all(dev, seed, tmp):
     gen = torch.Generator().manual_seed(seed)
+    check_split_k(dev, gen)
     _both_paths(lambda: (check_linear(dev, gen), check_linear_exact(dev, gen),
                          check_moe(dev, gen), check_moe(dev, gen, T=150, E=2, k=2)))
     check_attention_rows(dev, gen)
@@ -384,10 +445,13 @@ def compile_all() -> list:
     up = dict(GROUPED=True, GATHER=True, SWIGLU=True, LIMIT=True, ROUTE_W=True, QUANT=True)
     g16 = {"a_ptr": "*bf16", "rows_ptr": "*i32", "w_ptr": "*u8", "s_ptr": "*u8",
            "w3_ptr": "*u8", "s3_ptr": "*u8", "out_ptr": "*bf16", "rw_ptr": "*fp32",
-           "tile_e_ptr": "*i32", "tile_r_ptr": "*i32", "M": "i32", "limit": "fp32"}
+           "tile_e_ptr": "*i32", "tile_r_ptr": "*i32", "ws_ptr": "*fp32", "M": "i32",
+           "PLANE": "i32", "limit": "fp32"}
     b16 = dict(GROUP_N=0, GROUPED=False, GATHER=False, SWIGLU=False, LIMIT=False, ROUTE_W=False,
-               QUANT=0,
-               OUT_F32=False, BM=P.BM, BN=P.BN, BK=P.BK, F32=False, NATIVE=True)
+               QUANT=0, OUT_F32=False, BM=P.BM, BN=P.BN, BK=P.BK, SPLIT=1, F32=False,
+               NATIVE=True)
+    sk = {"ws_ptr": "*fp32", "out_ptr": "*bf16", "rw_ptr": "*fp32", "M": "i32", "PLANE": "i32",
+          "limit": "fp32"}
     jobs = [
         ("fp8 linear (wq_b)", P._gemm8_kernel, g8, dict(b8, N=32768, K=1024, FP4=False), P.WARPS),
         ("fp4 moe up", P._gemm8_kernel, dict(g8, out_ptr="*u8"),
@@ -415,6 +479,14 @@ def compile_all() -> list:
               LIMIT=True, ROUTE_W=True, QUANT=1, BM=16), P.WARPS),
         ("fp8 linear (bf16 MMA, 128-row tiles)", P._gemm16_kernel, g16,
          dict(b16, N=32768, K=1024, LDA=1024, FMT=1, BM=128), P.WARPS),
+        ("fp8 linear (bf16 MMA, 16-row tiles, K split 16)", P._gemm16_kernel, g16,
+         dict(b16, N=1024, K=4096, LDA=4096, FMT=1, BM=16, SPLIT=16), P.WARPS),
+        ("fp8 shared up (bf16 MMA, K split 8)", P._gemm16_kernel, g16,
+         dict(b16, N=2048, K=4096, LDA=4096, FMT=1, BM=16, SPLIT=8, SWIGLU=True, LIMIT=True),
+         P.WARPS),
+        ("split-K sum (SwiGLU, act quant)", P._splitk_kernel, sk,
+         dict(N=2048, SPLIT=8, SWIGLU=True, LIMIT=True, ROUTE_W=True, QUANT=1, OUT_F32=False,
+              BM=P.SPLIT_BM, BN=P.BN), 4),
         ("fp4 moe up (FP8 MMA, 16-row tiles)", P._gemm8_kernel, dict(g8, out_ptr="*u8"),
          dict(b8, N=2048, K=4096, FP4=True, **up, BM=16), P.WARPS),
         ("act_quant8", P._act_quant8_kernel, {"x_ptr": "*bf16", "y_ptr": "*u8", "s_ptr": "*fp32",
