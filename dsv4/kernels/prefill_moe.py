@@ -127,8 +127,10 @@ def _up(r: Rows, w1, s1, w3, s3, fmt, limit, n_rows, tile: Tile, **kw) -> Rows:
         return Rows(act_quant(out) if q and tile.bn != 128 else out)
     a8 = torch.empty(n_rows, I, dtype=torch.uint8, device=r.device)
     a_s = torch.empty(n_rows, I // 128, dtype=torch.float32, device=r.device)
+    # 64-row tiles of the two matrices: 8 warps (the Flash shared expert's up over 4,096 rows on
+    # an H200: 0.50 -> 0.32 ms; its down stays faster on 4)
     gemm8(r.x8, r.xs, w1, s1, fmt, a8, w3=w3, s3=s3, limit=limit, out_scale=a_s, bm=tile.bm,
-          warps=tile.warps, **kw)
+          warps=8 if tile.bm == 64 else tile.warps, **kw)
     return Rows(None, a8, a_s)
 
 
