@@ -133,12 +133,23 @@ def measure(model: Transformer, n: int, reps: int, seed: int, chunk: int | None)
             "graphs": graphs is not None and graphs.covers(n)}
 
 
+def kernel_table(prof, width: int = 70) -> list:
+    """The CUDA kernels of a torch.profiler run -> [name, launches, summed device ms] by time."""
+    from .bench import NOT_KERNELS
+    kern: dict = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith(NOT_KERNELS):
+            k = kern.setdefault(e.name[:width], [0, 0.0])
+            k[0] += 1
+            k[1] += (getattr(e, "device_time", 0.0) or getattr(e, "cuda_time", 0.0)) / 1e3
+    return sorted(([k, c, round(ms, 3)] for k, (c, ms) in kern.items()), key=lambda r: -r[2])
+
+
 def profile(model: Transformer, n: int, seed: int, chunk: int | None, top: int = 25) -> dict:
     """One unprofiled prefill (host issue time vs device span), then one profiled prefill
     (torch.profiler): CUDA kernels launched, their summed device time, the host time, the `top`
     kernels by device time [name, launches, ms] and the `top` host ops by self CPU time [name,
     calls, ms]."""
-    from .bench import NOT_KERNELS
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, model.cfg.vocab_size, (n,), generator=gen).to(model.head_device)
     # unprofiled: how long the host takes to issue the prefill vs the device's span over it (the
@@ -158,13 +169,7 @@ def profile(model: Transformer, n: int, seed: int, chunk: int | None, top: int =
     with torch.profiler.profile(activities=acts) as prof:
         int(model.prefill(ids, chunk=chunk).argmax())
     wall = time.perf_counter() - t
-    kern: dict = {}
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith(NOT_KERNELS):
-            k = kern.setdefault(e.name[:70], [0, 0.0])
-            k[0] += 1
-            k[1] += (getattr(e, "device_time", 0.0) or getattr(e, "cuda_time", 0.0)) / 1e3
-    rows = sorted(([k, c, round(ms, 3)] for k, (c, ms) in kern.items()), key=lambda r: -r[2])
+    rows = kernel_table(prof)
     host = sorted(([a.key[:70], a.count, round(a.self_cpu_time_total / 1e3, 3)]
                    for a in prof.key_averages()), key=lambda r: -r[2])
     return {"kernels": sum(c for _, c, _ in rows), "device_ms": sum(ms for *_, ms in rows),

@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from dsv4.bench import NOT_KERNELS
+from dsv4.bench_prefill import kernel_table
 from dsv4.device_weights import DeviceWeights
 from dsv4.model import RuntimeConfig, Transformer
 from dsv4.prefill_graphs import _ChunkGraphs
@@ -55,13 +55,7 @@ for S in sizes:
         with torch.profiler.profile(activities=acts) as prof:
             c.decoder.step(ids=ids, start=0)
             torch.cuda.synchronize()
-    kern = {}
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith(NOT_KERNELS):
-            k = kern.setdefault(e.name[:90], [0, 0.0])
-            k[0] += 1
-            k[1] += (getattr(e, "device_time", 0.0) or getattr(e, "cuda_time", 0.0)) / 1e3
-    rows = sorted(([k, n, round(v, 3)] for k, (n, v) in kern.items()), key=lambda r: -r[2])
+    rows = kernel_table(prof, 90)
     tot = sum(r[2] for r in rows)
     print(f"S={S}: replay random {statistics.median(ms):.2f} ms {[round(m,1) for m in ms]}, zeros {statistics.median(zms):.2f}, reset {rms:.2f}; "
           f"profiled kernels {sum(r[1] for r in rows)}, device sum {tot:.2f} ms", flush=True)
