@@ -16,7 +16,7 @@ from .linear import Linear
 from .mhc import rms_norm
 from .quant import fp8_quant_dequant
 from .rope import apply_rope, cos_sin, rope_frequencies
-from .sparse import sparse_attention
+from .sparse import sparse_attention, visible_bound
 from .state import LayerState
 
 QUERY_BLOCK = 64  # prefill queries per torch sparse-attention call (bounds the gathered KV)
@@ -234,12 +234,6 @@ class Attention:
         if not x.is_cuda:   # the interpreter tests of the fused path: torch linears
             return [lin(x, dt) for lin, dt in zip(lins, dts)]
         return bf16_linear_multi(x, [lin.weight for lin in lins], dts)
-
-
-def visible_bound(start, s: int, ratio: int, n: int) -> int:
-    """Compressed entries a chunk of s queries at `start` may attend (the first (start+s)//ratio
-    of the cache's n); a device start (capture) gives the whole cache."""
-    return n if isinstance(start, torch.Tensor) else min(n, (start + s) // ratio)
 
 
 def window_indices(start, s: int, window: int, device) -> torch.Tensor:

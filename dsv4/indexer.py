@@ -13,7 +13,7 @@ from .config import ModelConfig
 from .linear import Linear
 from .quant import fp4_quant_dequant, hadamard
 from .rope import apply_rope
-from .sparse import index_scores, topk_lowest
+from .sparse import index_scores, topk_lowest, visible_bound
 from .state import LayerState
 
 SCORE_ELEMS = 1 << 26  # prefill: bound on the [queries, heads, entries] index-score tensor
@@ -50,21 +50,19 @@ class Indexer:
         masked by position, and nothing syncs with the host)."""
         s, act = x.shape[0], x.dtype
         rows = kernels.prefill_ok(x)
-        if not rows and isinstance(start, torch.Tensor):
-            start = int(start)
-        pos0 = start if isinstance(start, torch.Tensor) else torch.full(
-            (1,), start, dtype=torch.int64, device=x.device)
         if rows:                           # RoPE, Hadamard, FP4 fake-quant in one launch
             from .kernels.indexer_decode import index_query
+            pos0 = start if isinstance(start, torch.Tensor) else torch.full(
+                (1,), start, dtype=torch.int64, device=x.device)
             q = index_query(self.wq_b(qr, act), pos0, freqs, self.n_heads).view(
                 s, self.n_heads, self.head_dim)
             w = self.weights_proj(x, act) * (self.head_dim ** -0.5 * self.n_heads ** -0.5)
         else:
+            start = int(start)             # the torch path: host shapes (never captured)
             q, w = self._query(x, qr, cs, act)
         self.compressor.prefill(x, st.index_compressor, st.index_cache, freqs,
                                 pos0 if rows else start)
-        n = st.index_cache.shape[0] - 1
-        t = n if isinstance(start, torch.Tensor) else min(n, (start + s) // 4)
+        t = visible_bound(start, s, 4, st.index_cache.shape[0] - 1)
         k = min(self.cfg.index_topk, t)
         if k == 0:
             return torch.empty(s, 0, dtype=torch.int64, device=x.device)

@@ -48,3 +48,9 @@ def topk_lowest(scores: torch.Tensor, k: int) -> torch.Tensor:
     t = scores.shape[-1]
     col = torch.arange(t - 1, -1, -1, device=scores.device)
     return ((b << 32) | col).topk(k, dim=-1).indices
+
+
+def visible_bound(start, s: int, ratio: int, n: int) -> int:
+    """Compressed entries a chunk of s queries at `start` may attend (the first (start+s)//ratio
+    of the cache's n); a device start (capture) gives the whole cache."""
+    return n if isinstance(start, torch.Tensor) else min(n, (start + s) // ratio)
