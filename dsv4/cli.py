@@ -66,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(worth it when one process serves several prompts)")
     r.add_argument("--speculative", type=int, default=0, metavar="K",
                    help="self-speculative decoding with the checkpoint's MTP block, K drafted "
-                        "tokens per step (0 = off; K = 1 is implemented; eager mode)")
+                        "tokens per step (0 = off; K = 1 is implemented)")
     o = p.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="one JSON object on stdout at the end")
     o.add_argument("--dump-logits", help="save float32 logits [n_generated, vocab] to PATH.npy")
@@ -130,16 +130,17 @@ def run(args) -> int:
     sampling = SamplingParams(args.temperature, args.top_p, args.top_k,
                               args.seed if args.seed is not None else secrets.randbelow(2 ** 31))
     devices = resolve_devices(args.device)
-    if args.speculative and args.mode == "graph":
-        raise InputError(f"--speculative {args.speculative} runs in eager mode (the speculative "
-                         f"step is not captured yet): use --mode eager or auto")
-    mode = "eager" if args.speculative else resolve_mode(args.mode, devices)
+    mode = resolve_mode(args.mode, devices)
     if g and mode != "graph":
-        raise InputError(f"--prefill-graphs {g} needs graph mode (CUDA, --mode graph or auto, "
-                         f"without --speculative); use --prefill-graphs 0")
+        raise InputError(f"--prefill-graphs {g} needs graph mode (CUDA, --mode graph or auto); use "
+                         f"--prefill-graphs 0")
+    if g and args.speculative:
+        raise InputError(f"--prefill-graphs {g}: a prefill that the MTP block follows "
+                         f"(--speculative) does not replay chunk graphs; use --prefill-graphs 0")
     if args.speculative and devices[0].startswith("cuda"):
-        print("[dsv4] note: --speculative runs in eager mode (its step is not captured yet); on "
-              "CUDA plain graph decoding (--speculative 0) is faster", file=sys.stderr)
+        print("[dsv4] note: --speculative reads every weight once per verified row for now (a "
+              "step costs ~2.2x a plain one), so it is slower than plain decoding "
+              "(--speculative 0) at any acceptance rate", file=sys.stderr)
     force = _parse_ids(args.force_ids, "--force-ids") if args.force_ids is not None else None
     from .profiling import parse_steps
     if args.profile != "none":

@@ -95,13 +95,12 @@ class Session:
                  granularity: str = "segment", debug: bool = False, nvtx_domain: str = "dsv4",
                  speculative: int = 0):
         self.model, self.params, self.mode = model, params, mode
-        self.spec = None                # speculative decoding (dsv4.speculative): eager only
+        self.spec = None                # the speculative step (dsv4.spec_step), when asked for
         if speculative:
-            if mode == "graph":
-                raise InputError(f"--speculative {speculative}: the speculative step is not "
-                                 f"captured yet; use --mode eager")
-            from .speculative import Speculator
-            self.spec = Speculator(model, params, speculative)
+            from .spec_step import SpecStep
+            self.spec = SpecStep(model, params, speculative, mode=mode, granularity=granularity,
+                                 reset_fn=self.reset, debug=debug, nvtx_domain=f"{nvtx_domain}-spec",
+                                 fix_hints=FIX_HINTS)
         self.bufs = DecodeBuffers.allocate(model)
         segs = build_segments(model, self.bufs, params)
         self.decoder = CUDAGraphDecoder(
@@ -117,6 +116,8 @@ class Session:
             t = time.perf_counter()
             self.decoder.warmup()
             self.decoder.capture()
+            if self.spec is not None:
+                self.spec.capture()
             self.capture_s = time.perf_counter() - t
             if model.rt.prefill_graphs and model.prefill_graphs is None and self.spec is None:
                 from .prefill_graphs import PrefillGraphs   # short prompts replay chunk graphs
@@ -129,10 +130,14 @@ class Session:
         self.bufs.token.zero_()
         self.bufs.pos.fill_(1)
         self.bufs.out_ids.fill_(-1)
+        if self.spec is not None:
+            self.spec.reset()
         self.length, self.pending = 0, None
 
     def close(self) -> None:
         self.decoder.close()
+        if self.spec is not None:
+            self.spec.close()
 
     # ---- the sequence ------------------------------------------------------------------------
     # `length`: positions the model state holds (tokens fed); `pending`: the last token chosen by
@@ -280,11 +285,15 @@ class Session:
     @torch.inference_mode()
     def _generate_speculative(self, feed, start, prompt_ids, max_new_tokens, eos_id, on_token,
                               keep_logits, progress) -> GenerationResult:
-        """generate() with the MTP block's drafts (eager): prefill (the MTP block following),
-        the first token, then speculative steps of up to 1 + k tokens each."""
+        """generate() with the MTP block's drafts: prefill (the MTP block following), the first
+        token and its draft, then speculative steps (graphs or eager, like the plain loop) of up
+        to 1 + k tokens each. The host reads each step's output before the next one: it sets
+        the next step's limit, and the state must end exactly at the output's end."""
         model, spec, hd = self.model, self.spec, self.model.head_device
         sync = torch.cuda.synchronize if hd.type == "cuda" else (lambda: None)
         steps0, prop0, acc0 = spec.steps, spec.proposed, spec.accepted
+        if start == 0:
+            self.reset()
         sync()
         t0 = time.perf_counter()
         with nvtx_range("prefill"):
@@ -292,7 +301,7 @@ class Session:
                                    progress=progress, mtp=True)
         p0 = start + len(feed)
         tok = sample(logits, torch.tensor([p0 - 1], device=hd), self.params)
-        d, q = spec.first_draft(tok, p0)
+        spec.start(tok, p0)
         rows = [logits.to("cpu", copy=True)] if keep_logits else None
         out = [int(tok)]
         sync()
@@ -300,21 +309,21 @@ class Session:
         if on_token is not None:
             on_token(out[0])
         stop = eos_id is not None and out[0] == eos_id
-        pos, pending = p0, tok
+        pos = p0
         while not stop and len(out) < max_new_tokens:
             with nvtx_range(f"decode/spec{spec.steps}"):
-                y, lg, d, q = spec.step(pending, d, q, pos, max_new_tokens - len(out), eos_id)
-            ys = y.tolist()
+                ys = spec.step(max_new_tokens - len(out), eos_id)
             for tid in ys:
                 out.append(tid)
                 if on_token is not None:
                     on_token(tid)
             if keep_logits:
-                rows += list(lg.to("cpu"))
-            pos, pending = pos + len(ys), y[-1:]
+                rows += list(spec.bufs.logits[:len(ys)].to("cpu", copy=True))
+            pos += len(ys)
             stop = eos_id is not None and ys[-1] == eos_id
         sync()
         t2 = time.perf_counter()
+        model.mtp_commit(pos)             # the MTP block read the rows < pos; none waits
         self.length, self.pending = pos, out[-1]
         n_dec, steps = len(out) - 1, spec.steps - steps0
         proposed, accepted = spec.proposed - prop0, spec.accepted - acc0

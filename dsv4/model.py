@@ -264,13 +264,6 @@ class Transformer:
         self.mtp_len, self.h_last = self.mtp_len + 1, None
         return self.logits(hm, head=self.mtp.head())
 
-    def mtp_rows(self, h: torch.Tensor, toks: torch.Tensor, pos0: int) -> torch.Tensor:
-        """MTP rows at pos0.. for main rows h [n, c, D] and the tokens after them [n] -> [n, c, D].
-        The caller owns the bookkeeping (mtp_commit) and any rewind of rejected rows."""
-        if self.mtp_len != pos0:
-            raise ConfigError(f"MTP rows at {pos0}: the block has read {self.mtp_len} positions")
-        return self.mtp.prefill(h, self.embed.index_select(0, toks), toks, pos0)
-
     def mtp_commit(self, length: int) -> None:
         """The MTP block has read positions < length (no row waits)."""
         self.mtp_len, self.h_last = length, None

@@ -1,0 +1,170 @@
+"""The speculative step as segments (dsv4/spec_step.py): on the CPU, a step reads no tensor value
+on the host and the journal puts back exactly the slots of dropped rows; on a GPU, the journal
+kernel equals its torch reference, graph replay equals the eager step bit for bit (greedy and
+sampled), greedy speculation in graph mode equals plain graph decoding bit for bit, and warm-up,
+capture and replay make no host sync."""
+import pytest
+import torch
+
+from dsv4.generate import Session, load_model
+from dsv4.model import RuntimeConfig
+from dsv4.sampling import SamplingParams
+from dsv4.speculative import Journal
+from dsv4.state import LayerState
+from helpers import SMALL, small_checkpoint
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return small_checkpoint(tmp_path_factory.mktemp("spec"), "fp8")
+
+
+def _model(path, dtype=torch.float32, device="cpu", cap=320):
+    m, ck = load_model(path, RuntimeConfig(max_seq_len=cap, dtype=dtype, devices=(device,),
+                                           mtp=True))
+    ck.close()
+    m.head.mul_(30.0)       # the same greedy tokens, fewer near-ties in the random model
+    return m
+
+
+def test_spec_step_has_no_host_sync(ckpt, monkeypatch):
+    """Capture-readiness on the CPU: a speculative step (sampling, accept, rewind, draft) must not
+    read tensor values on the host."""
+    s = Session(_model(ckpt, torch.bfloat16), SamplingParams(temperature=1.0, top_p=0.9, seed=1),
+                speculative=1)
+    s.generate(list(range(10, 30)), 3)
+
+    def boom(*a, **k):
+        raise AssertionError("host sync in the speculative step")
+    for name in ("item", "tolist", "nonzero", "__bool__", "__int__", "__float__", "cpu", "numpy"):
+        monkeypatch.setattr(torch.Tensor, name, boom)
+    monkeypatch.setattr(torch, "nonzero", boom)
+    for _ in range(12):                              # crosses emissions of every compressor
+        s.spec.decoder.step()
+    monkeypatch.undo()
+    assert int(s.spec.bufs.pos) > 20 + 12
+
+
+def _states(cfg, device, cap=64):
+    """One random state per compress ratio in use (0, 4 and the config's others)."""
+    out = []
+    for r in sorted({0, 4, *[x for x in cfg.compress_ratios if x]}):
+        st = LayerState.allocate(cfg, r, cap, torch.bfloat16, device)
+        for t in st.buffers().values():
+            t.copy_(torch.randn(t.shape, dtype=torch.float32).to(t.dtype))
+        out.append((st, r))
+    return out
+
+
+def _run_journal(states, T, pos, keep, torch_only):
+    """save at pos, overwrite every state tensor, rewind(keep) -> the state tensors."""
+    j = Journal(states, SMALL.window_size, T)
+    if torch_only:
+        j.fast = None
+    dev = states[0][0].kv_cache.device
+    p, k = torch.tensor([pos], device=dev), torch.tensor([keep], device=dev)
+    j.save(p)
+    g = torch.Generator().manual_seed(10007 + pos * 7 + keep)     # not the states' seed
+    for st, _ in states:
+        for t in st.buffers().values():
+            t.copy_(torch.randn(t.shape, generator=g).to(t.dtype))
+    j.rewind(p, k)
+    return [t.clone() for st, _ in states for t in st.buffers().values()]
+
+
+def test_journal_restores_dropped_rows_only():
+    """Rows after keep get their saved slots back (the overwrite is random, so a row equal to its
+    saved value was restored); rows up to keep and other slots keep the overwritten values; a block-completing row also gets back the emitted entry and, in overlap
+    mode, the previous block."""
+    T = 2
+    for pos in range(0, 20):
+        torch.manual_seed(pos)
+        states = _states(SMALL, "cpu")
+        saved = [t.clone() for st, _ in states for t in st.buffers().values()]
+        kept = _run_journal(states, T, pos, 1, True)           # nothing dropped
+        assert not any((x == y).all(dim=-1).any() for x, y in zip(kept, saved))
+        torch.manual_seed(pos)
+        states = _states(SMALL, "cpu")
+        dropped = _run_journal(states, T, pos, 0, True)        # row 1 dropped
+        q = pos + 1
+        i = 0
+        for st, r in states:
+            for name, t in st.buffers().items():
+                rows = set((dropped[i] == saved[i]).all(dim=-1).nonzero().flatten().tolist())
+                want = set()
+                W = SMALL.window_size
+                if name == "kv_cache":
+                    want.add(q % W)
+                    if r and (q + 1) % r == 0:
+                        want.add(W + q // r)
+                elif name == "index_cache":
+                    if (q + 1) % r == 0:
+                        want.add(q // r)
+                else:                                  # compressor rows
+                    cur = r if r == 4 else 0
+                    want.add(cur + q % r)
+                    if r == 4 and (q + 1) % r == 0:
+                        want |= set(range(r))
+                assert rows == want, (pos, r, name, rows, want)
+                i += 1
+
+
+@pytest.mark.cuda
+def test_journal_kernel_equals_torch():
+    cfg = SMALL
+    for pos in range(0, 40, 3):
+        for keep in (0, 1):
+            for T in (2, 3, 4):
+                torch.manual_seed(pos)
+                a = _run_journal(_states(cfg, "cuda"), T, pos, keep, True)
+                torch.manual_seed(pos)
+                states = _states(cfg, "cuda")
+                j = Journal(states, cfg.window_size, T)
+                assert j.fast is not None
+                b = _run_journal(states, T, pos, keep, False)
+                for x, y in zip(a, b):
+                    assert torch.equal(x, y), (pos, keep, T)
+
+
+def _generate(m, params, mode, prompt, n, spec, oracle=None):
+    s = Session(m, params, mode=mode, speculative=1 if spec else 0)
+    if oracle is not None:
+        s.spec.set_oracle(*oracle)
+    out = s.generate(prompt, n, keep_logits=True)
+    s.close()
+    return out
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("params", [SamplingParams(),
+                                    SamplingParams(temperature=0.8, top_p=0.9, seed=4)])
+def test_graph_spec_equals_eager_bitwise(ckpt, params):
+    m = _model(ckpt, torch.bfloat16, "cuda")
+    prompt, n = list(range(5, 45)), 120
+    plain = _generate(m, params, "graph", prompt, n, False)
+    oracle = (prompt + plain.output_ids, 0.6)
+    graph = _generate(m, params, "graph", prompt, n, True, oracle)
+    eager = _generate(m, params, "eager", prompt, n, True, oracle)
+    assert graph.output_ids == eager.output_ids
+    assert torch.equal(graph.logits, eager.logits)
+    assert 0.3 < graph.timings["acceptance_rate"] < 0.9
+    if params.greedy:        # the kept rows are plain decoding's rows
+        assert graph.output_ids == plain.output_ids
+        assert torch.equal(graph.logits, plain.logits)
+
+
+@pytest.mark.cuda
+def test_spec_capture_and_replay_without_host_sync(ckpt):
+    from dsv4.spec_step import SpecStep
+    m = _model(ckpt, torch.bfloat16, "cuda")
+    spec = SpecStep(m, SamplingParams(temperature=1.0, seed=2), mode="graph")
+    prev = torch.cuda.get_sync_debug_mode()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        spec.capture()
+        for _ in range(5):
+            spec.decoder.step()
+    finally:
+        torch.cuda.set_sync_debug_mode(prev)
+    spec.close()
