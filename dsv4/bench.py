@@ -584,7 +584,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-decode", action="store_true", help="skip the decode measurement")
     p.add_argument("--speculative", action="store_true",
                    help="also measure the speculative mechanism (MTP block loaded): verify pass "
-                        "T = 1..4, draft, end-to-end tok/s at forced acceptance rates")
+                        "T = 1..4, the speculative step, end-to-end tok/s with an oracle drafting right at "
+                        "rates a")
     p.add_argument("--prefill-graphs", type=int, default=0, metavar="N",
                    help="CUDA: capture prefill chunk graphs of 1..N tokens (a power of two) and "
                         "time prompts up to N through them (capture time, each chunk's replay and eager time in the JSON)")
