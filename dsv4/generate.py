@@ -311,8 +311,13 @@ class Session:
         stop = eos_id is not None and out[0] == eos_id
         pos = p0
         while not stop and len(out) < max_new_tokens:
-            with nvtx_range(f"decode/spec{spec.steps}"):
+            i = spec.steps - steps0 + 1                 # this call's step number (profiling)
+            if self.step_hook is not None:
+                self.step_hook(i, True)
+            with nvtx_range(f"decode/spec{i}"):
                 ys = spec.step(max_new_tokens - len(out), eos_id)
+            if self.step_hook is not None:
+                self.step_hook(i, False)
             for tid in ys:
                 out.append(tid)
                 if on_token is not None:

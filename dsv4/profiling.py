@@ -64,8 +64,13 @@ class Profiler:
         elif not before and step == self.last:
             self._stop()
 
+    def _decoders(self) -> list:
+        spec = getattr(self.session, "spec", None)
+        return [self.session.decoder] + ([spec.decoder] if spec is not None else [])
+
     def _start(self) -> None:
-        self.session.decoder.record_ranges = True
+        for d in self._decoders():
+            d.record_ranges = True
         if self.kind == "nsys":
             torch.cuda.synchronize()
             torch.cuda.cudart().cudaProfilerStart()
@@ -77,7 +82,8 @@ class Profiler:
             self._prof.__enter__()
 
     def _stop(self) -> None:
-        self.session.decoder.record_ranges = False
+        for d in self._decoders():
+            d.record_ranges = False
         if self.kind == "nsys":
             torch.cuda.synchronize()
             torch.cuda.cudart().cudaProfilerStop()

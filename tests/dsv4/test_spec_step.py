@@ -168,3 +168,19 @@ def test_spec_capture_and_replay_without_host_sync(ckpt):
     finally:
         torch.cuda.set_sync_debug_mode(prev)
     spec.close()
+
+
+def test_profiler_sees_speculative_steps(ckpt, tmp_path):
+    """--profile with --speculative: the profiled steps are speculative steps, their segments
+    (layers, accept, rewinds, the MTP block) attributed."""
+    import json
+    from pathlib import Path
+    from dsv4.profiling import Profiler
+    s = Session(_model(ckpt), SamplingParams(), speculative=1)
+    with Profiler("torch", "2-3", s, out_dir=tmp_path) as prof:
+        s.generate(list(range(5, 15)), 8)
+    summary = json.loads(Path(prof.summary_path).read_text())
+    segs = summary["segments"]
+    assert {"layer0", "accept", "rewind0", "mtp"} <= set(segs)
+    assert summary["kernels_per_layer"] or summary["unit"] == "aten_ops"
+    assert segs["layer0"][f"{summary['unit']}_per_step"] > 0
