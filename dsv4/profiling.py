@@ -65,7 +65,7 @@ class Profiler:
             self._stop()
 
     def _decoders(self) -> list:
-        spec = getattr(self.session, "spec", None)
+        spec = self.session.spec
         return [self.session.decoder] + ([spec.decoder] if spec is not None else [])
 
     def _start(self) -> None:

@@ -75,6 +75,13 @@ class SpecBuffers:
                 b.keep_on[dev] = b.keep if on_hd else torch.zeros_like(b.keep, device=dev)
         return b
 
+    def reset(self) -> None:
+        """A new sequence: the step's carried inputs back to their fill values (in place)."""
+        self.pending.zero_()
+        self.pos.fill_(1)
+        self.drafts.zero_()
+        self.q.zero_()
+
 
 def build_spec_segments(model: Transformer, bufs: SpecBuffers, params: SamplingParams,
                         journals: list[Journal], mtp_journal: Journal | None) -> list[Segment]:
@@ -160,7 +167,7 @@ def _rewind_fn(journal, pos, keep):
 
 
 def _mtp_fn(model, bufs, params, journal):
-    mtp, h, V = model.mtp, bufs.h[model.head_device], model.cfg.vocab_size
+    mtp, h = model.mtp, bufs.h[model.head_device]
 
     def fn():
         pos, keep, y = bufs.pos, bufs.keep, bufs.y
@@ -169,15 +176,28 @@ def _mtp_fn(model, bufs, params, journal):
         for i in range(h.shape[0]):
             bufs.hm[i:i + 1].copy_(mtp.decode(h[i:i + 1], emb[i:i + 1], y[i:i + 1], pos + i))
         journal.rewind(pos, keep)
-        nxt = pos + keep + 1                                # the new pending token's position
         logits = model.logits(bufs.hm.index_select(0, keep), head=mtp.head())
-        d, q = draft(logits, nxt, params)
-        bufs.drafts.copy_(oracle_draft(d, nxt + 1, bufs.oracle_seq, bufs.oracle_a, V))
-        if q is not None:
-            bufs.q[0].copy_(q)
-        bufs.pending.copy_(y.index_select(0, keep))
-        pos.copy_(nxt)
+        next_draft(model, bufs, params, logits, y.index_select(0, keep), pos + keep + 1)
     return fn
+
+
+def next_draft(model, bufs: SpecBuffers, params: SamplingParams, logits: torch.Tensor,
+               pending: torch.Tensor, pos: torch.Tensor) -> None:
+    """The pending token [1] at pos ([1] int64) and the MTP logits [V] of the row before it ->
+    the buffers' pending, pos, draft (the oracle's, when on) and q. Capture-safe."""
+    d, q = draft(logits, pos, params)
+    bufs.drafts.copy_(oracle_draft(d, pos + 1, bufs.oracle_seq, bufs.oracle_a,
+                                   model.cfg.vocab_size))
+    if q is not None:
+        bufs.q[0].copy_(q)
+    bufs.pending.copy_(pending)
+    bufs.pos.copy_(pos)
+
+
+def layer_journals(model: Transformer, T: int) -> list[Journal]:
+    """One journal per main layer for a pass of T rows (on the layer's device)."""
+    return [Journal([(st, blk.ratio)], model.cfg.window_size, T)
+            for blk, st in zip(model.layers, model.states)]
 
 
 def verify_decoder(model: Transformer, k: int, mode: str) -> tuple[CUDAGraphDecoder, SpecBuffers]:
@@ -185,10 +205,9 @@ def verify_decoder(model: Transformer, k: int, mode: str) -> tuple[CUDAGraphDeco
     decoder of its own (allocated; warm up and capture it for graph mode). Its static inputs are
     those of a step at pos 1 with drafts 0; each step leaves the state as it found it when
     the drafts are rejected."""
-    T, W = k + 1, model.cfg.window_size
     bufs = SpecBuffers.allocate(model, k)
-    journals = [Journal([(st, blk.ratio)], W, T) for blk, st in zip(model.layers, model.states)]
-    dec = CUDAGraphDecoder(build_spec_segments(model, bufs, SamplingParams(), journals, None),
+    dec = CUDAGraphDecoder(build_spec_segments(model, bufs, SamplingParams(),
+                                               layer_journals(model, k + 1), None),
                            inputs={"pending": bufs.pending, "pos": bufs.pos,
                                    "drafts": bufs.drafts, "q": bufs.q, "limit": bufs.limit,
                                    "eos": bufs.eos},
@@ -213,11 +232,11 @@ class SpecStep:
             raise ConfigError(f"--speculative {k}: only 1 draft token per step is implemented "
                               f"(0 = off)")
         self.model, self.params, self.k = model, params, k
-        T, W = k + 1, model.cfg.window_size
+        T = k + 1
         self.bufs = SpecBuffers.allocate(model, k)
-        self.journals = [Journal([(st, blk.ratio)], W, T)
-                         for blk, st in zip(model.layers, model.states)]
-        self.mtp_journal = Journal([(model.mtp.state, model.mtp.block.ratio)], W, T)
+        self.journals = layer_journals(model, T)
+        self.mtp_journal = Journal([(model.mtp.state, model.mtp.block.ratio)],
+                                   model.cfg.window_size, T)
         b = self.bufs
         segs = build_spec_segments(model, b, params, self.journals, self.mtp_journal)
         self.decoder = CUDAGraphDecoder(
@@ -244,24 +263,14 @@ class SpecStep:
             b.oracle_seq[:s.shape[0]].copy_(s)
 
     def reset(self) -> None:
-        b = self.bufs
-        b.pending.zero_()
-        b.pos.fill_(1)
-        b.drafts.zero_()
-        b.q.zero_()
+        self.bufs.reset()
 
     def start(self, token: torch.Tensor, pos: int) -> None:
         """The token [1] chosen at pos - 1 (after a prefill the MTP block followed): the MTP block
         reads its waiting row with it and drafts the next token. Eager (once per generate)."""
-        m, b = self.model, self.bufs
-        logits = m.mtp_follow_token(token)
-        p = torch.tensor([pos], dtype=torch.int64, device=m.head_device)
-        d, q = draft(logits, p, self.params)
-        b.drafts.copy_(oracle_draft(d, p + 1, b.oracle_seq, b.oracle_a, m.cfg.vocab_size))
-        if q is not None:
-            b.q[0].copy_(q)
-        b.pending.copy_(token)
-        b.pos.copy_(p)
+        m = self.model
+        next_draft(m, self.bufs, self.params, m.mtp_follow_token(token), token,
+                   torch.tensor([pos], dtype=torch.int64, device=m.head_device))
 
     def step(self, limit: int, eos_id: int | None) -> list[int]:
         """One step; -> its output tokens (1 .. min(limit, T); the last one is the new pending
