@@ -139,6 +139,10 @@ struct Fp8Args {
   int ng;              // rows per activation group; 0: one group
   float limit;         // SwiGLU clamp (0: none)
   int flags;           // FLAG_*
+  int nx;              // activation rows (>= 1): row t reads x + t * xs, writes y0 / y1 + t * ys0 / ys1
+  int xs;              // elements between activation rows
+  int ys0;             // elements between output rows of y0
+  int ys1;             // elements between output rows of y1
 };
 constexpr int FLAG_X_F32 = 1, FLAG_Y_F32 = 2, FLAG_QUANT = 4, FLAG_TWO = 8;
 
@@ -147,7 +151,10 @@ constexpr int FLAG_X_F32 = 1, FLAG_Y_F32 = 2, FLAG_QUANT = 4, FLAG_TWO = 8;
 // lc + LC * c (c < CPL) of rows lr + LR * i (i < RPL). Each lane dots 16 weights with 16
 // activation values per (row, chunk) in float32, applies the weight scale of the chunk's block,
 // then partial sums meet in a shuffle butterfly (over the LC lanes) and a fixed-order sum over warps.
-template <int LC, int RPL, int CPL, bool SWIGLU>
+// Several activation rows (nx > 1, the speculative step's verify rows; MULTI) reuse the weights held
+// in registers: each row runs the arithmetic of a one-row launch (!MULTI: no row loop), so its
+// output has the same bits.
+template <int LC, int RPL, int CPL, bool SWIGLU, bool MULTI>
 __global__ void __launch_bounds__(512) fp8_gemv_kernel(const Fp8Args a) {
   constexpr int LR = 32 / LC, ROWS = LR * RPL, NM = SWIGLU ? 2 : 1;
   extern __shared__ float red[];   // [warps][NM][ROWS]
@@ -158,6 +165,7 @@ __global__ void __launch_bounds__(512) fp8_gemv_kernel(const Fp8Args a) {
   const uint8_t* wp[NM];
   const uint8_t* sp[NM];
   void* yp = a.y0;
+  int ys = a.ys0;
   wp[0] = a.w0;
   sp[0] = a.s0;
   if constexpr (SWIGLU) {
@@ -168,6 +176,7 @@ __global__ void __launch_bounds__(512) fp8_gemv_kernel(const Fp8Args a) {
     wp[0] = a.w1;
     sp[0] = a.s1;
     yp = a.y1;
+    ys = a.ys1;
   }
   const int kc0 = warp * (LC * CPL) + lc;            // this lane's first 16-byte chunk along K
 
@@ -189,101 +198,112 @@ __global__ void __launch_bounds__(512) fp8_gemv_kernel(const Fp8Args a) {
 
   // the activation chunks, act-quantized per 128 (8 chunks: lanes lc ^ 1, 2, 4)
   const bool xf32 = a.flags & FLAG_X_F32;
-  const size_t xoff = a.ng > 0 ? size_t(row0 / a.ng) * K : 0;
-  float xv[CPL][16];
+  const size_t xoff0 = a.ng > 0 ? size_t(row0 / a.ng) * K : 0;
+#pragma unroll 1
+  for (int xr = 0; xr < (MULTI ? a.nx : 1); ++xr) {   // activation rows
+    const size_t xoff = xoff0 + size_t(xr) * a.xs;
+    // an opaque zero per row: the e4m3 decode below depends on it, so the compiler cannot hoist
+    // the decoded weights (16 floats per 16-byte chunk) out of the row loop, where they spill
+    uint32_t z = 0;
+    if constexpr (MULTI) asm volatile("mov.b32 %0, 0;" : "=r"(z));
+    float xv[CPL][16];
 #pragma unroll
-  for (int c = 0; c < CPL; ++c) {
-    load_act<16>(a.x, xoff + 16 * size_t(kc0 + LC * c), xf32, xv[c]);
-    if (a.flags & FLAG_QUANT) {
-      float amax = 0.0f;
+    for (int c = 0; c < CPL; ++c) {
+      load_act<16>(a.x, xoff + 16 * size_t(kc0 + LC * c), xf32, xv[c]);
+      if (a.flags & FLAG_QUANT) {
+        float amax = 0.0f;
 #pragma unroll
-      for (int j = 0; j < 16; ++j) amax = fmaxf(amax, fabsf(xv[c][j]));
-      amax = fmaxf(amax, __shfl_xor_sync(FULL, amax, 1));
-      amax = fmaxf(amax, __shfl_xor_sync(FULL, amax, 2));
-      amax = fmaxf(amax, __shfl_xor_sync(FULL, amax, 4));
-      const int e = block_exponent(amax);
-      const float inv = pow2f(-e), sc = pow2f(e);
+        for (int j = 0; j < 16; ++j) amax = fmaxf(amax, fabsf(xv[c][j]));
+        amax = fmaxf(amax, __shfl_xor_sync(FULL, amax, 1));
+        amax = fmaxf(amax, __shfl_xor_sync(FULL, amax, 2));
+        amax = fmaxf(amax, __shfl_xor_sync(FULL, amax, 4));
+        const int e = block_exponent(amax);
+        const float inv = pow2f(-e), sc = pow2f(e);
 #pragma unroll
-      for (int j = 0; j < 16; ++j) xv[c][j] = quant_e4m3(xv[c][j], inv) * sc;
-    }
-  }
-
-  float acc[NM][RPL];
-#pragma unroll
-  for (int m = 0; m < NM; ++m)
-#pragma unroll
-    for (int i = 0; i < RPL; ++i) {
-      float t = 0.0f;
-#pragma unroll
-      for (int c = 0; c < CPL; ++c) {
-        const uint32_t words[4] = {wv[m][i][c].x, wv[m][i][c].y, wv[m][i][c].z, wv[m][i][c].w};
-        float p = 0.0f;
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          float f[4];
-          e4m3x4_to_f32(words[q], f);
-#pragma unroll
-          for (int j = 0; j < 4; ++j) p = fmaf(f[j], xv[c][4 * q + j], p);
-        }
-        t = fmaf(p, e8m0(sb[m][c]), t);
+        for (int j = 0; j < 16; ++j) xv[c][j] = quant_e4m3(xv[c][j], inv) * sc;
       }
-      acc[m][i] = t;
     }
 
-  // butterfly over the LC lanes of a row group: halve the row set while there is more than one
-  // row per lane, then add across the remaining lanes; the lane keeps rows base .. base + NV - 1
-  constexpr int NV = RPL >= LC ? RPL / LC : 1;
-  int base = 0;
-  int n = RPL;
-#pragma unroll
-  for (int off = LC / 2; off >= 1; off >>= 1) {
-    if (n > 1) {
-      const int h = n / 2;
-      const bool upper = lane & off;
-#pragma unroll
-      for (int m = 0; m < NM; ++m)
-#pragma unroll
-        for (int j = 0; j < h; ++j) {
-          const float send = upper ? acc[m][j] : acc[m][j + h];
-          const float keep = upper ? acc[m][j + h] : acc[m][j];
-          acc[m][j] = keep + __shfl_xor_sync(FULL, send, off);
-        }
-      if (upper) base += h;
-      n = h;
-    } else {
-#pragma unroll
-      for (int m = 0; m < NM; ++m) acc[m][0] += __shfl_xor_sync(FULL, acc[m][0], off);
-    }
-  }
-  constexpr int WMASK = RPL < LC ? LC / RPL - 1 : 0;   // lanes that only repeated a full add
-  if ((lc & WMASK) == 0) {
+    float acc[NM][RPL];
 #pragma unroll
     for (int m = 0; m < NM; ++m)
 #pragma unroll
-      for (int j = 0; j < NV; ++j) red[(warp * NM + m) * ROWS + lr + LR * (base + j)] = acc[m][j];
-  }
-  __syncthreads();
-  if (threadIdx.x < ROWS) {
-    const int r = threadIdx.x;
-    float t[NM];
+      for (int i = 0; i < RPL; ++i) {
+        float t = 0.0f;
 #pragma unroll
-    for (int m = 0; m < NM; ++m) {
-      t[m] = 0.0f;
-      for (int w = 0; w < nwarps; ++w) t[m] += red[(w * NM + m) * ROWS + r];
-    }
-    float y = t[0];
-    if constexpr (SWIGLU) {   // fp8_gemm outputs bf16; the clamped SwiGLU runs on those values
-      float g = bf16_round(t[0]), u = bf16_round(t[1]);
-      if (a.limit > 0.0f) {
-        u = fminf(fmaxf(u, -a.limit), a.limit);
-        g = fminf(g, a.limit);
+        for (int c = 0; c < CPL; ++c) {
+          const uint32_t words[4] = {wv[m][i][c].x ^ z, wv[m][i][c].y ^ z, wv[m][i][c].z ^ z,
+                                     wv[m][i][c].w ^ z};
+          float p = 0.0f;
+#pragma unroll
+          for (int q = 0; q < 4; ++q) {
+            float f[4];
+            e4m3x4_to_f32(words[q], f);
+#pragma unroll
+            for (int j = 0; j < 4; ++j) p = fmaf(f[j], xv[c][4 * q + j], p);
+          }
+          t = fmaf(p, e8m0(sb[m][c]), t);
+        }
+        acc[m][i] = t;
       }
-      y = g / (1.0f + expf(-g)) * u;
+
+    // butterfly over the LC lanes of a row group: halve the row set while there is more than one
+    // row per lane, then add across the remaining lanes; the lane keeps rows base .. base + NV - 1
+    constexpr int NV = RPL >= LC ? RPL / LC : 1;
+    int base = 0;
+    int n = RPL;
+#pragma unroll
+    for (int off = LC / 2; off >= 1; off >>= 1) {
+      if (n > 1) {
+        const int h = n / 2;
+        const bool upper = lane & off;
+#pragma unroll
+        for (int m = 0; m < NM; ++m)
+#pragma unroll
+          for (int j = 0; j < h; ++j) {
+            const float send = upper ? acc[m][j] : acc[m][j + h];
+            const float keep = upper ? acc[m][j + h] : acc[m][j];
+            acc[m][j] = keep + __shfl_xor_sync(FULL, send, off);
+          }
+        if (upper) base += h;
+        n = h;
+      } else {
+#pragma unroll
+        for (int m = 0; m < NM; ++m) acc[m][0] += __shfl_xor_sync(FULL, acc[m][0], off);
+      }
     }
-    if (a.flags & FLAG_Y_F32)
-      static_cast<float*>(yp)[row0 + r] = y;
-    else
-      static_cast<__nv_bfloat16*>(yp)[row0 + r] = __float2bfloat16_rn(y);
+    constexpr int WMASK = RPL < LC ? LC / RPL - 1 : 0;   // lanes that only repeated a full add
+    if (xr > 0) __syncthreads();   // the previous row's sums are read before red is written again
+    if ((lc & WMASK) == 0) {
+#pragma unroll
+      for (int m = 0; m < NM; ++m)
+#pragma unroll
+        for (int j = 0; j < NV; ++j) red[(warp * NM + m) * ROWS + lr + LR * (base + j)] = acc[m][j];
+    }
+    __syncthreads();
+    if (threadIdx.x < ROWS) {
+      const int r = threadIdx.x;
+      float t[NM];
+#pragma unroll
+      for (int m = 0; m < NM; ++m) {
+        t[m] = 0.0f;
+        for (int w = 0; w < nwarps; ++w) t[m] += red[(w * NM + m) * ROWS + r];
+      }
+      float y = t[0];
+      if constexpr (SWIGLU) {   // fp8_gemm outputs bf16; the clamped SwiGLU runs on those values
+        float g = bf16_round(t[0]), u = bf16_round(t[1]);
+        if (a.limit > 0.0f) {
+          u = fminf(fmaxf(u, -a.limit), a.limit);
+          g = fminf(g, a.limit);
+        }
+        y = g / (1.0f + expf(-g)) * u;
+      }
+      const size_t o = size_t(xr) * ys + row0 + r;
+      if (a.flags & FLAG_Y_F32)
+        static_cast<float*>(yp)[o] = y;
+      else
+        static_cast<__nv_bfloat16*>(yp)[o] = __float2bfloat16_rn(y);
+    }
   }
 }
 
@@ -679,11 +699,13 @@ DEV void up_epilogue(float (&tot)[2][2], float* red, int warp, int nwarps, int g
 
 // a[j, r] = bf16(silu(g) * u * rw[j]), g / u = bf16(W8A8 w1 / w3 of expert idx[j] at x), u clamped
 // to +-limit and g from above (limit 0: none). Grid (I / 16, k); warp w: K slice [w*128*SPW, ...).
+// Pair j reads activation row j / kpr (x [k / kpr, D]: the speculative verify rows' pairs).
 template <int SPW, int DEC, int DEPTH>
 __global__ void __launch_bounds__(512) fp4_up_kernel(const __nv_bfloat16* x, const int64_t* idx,
                                                      const float* rw, const uint8_t* w1, const uint8_t* s1,
                                                      const uint8_t* w3, const uint8_t* s3,
-                                                     __nv_bfloat16* out, float limit, int I, int D) {
+                                                     __nv_bfloat16* out, float limit, int I, int D,
+                                                     int kpr) {
   extern __shared__ __align__(128) uint8_t smem[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   const int g = lane >> 2, q = lane & 3, j = blockIdx.y, r0 = blockIdx.x * 16;
@@ -704,7 +726,7 @@ __global__ void __launch_bounds__(512) fp4_up_kernel(const __nv_bfloat16* x, con
   ew.sp[0] = s1 + rowa * ew.srow + (k0 >> 5);
   ew.sp[1] = s3 + rowa * ew.srow + (k0 >> 5);
   ew.prefetch();   // the first weights load while the activation is quantized
-  quant_slice<SPW, DEC>(x + k0, reinterpret_cast<uint16_t*>(xs), ef, lane);
+  quant_slice<SPW, DEC>(x + size_t(j / kpr) * D + k0, reinterpret_cast<uint16_t*>(xs), ef, lane);
   __syncthreads();   // xs, and the zero operand
   float tot[2][2] = {{0.0f, 0.0f}, {0.0f, 0.0f}};
   ew.run(xq, xstride, ef, tot);
@@ -884,7 +906,8 @@ __global__ void __launch_bounds__(512) fp4_down_kernel(const __nv_bfloat16* act,
 // [w*128*SPW, ...) of every expert and streams its NE * SPW steps (expert-major) with DEPTH steps
 // of weights in flight across the expert boundaries. The sums are those of fp4_down_kernel with
 // the same SPW (per expert: warps in order, then bf16; experts in slot order), without its
-// workspace, semaphore and second pass, and with one CTA per row tile instead of NE.
+// workspace, semaphore and second pass, and with one CTA per row tile instead of NE. Grid axis y:
+// the activation row b (the speculative verify rows): act, idx, add and y move to row b's.
 template <int SPW, int NE, int DEC, int DEPTH>
 __global__ void __launch_bounds__(512) fp4_down_all_kernel(const __nv_bfloat16* act,
                                                            const int64_t* idx, const uint8_t* w2,
@@ -896,6 +919,10 @@ __global__ void __launch_bounds__(512) fp4_down_all_kernel(const __nv_bfloat16* 
   extern __shared__ __align__(128) uint8_t smem[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   const int g = lane >> 2, q = lane & 3, r0 = blockIdx.x * 16;
+  act += size_t(blockIdx.y) * NE * I;
+  idx += size_t(blockIdx.y) * NE;
+  if (add != nullptr) add += size_t(blockIdx.y) * D;
+  y = static_cast<char*>(y) + size_t(blockIdx.y) * D * (y_f32 ? 4 : 2);
   uint4* xs;
   float *ef, *red;   // the expert_smem layout with NS steps per warp; red [warps][NE][16]
   int xstride;
@@ -1098,7 +1125,8 @@ using Fp8Launch = cudaError_t (*)(const Fp8Args&, int, int, cudaStream_t, int);
 template <int LC, int RPL, int CPL, bool SW>
 cudaError_t fp8_launch(const Fp8Args& a, int blocks, int warps, cudaStream_t st, int pdl) {
   constexpr int ROWS = (32 / LC) * RPL, NM = SW ? 2 : 1;
-  return launch(fp8_gemv_kernel<LC, RPL, CPL, SW>, dim3(blocks), dim3(32 * warps),
+  return launch(a.nx > 1 ? fp8_gemv_kernel<LC, RPL, CPL, SW, true> : fp8_gemv_kernel<LC, RPL, CPL, SW, false>,
+                dim3(blocks), dim3(32 * warps),
                 size_t(warps) * NM * ROWS * sizeof(float), st, pdl, a);
 }
 
@@ -1151,17 +1179,19 @@ constexpr int expert_variant(int spw, int dec, int depth) {
 extern "C" {
 
 // Version of this ABI (checked by the loader).
-int dsv4_abi_version() { return 2; }
+int dsv4_abi_version() { return 3; }
 
 const char* dsv4_error_string(int code) { return cudaGetErrorString(static_cast<cudaError_t>(code)); }
 
 // Returns 0 or a cudaError_t; -1: no such config. Grid: blocks CTAs of 32 * warps threads, each
-// ROWS = (32 / lc) * rpl rows; K == warps * lc * cpl * 16.
+// ROWS = (32 / lc) * rpl rows; K == warps * lc * cpl * 16. nx activation rows (x row t at x + t * xs
+// elements, its outputs at y0 / y1 + t * ys0 / ys1).
 int dsv4_fp8_gemv(const void* w0, const void* s0, void* y0, const void* w1, const void* s1, void* y1,
                   const void* x, int n0, int K, int ng, float limit, int flags, int swiglu, int lc,
-                  int rpl, int cpl, int warps, int blocks, void* stream, int pdl) {
+                  int rpl, int cpl, int warps, int blocks, int nx, int xs, int ys0, int ys1,
+                  void* stream, int pdl) {
   const Fp8Launch fn = swiglu ? fp8_pick<true>(lc, cpl, rpl) : fp8_pick<false>(lc, cpl, rpl);
-  if (fn == nullptr || warps < 1 || warps > 16 || blocks < 1) return -1;
+  if (fn == nullptr || warps < 1 || warps > 16 || blocks < 1 || nx < 1) return -1;
   Fp8Args a;
   a.w0 = static_cast<const uint8_t*>(w0);
   a.s0 = static_cast<const uint8_t*>(s0);
@@ -1175,18 +1205,25 @@ int dsv4_fp8_gemv(const void* w0, const void* s0, void* y0, const void* w1, cons
   a.ng = ng;
   a.limit = limit;
   a.flags = flags;
+  a.nx = nx;
+  a.xs = xs;
+  a.ys0 = ys0;
+  a.ys1 = ys1;
   return fn(a, blocks, warps, static_cast<cudaStream_t>(stream), pdl);
 }
 
 // a [k, I] bf16 from x [D] bf16 and the routing idx [k] int64 / rw [k] float32; grid (I / 16, k),
 // D / (128 * spw) warps; dec: the e2m1 decode (0: through e4m3 and cvt, 1: integer ops); depth:
 // steps of weights in flight per warp (0: all). ctas > 0: fp4_up_stream_kernel on min(ctas, tiles)
-// CTAs instead (dec 0, spw 1 or 2 (4 spills), k <= 16; depth unused).
+// CTAs instead (dec 0, spw 1 or 2 (4 spills), k <= 16; depth unused). kpr: pairs per activation
+// row (pair j reads x row j / kpr; the streaming kernel takes one row, kpr >= k).
 int dsv4_fp4_up(const void* x, const void* idx, const void* rw, const void* w1, const void* s1,
                 const void* w3, const void* s3, void* out, float limit, int I, int D, int k,
-                int spw, int dec, int depth, int ctas, void* stream, int pdl) {
+                int spw, int dec, int depth, int ctas, int kpr, void* stream, int pdl) {
   const int warps = D / (128 * spw);
-  if (warps < 1 || warps > 16 || I % 16 || D % (128 * spw) || k < 1 || ctas < 0) return -1;
+  if (warps < 1 || warps > 16 || I % 16 || D % (128 * spw) || k < 1 || ctas < 0 || kpr < 1 ||
+      (ctas > 0 && kpr < k))
+    return -1;
   const dim3 grid(I / 16, k), block(32 * warps);
   const cudaStream_t st = static_cast<cudaStream_t>(stream);
   const auto* xp = static_cast<const __nv_bfloat16*>(x);
@@ -1199,7 +1236,7 @@ int dsv4_fp4_up(const void* x, const void* idx, const void* rw, const void* w1, 
   auto* op = static_cast<__nv_bfloat16*>(out);
 #define DSV4_UP(S, DC, R) \
   launch(fp4_up_kernel<S, DC, R>, grid, block, expert_smem_bytes<S>(warps, 2), st, pdl, xp, ip, rp, \
-         w1p, s1p, w3p, s3p, op, limit, I, D)
+         w1p, s1p, w3p, s3p, op, limit, I, D, kpr)
 #define DSV4_UPS(S) \
   launch(fp4_up_stream_kernel<S, 0>, dim3(ctas < (I / 16) * k ? ctas : (I / 16) * k), block, \
          expert_smem_bytes<S>(warps, 4), st, pdl, xp, ip, rp, w1p, s1p, w3p, s3p, op, limit, I, D, k)
@@ -1229,12 +1266,15 @@ int dsv4_fp4_up(const void* x, const void* idx, const void* rw, const void* w1, 
 // y [D] (float32 or bf16) from a [k, I] bf16; ws [k, D] float32 and cnt [D / 16] int32 (zeros,
 // left zero) are the caller's workspace; add [D] bf16 or null. Grid (D / 16, k). all_experts:
 // fp4_down_all_kernel instead (grid D / 16, no workspace; k 6 (Flash, Pro), dec 0, the (spw, depth)
-// instantiated below).
+// instantiated below). rows > 1 (all_experts only): rows activation rows, a [rows * k, I], idx
+// [rows * k], add / y [rows, D].
 int dsv4_fp4_down(const void* act, const void* idx, const void* w2, const void* s2, const void* add,
                   void* y, void* ws, void* cnt, int D, int I, int k, int y_f32, int spw, int dec,
-                  int depth, int all_experts, void* stream, int pdl) {
+                  int depth, int all_experts, int rows, void* stream, int pdl) {
   const int warps = I / (128 * spw);
-  if (warps < 1 || warps > 16 || D % 16 || I % (128 * spw) || k < 1) return -1;
+  if (warps < 1 || warps > 16 || D % 16 || I % (128 * spw) || k < 1 || rows < 1 ||
+      (rows > 1 && !all_experts))
+    return -1;
   const dim3 grid(D / 16, k), block(32 * warps);
   const cudaStream_t st = static_cast<cudaStream_t>(stream);
   const auto* ap = static_cast<const __nv_bfloat16*>(act);
@@ -1248,7 +1288,7 @@ int dsv4_fp4_down(const void* act, const void* idx, const void* w2, const void* 
   launch(fp4_down_kernel<S, DC, R>, grid, block, expert_smem_bytes<S>(warps, 1), st, pdl, ap, ip, \
          wp, sp, dp, y, wsp, cp, D, I, k, y_f32)
 #define DSV4_DOWN_ALL(S, E, R) \
-  launch(fp4_down_all_kernel<S, E, 0, R>, dim3(D / 16), block, expert_smem_bytes<S * E>(warps, E), st, \
+  launch(fp4_down_all_kernel<S, E, 0, R>, dim3(D / 16, rows), block, expert_smem_bytes<S * E>(warps, E), st, \
          pdl, ap, ip, wp, sp, dp, y, D, I, y_f32)
   if (all_experts) {
     if (dec != 0) return -1;

@@ -68,12 +68,13 @@ class Attention:
         """o [s, h, d] -> inverse RoPE -> grouped wo_a (no act quant) -> wo_b -> [s, D]."""
         return self._project_out(apply_rope(o, cs, inverse=True))
 
-    def _project_out(self, o: torch.Tensor) -> torch.Tensor:
+    def _project_out(self, o: torch.Tensor, rows: bool = False) -> torch.Tensor:
         """Grouped low-rank output projection of the de-rotated o ([s, h, d] or [s, h*d]): wo_a per
-        group on the unquantized activation (one Triton launch for a bf16 token), then wo_b."""
+        group on the unquantized activation (one Triton launch for a bf16 token), then wo_b.
+        rows: o holds decode rows (decode_rows): the GEMV kernels, each row as a one-row call."""
         cfg, act, G = self.cfg, o.dtype, self.cfg.o_groups
         o = o.reshape(o.shape[0], -1)                                           # [s, h*d]
-        if self.wo_a.fmt == "fp8" and act == torch.bfloat16 and o.shape[0] == 1 \
+        if self.wo_a.fmt == "fp8" and act == torch.bfloat16 and (o.shape[0] == 1 or rows) \
                 and kernels.available(o.device):
             from .kernels.fp8_linear import fp8_linear
             z = fp8_linear(o, self.wo_a.weight, self.wo_a.scale, quant_act=False,
@@ -86,7 +87,7 @@ class Attention:
         else:
             wo_a = self.wo_a.dense(act).view(G, cfg.o_lora_rank, -1)           # [g, R, h/g*d]
             z = torch.einsum("sgd,grd->sgr", o.view(o.shape[0], G, -1), wo_a).flatten(1)
-        return self.wo_b(z, act)
+        return self.wo_b.rows(z, act) if rows else self.wo_b(z, act)
 
     # ---- prefill -----------------------------------------------------------------------------
     def prefill(self, x: torch.Tensor, st: LayerState, start=0,
@@ -212,13 +213,55 @@ class Attention:
                                       cfg.head_dim ** -0.5, H, W, r, n, idx)  # inverse RoPE done
         return self._project_out(o)
 
+    def decode_rows(self, x: torch.Tensor, pos: torch.Tensor, st: LayerState) -> torch.Tensor:
+        """T decode rows at positions pos .. pos+T-1 (row t sees rows < t): x [T, D] -> [T, D],
+        row t with the bits of decode(x[t:t+1], pos + t) after the rows before it (the speculative
+        verify rows). The projections of x, qr and o read each weight once for all rows; the
+        compressors' steps, then the index query, top-k, prep (the ring write) and attention of
+        each row run row after row. Needs the fused path (bf16, kernels); capture-safe."""
+        from .kernels import attention_decode as K
+        cfg, act, H, T = self.cfg, x.dtype, self.cfg.n_heads, x.shape[0]
+        W, r, eps = cfg.window_size, self.ratio, cfg.norm_eps
+        # the compressors of every row first, on a side branch when captured (as in decode): a
+        # row's attention and index scores mask the entries of later positions, so the entries
+        # that later rows emit before it runs change nothing
+        br, proj = overlap.Branch(x, "attn", when=bool(r)), None
+        with br.side():
+            if r:
+                proj = self._side_projections(x)
+                for t in range(T):
+                    row = slice(t, t + 1)
+                    if r == 4:
+                        self.indexer.decode_compress(x[row], pos + t, st, self.freqs,
+                                                     [proj[2][row], proj[3][row]])
+                    self.compressor.decode(x[row], pos + t, st.compressor, st.kv_cache[W:],
+                                           self.freqs, fused=True, proj=[proj[0][row], proj[1][row]])
+        qr, kv = self._q_kv_rows(x)
+        qr = K.rms_norm_rows(qr, self.q_norm, eps)
+        qb = self.wq_b.rows(qr, act)
+        iqb = self.indexer.wq_b.rows(qr, act) if r == 4 else None
+        br.join()
+        n, o = (st.kv_cache.shape[0] - W - 1 if r else 0), []
+        for t in range(T):
+            p, idx, row = pos + t, None, slice(t, t + 1)
+            if r == 4:
+                iq = self.indexer.decode_query(qr[row], p, self.freqs, q=iqb[row])
+                idx = self.indexer.decode_select(iq, p, st, proj[4][row])
+                n = idx.shape[-1]
+            q = K.attention_prep(qb[row], kv[row], self.kv_norm, st.kv_cache, p, self.freqs,
+                                 eps, H, W)
+            o.append(K.sparse_attention_decode(q, st.kv_cache, self.attn_sink, p, self.freqs,
+                                               cfg.head_dim ** -0.5, H, W, r, n, idx))
+        return self._project_out(torch.cat(o), rows=True)
+
     def _q_kv_rows(self, x: torch.Tensor):
-        """wq_a(x), wkv(x) of one bf16 row: one FP8 launch when both are FP8 on CUDA, else two."""
+        """wq_a(x), wkv(x) of bf16 decode rows: one FP8 launch when both are FP8 on CUDA, else
+        two."""
         if self.wq_a.fmt == "fp8" and self.wkv.fmt == "fp8" and x.is_cuda:
             from .kernels.fp8_linear import fp8_linear2
             return fp8_linear2(x, self.wq_a.weight, self.wq_a.scale, self.wkv.weight,
                                self.wkv.scale)
-        return self.wq_a(x, x.dtype), self.wkv(x, x.dtype)
+        return self.wq_a.rows(x, x.dtype), self.wkv.rows(x, x.dtype)
 
     def _side_projections(self, x: torch.Tensor) -> list:
         """The bf16 projections of x besides attention's own, in one launch: compressor wkv, wgate
@@ -232,7 +275,7 @@ class Attention:
             lins += [ic.wkv, ic.wgate, self.indexer.weights_proj]
             dts += [torch.float32, torch.float32, x.dtype]
         if not x.is_cuda:   # the interpreter tests of the fused path: torch linears
-            return [lin(x, dt) for lin, dt in zip(lins, dts)]
+            return [lin.rows(x, dt) for lin, dt in zip(lins, dts)]
         return bf16_linear_multi(x, [lin.weight for lin in lins], dts)
 
 

@@ -78,8 +78,9 @@ class Block:
                                 self.hc[f"hc_{kind}_base"], norm, cfg.norm_eps, cfg.hc_eps,
                                 cfg.hc_sinkhorn_iters)
 
-    def _mix_decode(self, h: torch.Tensor, kind: str, norm: torch.Tensor, branch=None):
-        if not fused_mhc(h):
+    def _mix_decode(self, h: torch.Tensor, kind: str, norm: torch.Tensor, branch=None,
+                    rows: bool = False):
+        if not (rows or fused_mhc(h)):
             return self._mix(h, kind, norm)
         from .kernels.mhc import hc_pre_norm
         cfg = self.cfg
@@ -110,6 +111,32 @@ class Block:
             return K.hc_post(f, h, post, comb, out=out)
         y = hc_post(f, h, post, comb)
         return y if out is None else out.copy_(y)
+
+    def decode_rows(self, h: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor, st: LayerState,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+        """T rows at positions pos .. pos+T-1, row t seeing rows < t (the speculative verify
+        rows): h [T, c, D], ids [T] -> [T, c, D] (into out, which may be h), row t with the bits
+        of decode(h[t:t+1], ids[t:t+1], pos + t) after the rows before it. With the fused kernels
+        every launch of the mHC and the linears takes all rows (one binary per row: the same
+        bits; the linears read each weight once), Attention / MoE.decode_rows; otherwise T decode
+        calls. Capture-safe."""
+        T = h.shape[0]
+        out = torch.empty_like(h) if out is None else out
+        if T == 1 or not fused_mhc(h[:1]):
+            for t in range(T):
+                self.decode(h[t:t + 1], ids[t:t + 1], pos + t, st, out=out[t:t + 1])
+            return out
+        from .kernels import mhc as K
+        sk = overlap.Branch(h, "mhc", lane=2, fork=False)       # as in decode, for all rows
+        x, post, comb = self._mix_decode(h, "attn", self.attn_norm, sk, rows=True)
+        a = self.attn.decode_rows(x, pos, st)
+        sk.join()
+        h = K.hc_post(a, h, post, comb)
+        sk = overlap.Branch(h, "mhc", lane=2, fork=False)
+        x, post, comb = self._mix_decode(h, "ffn", self.ffn_norm, sk, rows=True)
+        f = self.ffn.decode_rows(x, ids)
+        sk.join()
+        return K.hc_post(f, h, post, comb, out=out)
 
 
 def fused_mhc(h: torch.Tensor) -> bool:

@@ -115,11 +115,11 @@ class Indexer:
         self.compressor.decode(x, pos, st.index_compressor, st.index_cache, freqs, fused=True,
                                proj=proj)
 
-    def decode_query(self, qr, pos, freqs) -> torch.Tensor:
+    def decode_query(self, qr, pos, freqs, q: torch.Tensor | None = None) -> torch.Tensor:
         """Fused decode, part 2 (qr only): the index query [1, h, di] from qr (wq_b, RoPE,
-        Hadamard, FP4 fake-quant)."""
+        Hadamard, FP4 fake-quant); q: wq_b(qr) when the caller computed it (decode rows)."""
         from .kernels.indexer_decode import index_query
-        return index_query(self.wq_b(qr, qr.dtype), pos, freqs, self.n_heads)
+        return index_query(self.wq_b(qr, qr.dtype) if q is None else q, pos, freqs, self.n_heads)
 
     def decode_select(self, q, pos, st: LayerState, w: torch.Tensor) -> torch.Tensor:
         """Fused decode, part 3 (after decode_compress and decode_query): scores of the query q

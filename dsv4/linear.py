@@ -71,6 +71,16 @@ class Linear:
             x = x.to(act_dtype)
         return F.linear(x, self.dense(act_dtype))
 
+    def rows(self, x: torch.Tensor, act_dtype: torch.dtype) -> torch.Tensor:
+        """A few decode rows x [T, in] (the speculative verify rows): on CUDA the GEMV kernel reads
+        the weight once for all rows, row t with the bits of self(x[t:t+1]); elsewhere, one call
+        per row."""
+        if x.is_cuda and kernels.available(x.device):
+            y = self._kernel(x, act_dtype)
+            if y is not None:
+                return y
+        return torch.cat([self(x[t:t + 1], act_dtype) for t in range(x.shape[0])])
+
     def _gemm_fits(self, act_dtype: torch.dtype) -> bool:
         """The prefill GEMM (dsv4.kernels.prefill_gemm) serves this weight for bf16 rows."""
         from .kernels.prefill_gemm import BK
@@ -78,7 +88,7 @@ class Linear:
                 and self.in_features % (128 if self.quantized else BK) == 0)
 
     def _kernel(self, x: torch.Tensor, act_dtype: torch.dtype) -> torch.Tensor | None:
-        """The GEMV kernel for one row in bf16 mode, or None (torch path). float32 mode (x and
+        """The GEMV kernel for one row (or a few: rows) in bf16 mode, or None (torch path). float32 mode (x and
         act float32) stays on torch; bf16 weights in bf16 mode may ask for float32 output."""
         if (self.fmt == "fp8" and act_dtype == torch.bfloat16 and x.dtype in (torch.bfloat16,
                                                                               torch.float32)

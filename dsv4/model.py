@@ -156,6 +156,24 @@ class Transformer:
         return torch.cat([self.head[i:i + HEAD_CHUNK].to(torch.float32) @ x
                           for i in range(0, cfg.vocab_size, HEAD_CHUNK)])
 
+    def logits_rows(self, h: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """h [T, c, D] (decode rows) -> logits [T, V] float32, row t with the bits of
+        logits(h[t:t+1]); with the kernels, the head GEMV reads the head once for all rows."""
+        from . import kernels
+        T, cfg = h.shape[0], self.cfg
+        if out is None:
+            out = torch.empty(T, cfg.vocab_size, dtype=torch.float32, device=h.device)
+        if not (fused_mhc(h[:1]) and kernels.available(h.device)):
+            for t in range(T):
+                out[t].copy_(self.logits(h[t:t + 1]))
+            return out
+        from .kernels.bf16_linear import bf16_linear
+        from .kernels.mhc import hc_head_norm
+        hc = (self.hc_head["hc_head_fn"], self.hc_head["hc_head_scale"],
+              self.hc_head["hc_head_base"])
+        x = hc_head_norm(h, *hc, self.norm, cfg.norm_eps, cfg.hc_eps).to(torch.float32)
+        return bf16_linear(x, self.head, out_dtype=torch.float32, out=out)
+
     def reset(self) -> None:
         """Start a new sequence (all layer state back to its fill values, in place)."""
         for st in self.states:

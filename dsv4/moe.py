@@ -116,8 +116,7 @@ class MoE:
         w1/w3 SwiGLU, w2) is a parallel branch when captured (dsv4.overlap), forked after the
         routing (so the routing's small kernels find free SMs; the shared expert then streams
         beside up). Same math as the loop: bf16(routed sum in f32 + bf16 shared). Capture-safe."""
-        from .kernels.fp4_experts import (down_needs_workspace, down_workspace, fp4_experts_down,
-                                          fp4_experts_up)
+        from .kernels.fp4_experts import fp4_experts_down, fp4_experts_up
         from .kernels.fp8_linear import fp8_linear, fp8_swiglu
         bank, lim, sh = self.experts, self.cfg.swiglu_limit, self.shared
         fp8 = sh["w1"].fmt == "fp8"
@@ -132,12 +131,53 @@ class MoE:
                 y_sh = self._shared(x)                                        # [1, D] act
         a = fp4_experts_up(x, idx, w, bank.w1, bank.w1_scale, bank.w3, bank.w3_scale, lim)
         br.join()
-        if self._down_ws is None:   # decided once: this layer's own (no two layers share one)
+        self._decode_workspace(idx, x, a)
+        return fp4_experts_down(a, idx, bank.w2, bank.w2_scale, add=y_sh, out_dtype=x.dtype,
+                                workspace=self._down_ws or None)
+
+    def decode_rows(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """T decode rows (the speculative verify rows): x [T, D], ids [T] -> [T, D], row t with
+        the bits of decode(x[t:t+1], ids[t:t+1]). With the kernels, the gate and the FP8 shared
+        expert read their weights once for all rows (the shared expert a parallel branch when
+        captured, as in decode), the routing runs per row, and the routed experts' up and down
+        take the pairs of all rows in one launch each. Capture-safe."""
+        if not (x.device.type == "cuda" and x.dtype == torch.bfloat16 and self.experts.fmt == "fp4"
+                and kernels.available(x.device)):
+            return torch.cat([self.decode(x[t:t + 1], ids[t:t + 1]) for t in range(x.shape[0])])
+        from .kernels.fp4_experts import fp4_experts_down, fp4_experts_up
+        from .kernels.fp8_linear import fp8_linear, fp8_swiglu
+        from .kernels.route import route_decode
+        cfg, bank, sh = self.cfg, self.experts, self.shared
+        T, fp8 = x.shape[0], sh["w1"].fmt == "fp8"
+        logits = self.gate.rows(x, torch.float32)
+        routes = [route_decode(logits[t:t + 1], cfg.n_activated_experts, cfg.score_func,
+                               cfg.route_scale, bias=self.bias, tid2eid=self.tid2eid,
+                               ids=ids[t:t + 1] if self.hash else None) for t in range(T)]
+        br = overlap.Branch(x, "moe", when=fp8)
+        with br.side():
+            if fp8:
+                a_sh = fp8_swiglu(x, sh["w1"].weight, sh["w1"].scale, sh["w3"].weight,
+                                  sh["w3"].scale, cfg.swiglu_limit)
+                y_sh = fp8_linear(a_sh, sh["w2"].weight, sh["w2"].scale, out_dtype=x.dtype)
+            else:
+                y_sh = torch.cat([self._shared(x[t:t + 1]) for t in range(T)])
+        w = torch.cat([r[0] for r in routes])
+        idx = torch.cat([r[1] for r in routes])                  # [T * k]: row t's experts, sorted
+        a = fp4_experts_up(x, idx, w, bank.w1, bank.w1_scale, bank.w3, bank.w3_scale,
+                           cfg.swiglu_limit)
+        br.join()
+        self._decode_workspace(routes[0][1], x, a)
+        return fp4_experts_down(a, idx, bank.w2, bank.w2_scale, add=y_sh, out_dtype=x.dtype,
+                                workspace=self._down_ws or None, rows=T)
+
+    def _decode_workspace(self, idx: torch.Tensor, x: torch.Tensor, a: torch.Tensor) -> None:
+        """The down kernel's workspace, decided once: this layer's own (no two layers share one);
+        the launches of one layer run in order on one stream, so its rows share it."""
+        from .kernels.fp4_experts import down_needs_workspace, down_workspace
+        if self._down_ws is None:
             k, D = idx.numel(), x.shape[-1]
             self._down_ws = (down_workspace(k, D, x.device, shared=False)
                              if down_needs_workspace(k, a.shape[-1], D) else ())
-        return fp4_experts_down(a, idx, bank.w2, bank.w2_scale, add=y_sh, out_dtype=x.dtype,
-                                workspace=self._down_ws or None)
 
     def prefill(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [t, D], ids [t] -> [t, D]. bf16 rows where the kernels serve: the (token, expert)

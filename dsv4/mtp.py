@@ -76,5 +76,12 @@ class MTPBlock:
         """One row at device position pos ([1] int64): h [1, c, D] -> [1, c, D]. Capture-safe."""
         return self.block.decode(self._input(h, emb), ids, pos, self.state)
 
+    def decode_rows(self, h: torch.Tensor, emb: torch.Tensor, ids: torch.Tensor,
+                    pos: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """T rows at positions pos .. pos+T-1 (the speculative step's rows): each row as decode
+        after the rows before it, bit for bit (Block.decode_rows; the inputs row by row)."""
+        x = torch.cat([self._input(h[t:t + 1], emb[t:t + 1]) for t in range(h.shape[0])])
+        return self.block.decode_rows(x, ids, pos, self.state, out=out)
+
     def reset(self) -> None:
         self.state.reset()

@@ -1,8 +1,9 @@
 """The speculative decode step as graphs/ segments: static buffers, verify, accept, rewind, draft.
 
 One step (K = 1 draft, T = K + 1 rows): `embed` (ids = [pending, drafts]) -> `layer{l}` (save the
-journal, then the T rows through Block.decode one after the other at positions pos.. : the very
-decode steps of plain decoding, so kept rows are bit for bit those of plain decoding) -> `lm_head`
+journal, then the T rows through Block.decode_rows at positions pos.. : each row with the bits of
+plain decoding's step, so kept rows are plain decoding's bit for bit; the linears read each weight
+once for all rows) -> `lm_head`
 (logits of the T rows) -> `accept` (dsv4.speculative.accept: tokens y, rows kept) -> `rewind{l}`
 (the journal puts back the rows after keep) -> `mtp` (the MTP block reads the T rows with the
 chosen tokens, rewinds its own rows after keep, drafts from its row keep; the pending token and
@@ -135,8 +136,7 @@ def _layer_fn(blk, st, journal, h, ids, pos):
 
     def fn():
         journal.save(pos)
-        for i in range(T):              # row i sees rows < i in the state: causal
-            blk.decode(h[i:i + 1], ids[i:i + 1], pos + i, st, out=h[i:i + 1])
+        blk.decode_rows(h, ids, pos, st, out=h)     # row i sees rows < i in the state: causal
     return fn
 
 
@@ -144,8 +144,7 @@ def _lm_head_fn(model, bufs):
     h = bufs.h[model.head_device]
 
     def fn():
-        for i in range(h.shape[0]):
-            bufs.logits[i].copy_(model.logits(h[i:i + 1]))
+        model.logits_rows(h, out=bufs.logits)
     return fn
 
 
@@ -173,8 +172,7 @@ def _mtp_fn(model, bufs, params, journal):
         pos, keep, y = bufs.pos, bufs.keep, bufs.y
         journal.save(pos)
         emb = model.embed.index_select(0, y)                                # [T, D]
-        for i in range(h.shape[0]):
-            bufs.hm[i:i + 1].copy_(mtp.decode(h[i:i + 1], emb[i:i + 1], y[i:i + 1], pos + i))
+        mtp.decode_rows(h, emb, y, pos, out=bufs.hm)
         journal.rewind(pos, keep)
         logits = model.logits(bufs.hm.index_select(0, keep), head=mtp.head())
         next_draft(model, bufs, params, logits, y.index_select(0, keep), pos + keep + 1)

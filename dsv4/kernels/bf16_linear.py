@@ -1,5 +1,6 @@
-"""bf16-weight GEMV for one activation row (router gate, compressor, indexer weights_proj, LM head):
-x [1, K] (bf16 or float32 values) @ w [N, K] bf16 -> [1, N], float32 accumulation, any N.
+"""bf16-weight GEMV for a few activation rows (router gate, compressor, indexer weights_proj, LM head):
+x [T, K] (bf16 or float32 values) @ w [N, K] bf16 -> [T, N], float32 accumulation, any N (T = 1 in
+decoding; T > 1: the speculative verify rows, each with the bits of a one-row launch).
 Test: `python -m pytest tests/dsv4/test_kernels.py`; bench: `python scripts/bench_kernels.py`.
 """
 from __future__ import annotations
@@ -34,7 +35,8 @@ def _bf16_fma(acc, x_ptr, kk, w, K: tl.constexpr, EVEN_K: tl.constexpr):
 def _bf16_rows(x_ptr, w_ptr, y_ptr, pid, N: tl.constexpr, K: tl.constexpr, BN: tl.constexpr,
                BK: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
     """Program `pid` of one matrix: y[rows] = w[rows] @ x, BN rows, K in steps of BK as [C, 8]
-    16-byte chunks (rows past N are clamped for the loads and not stored)."""
+    16-byte chunks (rows past N are clamped for the loads and not stored). The caller has moved
+    x_ptr / y_ptr to its activation row."""
     rows = pid * BN + tl.arange(0, BN)
     EVEN_N: tl.constexpr = N % BN == 0
     if not EVEN_N:
@@ -64,9 +66,19 @@ def _bf16_gemv_kernel(x_ptr, w0, y0, w1, y1, w2, y2, w3, y3, w4, y4,
                       N0: tl.constexpr, N1: tl.constexpr, N2: tl.constexpr, N3: tl.constexpr,
                       N4: tl.constexpr, NSEG: tl.constexpr, K: tl.constexpr, BN: tl.constexpr,
                       BK: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
-    # x [K]; up to 5 matrices wi [Ni, K] bf16 -> yi [Ni] on the same x, one after the other
-    # along the grid (cdiv(Ni, BN) programs each).
-    pid = tl.program_id(0)
+    # x [T, K]; up to 5 matrices wi [Ni, K] bf16 -> yi [T, Ni] on the same x, one after the other
+    # along grid axis 1 (cdiv(Ni, BN) programs each); axis 0: the activation row t. Every row runs
+    # the same compiled program (only the pointers move), so row t of a T-row launch has the bits
+    # of a one-row launch; the T programs of a weight tile are neighbours in launch order and run
+    # together, so the tile comes from DRAM about once (the others hit L2).
+    t = tl.program_id(0)
+    pid = tl.program_id(1)
+    x_ptr += t * K
+    y0 += t * N0
+    y1 += t * N1
+    y2 += t * N2
+    y3 += t * N3
+    y4 += t * N4
     P0: tl.constexpr = (N0 + BN - 1) // BN
     P1: tl.constexpr = P0 + (N1 + BN - 1) // BN
     P2: tl.constexpr = P1 + (N2 + BN - 1) // BN
@@ -99,6 +111,14 @@ def bf16_config(n: int, k: int) -> Config:
 
 
 MAX_MATRICES = 5
+MAX_PROGRAMS = 65535   # grid axis 1
+
+
+def _rows(x: torch.Tensor, K: int) -> int:
+    """Activation rows of x ([T, K] or K values)."""
+    if x.numel() == 0 or x.shape[-1] != K:
+        raise ValueError(f"bf16_linear: x {tuple(x.shape)}; expected rows of {K} values")
+    return x.numel() // K
 
 
 def bf16_linear_multi(x: torch.Tensor, weights: list, out_dtypes: list, *,
@@ -111,19 +131,20 @@ def bf16_linear_multi(x: torch.Tensor, weights: list, out_dtypes: list, *,
                          f"expected 1..{MAX_MATRICES} of each")
     K = weights[0].shape[1]
     for w in weights:
-        if w.dtype != torch.bfloat16 or w.dim() != 2 or w.shape[1] != K or x.numel() != K:
+        if w.dtype != torch.bfloat16 or w.dim() != 2 or w.shape[1] != K:
             raise ValueError(f"bf16_linear: weight {tuple(w.shape)} {w.dtype}, x {tuple(x.shape)};"
-                             f" expected bfloat16 weights [N, {K}] and {K} activation values")
+                             f" expected bfloat16 weights [N, {K}]")
         if w.shape[0] * K >= 2 ** 31:
             raise ValueError(f"bf16_linear: weight {tuple(w.shape)} too large for int32 offsets")
+    T = _rows(x, K)
     ns = [w.shape[0] for w in weights]
     cfg = config or bf16_config(sum(ns), K)
     bk = cfg.nb * 128
-    outs = [torch.empty(1, n, dtype=dt, device=x.device) for n, dt in zip(ns, out_dtypes)]
+    outs = [torch.empty(T, n, dtype=dt, device=x.device) for n, dt in zip(ns, out_dtypes)]
     pad = MAX_MATRICES - len(weights)
     ws, ys = list(weights) + [weights[0]] * pad, outs + [outs[0]] * pad
     nz = ns + [0] * pad
-    grid = (sum(triton.cdiv(n, cfg.bn) for n in ns),)
+    grid = _grid(T, sum(triton.cdiv(n, cfg.bn) for n in ns))
     with on_device(outs[0]):
         _bf16_gemv_kernel[grid](
             x.contiguous(), ws[0], ys[0], ws[1], ys[1], ws[2], ys[2], ws[3], ys[3], ws[4], ys[4],
@@ -134,27 +155,37 @@ def bf16_linear_multi(x: torch.Tensor, weights: list, out_dtypes: list, *,
 
 def bf16_linear(x: torch.Tensor, w: torch.Tensor, *, out_dtype: torch.dtype = torch.float32,
                 out: torch.Tensor | None = None, config: Config | None = None) -> torch.Tensor:
-    """y [1, N] = x [1, K] @ w^T, float32 accumulation of the exact products, rounded to out_dtype.
-    x is used at its own precision (bf16 or float32). Capture-safe, deterministic."""
+    """y [T, N] = x [T, K] @ w^T, float32 accumulation of the exact products, rounded to
+    out_dtype (T = 1 in decoding; each row of a T-row launch has the bits of a one-row launch). x
+    is used at its own precision (bf16 or float32). Capture-safe, deterministic."""
     N, K = w.shape
-    if w.dtype != torch.bfloat16 or x.numel() != K:
+    if w.dtype != torch.bfloat16:
         raise ValueError(f"bf16_linear: weight {tuple(w.shape)} {w.dtype}, x {tuple(x.shape)}; "
-                         f"expected a bfloat16 weight [N, K] and K = {K} activation values")
+                         f"expected a bfloat16 weight [N, K]")
+    T = _rows(x, K)
     if N * K >= 2 ** 31:
         raise ValueError(f"bf16_linear: weight {tuple(w.shape)} too large for int32 offsets")
     cfg = config or bf16_config(N, K)
     bk = cfg.nb * 128
     if out is None:
-        out = torch.empty(1, N, dtype=out_dtype, device=x.device)
+        out = torch.empty(T, N, dtype=out_dtype, device=x.device)
+    elif out.numel() != T * N or not out.is_contiguous():
+        raise ValueError(f"bf16_linear: out {tuple(out.shape)}; expected a contiguous {T}x{N}")
     with on_device(out):
-        _bf16_gemv_kernel[(triton.cdiv(N, cfg.bn),)](
+        _bf16_gemv_kernel[_grid(T, triton.cdiv(N, cfg.bn))](
             x.contiguous(), w, out, w, out, w, out, w, out, w, out, N0=N, N1=0, N2=0, N3=0, N4=0,
             NSEG=1, K=K, BN=cfg.bn, BK=bk, EVEN_K=K % bk == 0, num_warps=cfg.num_warps,
             **launch_args(out))
     return out
 
 
+def _grid(T: int, programs: int) -> tuple[int, int]:
+    if programs > MAX_PROGRAMS:
+        raise ValueError(f"bf16_linear: {programs} programs per row exceed {MAX_PROGRAMS}")
+    return T, programs
+
+
 def bf16_linear_reference(x, w, *, out_dtype=torch.float32):
     """bf16_linear in plain torch (float64 sums of the exact products, then rounded)."""
-    y = w.double() @ x.reshape(-1).double()
-    return y.reshape(1, -1).to(torch.float32).to(out_dtype)
+    y = x.reshape(-1, w.shape[1]).double() @ w.double().T
+    return y.to(torch.float32).to(out_dtype)

@@ -22,7 +22,7 @@ import torch
 
 SWITCH = "DSV4_CUDA_KERNELS"   # "0": never use the CUDA C++ kernels (Triton only)
 LIB_ENV = "DSV4_CUDA_LIB"      # path of a prebuilt library: no build
-ABI = 2
+ABI = 3
 SOURCE = Path(__file__).resolve().parents[2] / "csrc" / "dsv4_kernels.cu"
 MIN_CAPABILITY = (8, 9)        # cvt e4m3x2 (sm_89); PDL needs sm_90 and is compiled out below
 
@@ -79,15 +79,16 @@ def _declare(lib) -> None:
     lib.dsv4_error_string.restype = ctypes.c_char_p
     lib.dsv4_error_string.argtypes = [i]
     lib.dsv4_fp8_gemv.restype = i
-    lib.dsv4_fp8_gemv.argtypes = [p, p, p, p, p, p, p, i, i, i, f, i, i, i, i, i, i, i, p, i]
+    lib.dsv4_fp8_gemv.argtypes = [p, p, p, p, p, p, p, i, i, i, f, i, i, i, i, i, i, i, i, i, i, i,
+                                   p, i]
     lib.dsv4_fp4_up.restype = i
-    lib.dsv4_fp4_up.argtypes = [p, p, p, p, p, p, p, p, f, i, i, i, i, i, i, i, p, i]
+    lib.dsv4_fp4_up.argtypes = [p, p, p, p, p, p, p, p, f, i, i, i, i, i, i, i, i, p, i]
     lib.dsv4_route.restype = i
     lib.dsv4_route.argtypes = [p, p, p, p, i, i, i, f, p, p, p, i]
     lib.dsv4_topk_bf16.restype = i
     lib.dsv4_topk_bf16.argtypes = [p, i, i, p, p, i]
     lib.dsv4_fp4_down.restype = i
-    lib.dsv4_fp4_down.argtypes = [p, p, p, p, p, p, p, p, i, i, i, i, i, i, i, i, p, i]
+    lib.dsv4_fp4_down.argtypes = [p, p, p, p, p, p, p, p, i, i, i, i, i, i, i, i, i, p, i]
 
 
 def _load(arch: str):
@@ -178,12 +179,14 @@ def _stream(t: torch.Tensor) -> int:
 
 
 def fp8_gemv(lib, x, w0, s0, y0, w1, s1, y1, *, n0: int, rows: int, K: int, ng: int,
-             limit: float, flags: int, swiglu: bool, cfg, pdl: bool) -> None:
-    """dsv4_fp8_gemv (see csrc): rows / cfg.rows CTAs."""
+             limit: float, flags: int, swiglu: bool, cfg, pdl: bool, nx: int = 1, xs: int = 0,
+             ys0: int = 0, ys1: int = 0) -> None:
+    """dsv4_fp8_gemv (see csrc): rows / cfg.rows CTAs; nx activation rows with element strides
+    xs (x), ys0 / ys1 (the outputs)."""
     err = lib.dsv4_fp8_gemv(w0.data_ptr(), s0.data_ptr(), y0.data_ptr(), w1.data_ptr(),
                             s1.data_ptr(), y1.data_ptr(), x.data_ptr(), n0, K, ng, limit, flags,
                             int(swiglu), cfg.lc, cfg.rpl, cfg.cpl, cfg.warps, rows // cfg.rows,
-                            _stream(y0), int(pdl))
+                            nx, xs, ys0, ys1, _stream(y0), int(pdl))
     _check(err, "fp8 GEMV (CUDA)", lib)
 
 
@@ -192,10 +195,12 @@ def _ptr(t) -> int:
 
 
 def fp4_up(lib, x, idx, rw, w1, s1, w3, s3, out, limit: float, I: int, D: int, k: int,
-           cfg, pdl: bool) -> None:
+           cfg, pdl: bool, kpr: int | None = None) -> None:
+    """dsv4_fp4_up: k pairs, kpr of them per activation row (default k: one row)."""
     err = lib.dsv4_fp4_up(x.data_ptr(), idx.data_ptr(), rw.data_ptr(), w1.data_ptr(),
                           s1.data_ptr(), w3.data_ptr(), s3.data_ptr(), out.data_ptr(), limit, I, D,
-                          k, cfg.spw, cfg.dec, cfg.depth, cfg.ctas, _stream(out), int(pdl))
+                          k, cfg.spw, cfg.dec, cfg.depth, cfg.ctas, kpr or k, _stream(out),
+                          int(pdl))
     _check(err, "fp4 experts up (CUDA)", lib)
 
 
@@ -213,11 +218,12 @@ def topk_bf16(lib, scores, k: int, out, pdl: bool) -> None:
 
 
 def fp4_down(lib, a, idx, w2, s2, add, y, ws, cnt, D: int, I: int, k: int, y_f32: bool, cfg,
-             pdl: bool) -> None:
-    """dsv4_fp4_down; ws / cnt None (unused) for cfg.all_experts."""
+             pdl: bool, rows: int = 1) -> None:
+    """dsv4_fp4_down; ws / cnt None (unused) for cfg.all_experts; rows > 1: all_experts only."""
     err = lib.dsv4_fp4_down(a.data_ptr(), idx.data_ptr(), w2.data_ptr(), s2.data_ptr(),
                             _ptr(add), y.data_ptr(), _ptr(ws), _ptr(cnt), D, I, k, int(y_f32),
-                            cfg.spw, cfg.dec, cfg.depth, int(cfg.all_experts), _stream(y), int(pdl))
+                            cfg.spw, cfg.dec, cfg.depth, int(cfg.all_experts), rows, _stream(y),
+                            int(pdl))
     _check(err, "fp4 experts down (CUDA)", lib)
 
 

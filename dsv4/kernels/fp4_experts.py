@@ -302,12 +302,15 @@ def fp4_experts_up(x: torch.Tensor, idx: torch.Tensor, route_w: torch.Tensor, w1
                    backend: str | None = None) -> torch.Tensor:
     """x [1, D] bf16, idx [k] int64 (device), route_w [k] f32 -> a [k, I] bf16 with
     a[j] = bf16(silu(g) * u * route_w[j]), g/u = bf16(W8A8 w1/w3 of expert idx[j] at x), u clamped
-    to +-limit and g from above (limit 0: none). Capture-safe (experts read on device)."""
+    to +-limit and g from above (limit 0: none). Capture-safe (experts read on device).
+    x [T, D] (the speculative verify rows): the k pairs split into T runs of k / T, run t on row t,
+    one launch on CUDA (the per-tile kernel: the streaming one's bits), each pair as one row's."""
     E, I, D = _check(w1, s1, "fp4_experts_up w1")
-    if _check(w3, s3, "fp4_experts_up w3") != (E, I, D) or x.numel() != D:
-        raise ValueError(f"fp4_experts_up: w3 {tuple(w3.shape)} or x {tuple(x.shape)} does not "
-                         f"match w1 {tuple(w1.shape)}")
+    T = x.numel() // D if x.numel() % D == 0 else 0
     k = idx.numel()
+    if _check(w3, s3, "fp4_experts_up w3") != (E, I, D) or T < 1 or k % T:
+        raise ValueError(f"fp4_experts_up: w3 {tuple(w3.shape)} or x {tuple(x.shape)} does not "
+                         f"match w1 {tuple(w1.shape)} and {k} pairs")
     if out is None:
         out = torch.empty(k, I, dtype=torch.bfloat16, device=x.device)
     xc, rw = x.contiguous(), route_w.to(torch.float32).contiguous()
@@ -315,9 +318,9 @@ def fp4_experts_up(x: torch.Tensor, idx: torch.Tensor, route_w: torch.Tensor, w1
                       insisted=isinstance(config, ExpertCudaConfig))
             and I % 16 == 0 and idx.dtype == torch.int64):
         ccfg = config if isinstance(config, ExpertCudaConfig) else cuda_expert_config(
-            D, TUNED_CUDA_UP, (k, I, D))
+            D, TUNED_CUDA_UP, (k // T, I, D))
         if ccfg is not None and ccfg.ctas:
-            if k > 16:                                        # the streaming kernel's limit
+            if k > 16 or T > 1:       # the streaming kernel's limits: 16 pairs, one row
                 ccfg = replace(ccfg, ctas=0)
             else:                                             # one CTA per SM at most resides
                 sms = torch.cuda.get_device_properties(out.device).multi_processor_count
@@ -326,10 +329,17 @@ def fp4_experts_up(x: torch.Tensor, idx: torch.Tensor, route_w: torch.Tensor, w1
             with on_device(out):
                 cuda_lib.fp4_up(cuda_lib.lib_for(out.device), xc, idx.contiguous(), rw,
                                 w1, s1.view(torch.uint8), w3, s3.view(torch.uint8), out,
-                                float(limit), I, D, k, ccfg, pdl(out))
+                                float(limit), I, D, k, ccfg, pdl(out), kpr=k // T)
             return out
         if backend == "cuda" or isinstance(config, ExpertCudaConfig):
             raise ValueError(f"fp4_experts_up: no CUDA config for D = {D}")
+    if T > 1:   # Triton: one launch per row
+        n = k // T
+        for t in range(T):
+            fp4_experts_up(xc.view(T, D)[t:t + 1], idx[t * n:(t + 1) * n], rw[t * n:(t + 1) * n],
+                           w1, s1, w3, s3, limit, out=out[t * n:(t + 1) * n], config=config,
+                           backend="triton")
+        return out
     cfg = config or up_config(k, I, D)
     with on_device(out):
         _fp4_up_kernel[(I // cfg.bn, k)](
@@ -346,23 +356,28 @@ def fp4_experts_down(a: torch.Tensor, idx: torch.Tensor, w2: torch.Tensor, s2: t
                      add: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32,
                      out: torch.Tensor | None = None,
                      config: Config | ExpertCudaConfig | None = None,
-                     backend: str | None = None, workspace: tuple | None = None) -> torch.Tensor:
+                     backend: str | None = None, workspace: tuple | None = None,
+                     rows: int = 1) -> torch.Tensor:
     """a [k, I] bf16, idx [k] int64 -> y [1, D] = sum_j bf16(W8A8 w2[idx[j]] @ a[j]), summed in fp32
     in slot order j = 0..k-1 (pass idx sorted to match the reference), plus `add` ([1, D], e.g. the
     shared expert's bf16 output) in fp32, rounded to out_dtype (float32 or bfloat16).
     workspace: the per-expert CUDA kernel's (see down_workspace; default: one per device and
     shape; the all-experts kernel needs none, see down_needs_workspace).
-    Capture-safe."""
+    rows > 1 (the speculative verify rows): the k pairs split into `rows` runs -> y [rows, D], add
+    [rows, D], each row as a one-row call (one launch with the all-experts kernel). Capture-safe."""
     E, D, I = _check(w2, s2, "fp4_experts_down w2")
     k = idx.numel()
-    if tuple(a.shape) != (k, I):
-        raise ValueError(f"fp4_experts_down: a {tuple(a.shape)}; expected {(k, I)}")
-    if out_dtype not in (torch.float32, torch.bfloat16) or (add is not None and add.numel() != D):
+    if tuple(a.shape) != (k, I) or rows < 1 or k % rows:
+        raise ValueError(f"fp4_experts_down: a {tuple(a.shape)}, {rows} rows; expected {(k, I)}")
+    if out_dtype not in (torch.float32, torch.bfloat16) or (add is not None
+                                                            and add.numel() != rows * D):
         raise ValueError(f"fp4_experts_down: out_dtype {out_dtype}, add "
                          f"{None if add is None else tuple(add.shape)}; expected float32/bfloat16 "
-                         f"and [1, {D}]")
+                         f"and [{rows}, {D}]")
     if out is None:
-        out = torch.empty(1, D, dtype=out_dtype, device=a.device)
+        out = torch.empty(rows, D, dtype=out_dtype, device=a.device)
+    elif out.numel() != rows * D or not out.is_contiguous():
+        raise ValueError(f"fp4_experts_down: out {tuple(out.shape)}; expected [{rows}, {D}]")
     ac = a.contiguous()
     addc = None if add is None else add.contiguous()
     if (cuda_lib.pick("fp4 experts", backend, ac, w2, out, *(() if addc is None else (addc,)),
@@ -370,8 +385,8 @@ def fp4_experts_down(a: torch.Tensor, idx: torch.Tensor, w2: torch.Tensor, s2: t
                       insisted=isinstance(config, ExpertCudaConfig))
             and D % 16 == 0 and idx.dtype == torch.int64
             and (addc is None or addc.dtype == torch.bfloat16)):
-        ccfg = config if isinstance(config, ExpertCudaConfig) else cuda_down_config(k, I, D)
-        if ccfg is not None:
+        ccfg = config if isinstance(config, ExpertCudaConfig) else cuda_down_config(k // rows, I, D)
+        if ccfg is not None and (rows == 1 or ccfg.all_experts):
             ws, cnt = ((None, None) if ccfg.all_experts
                        else workspace or down_workspace(k, D, out.device))
             if ws is not None and (ws.shape[0] < k or ws.shape[1] != D or cnt.numel() != D // 16):
@@ -379,9 +394,17 @@ def fp4_experts_down(a: torch.Tensor, idx: torch.Tensor, w2: torch.Tensor, s2: t
                                  f"does not fit k = {k}, D = {D}")
             with on_device(out):
                 cuda_lib.fp4_down(cuda_lib.lib_for(out.device), ac, idx.contiguous(), w2,
-                                  s2.view(torch.uint8), addc, out, ws, cnt, D, I, k,
-                                  out.dtype == torch.float32, ccfg, pdl(out))
+                                  s2.view(torch.uint8), addc, out, ws, cnt, D, I, k // rows,
+                                  out.dtype == torch.float32, ccfg, pdl(out), rows=rows)
             return out
+    if rows > 1:   # one launch per row
+        n = k // rows
+        for t in range(rows):
+            fp4_experts_down(ac[t * n:(t + 1) * n], idx[t * n:(t + 1) * n], w2, s2,
+                             add=None if addc is None else addc.view(rows, D)[t:t + 1],
+                             out_dtype=out_dtype, out=out.view(rows, D)[t:t + 1], config=config,
+                             backend=backend, workspace=workspace)
+        return out
     cfg = config or down_config(k, I, D)
     with on_device(out):
         _fp4_down_kernel[(D // cfg.bn,)](

@@ -1,5 +1,6 @@
-"""FP8 (e4m3, 128x128 ue8m0) GEMV for one activation row: W8A8 `fp8_linear`, the fused shared-expert
-`fp8_swiglu`, and grouped wo_a (no act quant). x [1, K] -> y [1, N]; weights w [N, K], s [N/128, K/128].
+"""FP8 (e4m3, 128x128 ue8m0) GEMV for a few activation rows: W8A8 `fp8_linear`, the fused shared-expert
+`fp8_swiglu`, and grouped wo_a (no act quant). x [T, K] -> y [T, N]; weights w [N, K], s [N/128, K/128]
+(T = 1 in decoding; T > 1, the speculative verify rows, reads each weight once in the CUDA kernel).
 Two implementations with the same semantics (float32 sums of the exact products): the CUDA C++ kernel
 (csrc/dsv4_kernels.cu via dsv4.kernels.cuda_lib; the default where it is available) and the Triton
 kernel below (the fallback, and the interpreter tests). `backend=` / the config type pick one.
@@ -212,25 +213,32 @@ def _check(w, s, what="fp8 GEMV"):
 def _launch(x, w, s, w3, s3, out, limit, quant, group_k, out_dtype, config, native, second=None,
             add=None, backend=None):
     """One launch: y = x @ w (+ w3 SwiGLU, + add); second = (wb, sb, outb): programs past the
-    first matrix's compute wb on the same x into outb."""
+    first matrix's compute wb on the same x into outb. x [T, G*K]: T activation rows (T > 1: the
+    CUDA kernel reads each weight once for all rows; Triton launches once per row)."""
     N, K = _check(w, s)
-    G = 1 if group_k is None else x.numel() // group_k
-    if group_k is not None and (group_k != K or x.numel() % K or N % (G * FP8_BLOCK)):
+    L = x.shape[-1] if x.dim() else 0                      # values per activation row
+    G = 1 if group_k is None else L // group_k
+    if group_k is not None and (group_k != K or L % K or N % (G * FP8_BLOCK)):
         raise ValueError(f"grouped fp8 GEMV: x {tuple(x.shape)}, group_k {group_k}, weight "
                          f"{tuple(w.shape)}; need group_k == K and N a multiple of 128 * G")
-    if x.numel() != G * K:
-        raise ValueError(f"fp8 GEMV: x {tuple(x.shape)} has {x.numel()} values; expected {G * K}")
-    if add is not None and (add.numel() != N or add.dtype != torch.float32):
-        raise ValueError(f"fp8 GEMV: add {tuple(add.shape)} {add.dtype}; expected {N} float32")
+    if L != G * K or x.numel() == 0:
+        raise ValueError(f"fp8 GEMV: x {tuple(x.shape)} has rows of {L} values; expected {G * K}")
+    T = x.numel() // L
+    if add is not None and (add.numel() != T * N or add.dtype != torch.float32):
+        raise ValueError(f"fp8 GEMV: add {tuple(add.shape)} {add.dtype}; expected {T}x{N} float32")
     ng = N // G
     nb_rows = N
     if second is not None:
         Nb, Kb = _check(second[0], second[1], "fp8 GEMV (second matrix)")
         if Kb != K or G != 1:
             raise ValueError(f"fp8 GEMV: second weight {tuple(second[0].shape)} needs K = {K}")
+        if second[2].numel() != T * Nb or not second[2].is_contiguous():
+            raise ValueError(f"fp8 GEMV: second output {tuple(second[2].shape)}; expected {T}x{Nb}")
         nb_rows = N + Nb
     if out is None:
-        out = torch.empty(1, N, dtype=out_dtype, device=x.device)
+        out = torch.empty(T, N, dtype=out_dtype, device=x.device)
+    elif out.numel() != T * N or not out.is_contiguous():
+        raise ValueError(f"fp8 GEMV: out {tuple(out.shape)}; expected a contiguous {T}x{N}")
     xc = x.contiguous()
     extra = (() if second is None else second) + (() if w3 is None else (w3,))
     # the bit-path decode (native) and the add epilogue are Triton-only
@@ -243,10 +251,18 @@ def _launch(x, w, s, w3, s3, out, limit, quant, group_k, out_dtype, config, nati
             nb_rows, K, seg, ng if G > 1 else 0, nm)
         if ccfg is not None:
             _launch_cuda(xc, w, s, w3, s3, out, limit, quant, ng if G > 1 else 0, nb_rows, K,
-                         ccfg, second)
+                         ccfg, second, T)
             return out
         if isinstance(config, CudaConfig) or backend == "cuda":
             raise ValueError(f"fp8 GEMV: no CUDA config for {nb_rows} rows, K = {K}")
+    if T > 1:   # Triton: one launch per activation row (each weight read T times)
+        xr, o2 = xc.view(T, L), out.view(T, N)
+        for t in range(T):
+            sec = None if second is None else (second[0], second[1], second[2].view(T, -1)[t:t + 1])
+            _launch(xr[t:t + 1], w, s, w3, s3, o2[t:t + 1], limit, quant, group_k, out_dtype,
+                    config, native, sec, None if add is None else add.view(T, N)[t:t + 1],
+                    "triton")
+        return out
     cfg = config or fp8_config(nb_rows, K, nb_rows if second is not None else ng,
                                dual=w3 is not None)
     if N % cfg.bn or nb_rows % cfg.bn:
@@ -267,8 +283,9 @@ def _launch(x, w, s, w3, s3, out, limit, quant, group_k, out_dtype, config, nati
     return out
 
 
-def _launch_cuda(x, w, s, w3, s3, out, limit, quant, ng, rows, K, cfg: CudaConfig, second):
-    """The CUDA C++ kernel (dsv4_fp8_gemv) for the same launch."""
+def _launch_cuda(x, w, s, w3, s3, out, limit, quant, ng, rows, K, cfg: CudaConfig, second,
+                 T: int = 1):
+    """The CUDA C++ kernel (dsv4_fp8_gemv) for the same launch, T activation rows."""
     n0 = w.shape[0]
     if (rows % cfg.rows or n0 % cfg.rows or 128 % cfg.rows or (ng and ng % cfg.rows)
             or cfg.warps * cfg.lc * cfg.cpl * 16 != K):   # one scale block and x group per CTA
@@ -290,7 +307,8 @@ def _launch_cuda(x, w, s, w3, s3, out, limit, quant, ng, rows, K, cfg: CudaConfi
     with on_device(out):
         cuda_lib.fp8_gemv(cuda_lib.lib_for(out.device), x, w.view(u8), s.view(u8), out, w1, s1, y1,
                           n0=n0, rows=rows, K=K, ng=ng, limit=float(limit), flags=flags,
-                          swiglu=w3 is not None, cfg=cfg, pdl=pdl(out))
+                          swiglu=w3 is not None, cfg=cfg, pdl=pdl(out), nx=T,
+                          xs=x.numel() // T, ys0=out.numel() // T, ys1=y1.numel() // T)
 
 
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, *, quant_act: bool = True,
@@ -298,7 +316,8 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, *, quant_act: 
                out: torch.Tensor | None = None, config: Config | CudaConfig | None = None,
                native: bool | None = None, add: torch.Tensor | None = None,
                backend: str | None = None) -> torch.Tensor:
-    """y [1, N] = x [1, K] @ dequant(w)^T with float32 accumulation, rounded to out_dtype.
+    """y [T, N] = x [T, K] @ dequant(w)^T with float32 accumulation, rounded to out_dtype (T
+    activation rows, each with the bits of a one-row call: the speculative step's verify rows).
 
     quant_act: W8A8 as the official linear (x -> e4m3 per 128 with ue8m0 scales); off for wo_a.
     group_k: rows [g*N/G, (g+1)*N/G) read x[g*group_k, (g+1)*group_k) (x [1, G*group_k], w
@@ -314,9 +333,10 @@ def fp8_linear2(x: torch.Tensor, wa: torch.Tensor, sa: torch.Tensor, wb: torch.T
                 sb: torch.Tensor, *, config: Config | CudaConfig | None = None,
                 native: bool | None = None, backend: str | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x @ wa^T, x @ wb^T), both W8A8 bf16 [1, N], in one launch (wq_a and wkv read the same x).
+    """(x @ wa^T, x @ wb^T), both W8A8 bf16 [T, N], in one launch (wq_a and wkv read the same x).
     Equal to two fp8_linear calls with the same config."""
-    yb = torch.empty(1, wb.shape[0], dtype=torch.bfloat16, device=x.device)
+    yb = torch.empty(x.numel() // x.shape[-1], wb.shape[0], dtype=torch.bfloat16,
+                     device=x.device)
     ya = _launch(x, wa, sa, None, None, None, 0.0, True, None, torch.bfloat16, config, native,
                  second=(wb, sb, yb), backend=backend)
     return ya, yb
@@ -326,7 +346,7 @@ def fp8_swiglu(x: torch.Tensor, w1: torch.Tensor, s1: torch.Tensor, w3: torch.Te
                s3: torch.Tensor, limit: float, *, out: torch.Tensor | None = None,
                config: Config | CudaConfig | None = None, native: bool | None = None,
                backend: str | None = None) -> torch.Tensor:
-    """a [1, I] bf16 = bf16(silu(g) * u), g = bf16(w1 x), u = bf16(w3 x) (W8A8), clamped as the
+    """a [T, I] bf16 (x [T, K]) = bf16(silu(g) * u), g = bf16(w1 x), u = bf16(w3 x) (W8A8), clamped as the
     shared expert (u to +-limit, g from above; limit 0 = none). One launch. Capture-safe."""
     if w3.shape != w1.shape or s3.shape != s1.shape:
         raise ValueError(f"fp8_swiglu: w1 {tuple(w1.shape)} / w3 {tuple(w3.shape)} differ")

@@ -1,4 +1,5 @@
-"""Fused hyper-connection kernels for one decode token: hc_pre + Sinkhorn split + RMSNorm in two
+"""Fused hyper-connection kernels for decode tokens (one, or the speculative step's few rows, one
+binary per row): hc_pre + Sinkhorn split + RMSNorm in two
 launches (the second one's two programs compute x and the Sinkhorn side by side; inside a
 captured step the Sinkhorn program is a launch of its own on a side stream, off the main chain,
 as only hc_post needs it), hc_post in one, hc_head + final norm in two (instead of ~250 torch ops
@@ -24,8 +25,12 @@ FINISH_WARPS = 8   # warps of the one-program finish (Sinkhorn, weighted sum, RM
 @triton.jit
 def _mix_partial_kernel(h_ptr, fn_ptr, part_ptr, K: tl.constexpr, M: tl.constexpr,
                         MP: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr):
-    # part[pid, :M] = fn[:, chunk] @ h[chunk]; part[pid, M] = sum(h[chunk]^2)   (float32)
+    # part[pid, :M] = fn[:, chunk] @ h[chunk]; part[pid, M] = sum(h[chunk]^2)   (float32);
+    # program_id(1): the decode row (one binary for any number of rows: the same bits)
     pid = tl.program_id(0)
+    row = tl.program_id(1)
+    h_ptr += row * K
+    part_ptr += row * (tl.num_programs(0) * (MP + 1))
     kk = pid * BK + tl.arange(0, BK)
     m = tl.arange(0, MP)
     f = tl.load(fn_ptr + m[:, None] * K + kk[None, :], mask=(m < M)[:, None], other=0.0)
@@ -158,52 +163,55 @@ def _post_kernel(x_ptr, res_ptr, post_ptr, comb_ptr, out_ptr, D: tl.constexpr, C
 
 
 def _mix(h2, fn):
-    K = h2.numel()
+    """h2 [T, c*D] (decode rows) -> the partial mixes [T, nch, MP + 1]."""
+    T, K = h2.shape
     M = fn.shape[0]
     MP = triton.next_power_of_2(M)
     nch = K // BK
-    part = torch.empty(nch, MP + 1, dtype=torch.float32, device=h2.device)
-    _mix_partial_kernel[(nch,)](h2, fn, part, K=K, M=M, MP=MP, BK=BK, num_warps=4,
-                                **launch_args(part))
+    part = torch.empty(T, nch, MP + 1, dtype=torch.float32, device=h2.device)
+    _mix_partial_kernel[(nch, T)](h2, fn, part, K=K, M=M, MP=MP, BK=BK, num_warps=4,
+                                  **launch_args(part))
     return part, nch, MP
 
 
 def hc_pre_norm(h, fn, scale, base, norm_w, norm_eps, hc_eps, iters, branch=None):
-    """h [1, c, D] -> (RMSNorm(hc_pre(h)) [1, D] in h's dtype, post [1, c], comb [1, c, c] f32).
-    branch: an overlap.Branch made with fork=False; when it is on (capturing), it forks after the
-    mix and the Sinkhorn (post, comb) runs as a launch of its own on its side stream, so the main
-    chain waits for x only; join it before post / comb are read. Otherwise both in one launch (the
-    same bits)."""
-    _, C, D = h.shape
+    """h [T, c, D] -> (RMSNorm(hc_pre(h)) [T, D] in h's dtype, post [T, c], comb [T, c, c] f32).
+    T = 1 in decoding; T decode rows (the speculative verify rows) run one binary per row, so
+    row t has the bits of a one-row call. branch: an overlap.Branch made with fork=False; when it
+    is on (capturing), it forks after the mix and the Sinkhorn (post, comb) runs as a launch of its
+    own on its side stream, so the main chain waits for x only; join it before post / comb are
+    read. Otherwise both in one launch (the same bits)."""
+    T, C, D = h.shape
     if (C * D) % BK:
         raise ValueError(f"hc_pre_norm: c*D = {C * D} must be a multiple of {BK}")
-    h2 = h.reshape(C, D).contiguous()
+    h2 = h.reshape(T, C * D).contiguous()
     part, nch, MP = _mix(h2, fn)
-    x = torch.empty(1, D, dtype=h.dtype, device=h.device)
-    post = torch.empty(1, C, dtype=torch.float32, device=h.device)
-    comb = torch.empty(1, C, C, dtype=torch.float32, device=h.device)
+    x = torch.empty(T, D, dtype=h.dtype, device=h.device)
+    post = torch.empty(T, C, dtype=torch.float32, device=h.device)
+    comb = torch.empty(T, C, C, dtype=torch.float32, device=h.device)
     kw = dict(D=D, C=C, NCH=nch, NCHP=triton.next_power_of_2(nch), MP=MP,
               BD=triton.next_power_of_2(D), ITERS=iters, norm_eps=norm_eps, hc_eps=hc_eps,
               ROUND=h.dtype == torch.bfloat16, num_warps=FINISH_WARPS, **launch_args(x))
     args = (h2, part, scale, base, norm_w, x, post, comb)
     if branch is None or not branch.on:
-        _pre_finish_kernel[(2,)](*args, 0, **kw)
+        _pre_finish_kernel[(2, T)](*args, 0, **kw)
         return x, post, comb
     branch.fork()   # after the mix: the Sinkhorn reads its partials
-    _pre_finish_kernel[(1,)](*args, 0, **kw)
+    _pre_finish_kernel[(1, T)](*args, 0, **kw)
     with branch.side():
-        _pre_finish_kernel[(1,)](*args, 1, **kw)
+        _pre_finish_kernel[(1, T)](*args, 1, **kw)
     branch.hold(part)   # the side launch reads it: keep it from the allocator until the join
     return x, post, comb
 
 
 def hc_head_norm(h, fn, scale, base, norm_w, norm_eps, hc_eps):
-    """h [1, c, D] -> RMSNorm(hc_head(h)) [1, D] in h's dtype (the head's sigmoid mix, no Sinkhorn)."""
-    _, C, D = h.shape
-    h2 = h.reshape(C, D).contiguous()
+    """h [T, c, D] -> RMSNorm(hc_head(h)) [T, D] in h's dtype (the head's sigmoid mix, no
+    Sinkhorn); row t with the bits of a one-row call."""
+    T, C, D = h.shape
+    h2 = h.reshape(T, C * D).contiguous()
     part, nch, MP = _mix(h2, fn)
-    x = torch.empty(1, D, dtype=h.dtype, device=h.device)
-    _pre_finish_kernel[(1,)](h2, part, scale, base, norm_w, x, x, x, 0, D=D, C=C, NCH=nch,
+    x = torch.empty(T, D, dtype=h.dtype, device=h.device)
+    _pre_finish_kernel[(1, T)](h2, part, scale, base, norm_w, x, x, x, 0, D=D, C=C, NCH=nch,
                              NCHP=triton.next_power_of_2(nch), MP=MP,
                              BD=triton.next_power_of_2(D), ITERS=1, norm_eps=norm_eps,
                              hc_eps=hc_eps, ROUND=h.dtype == torch.bfloat16,
@@ -212,9 +220,10 @@ def hc_head_norm(h, fn, scale, base, norm_w, norm_eps, hc_eps):
 
 
 def hc_post(x, res, post, comb, out=None):
-    """x [1, D], res [1, c, D], post [1, c], comb [1, c, c] -> [1, c, D] in x's dtype (into `out`
-    when given: contiguous, res's shape and dtype, not overlapping res)."""
-    _, C, D = res.shape
+    """x [T, D], res [T, c, D], post [T, c], comb [T, c, c] -> [T, c, D] in x's dtype (into `out`
+    when given: contiguous, res's shape and dtype, not overlapping res); T = 1 in decoding, each
+    of T rows with the bits of a one-row call."""
+    T, C, D = res.shape
     if out is None:
         out = torch.empty_like(res)
     elif (out.shape != res.shape or out.dtype != res.dtype or not out.is_contiguous()
@@ -222,9 +231,9 @@ def hc_post(x, res, post, comb, out=None):
         raise ValueError(f"hc_post: out must be a contiguous {tuple(res.shape)} {res.dtype} "
                          "tensor apart from res")
     bd = 256
-    _post_kernel[(triton.cdiv(D, bd),)](x, res.contiguous(), post, comb, out, D=D, C=C, BD=bd,
-                                        ROUND=x.dtype == torch.bfloat16, num_warps=4,
-                                        **launch_args(out))
+    _post_kernel[(triton.cdiv(D, bd), T)](x, res.contiguous(), post, comb, out, D=D, C=C, BD=bd,
+                                           ROUND=x.dtype == torch.bfloat16, num_warps=4,
+                                           **launch_args(out))
     return out
 
 

@@ -119,6 +119,74 @@ def test_fp8_every_cuda_config_agrees(name):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("T", [2, 4])
+def test_rows_equal_one_row_launches_cuda(T):
+    """The speculative verify rows: T activation rows in one launch (FP8 CUDA kernel: weights
+    held in registers across rows; bf16 Triton: one program per row and tile) give each row the bits of
+    its own one-row launch, at the Flash / Pro decode shapes (tuned configs), with two matrices,
+    SwiGLU and the grouped wo_a; the routed experts of T rows (up: the per-tile kernel over all
+    pairs against the one-row streaming kernel; down: the all-experts kernel with a row grid)."""
+    from dsv4.kernels.bf16_linear import bf16_linear, bf16_linear_multi
+    from dsv4.kernels.fp8_linear import fp8_linear, fp8_linear2, fp8_swiglu
+    from test_kernels import BF16_SHAPES
+    _need_lib()
+    dev, gen = torch.device("cuda"), fresh_gen("cuda")
+    for name in ("flash.wq_b", "flash.wo_a", "flash.wo_b", "flash.shared.w2", "pro.wq_b", "odd"):
+        n, k, G = FP8_SHAPES[name]
+        w, s = fp8_weight(n, k, gen, device=dev)
+        gk = k if G > 1 else None
+        x = torch.cat([spiky_x(k * G, gen, torch.bfloat16, dev) for _ in range(T)])
+        for odt in (torch.bfloat16, torch.float32):
+            y = fp8_linear(x, w, s, quant_act=G == 1, group_k=gk, out_dtype=odt, backend="cuda",
+                           out=poisoned(T, n, dtype=odt, device=dev))
+            for t in range(T):
+                one = fp8_linear(x[t:t + 1], w, s, quant_act=G == 1, group_k=gk, out_dtype=odt,
+                                 backend="cuda")
+                assert torch.equal(y[t:t + 1], one), (name, t)
+    (wa, sa), (wb, sb) = fp8_weight(1024, 4096, gen, device=dev), fp8_weight(512, 4096, gen,
+                                                                              device=dev)
+    (w1, s1), (w3, s3) = fp8_weight(2048, 4096, gen, 8.0, dev), fp8_weight(2048, 4096, gen, 8.0,
+                                                                            dev)
+    x = torch.cat([spiky_x(4096, gen, torch.bfloat16, dev) for _ in range(T)])
+    ya, yb = fp8_linear2(x, wa, sa, wb, sb, backend="cuda")
+    a = fp8_swiglu(x, w1, s1, w3, s3, 10.0, backend="cuda")
+    for t in range(T):
+        oa, ob = fp8_linear2(x[t:t + 1], wa, sa, wb, sb, backend="cuda")
+        assert torch.equal(ya[t:t + 1], oa) and torch.equal(yb[t:t + 1], ob)
+        assert torch.equal(a[t:t + 1], fp8_swiglu(x[t:t + 1], w1, s1, w3, s3, 10.0,
+                                                  backend="cuda"))
+    from dsv4.kernels.fp4_experts import fp4_experts_down, fp4_experts_up
+    E, I, D = EXPERTS["flash"]
+    k = 6
+    w1, s1, w3, s3, _, _ = fp4_bank(E, I, D, gen, gain=4.0, device=dev)
+    *_, w2, s2 = fp4_bank(E, I, D, gen, up=False, device=dev)
+    xe = torch.cat([spiky_x(D, gen, torch.bfloat16, dev) for _ in range(T)])
+    idx = torch.cat([torch.randperm(E, device=dev)[:k].sort().values for _ in range(T)])
+    rw = torch.rand(T * k, generator=gen, device=dev)
+    add = torch.randn(T, D, generator=gen, device=dev).bfloat16()
+    ae = fp4_experts_up(xe, idx, rw, w1, s1, w3, s3, 10.0)             # per-tile kernel
+    ye = fp4_experts_down(ae, idx, w2, s2, add=add, out_dtype=torch.bfloat16, rows=T)
+    for t in range(T):
+        p = slice(t * k, (t + 1) * k)
+        one = fp4_experts_up(xe[t:t + 1], idx[p], rw[p], w1, s1, w3, s3, 10.0)   # streaming
+        assert torch.equal(ae[p], one), t
+        assert torch.equal(ye[t:t + 1], fp4_experts_down(one, idx[p], w2, s2, add=add[t:t + 1],
+                                                         out_dtype=torch.bfloat16)), t
+    del w1, s1, w3, s3, w2, s2
+    for name in ("flash.gate", "compressor", "flash.head", "odd"):
+        n, k = BF16_SHAPES[name]
+        w = (torch.randn(n, k, generator=gen, device=dev) * k ** -0.5).to(torch.bfloat16)
+        xb = torch.randn(T, k, generator=gen, device=dev)
+        y = bf16_linear(xb, w)
+        ys = bf16_linear_multi(xb.bfloat16(), [w, w[:100]], [torch.float32, torch.bfloat16])
+        for t in range(T):
+            assert torch.equal(y[t:t + 1], bf16_linear(xb[t:t + 1], w)), name
+            o = bf16_linear_multi(xb[t:t + 1].bfloat16(), [w, w[:100]],
+                                  [torch.float32, torch.bfloat16])
+            assert torch.equal(ys[0][t:t + 1], o[0]) and torch.equal(ys[1][t:t + 1], o[1]), name
+
+
+@pytest.mark.cuda
 def test_fp8_two_matrices_and_swiglu_cuda():
     """wq_a + wkv in one CUDA launch equal their own launches with the same config (bit for bit);
     the fused SwiGLU meets its reference."""

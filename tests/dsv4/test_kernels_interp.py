@@ -205,6 +205,69 @@ def test_bf16_linear_multi_equals_separate_calls():
         bf16_linear_multi(x, ws + ws[:1], dts + dts[:1])
 
 
+@pytest.mark.parametrize("T", [2, 3, 6])
+def test_bf16_rows_equal_one_row_calls(T):
+    """T activation rows in one launch (the speculative verify rows): row t has the bits of a
+    one-row call, single and multi-matrix."""
+    ns, k, cfg = [100, 33], 384, Config(16, 2)
+    ws = [(torch.randn(n, k, generator=GEN) * k ** -0.5).to(torch.bfloat16) for n in ns]
+    x = torch.cat([spiky_x(k, GEN, torch.bfloat16) for _ in range(T)])
+    y = bf16_linear(x, ws[0], out=poisoned(T, ns[0], dtype=torch.float32), config=cfg)
+    multi = bf16_linear_multi(x, ws, [torch.float32, torch.bfloat16], config=cfg)
+    for t in range(T):
+        assert torch.equal(y[t:t + 1], bf16_linear(x[t:t + 1], ws[0], config=cfg))
+        for yo, w, dt in zip(multi, ws, [torch.float32, torch.bfloat16]):
+            assert torch.equal(yo[t:t + 1], bf16_linear(x[t:t + 1], w, out_dtype=dt, config=cfg))
+    assert torch.equal(bf16_linear_reference(x, ws[0])[1:2], bf16_linear_reference(x[1], ws[0]))
+
+
+def test_fp8_rows_equal_one_row_calls():
+    """fp8_linear / fp8_linear2 / fp8_swiglu / grouped wo_a on T rows == the one-row calls."""
+    T, cfg = 3, Config(64, 2)
+    (wa, sa), (wb, sb) = fp8_weight(256, 384, GEN), fp8_weight(128, 384, GEN)
+    x = torch.cat([spiky_x(384, GEN, torch.bfloat16) for _ in range(T)])
+    y = fp8_linear(x, wa, sa, config=cfg)
+    ya, yb = fp8_linear2(x, wa, sa, wb, sb, config=cfg)
+    w1, s1 = fp8_weight(256, 384, GEN)
+    a = fp8_swiglu(x, wa, sa, w1, s1, 1.5, config=cfg)
+    gw, gs = fp8_weight(2 * 128, 256, GEN)
+    xg = torch.cat([spiky_x(512, GEN, torch.bfloat16) for _ in range(T)])
+    yg = fp8_linear(xg, gw, gs, quant_act=False, group_k=256, config=Config(64, 1))
+    assert y.shape == ya.shape == (T, 256) and yb.shape == (T, 128) and yg.shape == (T, 256)
+    for t in range(T):
+        r = x[t:t + 1]
+        assert torch.equal(y[t:t + 1], fp8_linear(r, wa, sa, config=cfg))
+        assert torch.equal(ya[t:t + 1], y[t:t + 1])
+        assert torch.equal(yb[t:t + 1], fp8_linear(r, wb, sb, config=cfg))
+        assert torch.equal(a[t:t + 1], fp8_swiglu(r, wa, sa, w1, s1, 1.5, config=cfg))
+        assert torch.equal(yg[t:t + 1], fp8_linear(xg[t:t + 1], gw, gs, quant_act=False,
+                                                   group_k=256, config=Config(64, 1)))
+    with pytest.raises(ValueError, match="rows of"):
+        fp8_linear(x[:, :256], wa, sa)
+
+
+def test_fp4_experts_rows_equal_one_row_calls():
+    """The routed experts of T rows (k pairs each) in one call == the one-row calls."""
+    E, I, D, k, T = 8, 128, 384, 3, 2
+    cu, cd = Config(128, 1), Config(128, 1)
+    w1, s1, w3, s3, _, _ = fp4_bank(E, I, D, GEN, gain=4.0)
+    *_, w2, s2 = fp4_bank(E, I, D, GEN, up=False)
+    x = torch.cat([spiky_x(D, GEN, torch.bfloat16) for _ in range(T)])
+    idx = torch.tensor([1, 5, 7, 0, 5, 6])
+    rw = torch.rand(T * k, generator=GEN)
+    add = torch.randn(T, D, generator=GEN).bfloat16()
+    a = fp4_experts_up(x, idx, rw, w1, s1, w3, s3, 3.0, config=cu)
+    y = fp4_experts_down(a, idx, w2, s2, add=add, out_dtype=torch.bfloat16, rows=T, config=cd)
+    for t in range(T):
+        p = slice(t * k, (t + 1) * k)
+        one = fp4_experts_up(x[t:t + 1], idx[p], rw[p], w1, s1, w3, s3, 3.0, config=cu)
+        assert torch.equal(a[p], one)
+        assert torch.equal(y[t:t + 1], fp4_experts_down(one, idx[p], w2, s2, add=add[t:t + 1],
+                                                        out_dtype=torch.bfloat16, config=cd))
+    with pytest.raises(ValueError, match="rows"):
+        fp4_experts_down(a, idx, w2, s2, rows=4)
+
+
 # ---- MoE routing -------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("score", ["sqrtsoftplus", "sigmoid", "softmax"])

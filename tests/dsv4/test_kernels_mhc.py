@@ -1,5 +1,6 @@
-"""Fused mHC kernels (dsv4/kernels/mhc.py) against the torch reference: Triton interpreter on the CPU
-(in a subprocess, since TRITON_INTERPRET must be set before triton is imported) and CUDA."""
+"""Fused mHC kernels (dsv4/kernels/mhc.py) against the torch reference, and their decode rows against
+one-row calls (bit for bit): Triton interpreter on the CPU (in a subprocess, since TRITON_INTERPRET
+must be set before triton is imported) and CUDA."""
 import os
 import subprocess
 import sys
@@ -43,6 +44,17 @@ CHECK = textwrap.dedent("""
         assert (y.float() - yr.float()).abs().max() <= 2 ** -7 * yr.float().abs().max(), D
         # deterministic: same inputs, bit-identical outputs
         assert torch.equal(K.hc_pre_norm(h, fn, scale, base, w, 1e-6, 1e-6, 20)[0], x)
+        # decode rows (the speculative verify rows): row t of a 3-row call == its one-row call
+        hs = torch.randn(3, 4, D, generator=g).bfloat16().to(dev)
+        xs, ps, cs = K.hc_pre_norm(hs, fn, scale, base, w, 1e-6, 1e-6, 20)
+        outs = K.hc_post(xs, hs, ps, cs)
+        ys = K.hc_head_norm(hs, fh, scale[:1], base[:4], w, 1e-6, 1e-6)
+        for t in range(3):
+            one = K.hc_pre_norm(hs[t:t + 1], fn, scale, base, w, 1e-6, 1e-6, 20)
+            assert all(torch.equal(a[t:t + 1], b) for a, b in zip((xs, ps, cs), one)), D
+            assert torch.equal(outs[t:t + 1], K.hc_post(*one[:1], hs[t:t + 1], *one[1:])), D
+            assert torch.equal(ys[t:t + 1], K.hc_head_norm(hs[t:t + 1], fh, scale[:1], base[:4],
+                                                           w, 1e-6, 1e-6)), D
     print("ok")
 """)
 

@@ -1,8 +1,9 @@
 """The speculative step as segments (dsv4/spec_step.py): on the CPU, a step reads no tensor value
 on the host and the journal puts back exactly the slots of dropped rows; on a GPU, the journal
 kernel equals its torch reference, graph replay equals the eager step bit for bit (greedy and
-sampled), greedy speculation in graph mode equals plain graph decoding bit for bit, and warm-up,
-capture and replay make no host sync."""
+sampled), greedy speculation in graph mode equals plain graph decoding bit for bit, the verify
+rows through a layer (Block.decode_rows, the linears reading each weight once) equal that many
+decode steps bit for bit, outputs and state, and warm-up, capture and replay make no host sync."""
 import pytest
 import torch
 
@@ -151,6 +152,39 @@ def test_graph_spec_equals_eager_bitwise(ckpt, params):
     if params.greedy:        # the kept rows are plain decoding's rows
         assert graph.output_ids == plain.output_ids
         assert torch.equal(graph.logits, plain.logits)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("T", [2, 3, 4])
+def test_decode_rows_equal_decode_steps(ckpt, T):
+    """Every layer (each compress ratio) and the MTP block: T rows in one decode_rows == T
+    decode calls at pos .. pos+T-1, outputs and every state tensor bit for bit, on the fused path
+    (the T-row GEMV kernels). Positions cross compressor emissions."""
+    from dsv4.block import fused_mhc
+    m = _model(ckpt, torch.bfloat16, "cuda")
+    m.prefill(torch.arange(3, 40, device="cuda"))
+    c, D = m.cfg.hc_mult, m.cfg.dim
+    g = torch.Generator(device="cuda").manual_seed(T)
+    h = torch.randn(T, c, D, generator=g, device="cuda").to(torch.bfloat16)
+    ids = torch.randint(0, m.cfg.vocab_size, (T,), generator=g, device="cuda")
+    assert fused_mhc(h[:1])
+    blocks = [(blk, st) for blk, st in zip(m.layers, m.states)] + [(m.mtp.block, m.mtp.state)]
+    for p0 in (37, 38, 39):
+        pos = torch.tensor([p0], device="cuda")
+        for blk, st in blocks:
+            saved = {k: v.clone() for k, v in st.buffers().items()}
+            rows = blk.decode_rows(h, ids, pos, st)
+            after = {k: v.clone() for k, v in st.buffers().items()}
+            for k, v in saved.items():
+                st.buffers()[k].copy_(v)
+            steps = torch.cat([blk.decode(h[t:t + 1], ids[t:t + 1], pos + t, st)
+                               for t in range(T)])
+            assert torch.equal(rows, steps), (blk.ratio, p0)
+            for k, v in st.buffers().items():
+                assert torch.equal(v, after[k]), (blk.ratio, p0, k)
+                v.copy_(saved[k])
+    x = torch.randn(T, c, D, generator=g, device="cuda").to(torch.bfloat16)
+    assert torch.equal(m.logits_rows(x), torch.stack([m.logits(x[t:t + 1]) for t in range(T)]))
 
 
 @pytest.mark.cuda
