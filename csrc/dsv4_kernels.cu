@@ -411,12 +411,18 @@ DEV void route_cta(const RouteArgs& ra, int k, float* s_score, float* s_bias, in
 }
 
 // One CTA: the routing of the token into idx [k] int64 (ascending) and w [k] float32.
+// CTA b: token b of the launch (the speculative verify rows): logits row b, ids[b], idx / w row b.
 __global__ void __launch_bounds__(256) route_kernel(const RouteArgs ra, int k, int64_t* idx, float* w) {
   __shared__ float s_score[ROUTE_MAX_E], s_bias[ROUTE_MAX_E];
   __shared__ int64_t s_idx[ROUTE_MAX_K];
   __shared__ float s_w[ROUTE_MAX_K];
+  RouteArgs rb = ra;
+  rb.logits += size_t(blockIdx.x) * ra.E;
+  if (rb.ids != nullptr) rb.ids += blockIdx.x;
+  idx += size_t(blockIdx.x) * k;
+  w += size_t(blockIdx.x) * k;
   pdl_wait();   // the logits come from the gate GEMV
-  route_cta(ra, k, s_score, s_bias, s_idx, s_w);
+  route_cta(rb, k, s_score, s_bias, s_idx, s_w);
   if (threadIdx.x < k) {
     idx[threadIdx.x] = s_idx[threadIdx.x];
     w[threadIdx.x] = s_w[threadIdx.x];
@@ -741,22 +747,25 @@ __global__ void __launch_bounds__(512) fp4_up_kernel(const __nv_bfloat16* x, con
 // for the one whose weights came last): each warp leaves its sums in the tile parity's red buffer
 // and counts itself in (shared atomic); the warp that arrives last adds them up in warp order
 // (up_finish: the sums and bits of fp4_up_kernel<SPW>), resets the count and bumps the buffer's
-// generation, which a warp two tiles ahead waits for before it overwrites the buffer. k <= 16.
-template <int SPW, int DEC>
+// generation, which a warp two tiles ahead waits for before it overwrites the buffer. k <= 64
+// pairs; pair j reads activation row j / kpr (TR > 1: up to TR rows, the speculative verify rows,
+// each quantized once into its own slice of xs / ef: a pair's sums are those of a one-row launch).
+constexpr int UP_STREAM_MAX_K = 64, UP_STREAM_ROWS = 4;
+template <int SPW, int DEC, int TR>
 __global__ void __launch_bounds__(512) fp4_up_stream_kernel(const __nv_bfloat16* x,
                                                             const int64_t* idx, const float* rw,
                                                             const uint8_t* w1, const uint8_t* s1,
                                                             const uint8_t* w3, const uint8_t* s3,
                                                             __nv_bfloat16* out, float limit, int I,
-                                                            int D, int k) {
+                                                            int D, int k, int kpr) {
   extern __shared__ __align__(128) uint8_t smem[];
-  __shared__ int64_t s_e[16];
+  __shared__ int64_t s_e[UP_STREAM_MAX_K];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   const int g = lane >> 2, q = lane & 3;
   uint4* xs;
   float *ef, *red;
   int xstride;
-  const uint4* xq = expert_smem<SPW>(smem, warp, nwarps, g, q, ef, red, xs, xstride);
+  const uint4* xq = expert_smem<SPW * TR>(smem, warp, nwarps, g, q, ef, red, xs, xstride);
   const int rt = I / 16, tiles = rt * k, G = gridDim.x;
   const int k0 = warp * 128 * SPW;
   const size_t wrow = size_t(D) / 2, srow = size_t(D) / 32;
@@ -789,12 +798,13 @@ __global__ void __launch_bounds__(512) fp4_up_stream_kernel(const __nv_bfloat16*
   auto compute = [&](const ExpertStep<2>(&st)[SPW], const uint32_t(&sc)[SPW], int t, int par,
                      int use) {
     float tot[2][2] = {{0.0f, 0.0f}, {0.0f, 0.0f}};
+    const int xr = TR > 1 ? (t / rt) / kpr * SPW : 0;   // the pair's row: its first step of xs
 #pragma unroll
     for (int s = 0; s < SPW; ++s) {
       ExpertStep<2> e = st[s];
 #pragma unroll
       for (int m = 0; m < 2; ++m) spread_scales(sc[s], m, g, e.sa[m], e.sb[m]);
-      fp4_step<2, DEC>(e, xq + s * xstride, ef[s], q, tot);
+      fp4_step<2, DEC>(e, xq + (xr + s) * xstride, ef[xr + s], q, tot);
     }
     float* rp = red + par * nwarps * 32;
     while (s_gen[par] != use) {   // the buffer's previous tile not yet added up (rare)
@@ -821,7 +831,9 @@ __global__ void __launch_bounds__(512) fp4_up_stream_kernel(const __nv_bfloat16*
   };
   int t = blockIdx.x, n = 0;
   if (t < tiles) load(A, scA, t);
-  quant_slice<SPW, DEC>(x + k0, reinterpret_cast<uint16_t*>(xs), ef, lane);
+  for (int r = 0; r < (TR > 1 ? k / kpr : 1); ++r)
+    quant_slice<SPW, DEC>(x + size_t(r) * D + k0, reinterpret_cast<uint16_t*>(xs + r * SPW * 16),
+                          ef + r * SPW, lane);
   __syncthreads();   // xs, and the zero operand
   while (t < tiles) {   // n: the CTA's tiles so far (even ones use A and red buffer 0)
     if (t + G < tiles) load(B, scB, t + G);
@@ -1215,14 +1227,13 @@ int dsv4_fp8_gemv(const void* w0, const void* s0, void* y0, const void* w1, cons
 // a [k, I] bf16 from x [D] bf16 and the routing idx [k] int64 / rw [k] float32; grid (I / 16, k),
 // D / (128 * spw) warps; dec: the e2m1 decode (0: through e4m3 and cvt, 1: integer ops); depth:
 // steps of weights in flight per warp (0: all). ctas > 0: fp4_up_stream_kernel on min(ctas, tiles)
-// CTAs instead (dec 0, spw 1 or 2 (4 spills), k <= 16; depth unused). kpr: pairs per activation
-// row (pair j reads x row j / kpr; the streaming kernel takes one row, kpr >= k).
+// CTAs instead (dec 0, spw 1 or 2 (4 spills), k <= 64 and at most 4 rows; depth unused). kpr:
+// pairs per activation row (pair j reads x row j / kpr).
 int dsv4_fp4_up(const void* x, const void* idx, const void* rw, const void* w1, const void* s1,
                 const void* w3, const void* s3, void* out, float limit, int I, int D, int k,
                 int spw, int dec, int depth, int ctas, int kpr, void* stream, int pdl) {
   const int warps = D / (128 * spw);
-  if (warps < 1 || warps > 16 || I % 16 || D % (128 * spw) || k < 1 || ctas < 0 || kpr < 1 ||
-      (ctas > 0 && kpr < k))
+  if (warps < 1 || warps > 16 || I % 16 || D % (128 * spw) || k < 1 || ctas < 0 || kpr < 1)
     return -1;
   const dim3 grid(I / 16, k), block(32 * warps);
   const cudaStream_t st = static_cast<cudaStream_t>(stream);
@@ -1237,14 +1248,18 @@ int dsv4_fp4_up(const void* x, const void* idx, const void* rw, const void* w1, 
 #define DSV4_UP(S, DC, R) \
   launch(fp4_up_kernel<S, DC, R>, grid, block, expert_smem_bytes<S>(warps, 2), st, pdl, xp, ip, rp, \
          w1p, s1p, w3p, s3p, op, limit, I, D, kpr)
-#define DSV4_UPS(S) \
-  launch(fp4_up_stream_kernel<S, 0>, dim3(ctas < (I / 16) * k ? ctas : (I / 16) * k), block, \
-         expert_smem_bytes<S>(warps, 4), st, pdl, xp, ip, rp, w1p, s1p, w3p, s3p, op, limit, I, D, k)
+#define DSV4_UPS(S, R) \
+  launch(fp4_up_stream_kernel<S, 0, R>, dim3(ctas < (I / 16) * k ? ctas : (I / 16) * k), block, \
+         expert_smem_bytes<S * R>(warps, 4), st, pdl, xp, ip, rp, w1p, s1p, w3p, s3p, op, limit, I, \
+         D, k, kpr)
   if (ctas > 0) {
-    if (dec != 0 || k > 16) return -1;
-    switch (spw) {
-      case 1: return DSV4_UPS(1);
-      case 2: return DSV4_UPS(2);
+    const int rows = k / kpr;
+    if (dec != 0 || k > UP_STREAM_MAX_K || k % kpr || rows > UP_STREAM_ROWS) return -1;
+    switch (spw * 10 + (rows > 1)) {
+      case 10: return DSV4_UPS(1, 1);
+      case 20: return DSV4_UPS(2, 1);
+      case 11: return DSV4_UPS(1, UP_STREAM_ROWS);
+      case 21: return DSV4_UPS(2, UP_STREAM_ROWS);
       default: return -1;
     }
   }
@@ -1315,11 +1330,13 @@ int dsv4_fp4_down(const void* act, const void* idx, const void* w2, const void* 
 
 // The MoE routing of one token (kernels/route.py semantics): logits [E] float32 with bias [E]
 // float32 (score routing) or tid2eid [V, k] int64 + ids [1] int64 (hash routing); score 0 softmax,
-// 1 sigmoid, 2 sqrt-softplus -> idx [k] int64 ascending, w [k] float32. One CTA.
+// 1 sigmoid, 2 sqrt-softplus -> idx [k] int64 ascending, w [k] float32. One CTA per token: rows
+// tokens (logits [rows, E], ids [rows], idx / w [rows, k]).
 int dsv4_route(const void* logits, const void* bias, const void* tid2eid, const void* ids, int E,
-               int k, int score, float route_scale, void* idx, void* w, void* stream, int pdl) {
+               int k, int score, float route_scale, void* idx, void* w, int rows, void* stream,
+               int pdl) {
   if (k < 1 || k > ROUTE_MAX_K || E < k || E > ROUTE_MAX_E || (bias == nullptr) == (tid2eid == nullptr) ||
-      score < 0 || score > 2)
+      score < 0 || score > 2 || rows < 1)
     return -1;
   RouteArgs ra;
   ra.logits = static_cast<const float*>(logits);
@@ -1329,7 +1346,7 @@ int dsv4_route(const void* logits, const void* bias, const void* tid2eid, const 
   ra.E = E;
   ra.score = score;
   ra.route_scale = route_scale;
-  return launch(route_kernel, dim3(1), dim3(256), 0, static_cast<cudaStream_t>(stream), pdl, ra, k,
+  return launch(route_kernel, dim3(rows), dim3(256), 0, static_cast<cudaStream_t>(stream), pdl, ra, k,
                 static_cast<int64_t*>(idx), static_cast<float*>(w));
 }
 

@@ -225,6 +225,7 @@ class Attention:
         # the compressors of every row first, on a side branch when captured (as in decode): a
         # row's attention and index scores mask the entries of later positions, so the entries
         # that later rows emit before it runs change nothing
+        ps = pos + torch.arange(T, device=x.device)                    # the rows' positions
         br, proj = overlap.Branch(x, "attn", when=bool(r)), None
         with br.side():
             if r:
@@ -232,27 +233,29 @@ class Attention:
                 for t in range(T):
                     row = slice(t, t + 1)
                     if r == 4:
-                        self.indexer.decode_compress(x[row], pos + t, st, self.freqs,
+                        self.indexer.decode_compress(x[row], ps[row], st, self.freqs,
                                                      [proj[2][row], proj[3][row]])
-                    self.compressor.decode(x[row], pos + t, st.compressor, st.kv_cache[W:],
+                    self.compressor.decode(x[row], ps[row], st.compressor, st.kv_cache[W:],
                                            self.freqs, fused=True, proj=[proj[0][row], proj[1][row]])
         qr, kv = self._q_kv_rows(x)
         qr = K.rms_norm_rows(qr, self.q_norm, eps)
         qb = self.wq_b.rows(qr, act)
         iqb = self.indexer.wq_b.rows(qr, act) if r == 4 else None
         br.join()
-        n, o = (st.kv_cache.shape[0] - W - 1 if r else 0), []
+        n = st.kv_cache.shape[0] - W - 1 if r else 0
+        o = torch.empty(T, H * cfg.head_dim, dtype=act, device=x.device)
         for t in range(T):
-            p, idx, row = pos + t, None, slice(t, t + 1)
+            idx, row = None, slice(t, t + 1)
+            p = ps[row]
             if r == 4:
                 iq = self.indexer.decode_query(qr[row], p, self.freqs, q=iqb[row])
                 idx = self.indexer.decode_select(iq, p, st, proj[4][row])
                 n = idx.shape[-1]
             q = K.attention_prep(qb[row], kv[row], self.kv_norm, st.kv_cache, p, self.freqs,
                                  eps, H, W)
-            o.append(K.sparse_attention_decode(q, st.kv_cache, self.attn_sink, p, self.freqs,
-                                               cfg.head_dim ** -0.5, H, W, r, n, idx))
-        return self._project_out(torch.cat(o), rows=True)
+            K.sparse_attention_decode(q, st.kv_cache, self.attn_sink, p, self.freqs,
+                                      cfg.head_dim ** -0.5, H, W, r, n, idx, out=o[row])
+        return self._project_out(o, rows=True)
 
     def _q_kv_rows(self, x: torch.Tensor):
         """wq_a(x), wkv(x) of bf16 decode rows: one FP8 launch when both are FP8 on CUDA, else

@@ -139,8 +139,8 @@ class MoE:
         """T decode rows (the speculative verify rows): x [T, D], ids [T] -> [T, D], row t with
         the bits of decode(x[t:t+1], ids[t:t+1]). With the kernels, the gate and the FP8 shared
         expert read their weights once for all rows (the shared expert a parallel branch when
-        captured, as in decode), the routing runs per row, and the routed experts' up and down
-        take the pairs of all rows in one launch each. Capture-safe."""
+        captured, as in decode); the routing and the routed experts' up and down take all rows
+        (their pairs) in one launch each. Capture-safe."""
         if not (x.device.type == "cuda" and x.dtype == torch.bfloat16 and self.experts.fmt == "fp4"
                 and kernels.available(x.device)):
             return torch.cat([self.decode(x[t:t + 1], ids[t:t + 1]) for t in range(x.shape[0])])
@@ -149,10 +149,10 @@ class MoE:
         from .kernels.route import route_decode
         cfg, bank, sh = self.cfg, self.experts, self.shared
         T, fp8 = x.shape[0], sh["w1"].fmt == "fp8"
-        logits = self.gate.rows(x, torch.float32)
-        routes = [route_decode(logits[t:t + 1], cfg.n_activated_experts, cfg.score_func,
-                               cfg.route_scale, bias=self.bias, tid2eid=self.tid2eid,
-                               ids=ids[t:t + 1] if self.hash else None) for t in range(T)]
+        k = cfg.n_activated_experts
+        w, idx = route_decode(self.gate.rows(x, torch.float32), k, cfg.score_func,
+                              cfg.route_scale, bias=self.bias, tid2eid=self.tid2eid,
+                              ids=ids if self.hash else None)   # [T * k]: row t's, sorted
         br = overlap.Branch(x, "moe", when=fp8)
         with br.side():
             if fp8:
@@ -161,12 +161,10 @@ class MoE:
                 y_sh = fp8_linear(a_sh, sh["w2"].weight, sh["w2"].scale, out_dtype=x.dtype)
             else:
                 y_sh = torch.cat([self._shared(x[t:t + 1]) for t in range(T)])
-        w = torch.cat([r[0] for r in routes])
-        idx = torch.cat([r[1] for r in routes])                  # [T * k]: row t's experts, sorted
         a = fp4_experts_up(x, idx, w, bank.w1, bank.w1_scale, bank.w3, bank.w3_scale,
                            cfg.swiglu_limit)
         br.join()
-        self._decode_workspace(routes[0][1], x, a)
+        self._decode_workspace(idx[:k], x, a)
         return fp4_experts_down(a, idx, bank.w2, bank.w2_scale, add=y_sh, out_dtype=x.dtype,
                                 workspace=self._down_ws or None, rows=T)
 

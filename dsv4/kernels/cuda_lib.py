@@ -84,7 +84,7 @@ def _declare(lib) -> None:
     lib.dsv4_fp4_up.restype = i
     lib.dsv4_fp4_up.argtypes = [p, p, p, p, p, p, p, p, f, i, i, i, i, i, i, i, i, p, i]
     lib.dsv4_route.restype = i
-    lib.dsv4_route.argtypes = [p, p, p, p, i, i, i, f, p, p, p, i]
+    lib.dsv4_route.argtypes = [p, p, p, p, i, i, i, f, p, p, i, p, i]
     lib.dsv4_topk_bf16.restype = i
     lib.dsv4_topk_bf16.argtypes = [p, i, i, p, p, i]
     lib.dsv4_fp4_down.restype = i
@@ -205,9 +205,11 @@ def fp4_up(lib, x, idx, rw, w1, s1, w3, s3, out, limit: float, I: int, D: int, k
 
 
 def route(lib, logits, bias, tid2eid, ids, k: int, score: int, route_scale: float, idx, w,
-          pdl: bool) -> None:
-    err = lib.dsv4_route(logits.data_ptr(), _ptr(bias), _ptr(tid2eid), _ptr(ids), logits.numel(),
-                         k, score, route_scale, idx.data_ptr(), w.data_ptr(), _stream(w), int(pdl))
+          pdl: bool, rows: int = 1) -> None:
+    """dsv4_route: rows tokens (logits [rows, E], idx / w [rows * k])."""
+    err = lib.dsv4_route(logits.data_ptr(), _ptr(bias), _ptr(tid2eid), _ptr(ids),
+                         logits.numel() // rows, k, score, route_scale, idx.data_ptr(),
+                         w.data_ptr(), rows, _stream(w), int(pdl))
     _check(err, "routing (CUDA)", lib)
 
 

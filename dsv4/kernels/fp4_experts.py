@@ -32,7 +32,8 @@ class ExpertCudaConfig:
     one CTA per 16 rows takes every expert (its warps stream the k * spw steps of their K slice,
     depth of them in flight), summing in slot order without the workspace and semaphores; ctas
     (up only; 0: one CTA per expert and 16 rows): that many CTAs, each streaming tiles with the
-    next tile's weights in flight (spw 1 or 2, decode 0, at most 16 experts)."""
+    next tile's weights in flight (spw 1 or 2, decode 0, at most 64 pairs of at most 4 activation
+    rows)."""
     spw: int
     dec: int = 0
     depth: int = 0
@@ -43,6 +44,7 @@ class ExpertCudaConfig:
 # measured best on an H200 (bench_kernels --sweep --backend cuda), keyed (k, I, D)
 # up: 100 streaming CTAs (25.0 us alone, 20.2 on 132) leave SMs for the shared expert's branch
 # beside it (8 Flash layers, graph: 1.360 ms vs 1.369-1.377 with 116 / 132 CTAs)
+UP_STREAM_MAX_K, UP_STREAM_ROWS = 64, 4   # the streaming up kernel's pairs and activation rows
 TUNED_CUDA_UP: dict[tuple, ExpertCudaConfig] = {(6, 2048, 4096): ExpertCudaConfig(2, ctas=100)}
 TUNED_CUDA_DOWN: dict[tuple, ExpertCudaConfig] = {
     (6, 2048, 4096): ExpertCudaConfig(2, 0, 6, True)}   # 12.0 us (one expert per CTA: 16 us)
@@ -304,7 +306,7 @@ def fp4_experts_up(x: torch.Tensor, idx: torch.Tensor, route_w: torch.Tensor, w1
     a[j] = bf16(silu(g) * u * route_w[j]), g/u = bf16(W8A8 w1/w3 of expert idx[j] at x), u clamped
     to +-limit and g from above (limit 0: none). Capture-safe (experts read on device).
     x [T, D] (the speculative verify rows): the k pairs split into T runs of k / T, run t on row t,
-    one launch on CUDA (the per-tile kernel: the streaming one's bits), each pair as one row's."""
+    one launch on CUDA, each pair with the bits of a one-row launch."""
     E, I, D = _check(w1, s1, "fp4_experts_up w1")
     T = x.numel() // D if x.numel() % D == 0 else 0
     k = idx.numel()
@@ -320,7 +322,7 @@ def fp4_experts_up(x: torch.Tensor, idx: torch.Tensor, route_w: torch.Tensor, w1
         ccfg = config if isinstance(config, ExpertCudaConfig) else cuda_expert_config(
             D, TUNED_CUDA_UP, (k // T, I, D))
         if ccfg is not None and ccfg.ctas:
-            if k > 16 or T > 1:       # the streaming kernel's limits: 16 pairs, one row
+            if k > UP_STREAM_MAX_K or T > UP_STREAM_ROWS:     # the streaming kernel's limits
                 ccfg = replace(ccfg, ctas=0)
             else:                                             # one CTA per SM at most resides
                 sms = torch.cuda.get_device_properties(out.device).multi_processor_count

@@ -76,31 +76,48 @@ def _route_kernel(logits_ptr, bias_ptr, tid2eid_ptr, ids_ptr, w_ptr, idx_ptr, ro
 
 def route_decode(logits: torch.Tensor, k: int, score_func: str, route_scale: float, *,
                  bias: torch.Tensor | None = None, tid2eid: torch.Tensor | None = None,
-                 ids: torch.Tensor | None = None, backend: str | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+                 ids: torch.Tensor | None = None, backend: str | None = None,
+                 out: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [1, E] float32 (the gate's output) -> (weights [k] f32, experts [k] int64 ascending).
     Score routing (bias [E] f32) or hash routing (tid2eid [V, k] int64 and ids [1]: the token).
     Capture-safe, deterministic; expert ids are clamped into [0, E) (no out-of-range reads).
     One launch: the CUDA C++ kernel (csrc/dsv4_kernels.cu: warp-shuffle top-k, the same libdevice
     math) where the CUDA kernels serve the device and E <= 512, k <= 16, else the Triton kernel
-    below; backend "cuda" / "triton" picks one."""
+    below; backend "cuda" / "triton" picks one. T tokens (the speculative verify rows): logits
+    [T, E], ids [T] -> [T * k] each (token t's k in slots t*k ..), each token as its own call, in
+    one launch on CUDA. out: (weights, experts) to write (contiguous float32 / int64)."""
     E = logits.shape[-1]
-    if logits.numel() != E or logits.dtype != torch.float32 or score_func not in SCORE_FUNCS:
+    T = logits.numel() // E if logits.numel() % E == 0 else 0
+    if T < 1 or logits.dtype != torch.float32 or score_func not in SCORE_FUNCS:
         raise ValueError(f"route_decode: logits {tuple(logits.shape)} {logits.dtype}, score "
-                         f"{score_func!r}; expected one float32 row and one of {list(SCORE_FUNCS)}")
+                         f"{score_func!r}; expected float32 rows and one of {list(SCORE_FUNCS)}")
     hashed = tid2eid is not None
-    if hashed == (bias is not None) or (hashed and (ids is None or tid2eid.shape[1] != k)):
+    if hashed == (bias is not None) or (hashed and (ids is None or tid2eid.shape[1] != k
+                                                    or ids.numel() != T)):
         raise ValueError("route_decode: pass bias (score routing) or tid2eid [V, k] with ids "
-                         "(hash routing)")
-    w = torch.empty(k, dtype=torch.float32, device=logits.device)
-    idx = torch.empty(k, dtype=torch.int64, device=logits.device)
+                         "(hash routing, one per token)")
+    if out is None:
+        w = torch.empty(T * k, dtype=torch.float32, device=logits.device)
+        idx = torch.empty(T * k, dtype=torch.int64, device=logits.device)
+    else:
+        w, idx = out
+        if (w.numel() != T * k or idx.numel() != T * k or w.dtype != torch.float32
+                or idx.dtype != torch.int64 or not (w.is_contiguous() and idx.is_contiguous())):
+            raise ValueError(f"route_decode: out {tuple(w.shape)} {w.dtype} / {tuple(idx.shape)} "
+                             f"{idx.dtype}; expected contiguous [{T * k}] float32 / int64")
     tensors = [logits] + [t for t in (bias, tid2eid, ids) if t is not None]
     fits = (E <= 512 and k <= 16 and (bias is None or bias.dtype == torch.float32)
             and (tid2eid is None or (tid2eid.dtype == ids.dtype == torch.int64)))
     if cuda_lib.pick("route_decode", backend, *tensors, fits=fits):
         with on_device(w):
             cuda_lib.route(cuda_lib.lib_for(w.device), logits, bias, tid2eid, ids, k,
-                           SCORE_FUNCS[score_func], float(route_scale), idx, w, pdl(w))
+                           SCORE_FUNCS[score_func], float(route_scale), idx, w, pdl(w), rows=T)
+        return w, idx
+    if T > 1:   # Triton: one launch per token
+        for t in range(T):
+            route_decode(logits.reshape(T, E)[t:t + 1], k, score_func, route_scale, bias=bias,
+                         tid2eid=tid2eid, ids=None if ids is None else ids.reshape(-1)[t:t + 1],
+                         backend="triton", out=(w[t * k:(t + 1) * k], idx[t * k:(t + 1) * k]))
         return w, idx
     with on_device(w):
         _route_kernel[(1,)](logits, logits if hashed else bias, tid2eid if hashed else idx,

@@ -124,8 +124,9 @@ def test_rows_equal_one_row_launches_cuda(T):
     """The speculative verify rows: T activation rows in one launch (FP8 CUDA kernel: weights
     held in registers across rows; bf16 Triton: one program per row and tile) give each row the bits of
     its own one-row launch, at the Flash / Pro decode shapes (tuned configs), with two matrices,
-    SwiGLU and the grouped wo_a; the routed experts of T rows (up: the per-tile kernel over all
-    pairs against the one-row streaming kernel; down: the all-experts kernel with a row grid)."""
+    SwiGLU and the grouped wo_a; the routed experts of T rows (up: the streaming and the per-tile
+    kernels over all pairs against the one-row streaming kernel; down: the all-experts kernel with
+    a row grid)."""
     from dsv4.kernels.bf16_linear import bf16_linear, bf16_linear_multi
     from dsv4.kernels.fp8_linear import fp8_linear, fp8_linear2, fp8_swiglu
     from test_kernels import BF16_SHAPES
@@ -155,7 +156,7 @@ def test_rows_equal_one_row_launches_cuda(T):
         assert torch.equal(ya[t:t + 1], oa) and torch.equal(yb[t:t + 1], ob)
         assert torch.equal(a[t:t + 1], fp8_swiglu(x[t:t + 1], w1, s1, w3, s3, 10.0,
                                                   backend="cuda"))
-    from dsv4.kernels.fp4_experts import fp4_experts_down, fp4_experts_up
+    from dsv4.kernels.fp4_experts import ExpertCudaConfig, fp4_experts_down, fp4_experts_up
     E, I, D = EXPERTS["flash"]
     k = 6
     w1, s1, w3, s3, _, _ = fp4_bank(E, I, D, gen, gain=4.0, device=dev)
@@ -164,7 +165,10 @@ def test_rows_equal_one_row_launches_cuda(T):
     idx = torch.cat([torch.randperm(E, device=dev)[:k].sort().values for _ in range(T)])
     rw = torch.rand(T * k, generator=gen, device=dev)
     add = torch.randn(T, D, generator=gen, device=dev).bfloat16()
-    ae = fp4_experts_up(xe, idx, rw, w1, s1, w3, s3, 10.0)             # per-tile kernel
+    ae = fp4_experts_up(xe, idx, rw, w1, s1, w3, s3, 10.0)             # streaming, T rows
+    pt = fp4_experts_up(xe, idx, rw, w1, s1, w3, s3, 10.0,
+                        config=ExpertCudaConfig(2))                     # per tile, T rows
+    assert torch.equal(ae, pt)
     ye = fp4_experts_down(ae, idx, w2, s2, add=add, out_dtype=torch.bfloat16, rows=T)
     for t in range(T):
         p = slice(t * k, (t + 1) * k)

@@ -303,6 +303,23 @@ def test_route_decode_hash_and_ties():
         route_decode(logits, k, "sqrtsoftplus", 1.0)
 
 
+def test_route_decode_rows_equal_one_token_calls():
+    """T tokens in one call (the speculative verify rows): token t's slots == its own call."""
+    E, k, T = 64, 6, 3
+    logits, bias = torch.randn(T, E, generator=GEN) * 3, torch.randn(E, generator=GEN)
+    tid2eid = torch.stack([torch.randperm(E, generator=GEN)[:k] for _ in range(50)])
+    ids = torch.tensor([3, 7, 49])
+    for kw in (dict(bias=bias), dict(tid2eid=tid2eid, ids=ids)):
+        w, idx = route_decode(logits, k, "sqrtsoftplus", 2.5, **kw)
+        assert w.shape == idx.shape == (T * k,)
+        for t in range(T):
+            one = dict(kw, ids=ids[t:t + 1]) if "ids" in kw else kw
+            w1, i1 = route_decode(logits[t:t + 1], k, "sqrtsoftplus", 2.5, **one)
+            assert torch.equal(w[t * k:(t + 1) * k], w1) and torch.equal(idx[t * k:(t + 1) * k], i1)
+    with pytest.raises(ValueError, match="one per token"):
+        route_decode(logits, k, "sqrtsoftplus", 1.0, tid2eid=tid2eid, ids=ids[:1])
+
+
 # ---- routed FP4 experts ------------------------------------------------------------------------
 
 @pytest.mark.parametrize("limit,cfg", [(10.0, Config(64, 2)), (0.0, Config(128, 1))])
