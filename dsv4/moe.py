@@ -171,7 +171,7 @@ class MoE:
     def _decode_workspace(self, idx: torch.Tensor, x: torch.Tensor, a: torch.Tensor) -> None:
         """The down kernel's workspace, decided once: this layer's own (no two layers share one);
         the launches of one layer run in order on one stream, so its rows share it."""
-        from .kernels.fp4_experts import down_needs_workspace, down_workspace
+        from .kernels.expert_cuda import down_needs_workspace, down_workspace
         if self._down_ws is None:
             k, D = idx.numel(), x.shape[-1]
             self._down_ws = (down_workspace(k, D, x.device, shared=False)

@@ -132,8 +132,6 @@ def _embed_fn(model, bufs):
 
 
 def _layer_fn(blk, st, journal, h, ids, pos):
-    T = h.shape[0]
-
     def fn():
         journal.save(pos)
         blk.decode_rows(h, ids, pos, st, out=h)     # row i sees rows < i in the state: causal

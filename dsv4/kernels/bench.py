@@ -17,10 +17,10 @@ from ..presets import get_preset
 from ..quant import fp8_quant_dequant
 from .bf16_linear import bf16_config, bf16_linear
 from .common import Config, CudaConfig
-from .fp4_experts import (CUDA_DOWN_VARIANTS, CUDA_UP_VARIANTS, TUNED_CUDA_UP,
+from .expert_cuda import (CUDA_DOWN_VARIANTS, CUDA_UP_VARIANTS, TUNED_CUDA_UP,
                           ExpertCudaConfig, cuda_down_config, cuda_expert_config, cuda_spw_fits,
-                          down_all_variants, down_config, up_stream_variants,
-                          fp4_experts_down, fp4_experts_up, up_config)
+                          down_all_variants, up_stream_variants)
+from .fp4_experts import down_config, fp4_experts_down, fp4_experts_up, up_config
 from .fp8_linear import cuda_config, fp8_config, fp8_linear, fp8_swiglu
 
 L2_SAFE_BYTES = 128 << 20    # below this, rotate weight copies (H100/H200 L2 is 50-60 MB)

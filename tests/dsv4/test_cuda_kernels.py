@@ -46,7 +46,7 @@ def test_cuda_config_fits_the_real_shapes():
 
 
 def test_expert_config_and_cpu_fallback():
-    from dsv4.kernels.fp4_experts import cuda_expert_config
+    from dsv4.kernels.expert_cuda import cuda_expert_config
     assert cuda_expert_config(4096, {}, ()).spw == 4          # Flash up: 8 warps
     assert cuda_expert_config(7168, {}, ()).spw == 4          # Pro up: 14 warps
     assert cuda_expert_config(384, {}, ()).spw == 1           # 3 warps
@@ -63,7 +63,8 @@ def test_switch_turns_the_library_off(monkeypatch):
 def test_pick_cuda_or_triton_on_cpu():
     """One choice for every kernel: Triton when asked or when the CUDA kernel does not fit or is not
     usable; a caller that insists on CUDA gets a ValueError naming the reason, from each entry."""
-    from dsv4.kernels.fp4_experts import ExpertCudaConfig, fp4_experts_down, fp4_experts_up
+    from dsv4.kernels.expert_cuda import ExpertCudaConfig
+    from dsv4.kernels.fp4_experts import fp4_experts_down, fp4_experts_up
     from dsv4.kernels.fp8_linear import fp8_linear
     from dsv4.kernels.route import route_decode
     t = torch.zeros(4)
@@ -156,7 +157,8 @@ def test_rows_equal_one_row_launches_cuda(T):
         assert torch.equal(ya[t:t + 1], oa) and torch.equal(yb[t:t + 1], ob)
         assert torch.equal(a[t:t + 1], fp8_swiglu(x[t:t + 1], w1, s1, w3, s3, 10.0,
                                                   backend="cuda"))
-    from dsv4.kernels.fp4_experts import ExpertCudaConfig, fp4_experts_down, fp4_experts_up
+    from dsv4.kernels.expert_cuda import ExpertCudaConfig
+    from dsv4.kernels.fp4_experts import fp4_experts_down, fp4_experts_up
     E, I, D = EXPERTS["flash"]
     k = 6
     w1, s1, w3, s3, _, _ = fp4_bank(E, I, D, gen, gain=4.0, device=dev)
@@ -224,10 +226,10 @@ def test_fp8_two_matrices_and_swiglu_cuda():
 def test_fp4_experts_cuda_kernels(which):
     """Both e2m1 decodes and every steps-per-warp variant meet the references; the two decodes
     give the same bits (their products and sums differ by exact powers of two only)."""
-    from dsv4.kernels.fp4_experts import (CUDA_DOWN_VARIANTS, CUDA_UP_VARIANTS, ExpertCudaConfig,
-                                          cuda_spw_fits, down_all_variants, fp4_experts_down,
-                                          fp4_experts_down_reference, fp4_experts_up,
-                                          fp4_experts_up_reference, up_stream_variants)
+    from dsv4.kernels.expert_cuda import (CUDA_DOWN_VARIANTS, CUDA_UP_VARIANTS, ExpertCudaConfig,
+                                          cuda_spw_fits, down_all_variants, up_stream_variants)
+    from dsv4.kernels.fp4_experts import (fp4_experts_down, fp4_experts_down_reference,
+                                          fp4_experts_up, fp4_experts_up_reference)
     _need_lib()
     E, inter, dim = EXPERTS[which]
     dev, gen = torch.device("cuda"), fresh_gen("cuda")
