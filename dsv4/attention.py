@@ -74,8 +74,10 @@ class Attention:
         rows: o holds decode rows (decode_rows): the GEMV kernels, each row as a one-row call."""
         cfg, act, G = self.cfg, o.dtype, self.cfg.o_groups
         o = o.reshape(o.shape[0], -1)                                           # [s, h*d]
-        if self.wo_a.fmt == "fp8" and act == torch.bfloat16 and (o.shape[0] == 1 or rows) \
-                and kernels.available(o.device):
+        gemv = self.wo_a.fmt == "fp8" and act == torch.bfloat16 and kernels.available(o.device)
+        if rows and not gemv:   # each row as decode's one-row path (not the prefill GEMM)
+            return torch.cat([self._project_out(o[t:t + 1]) for t in range(o.shape[0])])
+        if gemv and (o.shape[0] == 1 or rows):
             from .kernels.fp8_linear import fp8_linear
             z = fp8_linear(o, self.wo_a.weight, self.wo_a.scale, quant_act=False,
                            group_k=o.shape[-1] // G)

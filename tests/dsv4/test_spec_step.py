@@ -155,13 +155,14 @@ def test_graph_spec_equals_eager_bitwise(ckpt, params):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("T", [2, 3, 4])
-def test_decode_rows_equal_decode_steps(ckpt, T):
+@pytest.mark.parametrize("T,weights", [(2, "fp8"), (3, "fp8"), (4, "fp8"), (2, "bf16")])
+def test_decode_rows_equal_decode_steps(tmp_path_factory, T, weights):
     """Every layer (each compress ratio) and the MTP block: T rows in one decode_rows == T
     decode calls at pos .. pos+T-1, outputs and every state tensor bit for bit, on the fused path
-    (the T-row GEMV kernels). Positions cross compressor emissions."""
+    (the T-row GEMV kernels), for the released format and a bf16 checkpoint. Positions cross
+    compressor emissions."""
     from dsv4.block import fused_mhc
-    m = _model(ckpt, torch.bfloat16, "cuda")
+    m = _model(small_checkpoint(tmp_path_factory.mktemp("rows"), weights), torch.bfloat16, "cuda")
     m.prefill(torch.arange(3, 40, device="cuda"))
     c, D = m.cfg.hc_mult, m.cfg.dim
     g = torch.Generator(device="cuda").manual_seed(T)
