@@ -152,14 +152,14 @@ class Attention:
     def decode(self, x: torch.Tensor, pos: torch.Tensor, st: LayerState, fused: bool | None = None
                ) -> torch.Tensor:
         """One token at device position `pos` ([1] int64): x [1, D] -> [1, D]. Capture-safe.
-        fused (default: bf16, one token, dsv4.kernels.available): everything between the GEMVs in
-        Triton kernels (dsv4/kernels/attention_decode.py, compressor_decode.py, indexer_decode.py)."""
+        fused (default: bf16, one token, dsv4.kernels.available): decode_rows (everything between
+        the GEMVs in Triton kernels)."""
         cfg, dev = self.cfg, x.device
         W, r = cfg.window_size, self.ratio
         if fused is None:
             fused = x.dtype == torch.bfloat16 and x.shape[0] == 1 and kernels.available(dev)
         if fused:
-            return self._decode_fused(x, pos, st)
+            return self.decode_rows(x, pos, st)
         cs = cos_sin(pos, self.freqs)
         qr, q, kv = self._q_kv(x, cs)
         slots = torch.arange(W, device=dev)
@@ -176,88 +176,65 @@ class Attention:
         o = sparse_attention(q, st.kv_cache, idx, self.attn_sink, cfg.head_dim ** -0.5)
         return self._out(o, cs)
 
-    def _decode_fused(self, x: torch.Tensor, pos: torch.Tensor, st: LayerState) -> torch.Tensor:
-        """decode with the fused kernels: same math and state updates (bf16 activations).
+    def decode_rows(self, x: torch.Tensor, pos: torch.Tensor, st: LayerState) -> torch.Tensor:
+        """The fused decode of T rows at positions pos .. pos+T-1, row t seeing rows < t: x [T, D]
+        -> [T, D] (T = 1: decode's fused path; T > 1: the speculative verify rows, row t with the
+        bits of decode(x[t:t+1], pos + t) after the rows before it). Same math and state updates
+        as the torch path (bf16 activations), everything between the GEMVs in Triton kernels
+        (dsv4/kernels/attention_decode.py, compressor_decode.py, indexer_decode.py); the
+        projections of x, qr and o read each weight once for all rows. Capture-safe.
         When captured, the compressors and the indexer (state: their own buffers and
         kv_cache[W:]) are parallel branches (dsv4.overlap) beside wq_a + wkv, q_norm, wq_b and
         prep (which writes the ring kv_cache[:W]): the side projections and both compressors need
         x only and start at once; the indexer's query (its wq_b) needs q_norm's qr only and runs
-        on a second lane beside the compressors; the scores and the top-k wait for both."""
-        from .kernels import attention_decode as K
-        cfg, act, H = self.cfg, x.dtype, self.cfg.n_heads
-        W, r, eps = cfg.window_size, self.ratio, cfg.norm_eps
-        br = overlap.Branch(x, "attn", when=bool(r))
-        idx, n, proj = None, (st.kv_cache.shape[0] - W - 1 if r else 0), None  # n: compressed
-        with br.side():
-            if r:
-                proj = self._side_projections(x)
-                if r == 4:
-                    self.indexer.decode_compress(x, pos, st, self.freqs, proj[2:4])
-                self.compressor.decode(x, pos, st.compressor, st.kv_cache[W:], self.freqs,
-                                       fused=True, proj=proj[:2])
-        qr, kv = self._q_kv_rows(x)
-        qr = K.rms_norm_row(qr, self.q_norm, eps)
-        bq = None
-        if r == 4:
-            bq = overlap.Branch(qr, "attn", lane=1)
-            with bq.side():
-                iq = self.indexer.decode_query(qr, pos, self.freqs)
-            br.wait_branch(bq)
-            with br.side():
-                idx = self.indexer.decode_select(iq, pos, st, proj[4])
-                n = idx.shape[-1]
-        q = K.attention_prep(self.wq_b(qr, act), kv, self.kv_norm, st.kv_cache, pos,
-                             self.freqs, eps, H, W)                     # also kv -> ring slot
-        if bq is not None:
-            bq.join()
-        br.join()
-        o = K.sparse_attention_decode(q, st.kv_cache, self.attn_sink, pos, self.freqs,
-                                      cfg.head_dim ** -0.5, H, W, r, n, idx)  # inverse RoPE done
-        return self._project_out(o)
-
-    def decode_rows(self, x: torch.Tensor, pos: torch.Tensor, st: LayerState) -> torch.Tensor:
-        """T decode rows at positions pos .. pos+T-1 (row t sees rows < t): x [T, D] -> [T, D],
-        row t with the bits of decode(x[t:t+1], pos + t) after the rows before it (the speculative
-        verify rows). The projections of x, qr and o read each weight once for all rows; the
-        compressors' steps, then the index query, top-k, prep (the ring write) and attention of
-        each row run row after row. Needs the fused path (bf16, kernels); capture-safe."""
+        on a second lane beside the compressors; the scores and the top-k wait for both. Every
+        row's compressor step runs before the first row's scores and attention: those mask the
+        entries of later positions, so what later rows emit changes nothing for them. Prep (the
+        ring write) and attention run row after row: row t + 1's slot holds a position that row
+        t's window reads."""
         from .kernels import attention_decode as K
         cfg, act, H, T = self.cfg, x.dtype, self.cfg.n_heads, x.shape[0]
         W, r, eps = cfg.window_size, self.ratio, cfg.norm_eps
-        # the compressors of every row first, on a side branch when captured (as in decode): a
-        # row's attention and index scores mask the entries of later positions, so the entries
-        # that later rows emit before it runs change nothing
-        ps = pos + torch.arange(T, device=x.device)                    # the rows' positions
-        br, proj = overlap.Branch(x, "attn", when=bool(r)), None
+        ps = pos if T == 1 else pos + torch.arange(T, device=x.device)   # the rows' positions
+        rows = [slice(t, t + 1) for t in range(T)]
+        br = overlap.Branch(x, "attn", when=bool(r))
+        idx, n, proj = [None] * T, (st.kv_cache.shape[0] - W - 1 if r else 0), None  # n: compressed
         with br.side():
             if r:
                 proj = self._side_projections(x)
-                for t in range(T):
-                    row = slice(t, t + 1)
+                for row in rows:
                     if r == 4:
                         self.indexer.decode_compress(x[row], ps[row], st, self.freqs,
                                                      [proj[2][row], proj[3][row]])
                     self.compressor.decode(x[row], ps[row], st.compressor, st.kv_cache[W:],
                                            self.freqs, fused=True, proj=[proj[0][row], proj[1][row]])
         qr, kv = self._q_kv_rows(x)
-        qr = K.rms_norm_rows(qr, self.q_norm, eps)
+        qr = K.rms_norm_row(qr, self.q_norm, eps)
+        bq = None
+        if r == 4:
+            bq = overlap.Branch(qr, "attn", lane=1)
+            with bq.side():
+                iqb = self.indexer.wq_b.rows(qr, act)
+                iq = [self.indexer.decode_query(qr[row], ps[row], self.freqs, q=iqb[row])
+                      for row in rows]
+            br.wait_branch(bq)
+            with br.side():
+                idx = [self.indexer.decode_select(q, ps[row], st, proj[4][row])
+                       for q, row in zip(iq, rows)]
+                n = idx[0].shape[-1]
         qb = self.wq_b.rows(qr, act)
-        iqb = self.indexer.wq_b.rows(qr, act) if r == 4 else None
-        br.join()
-        n = st.kv_cache.shape[0] - W - 1 if r else 0
         o = torch.empty(T, H * cfg.head_dim, dtype=act, device=x.device)
-        for t in range(T):
-            idx, row = None, slice(t, t + 1)
-            p = ps[row]
-            if r == 4:
-                iq = self.indexer.decode_query(qr[row], p, self.freqs, q=iqb[row])
-                idx = self.indexer.decode_select(iq, p, st, proj[4][row])
-                n = idx.shape[-1]
-            q = K.attention_prep(qb[row], kv[row], self.kv_norm, st.kv_cache, p, self.freqs,
-                                 eps, H, W)
-            K.sparse_attention_decode(q, st.kv_cache, self.attn_sink, p, self.freqs,
-                                      cfg.head_dim ** -0.5, H, W, r, n, idx, out=o[row])
-        return self._project_out(o, rows=True)
+        for t, row in enumerate(rows):
+            q = K.attention_prep(qb[row], kv[row], self.kv_norm, st.kv_cache, ps[row], self.freqs,
+                                 eps, H, W)                            # also kv -> ring slot
+            if t == 0:
+                if bq is not None:
+                    bq.join()
+                br.join()
+            K.sparse_attention_decode(q, st.kv_cache, self.attn_sink, ps[row], self.freqs,
+                                      cfg.head_dim ** -0.5, H, W, r, n, idx[t],
+                                      out=o[row])                      # inverse RoPE done
+        return self._project_out(o, rows=T > 1)
 
     def _q_kv_rows(self, x: torch.Tensor):
         """wq_a(x), wkv(x) of bf16 decode rows: one FP8 launch when both are FP8 on CUDA, else

@@ -78,10 +78,8 @@ class Block:
                                 self.hc[f"hc_{kind}_base"], norm, cfg.norm_eps, cfg.hc_eps,
                                 cfg.hc_sinkhorn_iters)
 
-    def _mix_decode(self, h: torch.Tensor, kind: str, norm: torch.Tensor, branch=None,
-                    rows: bool = False):
-        if not (rows or fused_mhc(h)):
-            return self._mix(h, kind, norm)
+    def _mix_decode(self, h: torch.Tensor, kind: str, norm: torch.Tensor, branch=None):
+        """The fused hc_pre + RMSNorm of decode rows h [T, c, D] (dsv4.kernels.mhc.hc_pre_norm)."""
         from .kernels.mhc import hc_pre_norm
         cfg = self.cfg
         return hc_pre_norm(h, self.hc[f"hc_{kind}_fn"], self.hc[f"hc_{kind}_scale"],
@@ -93,47 +91,37 @@ class Block:
         """h [1, c, D], ids [1], pos [1] (device tensors) -> [1, c, D]. Capture-safe. out: where
         the result goes (may be h itself: the layer reads h only before its last kernel, which
         reads the attention sublayer's output instead; a decode step's static buffer then needs
-        no copy); default a new tensor."""
-        fused = fused_mhc(h)
-        if fused:
-            from .kernels import mhc as K
-        # each Sinkhorn beside its sublayer (hc_pre_norm forks the branch after its mix)
-        sk = overlap.Branch(h, "mhc", when=fused, lane=2, fork=False)
-        x, post, comb = self._mix_decode(h, "attn", self.attn_norm, sk)
-        a = self.attn.decode(x, pos, st)
-        sk.join()
-        h = K.hc_post(a, h, post, comb) if fused else hc_post(a, h, post, comb)
-        sk = overlap.Branch(h, "mhc", when=fused, lane=2, fork=False)
-        x, post, comb = self._mix_decode(h, "ffn", self.ffn_norm, sk)
-        f = self.ffn.decode(x, ids)
-        sk.join()
-        if fused:
-            return K.hc_post(f, h, post, comb, out=out)
-        y = hc_post(f, h, post, comb)
+        no copy); default a new tensor. With the fused mHC kernels: decode_rows of one row."""
+        if fused_mhc(h):
+            return self.decode_rows(h, ids, pos, st, out=out)
+        x, post, comb = self._mix(h, "attn", self.attn_norm)
+        h = hc_post(self.attn.decode(x, pos, st), h, post, comb)
+        x, post, comb = self._mix(h, "ffn", self.ffn_norm)
+        y = hc_post(self.ffn.decode(x, ids), h, post, comb)
         return y if out is None else out.copy_(y)
 
     def decode_rows(self, h: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor, st: LayerState,
                     out: torch.Tensor | None = None) -> torch.Tensor:
-        """T rows at positions pos .. pos+T-1, row t seeing rows < t (the speculative verify
-        rows): h [T, c, D], ids [T] -> [T, c, D] (into out, which may be h), row t with the bits
-        of decode(h[t:t+1], ids[t:t+1], pos + t) after the rows before it. With the fused kernels
-        every launch of the mHC and the linears takes all rows (one binary per row: the same
-        bits; the linears read each weight once), Attention / MoE.decode_rows; otherwise T decode
-        calls. Capture-safe."""
-        T = h.shape[0]
-        out = torch.empty_like(h) if out is None else out
-        if T == 1 or not fused_mhc(h[:1]):
-            for t in range(T):
+        """T rows at positions pos .. pos+T-1, row t seeing rows < t: h [T, c, D], ids [T] ->
+        [T, c, D] (into out, which may be h). T = 1: decode's fused path; T > 1 (the speculative
+        verify rows): row t with the bits of decode(h[t:t+1], ids[t:t+1], pos + t) after the rows
+        before it. With the fused kernels every launch of the mHC and the linears takes all rows
+        (one binary per row: the same bits; the linears read each weight once), Attention /
+        MoE.decode_rows; each Sinkhorn runs beside its sublayer (hc_pre_norm's branch forks after
+        its mix). Otherwise T decode calls. Capture-safe."""
+        if not fused_mhc(h[:1]):
+            out = torch.empty_like(h) if out is None else out
+            for t in range(h.shape[0]):
                 self.decode(h[t:t + 1], ids[t:t + 1], pos + t, st, out=out[t:t + 1])
             return out
         from .kernels import mhc as K
-        sk = overlap.Branch(h, "mhc", lane=2, fork=False)       # as in decode, for all rows
-        x, post, comb = self._mix_decode(h, "attn", self.attn_norm, sk, rows=True)
+        sk = overlap.Branch(h, "mhc", lane=2, fork=False)
+        x, post, comb = self._mix_decode(h, "attn", self.attn_norm, sk)
         a = self.attn.decode_rows(x, pos, st)
         sk.join()
         h = K.hc_post(a, h, post, comb)
         sk = overlap.Branch(h, "mhc", lane=2, fork=False)
-        x, post, comb = self._mix_decode(h, "ffn", self.ffn_norm, sk, rows=True)
+        x, post, comb = self._mix_decode(h, "ffn", self.ffn_norm, sk)
         f = self.ffn.decode_rows(x, ids)
         sk.join()
         return K.hc_post(f, h, post, comb, out=out)

@@ -137,18 +137,24 @@ class Transformer:
         h = self.embed.index_select(0, ids).to(self.act)
         return h.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
 
+    def _head_in(self, h: torch.Tensor, head: tuple | None = None) -> torch.Tensor:
+        """h [T, c, D] -> the head's input [T, D] float32 (hc_head, final norm): the fused kernels
+        for bf16 rows where they serve, else torch. head: (hc_head_* tensors, norm) other than
+        the model's (the MTP block's)."""
+        cfg = self.cfg
+        hc_t, norm = head if head is not None else (self.hc_head, self.norm)
+        hc = (hc_t["hc_head_fn"], hc_t["hc_head_scale"], hc_t["hc_head_base"])
+        if fused_mhc(h[:1]):
+            from .kernels.mhc import hc_head_norm
+            return hc_head_norm(h, *hc, norm, cfg.norm_eps, cfg.hc_eps).to(torch.float32)
+        x = hc_head(h, *hc, cfg.norm_eps, cfg.hc_eps)
+        return rms_norm(x, norm, cfg.norm_eps).to(torch.float32)
+
     def logits(self, h: torch.Tensor, head: tuple | None = None) -> torch.Tensor:
         """h [1, c, D] (last position) -> logits [V] float32 (hc_head, final norm, head in fp32).
         head: (hc_head_* tensors, norm) other than the model's (the MTP block's)."""
         cfg = self.cfg
-        hc_t, norm = head if head is not None else (self.hc_head, self.norm)
-        hc = (hc_t["hc_head_fn"], hc_t["hc_head_scale"], hc_t["hc_head_base"])
-        if fused_mhc(h):
-            from .kernels.mhc import hc_head_norm
-            x = hc_head_norm(h, *hc, norm, cfg.norm_eps, cfg.hc_eps)[0].to(torch.float32)
-        else:
-            x = hc_head(h, *hc, cfg.norm_eps, cfg.hc_eps)
-            x = rms_norm(x, norm, cfg.norm_eps)[0].to(torch.float32)           # [D]
+        x = self._head_in(h, head)[0]                                          # [D]
         from . import kernels
         if kernels.available(x.device):     # one float32-accumulating GEMV over the bf16 head
             from .kernels.bf16_linear import bf16_linear
@@ -158,21 +164,16 @@ class Transformer:
 
     def logits_rows(self, h: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """h [T, c, D] (decode rows) -> logits [T, V] float32, row t with the bits of
-        logits(h[t:t+1]); with the kernels, the head GEMV reads the head once for all rows."""
-        from . import kernels
-        T, cfg = h.shape[0], self.cfg
+        logits(h[t:t+1]); with the fused kernels, the head GEMV reads the head once for all rows."""
+        T = h.shape[0]
         if out is None:
-            out = torch.empty(T, cfg.vocab_size, dtype=torch.float32, device=h.device)
-        if not (fused_mhc(h[:1]) and kernels.available(h.device)):
+            out = torch.empty(T, self.cfg.vocab_size, dtype=torch.float32, device=h.device)
+        if not fused_mhc(h[:1]):
             for t in range(T):
                 out[t].copy_(self.logits(h[t:t + 1]))
             return out
         from .kernels.bf16_linear import bf16_linear
-        from .kernels.mhc import hc_head_norm
-        hc = (self.hc_head["hc_head_fn"], self.hc_head["hc_head_scale"],
-              self.hc_head["hc_head_base"])
-        x = hc_head_norm(h, *hc, self.norm, cfg.norm_eps, cfg.hc_eps).to(torch.float32)
-        return bf16_linear(x, self.head, out_dtype=torch.float32, out=out)
+        return bf16_linear(self._head_in(h), self.head, out_dtype=torch.float32, out=out)
 
     def reset(self) -> None:
         """Start a new sequence (all layer state back to its fill values, in place)."""

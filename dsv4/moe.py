@@ -90,8 +90,7 @@ class MoE:
 
     def decode(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """One token: x [1, D], ids [1] -> [1, D]. Fixed shapes, no host sync (capture-safe)."""
-        if (x.device.type == "cuda" and x.dtype == torch.bfloat16 and self.experts.fmt == "fp4"
-                and kernels.available(x.device)):
+        if self._kernels_serve(x):
             return self._decode_kernels(x, ids)
         w, idx = self.route(x, ids)
         idx, order = idx[0].sort()              # the reference adds experts in ascending id order
@@ -102,25 +101,39 @@ class MoE:
         return (y + self._shared(x)).to(x.dtype)
 
     def route_decode(self, x: torch.Tensor, ids: torch.Tensor):
-        """decode's routing as two launches (gate GEMV, dsv4.kernels.route: the CUDA or Triton
-        routing kernel): -> (weights [k] f32, experts [k] int64 ascending), as route + sort."""
+        """decode's routing of rows x [T, D] (T = 1, or the speculative verify rows) as two
+        launches (gate GEMV, dsv4.kernels.route: the CUDA or Triton routing kernel): -> (weights
+        [T * k] f32, experts [T * k] int64, ascending per row), as route + sort."""
         from .kernels.route import route_decode
         cfg = self.cfg
-        return route_decode(self.gate(x, torch.float32), cfg.n_activated_experts, cfg.score_func,
-                            cfg.route_scale, bias=self.bias, tid2eid=self.tid2eid,
+        return route_decode(self.gate.rows(x, torch.float32), cfg.n_activated_experts,
+                            cfg.score_func, cfg.route_scale, bias=self.bias, tid2eid=self.tid2eid,
                             ids=ids if self.hash else None)
 
+    def decode_rows(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """T decode rows (the speculative verify rows): x [T, D], ids [T] -> [T, D], row t with
+        the bits of decode(x[t:t+1], ids[t:t+1]): the kernels' path for all rows at once, else
+        decode row by row. Capture-safe."""
+        if self._kernels_serve(x):
+            return self._decode_kernels(x, ids)
+        return torch.cat([self.decode(x[t:t + 1], ids[t:t + 1]) for t in range(x.shape[0])])
+
+    def _kernels_serve(self, x: torch.Tensor) -> bool:
+        return (x.device.type == "cuda" and x.dtype == torch.bfloat16 and self.experts.fmt == "fp4"
+                and kernels.available(x.device))
+
     def _decode_kernels(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """decode as kernel launches: the gate GEMV, routing (route_decode), routed FP4 up + down
-        with the shared expert's output added in down's epilogue; the FP8 shared expert (fused
-        w1/w3 SwiGLU, w2) is a parallel branch when captured (dsv4.overlap), forked after the
-        routing (so the routing's small kernels find free SMs; the shared expert then streams
-        beside up). Same math as the loop: bf16(routed sum in f32 + bf16 shared). Capture-safe."""
+        """decode of rows x [T, D] as kernel launches, each taking every row: the gate GEMV and
+        the routing (route_decode), routed FP4 up + down with the shared expert's output added in
+        down's epilogue; the FP8 shared expert (fused w1/w3 SwiGLU, w2) is a parallel branch when
+        captured (dsv4.overlap), forked after the routing (so the routing's small kernels find
+        free SMs; the shared expert then streams beside up). Same math as the loop: bf16(routed
+        sum in f32 + bf16 shared); row t has the bits of a one-row call. Capture-safe."""
         from .kernels.fp4_experts import fp4_experts_down, fp4_experts_up
         from .kernels.fp8_linear import fp8_linear, fp8_swiglu
         bank, lim, sh = self.experts, self.cfg.swiglu_limit, self.shared
-        fp8 = sh["w1"].fmt == "fp8"
-        w, idx = self.route_decode(x, ids)
+        T, fp8 = x.shape[0], sh["w1"].fmt == "fp8"
+        w, idx = self.route_decode(x, ids)                  # [T * k]: row t's experts, sorted
         br = overlap.Branch(x, "moe", when=fp8)
         with br.side():
             if fp8:
@@ -128,52 +141,21 @@ class MoE:
                                   sh["w3"].scale, lim)
                 y_sh = fp8_linear(a_sh, sh["w2"].weight, sh["w2"].scale, out_dtype=x.dtype)
             else:
-                y_sh = self._shared(x)                                        # [1, D] act
+                y_sh = (self._shared(x) if T == 1 else
+                        torch.cat([self._shared(x[t:t + 1]) for t in range(T)]))   # [T, D] act
         a = fp4_experts_up(x, idx, w, bank.w1, bank.w1_scale, bank.w3, bank.w3_scale, lim)
         br.join()
-        self._decode_workspace(idx, x, a)
-        return fp4_experts_down(a, idx, bank.w2, bank.w2_scale, add=y_sh, out_dtype=x.dtype,
-                                workspace=self._down_ws or None)
-
-    def decode_rows(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """T decode rows (the speculative verify rows): x [T, D], ids [T] -> [T, D], row t with
-        the bits of decode(x[t:t+1], ids[t:t+1]). With the kernels, the gate and the FP8 shared
-        expert read their weights once for all rows (the shared expert a parallel branch when
-        captured, as in decode); the routing and the routed experts' up and down take all rows
-        (their pairs) in one launch each. Capture-safe."""
-        if not (x.device.type == "cuda" and x.dtype == torch.bfloat16 and self.experts.fmt == "fp4"
-                and kernels.available(x.device)):
-            return torch.cat([self.decode(x[t:t + 1], ids[t:t + 1]) for t in range(x.shape[0])])
-        from .kernels.fp4_experts import fp4_experts_down, fp4_experts_up
-        from .kernels.fp8_linear import fp8_linear, fp8_swiglu
-        from .kernels.route import route_decode
-        cfg, bank, sh = self.cfg, self.experts, self.shared
-        T, fp8 = x.shape[0], sh["w1"].fmt == "fp8"
-        k = cfg.n_activated_experts
-        w, idx = route_decode(self.gate.rows(x, torch.float32), k, cfg.score_func,
-                              cfg.route_scale, bias=self.bias, tid2eid=self.tid2eid,
-                              ids=ids if self.hash else None)   # [T * k]: row t's, sorted
-        br = overlap.Branch(x, "moe", when=fp8)
-        with br.side():
-            if fp8:
-                a_sh = fp8_swiglu(x, sh["w1"].weight, sh["w1"].scale, sh["w3"].weight,
-                                  sh["w3"].scale, cfg.swiglu_limit)
-                y_sh = fp8_linear(a_sh, sh["w2"].weight, sh["w2"].scale, out_dtype=x.dtype)
-            else:
-                y_sh = torch.cat([self._shared(x[t:t + 1]) for t in range(T)])
-        a = fp4_experts_up(x, idx, w, bank.w1, bank.w1_scale, bank.w3, bank.w3_scale,
-                           cfg.swiglu_limit)
-        br.join()
-        self._decode_workspace(idx[:k], x, a)
+        self._decode_workspace(idx.numel() // T, x, a)
         return fp4_experts_down(a, idx, bank.w2, bank.w2_scale, add=y_sh, out_dtype=x.dtype,
                                 workspace=self._down_ws or None, rows=T)
 
-    def _decode_workspace(self, idx: torch.Tensor, x: torch.Tensor, a: torch.Tensor) -> None:
-        """The down kernel's workspace, decided once: this layer's own (no two layers share one);
-        the launches of one layer run in order on one stream, so its rows share it."""
+    def _decode_workspace(self, k: int, x: torch.Tensor, a: torch.Tensor) -> None:
+        """The down kernel's workspace for k experts per row, decided once: this layer's own (no
+        two layers share one); the launches of one layer run in order on one stream, so its rows
+        share it."""
         from .kernels.expert_cuda import down_needs_workspace, down_workspace
         if self._down_ws is None:
-            k, D = idx.numel(), x.shape[-1]
+            D = x.shape[-1]
             self._down_ws = (down_workspace(k, D, x.device, shared=False)
                              if down_needs_workspace(k, a.shape[-1], D) else ())
 

@@ -65,12 +65,13 @@ def rms_norm_rows(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 
 def rms_norm_row(x: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor | None = None
                  ) -> torch.Tensor:
-    """dsv4.mhc.rms_norm for one bf16 row x [1, D] (f32 weight) -> [1, D] bf16. Capture-safe."""
+    """dsv4.mhc.rms_norm for decode rows x [T, D] bf16 (one, or the speculative verify rows; f32
+    weight) -> [T, D] bf16, one program per row. Capture-safe."""
     y = torch.empty_like(x) if out is None else out
     D = x.shape[-1]
     with on_device(x):
-        _rms_norm_kernel[(1,)](x, w, y, eps, D=D, BD=triton.next_power_of_2(D), num_warps=4,
-                               **launch_args(y))
+        _rms_norm_kernel[(x.shape[0],)](x, w, y, eps, D=D, BD=triton.next_power_of_2(D),
+                                        num_warps=4, **launch_args(y))
     return y
 
 

@@ -238,7 +238,7 @@ def check_attention_decode(dev, g, capacity=64, steps=36, layers=(0, 1, 2), seed
         seen, outs = [], []
         wo_b, project = attn.wo_b, attn._project_out
         attn.wo_b = lambda z, act: (seen.append(z), wo_b(z, act))[1]
-        attn._project_out = lambda o: (outs.append(o.reshape(1, -1)), project(o))[1]
+        attn._project_out = lambda o, **kw: (outs.append(o.reshape(1, -1)), project(o, **kw))[1]
         G = cfg.o_groups
         wo_a = attn.wo_a.dense(torch.float32).view(G, cfg.o_lora_rank, -1)
         st_r = LayerState.allocate(cfg, r, capacity, torch.bfloat16, dev)
