@@ -1,12 +1,14 @@
 """Microbenchmark of the prefill GEMMs at a preset's real shapes: the routed experts' up and down for a
-chunk of T tokens (uniform random routing, k experts each) and the largest FP8 linear (wq_b), over
-tile, K-step, warp and tensor-core-path variants. CUDA events, median of REPS after warm-up;
-achieved TFLOP/s and the weight bytes read per second. The model's defaults come from this sweep
-(prefill_gemm.BK16, pick_bm, MMA; BENCHMARKS.md).
-Run: `python -m dsv4.kernels.bench_prefill [flash|pro] [T,T,...]`.
+chunk of T tokens (uniform random routing, k experts each), the largest FP8 linear (wq_b) and the
+grouped wo_a, over tile, K-step, warp and tensor-core-path variants. CUDA events, median of REPS
+after warm-up; achieved TFLOP/s and the weight bytes read per second. The model's defaults come
+from this sweep (prefill_gemm.BK16, pick_bm, MMA; BENCHMARKS.md).
+Run: `python -m dsv4.kernels.bench_prefill [flash|pro] [T,T,...] [hot,hot,...]` (hot: see moe_rows;
+DSV4_BENCH_QUICK=1: the QUICK variants only).
 """
 from __future__ import annotations
 
+import os
 import statistics
 import sys
 
@@ -17,6 +19,11 @@ from . import prefill_gemm as G
 from . import prefill_moe as M
 
 REPS = 10
+# DSV4_BENCH_QUICK=1: the variants (path, bm, bk, bn, warps, stages) the defaults pick between
+QUICK = [("bf16", 128, 64, 64, 4, 3), ("bf16", 128, 64, 64, 4, 2), ("bf16", 128, 64, 64, 4, 4),
+         ("bf16", 128, 32, 64, 4, 3), ("bf16", 128, 64, 128, 8, 3), ("bf16", 128, 128, 128, 8, 3),
+         ("bf16", 128, 64, 32, 4, 3), ("bf16", 64, 64, 64, 4, 3)] \
+    if os.environ.get("DSV4_BENCH_QUICK") else None
 
 
 def _time(fn) -> float:
@@ -39,13 +46,16 @@ def _bank(E, n, k, gen, dev):
     return w, s.view(torch.float8_e8m0fnu)
 
 
-def moe_rows(cfg, T, dev, gen):
+def moe_rows(cfg, T, dev, gen, hot=0):
+    """The routed up / down of T tokens over the tile / path variants; hot > 0: every token
+    routes among the first `hot` experts only (the model bench's device-generated router
+    concentrates a 4096-token chunk on 17-68 experts per layer)."""
     E, k, D, I = cfg.n_routed_experts, cfg.n_activated_experts, cfg.dim, cfg.moe_inter_dim
     w1, s1 = _bank(E, I, D, gen, dev)
     w3, s3 = _bank(E, I, D, gen, dev)
     w2, s2 = _bank(E, D, I, gen, dev)
     x = torch.randn(T, D, device=dev, generator=gen).bfloat16()
-    idx = torch.rand(T, E, device=dev, generator=gen).topk(k, dim=-1).indices.sort(-1).values
+    idx = torch.rand(T, hot or E, device=dev, generator=gen).topk(k, dim=-1).indices.sort(-1).values
     wt = torch.rand(T, k, device=dev, generator=gen)
     hit = int(torch.unique(idx).numel())
     flops_up, flops_down = 2 * 2 * T * k * I * D, 2 * T * k * I * D
@@ -56,24 +66,27 @@ def moe_rows(cfg, T, dev, gen):
     a8 = torch.empty(T * k, I, dtype=torch.uint8, device=dev)
     a_s = torch.empty(T * k, I // 128, dtype=torch.float32, device=dev)
     o = torch.empty(T * k, D, dtype=torch.bfloat16, device=dev)
-    variants = [("bf16", bm, bk, bn, w) for bm in (16, 32, 64, 128) for bk in (64, 128)
+    variants = [("bf16", bm, bk, bn, w, 3) for bm in (16, 32, 64, 128) for bk in (64, 128)
                 for bn in (64, 128) for w in (4, 8) if not (bm == 128 and bn == 128)]
-    variants += [("fp8", bm, 32, 128, w) for bm in (16, 32, 64) for w in (4, 8)]
+    variants += [("fp8", bm, 32, 128, w, 3) for bm in (16, 32, 64) for w in (4, 8)]
+    if QUICK:
+        variants = QUICK
     rows = []
-    for path, bm, bk, bn, warps in variants:
-        if T * k / E > 4 * bm or T * k / E < bm / 4:
+    per = T * k / (hot or E)
+    for path, bm, bk, bn, warps, stages in variants:
+        if (per > 4 * bm and bm < 64) or per < bm / 4:
             continue                            # tiles far from the rows per expert
         plan = M.expert_plan(idx, wt, E, bm=bm)
         kw = dict(bm=bm, tiles=(plan.tile_e, plan.tile_r), grid_m=plan.n_tiles, warps=warps)
         if path == "bf16":                      # bn 64: the act quant in a launch of its own
             def up():
                 G.gemm16(xq, w1, s1, "fp4", a16, rows=plan.token, w3=w3, s3=s3, rw=plan.weight,
-                         limit=10.0, quant=bn == 128, bk=bk, bn=bn, **kw)
+                         limit=10.0, quant=bn == 128, bk=bk, bn=bn, stages=stages, **kw)
                 if bn != 128:
                     G.act_quant(a16)
 
             def down():
-                G.gemm16(a16, w2, s2, "fp4", o, bk=bk, **kw)
+                G.gemm16(a16, w2, s2, "fp4", o, bk=bk, bn=bn, stages=stages, **kw)
         else:
             def up():
                 G.gemm8(x8, xs, w1, s1, "fp4", a8, rows=plan.token, w3=w3, s3=s3,
@@ -87,7 +100,8 @@ def moe_rows(cfg, T, dev, gen):
             print(f"  {path} bm={bm} bk={bk} bn={bn} warps={warps}: {type(e).__name__}",
                   file=sys.stderr)
             continue
-        rows.append((f"moe T={T}", path, bm, f"{bk}/{bn}", warps, tu, td, flops_up / tu / 1e9,
+        rows.append((f"moe T={T}", path, bm, f"{bk}/{bn}/{stages}", warps, tu, td,
+                     flops_up / tu / 1e9,
                      flops_down / td / 1e9, up_bytes / tu / 1e6, down_bytes / td / 1e6))
     return rows, hit
 
@@ -104,13 +118,42 @@ def linear_rows(cfg, T, dev, gen):
     for bm in (64, 128):
         for warps in (4, 8):
             if bm == 64:
-                t = _time(lambda: G.gemm8(x8, xs, w, s, "fp8", out, bm=bm, warps=warps))
+                t = _time(lambda: G.gemm8(x8, xs, w, s, "fp8", out, bm=bm, warps=warps,
+                                          cublas=False))
                 rows.append((f"wq_b T={T}", "fp8", bm, "128", warps, t, 0.0,
                              2 * T * N * K / t / 1e9, 0.0, N * K / t / 1e6, 0.0))
             for bk in (64, 128):
                 t = _time(lambda: G.gemm16(xq, w, s, "fp8", out, bm=bm, bk=bk, warps=warps))
                 rows.append((f"wq_b T={T}", "bf16", bm, str(bk), warps, t, 0.0,
                              2 * T * N * K / t / 1e9, 0.0, N * K / t / 1e6, 0.0))
+    if G.scaled_mm_ok(x8, out):                 # torch._scaled_mm's blockwise recipe
+        t = _time(lambda: G.scaled_mm(x8, xs, w, s, out))
+        rows.append((f"wq_b T={T}", "cubl", 0, "128", 0, t, 0.0, 2 * T * N * K / t / 1e9, 0.0,
+                     N * K / t / 1e6, 0.0))
+    return rows
+
+
+def wo_a_rows(cfg, T, dev, gen):
+    """The grouped wo_a over T rows (FP8 weights on unquantized bf16 rows): the bf16-MMA GEMM
+    with the weights decoded in registers, against grouped_dense (the weights dequantized to
+    bf16, exact, then cuBLAS; dequantization included)."""
+    from ..formats import quantize_fp8_weight
+    G_, R = cfg.o_groups, cfg.o_lora_rank
+    K = cfg.n_heads * cfg.head_dim // G_
+    w, s = quantize_fp8_weight(torch.randn(G_ * R, K, device=dev, generator=gen) * 0.05)
+    o = torch.randn(T, G_ * K, device=dev, generator=gen).bfloat16()
+    out = torch.empty(T, G_ * R, dtype=torch.bfloat16, device=dev)
+    flops = 2 * T * G_ * R * K
+    rows = []
+    for bm, bn, bk, warps in ((128, 128, 64, 4), (128, 128, 128, 8), (128, 128, 64, 8)):
+        t = _time(lambda: G.gemm16(o, w, s, "fp8", out, bm=bm, bn=bn, bk=bk, warps=warps,
+                                   group_k=K))
+        rows.append((f"wo_a T={T}", "bf16", bm, f"{bk}/{bn}", warps, t, 0.0, flops / t / 1e9,
+                     0.0, w.numel() / t / 1e6, 0.0))
+
+    t = _time(lambda: G.grouped_dense(o, w, s, "fp8", K, out))
+    rows.append((f"wo_a T={T}", "cubl", 0, "-", 0, t, 0.0, flops / t / 1e9, 0.0,
+                 w.numel() / t / 1e6, 0.0))
     return rows
 
 
@@ -120,15 +163,18 @@ def main(argv=None) -> int:
     tokens = [int(t) for t in argv[1].split(",")] if len(argv) > 1 else [128, 4096]
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
-    print(f"{'case':<12}{'path':>5}{'bm':>5}{'bk/bn':>8}{'warps':>6}{'up ms':>9}{'down ms':>9}"
+    print(f"{'case':<12}{'path':>5}{'bm':>5}{'bk/bn/st':>12}{'warps':>6}{'up ms':>9}{'down ms':>9}"
           f"{'up TF/s':>9}{'dn TF/s':>9}{'up GB/s':>9}{'dn GB/s':>9}")
+    hots = [int(h) for h in argv[2].split(",")] if len(argv) > 2 else [0]
     for T in tokens:
-        rows, hit = moe_rows(cfg, T, dev, gen)
-        rows += linear_rows(cfg, T, dev, gen)
-        print(f"# T={T}: {hit} experts hit")
-        for r in sorted(rows, key=lambda r: (r[0], r[5] + r[6])):
-            print(f"{r[0]:<12}{r[1]:>5}{r[2]:>5}{str(r[3]):>8}{r[4]:>6}{r[5]:>9.3f}{r[6]:>9.3f}"
-                  f"{r[7]:>9.0f}{r[8]:>9.0f}{r[9]:>9.0f}{r[10]:>9.0f}", flush=True)
+        for hot in hots:
+            rows, hit = moe_rows(cfg, T, dev, gen, hot)
+            if not hot:
+                rows += linear_rows(cfg, T, dev, gen) + wo_a_rows(cfg, T, dev, gen)
+            print(f"# T={T}: {hit} experts hit")
+            for r in sorted(rows, key=lambda r: (r[0], r[5] + r[6])):
+                print(f"{r[0]:<12}{r[1]:>5}{r[2]:>5}{str(r[3]):>12}{r[4]:>6}{r[5]:>9.3f}"
+                      f"{r[6]:>9.3f}{r[7]:>9.0f}{r[8]:>9.0f}{r[9]:>9.0f}{r[10]:>9.0f}", flush=True)
     return 0
 
 

@@ -11,7 +11,11 @@ summation order differs from the reference.
 
 Both GEMMs take rows directly or gathered (`rows`), and row tiles of one expert each (`tiles`, the
 grouped experts of prefill_moe.py), with the SwiGLU epilogue (clamped, route weight, and for FP8
-the next act quant). Legend: m = rows, n = output features, k = input features, e = experts.
+the next act quant). Two library paths compute the same thing faster where they serve: an FP8
+weight over plain rows goes through torch._scaled_mm's blockwise (DeepSeek) recipe, which gives
+gemm8's bits (`scaled_mm`, checked once per device); the grouped wo_a over many rows through
+its weight dequantized to bf16 and cuBLAS (`grouped_dense`, the same exact products).
+Legend: m = rows, n = output features, k = input features, e = experts.
 References: `linear_reference`. Test: tests/dsv4/test_prefill_kernels.py.
 """
 from __future__ import annotations
@@ -375,6 +379,8 @@ SPLIT_PROGRAMS = int(os.environ.get("DSV4_SPLIT_PROGRAMS", 264))  # k_split: pro
 # for (two per SM of an H100 / H200; the variable: benchmarks)
 SPLIT_MIN_STEPS = 4      # k_split: K steps per program at least
 SPLIT_BM = 16            # rows per program of the split-K sum
+GROUPED_DENSE_MIN_ROWS = 1024   # the grouped wo_a: dequantized weights + cuBLAS from this many
+# rows (Flash, 4,096 rows on an H200: 0.63 ms against 0.95 for the registers-decoded GEMM)
 
 
 @dataclass(frozen=True)
@@ -468,18 +474,104 @@ def _grid(out, bm, grid_m, N, bn=BN):
     return (grid_m or triton.cdiv(out.shape[0], bm), triton.cdiv(N, bn))
 
 
+CUBLAS_SWITCH = "DSV4_PREFILL_CUBLAS"   # "0": the FP8 linears stay on the Triton GEMM
+_SCALED_MM_OK: dict = {}
+
+
+def scaled_mm_ok(x8: torch.Tensor, out: torch.Tensor) -> bool:
+    """Whether torch._scaled_mm's DeepSeek recipe (1x128 activation, 128x128 weight scales;
+    cuBLAS >= 12.9, sm_90 only) runs here for these rows: CUDA, m a multiple of 4 (cuBLASLt),
+    not switched off, and a probe on this device matched gemm8 bit for bit (once per device)."""
+    if (x8.device.type != "cuda" or interpreting() or x8.shape[0] % 4
+            or os.environ.get(CUBLAS_SWITCH, "1") == "0" or not hasattr(torch, "_scaled_mm")):
+        return False
+    key = x8.device.index
+    if key not in _SCALED_MM_OK:
+        _SCALED_MM_OK[key] = _probe_scaled_mm(x8.device)
+    return _SCALED_MM_OK[key]
+
+
+def _probe_scaled_mm(dev: torch.device) -> bool:
+    """One small GEMM through both paths: the recipe is used only where it exists and agrees."""
+    if torch.cuda.get_device_capability(dev) != (9, 0) or torch.cuda.is_current_stream_capturing():
+        return False
+    from ..formats import quantize_fp8_weight
+    gen = torch.Generator(device=dev).manual_seed(0)
+    w, s = quantize_fp8_weight(torch.randn(256, 512, device=dev, generator=gen) * 0.05)
+    x8, xs = act_quant8(torch.randn(64, 512, device=dev, generator=gen).bfloat16())
+    want = gemm8(x8, xs, w, s, "fp8", torch.empty(64, 256, dtype=torch.bfloat16, device=dev),
+                 bm=64, warps=4, cublas=False)
+    try:
+        got = scaled_mm(x8, xs, w, s, torch.empty_like(want))
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+    return torch.equal(got, want)
+
+
+def scaled_mm(x8: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, s: torch.Tensor,
+              out: torch.Tensor) -> torch.Tensor:
+    """out [m, n] bf16 = act_quant8 rows (x8, xs) @ FP8 weight (w [n, k], ue8m0 s [n/128,
+    k/128])^T through torch._scaled_mm's blockwise recipe: per 128 of K an FP8 MMA into a fresh
+    float32 tile, times both scales, summed in float32 (as gemm8 and the official fp8_gemm)."""
+    sw = torch.pow(2.0, s.view(torch.uint8).float() - 127.0)              # [n/128, k/128]
+    return torch._scaled_mm(x8.view(torch.float8_e4m3fn), w.view(torch.float8_e4m3fn).t(),
+                            scale_a=xs.t().contiguous().t(), scale_b=sw.t(),
+                            out_dtype=torch.bfloat16, out=out)
+
+
+@triton.jit
+def _swiglu_quant8_kernel(g_ptr, u_ptr, y_ptr, s_ptr, M, limit, N: tl.constexpr,
+                          LIMIT: tl.constexpr, R: tl.constexpr):
+    # program (row block, 128-column block): the SwiGLU epilogue of _epilogue (QUANT 2) over
+    # the bf16 GEMM outputs g, u
+    r = tl.program_id(0) * R + tl.arange(0, R)
+    c = tl.program_id(1) * 128 + tl.arange(0, 128)
+    m = r < M
+    off = r[:, None].to(tl.int64) * N + c[None, :]
+    g = tl.load(g_ptr + off, mask=m[:, None], other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + off, mask=m[:, None], other=0.0).to(tl.float32)
+    if LIMIT:
+        u = tl.minimum(tl.maximum(u, -limit), limit)
+        g = tl.minimum(g, limit)
+    y8, ys = _quant8(round_bf16(g * tl.sigmoid(g) * u))
+    tl.store(y_ptr + off, y8, mask=m[:, None])
+    tl.store(s_ptr + r.to(tl.int64) * (N // 128) + tl.program_id(1), ys, mask=m)
+
+
+def swiglu_quant8(g: torch.Tensor, u: torch.Tensor, limit: float, out: torch.Tensor,
+                  out_scale: torch.Tensor) -> torch.Tensor:
+    """act_quant(bf16(SwiGLU(g, u))) of bf16 GEMM outputs g, u [m, n] (clamped at limit > 0)
+    -> e4m3 bytes out [m, n] and scales out_scale [m, n/128]: gemm8's SwiGLU epilogue, alone."""
+    M, N = g.shape
+    with on_device(out):
+        _swiglu_quant8_kernel[(triton.cdiv(M, QROWS), N // 128)](
+            g, u, out, out_scale, M, float(limit), N=N, LIMIT=limit > 0, R=QROWS, num_warps=4)
+    return out
+
+
 def gemm8(x8, xs, w, s, fmt: str, out: torch.Tensor, *, bm: int = BM, rows=None, tiles=None,
           grid_m=None, w3=None, s3=None, rw=None, limit: float = 0.0, out_scale=None,
-          warps: int = WARPS) -> torch.Tensor:
+          warps: int = WARPS, cublas: bool = True) -> torch.Tensor:
     """FP8 tensor cores: out = (A8 @ W^T) over e4m3 rows x8 [m_a, k] (+ scales xs [m_a, k/128])
     and an FP8 or FP4 weight (stacked [e, n, ..] with `tiles`: row tiles of bm rows), the rows
     gathered by `rows` if given. w3: the SwiGLU epilogue (w1 = w); out_scale: act-quantize the
-    output (out uint8, out_scale f32 [m, n/128])."""
+    output (out uint8, out_scale f32 [m, n/128]). cublas: an FP8 weight over plain rows takes
+    torch._scaled_mm's blockwise recipe where it serves (scaled_mm_ok): the same bits, faster
+    (the SwiGLU epilogue then runs as swiglu_quant8 over its two outputs)."""
     K = x8.shape[1]
     N = w.shape[-2]
     if K % 128 or (out_scale is not None and N % BN):
         raise ValueError(f"FP8 GEMM: k = {K} must be a multiple of 128 (and n = {N} of {BN} "
                          f"for a quantized output)")
+    if (cublas and fmt == "fp8" and rows is None and tiles is None and rw is None
+            and out.dtype != torch.float32 and scaled_mm_ok(x8, out)):
+        if w3 is None and out_scale is None:
+            return scaled_mm(x8, xs, w, s, out)
+        if w3 is not None and out_scale is not None:
+            g = scaled_mm(x8, xs, w, s, torch.empty(out.shape, dtype=torch.bfloat16,
+                                                    device=out.device))
+            u = scaled_mm(x8, xs, w3, s3, torch.empty_like(g))
+            return swiglu_quant8(g, u, limit, out, out_scale)
     dummy = out
     tile_e, tile_r = tiles if tiles is not None else (dummy, dummy)
     with on_device(out):
@@ -517,7 +609,7 @@ def k_split(programs: int, steps: int) -> int:
 def gemm16(a, w, s, fmt: str, out: torch.Tensor, *, bm: int = BM, rows=None, tiles=None,
            grid_m=None, w3=None, s3=None, rw=None, limit: float = 0.0, quant: bool = False,
            group_k: int = 0, bk: int | None = None, bn: int = BN, warps: int = WARPS,
-           split: int | None = None) -> torch.Tensor:
+           split: int | None = None, stages: int = STAGES) -> torch.Tensor:
     """bf16 tensor cores: out = A @ W^T over bf16 rows a [m_a, k] (already act-quantized for
     quantized weights, or not: wo_a) and a bf16 / FP8 / FP4 weight decoded to bf16 in registers;
     rows / tiles / w3 as gemm8; quant: act-quantize the SwiGLU output (exact bf16 values; needs
@@ -556,7 +648,7 @@ def gemm16(a, w, s, fmt: str, out: torch.Tensor, *, bm: int = BM, rows=None, til
             GROUP_N=gn, FMT=FORMATS[fmt], GROUPED=tiles is not None, GATHER=rows is not None,
             SWIGLU=w3 is not None, LIMIT=limit > 0, ROUTE_W=rw is not None, QUANT=int(quant),
             OUT_F32=out.dtype == torch.float32, BM=bm, BN=bn, BK=bk, SPLIT=split,
-            F32=interpreting(), NATIVE=not interpreting(), num_warps=warps, num_stages=STAGES)
+            F32=interpreting(), NATIVE=not interpreting(), num_warps=warps, num_stages=stages)
         if split > 1:
             _splitk_kernel[(triton.cdiv(M, SPLIT_BM), triton.cdiv(N, BN))](
                 ws, out, rw if rw is not None else dummy, M, M * N, float(limit), N=N,
@@ -580,9 +672,32 @@ def linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, fmt: st
     if quant_act and mma_path(fmt, M) == "fp8":
         x8, xs = act_quant8(x)
         return gemm8(x8, xs, w, scale, fmt, out, bm=pick_bm(M), warps=4)
+    if (group_k and not quant_act and M >= GROUPED_DENSE_MIN_ROWS and out_dtype == torch.bfloat16
+            and not interpreting()):
+        return grouped_dense(x, w, scale, fmt, group_k, out)
     t = tile16(M)
     return gemm16(act_quant(x) if quant_act else x.contiguous(), w, scale, fmt, out, bm=t.bm,
                   bn=BN if group_k else t.bn, bk=t.bk, warps=t.warps, group_k=group_k)
+
+
+def grouped_dense(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, fmt: str,
+                  group_k: int, out: torch.Tensor) -> torch.Tensor:
+    """The grouped wo_a over many rows x [m, G*group_k] (unquantized bf16): the bf16 / FP8
+    weight [n, group_k] dequantized to bf16 (exact: e4m3 times a power of two), then one
+    batched cuBLAS GEMM over the G groups with float32 accumulation (bf16 reduced-precision
+    reductions off) -> out [m, n]. The same exact products as gemm16's, summed in another
+    order; the dense copy of this one weight lives for the call (64 MiB on Flash)."""
+    M, G = x.shape[0], x.shape[1] // group_k
+    wd = w if fmt == "bf16" else dequantize_fp8_weight(w, scale, torch.bfloat16)
+    wd = wd.view(G, -1, group_k)
+    prior = torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+    try:
+        y = torch.bmm(x.reshape(M, G, group_k).transpose(0, 1), wd.transpose(1, 2))  # [G, m, n/G]
+    finally:
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = prior
+    out.view(M, G, -1).copy_(y.transpose(0, 1))
+    return out
 
 
 # ---- plain-torch references (the code the kernels replace) -----------------------------------

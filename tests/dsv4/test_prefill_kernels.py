@@ -121,6 +121,52 @@ def check_linear_exact(dev, gen, M=40, N=256, K=256):
                                                        out_dtype=od)), f"exact {fmt} {od}"
 
 
+def check_wo_a(dev, gen, M, G=8, K=4096, R=1024):
+    """The grouped wo_a (no act quant, group g reads its own K columns) with bf16 output, on
+    whichever path linear takes for M rows (from GROUPED_DENSE_MIN_ROWS: dequantized weights
+    and cuBLAS), against the float64 reference: the bf16 tensor cores' float32 summation bound
+    plus the output's bf16 rounding."""
+    from dsv4.kernels import prefill_gemm as P
+    o = torch.randn(M, G * K, generator=gen).bfloat16().to(dev)
+    for fmt in ("fp8", "bf16"):
+        w, s = _fmt_weight(fmt, G * R, K, gen, dev)
+        out = P.linear(o, w, s, fmt, out_dtype=torch.bfloat16, quant_act=False, group_k=K).cpu()
+        ref = P.linear_reference(o, w, s, fmt, out_dtype=torch.float64, quant_act=False,
+                                 group_k=K).cpu()
+        lim = _tol("bf16") * _absdot(o, w, fmt, s, K) + ref.abs() * 2 ** -8
+        assert ((out.double() - ref).abs() <= lim).all(), f"wo_a {fmt}, {M} rows"
+
+
+def check_swiglu_split(dev, gen, M=40, N=256, K=512, cublas=False):
+    """The shared expert's up as two plain GEMMs and swiglu_quant8 == gemm8's fused SwiGLU
+    epilogue, bytes and scales (cublas: the GEMMs through torch._scaled_mm, then the plain FP8
+    linear too)."""
+    from dsv4.kernels import prefill_gemm as P
+    x8, xs = P.act_quant8((torch.randn(M, K, generator=gen) * 3).bfloat16().to(dev))
+    w1, s1 = _fmt_weight("fp8", N, K, gen, dev)
+    w3, s3 = _fmt_weight("fp8", N, K, gen, dev)
+    fused = (torch.empty(M, N, dtype=torch.uint8, device=dev),
+             torch.empty(M, N // 128, dtype=torch.float32, device=dev))
+    P.gemm8(x8, xs, w1, s1, "fp8", fused[0], w3=w3, s3=s3, limit=0.5, out_scale=fused[1],
+            bm=64, warps=8, cublas=False)
+    if cublas:
+        split = (torch.empty_like(fused[0]), torch.empty_like(fused[1]))
+        P.gemm8(x8, xs, w1, s1, "fp8", split[0], w3=w3, s3=s3, limit=0.5, out_scale=split[1],
+                bm=64, warps=8)
+        for w, s in ((w1, s1), _fmt_weight("fp8", 4 * N, K, gen, dev)):
+            o = [P.gemm8(x8, xs, w, s, "fp8", torch.empty(M, w.shape[0], dtype=torch.bfloat16,
+                                                          device=dev), bm=64, warps=4,
+                         cublas=c) for c in (True, False)]
+            assert torch.equal(o[0], o[1]), "torch._scaled_mm vs gemm8"
+    else:
+        g, u = (P.gemm8(x8, xs, w, s, "fp8", torch.empty(M, N, dtype=torch.bfloat16,
+                                                         device=dev), bm=64, warps=4,
+                        cublas=False) for w, s in ((w1, s1), (w3, s3)))
+        split = (torch.empty_like(fused[0]), torch.empty_like(fused[1]))
+        P.swiglu_quant8(g, u, 0.5, *split)
+    assert torch.equal(split[0], fused[0]) and torch.equal(split[1], fused[1]), "SwiGLU split"
+
+
 def check_split_k(dev, gen, M=3, N=256, K=512):
     """K split into 1..8 parts (the few-row GEMMs): exactly representable sums, so every split
     gives the reference's bits, plain and with the SwiGLU + act-quant epilogue; linear() on a few
@@ -398,6 +444,7 @@ def check_parity_bf16(dev):
 def check_all(dev, seed, tmp):
     gen = torch.Generator().manual_seed(seed)
     check_split_k(dev, gen)
+    check_swiglu_split(dev, gen)
     _both_paths(lambda: (check_linear(dev, gen), check_linear_exact(dev, gen),
                          check_moe(dev, gen), check_moe(dev, gen, T=150, E=2, k=2)))
     check_attention_rows(dev, gen)
@@ -489,6 +536,9 @@ def compile_all() -> list:
               BM=P.SPLIT_BM, BN=P.BN), 4),
         ("fp4 moe up (FP8 MMA, 16-row tiles)", P._gemm8_kernel, dict(g8, out_ptr="*u8"),
          dict(b8, N=2048, K=4096, FP4=True, **up, BM=16), P.WARPS),
+        ("swiglu act_quant8 (shared up after cuBLAS)", P._swiglu_quant8_kernel,
+         {"g_ptr": "*bf16", "u_ptr": "*bf16", "y_ptr": "*u8", "s_ptr": "*fp32", "M": "i32",
+          "limit": "fp32"}, dict(N=2048, LIMIT=True, R=P.QROWS), 4),
         ("act_quant8", P._act_quant8_kernel, {"x_ptr": "*bf16", "y_ptr": "*u8", "s_ptr": "*fp32",
                                               "M": "i32"}, dict(K=4096, R=P.QROWS), 4),
         ("moe combine", Q._combine_kernel, {"o_ptr": "*bf16", "inv_ptr": "*i32",
@@ -558,6 +608,19 @@ def test_prefill_kernels_cuda(tmp_path):
 
 
 @pytest.mark.cuda
+def test_scaled_mm_same_bits():
+    """Where torch._scaled_mm's blockwise recipe serves (scaled_mm_ok), the FP8 linears and the
+    shared expert's SwiGLU up through it give gemm8's bits (Flash shapes, 300 and 1,024 rows)."""
+    from dsv4.kernels import prefill_gemm as P
+    x8 = torch.zeros(4, 128, dtype=torch.uint8, device="cuda")
+    if not P.scaled_mm_ok(x8, x8):
+        pytest.skip("torch._scaled_mm's blockwise FP8 recipe is not available on this device")
+    gen = torch.Generator().manual_seed(input_seed(4))
+    for M in (300, 1024):
+        check_swiglu_split("cuda", gen, M=M, N=2048, K=4096, cublas=True)
+
+
+@pytest.mark.cuda
 def test_prefill_gemm_flash_shapes():
     """The Flash linears of a 300-token chunk (odd tile counts) against float64 references."""
     gen = torch.Generator().manual_seed(input_seed(3))
@@ -565,6 +628,7 @@ def test_prefill_gemm_flash_shapes():
         for n, k in ((1024, 4096), (32768, 1024), (512, 4096), (4096, 8192)):
             check_linear("cuda", gen, M=300, N=n, K=k)
         # 64 experts, not 256: the float64 references of a whole Flash bank take minutes
+        check_wo_a("cuda", gen, M=1100)                                  # the dense path
         check_moe("cuda", gen, T=300, D=4096, I=2048, E=64, k=6)          # ~28 rows each
         check_moe("cuda", gen, T=20, D=4096, I=2048, E=64, k=6)           # 16-row tiles
         check_moe("cuda", gen, T=600, D=4096, I=2048, E=16, k=6)          # 128-row tiles
