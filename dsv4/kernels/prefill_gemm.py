@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..formats import FP8_BLOCK, dequantize_fp4_weight, dequantize_fp8_weight
+from ..formats import FP8_BLOCK, dequantize_fp4_weight, dequantize_fp8_weight, e8m0_to_float
 from ..quant import fp8_quant_dequant
 from .common import (AMAX_FLOOR, E4M3_MAX_INV, block_exponent, e2m1_word_to_f32, e4m3_to_f32,
                      e8m0_to_f32, interpreting, on_device, pow2, quant_dequant, round_bf16,
@@ -487,13 +487,15 @@ def scaled_mm_ok(x8: torch.Tensor, out: torch.Tensor) -> bool:
         return False
     key = x8.device.index
     if key not in _SCALED_MM_OK:
+        if torch.cuda.is_current_stream_capturing():
+            return False       # no probe inside a capture: gemm8 now (same bits), probe later
         _SCALED_MM_OK[key] = _probe_scaled_mm(x8.device)
     return _SCALED_MM_OK[key]
 
 
 def _probe_scaled_mm(dev: torch.device) -> bool:
     """One small GEMM through both paths: the recipe is used only where it exists and agrees."""
-    if torch.cuda.get_device_capability(dev) != (9, 0) or torch.cuda.is_current_stream_capturing():
+    if torch.cuda.get_device_capability(dev) != (9, 0):
         return False
     from ..formats import quantize_fp8_weight
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -513,9 +515,8 @@ def scaled_mm(x8: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, s: torch.Tens
     """out [m, n] bf16 = act_quant8 rows (x8, xs) @ FP8 weight (w [n, k], ue8m0 s [n/128,
     k/128])^T through torch._scaled_mm's blockwise recipe: per 128 of K an FP8 MMA into a fresh
     float32 tile, times both scales, summed in float32 (as gemm8 and the official fp8_gemm)."""
-    sw = torch.pow(2.0, s.view(torch.uint8).float() - 127.0)              # [n/128, k/128]
     return torch._scaled_mm(x8.view(torch.float8_e4m3fn), w.view(torch.float8_e4m3fn).t(),
-                            scale_a=xs.t().contiguous().t(), scale_b=sw.t(),
+                            scale_a=xs.t().contiguous().t(), scale_b=e8m0_to_float(s).t(),
                             out_dtype=torch.bfloat16, out=out)
 
 
