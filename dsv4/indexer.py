@@ -17,6 +17,7 @@ from .sparse import index_scores, topk_lowest, visible_bound
 from .state import LayerState
 
 SCORE_ELEMS = 1 << 26  # prefill: bound on the [queries, heads, entries] index-score tensor
+TOPK_ELEMS = 1 << 24   # prefill kernels: bound on the [queries, entries] int64 keys of one top-k
 
 
 class Indexer:
@@ -69,12 +70,19 @@ class Indexer:
         keys = st.index_cache[:t]
         visible = (start + 1 + torch.arange(s, device=x.device)).unsqueeze(1) // 4
         cols = torch.arange(t, device=x.device)
-        # chunk the queries so the [c, h, t] score tensor stays bounded for long prompts
-        c = max(1, SCORE_ELEMS // max(1, self.n_heads * t))
+        if rows:                           # one launch, the masked scores [s, t]
+            from .kernels.indexer_prefill import index_scores_rows
+            scores = index_scores_rows(q, w, keys, pos0)
+        # chunk the queries so the [c, h, t] score tensor (torch) and top-k's int64 keys stay
+        # bounded for long prompts
+        c = max(1, (TOPK_ELEMS if rows else SCORE_ELEMS // self.n_heads) // max(1, t))
         out = []
         for i in range(0, s, c):
-            sc = index_scores(q[i:i + c], w[i:i + c], keys)                   # [c, t]
-            sc = sc.masked_fill(cols >= visible[i:i + c], float("-inf"))
+            if rows:
+                sc = scores[i:i + c]
+            else:
+                sc = index_scores(q[i:i + c], w[i:i + c], keys)               # [c, t]
+                sc = sc.masked_fill(cols >= visible[i:i + c], float("-inf"))
             idx = topk_lowest(sc, k)
             out.append(torch.where(idx >= visible[i:i + c], -1, idx + offset))
         return torch.cat(out, dim=0)

@@ -76,13 +76,17 @@ def variants(preset: str) -> list[tuple[str, object, dict, dict, int]]:
     return out
 
 
-def compile_variant(kernel, sig: dict, constexprs: dict, num_warps: int, arch: int = 90):
-    """Compile for cuda sm_`arch` with the 16-byte pointer alignment the JIT would specialize on."""
+def compile_variant(kernel, sig: dict, constexprs: dict, num_warps: int, arch: int = 90,
+                    num_stages: int | None = None):
+    """Compile for cuda sm_`arch` with the 16-byte pointer alignment the JIT would specialize on
+    (num_stages: the launch's, default Triton's)."""
     names = kernel.arg_names
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a, t in sig.items() if t.startswith("*")}
     sig = dict(sig, **{a: "constexpr" for a in constexprs})
     src = ASTSource(fn=kernel, signature=sig, constexprs=constexprs, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
+    opts = {"num_warps": num_warps} if num_stages is None else {"num_warps": num_warps,
+                                                                 "num_stages": num_stages}
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=opts)
 
 
 def resources(compiled) -> dict:

@@ -4,7 +4,8 @@ grouped wo_a, over tile, K-step, warp and tensor-core-path variants. CUDA events
 after warm-up; achieved TFLOP/s and the weight bytes read per second. The model's defaults come
 from this sweep (prefill_gemm.BK16, pick_bm, MMA; BENCHMARKS.md).
 Run: `python -m dsv4.kernels.bench_prefill [flash|pro] [T,T,...] [hot,hot,...]` (hot: see moe_rows;
-DSV4_BENCH_QUICK=1: the QUICK variants only).
+DSV4_BENCH_QUICK=1: the QUICK variants only; DSV4_BENCH_ONLY=attn: the chunk's sparse attention
+instead, `attn_rows`).
 """
 from __future__ import annotations
 
@@ -157,6 +158,56 @@ def wo_a_rows(cfg, T, dev, gen):
     return rows
 
 
+def attn_rows(cfg, T, dev, gen):
+    """The chunk's sparse attention (attention_prefill) for T queries at position 0, as the model
+    builds its rows: the window (old ring rows masked), then for ratio 4 the indexer's top-k of
+    random scores (best first, -1 where not yet visible), for ratio 128 every entry masked by
+    position; over head-block / rows / warps / stages variants. TFLOP/s over the valid rows."""
+    from ..rope import rope_frequencies
+    from ..attention import window_indices
+    from ..sparse import topk_lowest
+    from .attention_prefill import sparse_attention_rows
+    H, Dh, W = cfg.n_heads, cfg.head_dim, cfg.window_size
+    freqs = rope_frequencies(cfg, 4).to(dev)
+    pos0 = torch.zeros(1, dtype=torch.int64, device=dev)
+    q = torch.randn(T, H, Dh, device=dev, generator=gen).bfloat16()
+    sink = torch.randn(H, device=dev, generator=gen)
+    rows = []
+    vis_q = (torch.arange(T, device=dev) + 1).unsqueeze(1)
+    for r in (4, 128):
+        n = T // r
+        kv = torch.randn(W + T + n, Dh, device=dev, generator=gen).bfloat16()
+        win = window_indices(0, T, W, dev)
+        cols = torch.arange(n, device=dev)
+        if r == 4:
+            sc = torch.rand(T, n, device=dev, generator=gen).masked_fill(cols >= vis_q // r,
+                                                                         float("-inf"))
+            top = topk_lowest(sc, min(cfg.index_topk, n))
+            comp = torch.where(top >= vis_q // r, -1, top + W + T)
+        else:
+            comp = torch.where(cols < vis_q // r, cols + W + T, -1)
+        idx = torch.cat((win, comp), -1).to(torch.int32)
+        valid = int((idx >= 0).sum())
+        flops = 4 * H * Dh * valid
+        ref = None
+        for hb, bn, warps, stages in ((16, 32, 4, 3), (32, 64, 8, 2), (64, 32, 8, 2),
+                                      (64, 64, 8, 2), (64, 64, 8, 3), (64, 64, 16, 2)):
+            def fn():
+                return sparse_attention_rows(q, kv, idx, sink, Dh ** -0.5, freqs, pos0,
+                                             config=(hb, bn, warps, stages))
+            try:
+                t = _time(fn)
+            except Exception as e:              # a config the compiler rejects
+                print(f"  attn hb={hb} rows={bn}: {type(e).__name__}", file=sys.stderr)
+                continue
+            o = fn().float()
+            ref = o if ref is None else ref
+            diff = (o - ref).abs().max().item()
+            rows.append((f"attn r{r} T={T}", f"h{hb}", bn, f"{stages}/{diff:.0e}", warps, t, 0.0,
+                         flops / t / 1e9, 0.0, valid / T, 0.0))
+    return rows
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     cfg = get_preset(argv[0] if argv else "flash")
@@ -168,8 +219,11 @@ def main(argv=None) -> int:
     hots = [int(h) for h in argv[2].split(",")] if len(argv) > 2 else [0]
     for T in tokens:
         for hot in hots:
-            rows, hit = moe_rows(cfg, T, dev, gen, hot)
-            if not hot:
+            rows, hit = ([], 0) if os.environ.get("DSV4_BENCH_ONLY") == "attn" else \
+                moe_rows(cfg, T, dev, gen, hot)
+            if os.environ.get("DSV4_BENCH_ONLY") == "attn":
+                rows, hit = attn_rows(cfg, T, dev, gen), 0
+            elif not hot:
                 rows += linear_rows(cfg, T, dev, gen) + wo_a_rows(cfg, T, dev, gen)
             print(f"# T={T}: {hit} experts hit")
             for r in sorted(rows, key=lambda r: (r[0], r[5] + r[6])):
