@@ -218,8 +218,8 @@ def format_rows(rep: dict) -> list[str]:
     f = lambda v, fmt: "-" if v is None else format(v, fmt)  # noqa: E731
     rates = rep["prefill_rates_tflops"]
     pg = rep.get("prefill_graphs")
-    graphs = (f"; chunk graphs 1..{pg['max_rows']} for prompts <= {pg['max_prompt']} (capture "
-              f"{pg['capture_s']:.1f} s, {pg['graph_bytes'] / GIB:.2f} GiB)") if pg else ""
+    graphs = (f"; chunk graphs 1..{pg['max_rows']} (capture {pg['capture_s']:.1f} s, "
+              f"{pg['graph_bytes'] / GIB:.2f} GiB; g: the prompt replays them)") if pg else ""
     lines = [f"prefill, chunk {rep['prefill_chunk']}; dense matmul bf16 {f(rates['bf16'], '.0f')} "
              f"/ fp8 {f(rates['fp8'], '.0f')} TFLOP/s{graphs}",
              f"{'tokens':>8}{'TTFT ms':>11}{'min-max':>17}{'tok/s':>9}{'x compute':>11}"
@@ -227,7 +227,8 @@ def format_rows(rep: dict) -> list[str]:
     for r in rep["prefill_runs"]:
         lo, hi = r["spread_ms"]
         peak = max(r["peak_bytes"].values()) / GIB if r["peak_bytes"] else None
-        lines.append(f"{r['tokens']:>8}{r['ttft_ms']:>11.1f}{f'{lo:.1f}-{hi:.1f}':>17}"
+        tokens = f"{'g' if r.get('graphs') else ''}{r['tokens']}"
+        lines.append(f"{tokens:>8}{r['ttft_ms']:>11.1f}{f'{lo:.1f}-{hi:.1f}':>17}"
                      f"{r['tok_per_s']:>9.0f}{f(r['ratio_to_compute_floor'], '.2f'):>11}"
                      f"{f(r['ratio_to_bytes_floor'], '.2f'):>9}{r['bytes'] / 1e9:>9.2f}"
                      f"{f(peak, '.1f'):>10}{f(r['per_token_vs_decode'], '.3f'):>12}")

@@ -61,9 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
                         f"grows with N; default {PREFILL_CHUNK})")
     r.add_argument("--prefill-graphs", type=int, default=0, metavar="N",
                    help="graph mode: capture prefill chunks of 1, 2, 4, ..., N tokens at startup "
-                        "(N a power of two; 0 = off) and replay them for prompts up to N "
-                        "tokens: a faster first token for short prompts, paid for by the capture "
-                        "(worth it when one process serves several prompts)")
+                        "(N a power of two; 0 = off) and replay them where that measured faster "
+                        "than the eager chunk (N-token pieces, then the rest): a faster first "
+                        "token, paid for by the capture (worth it when one process serves "
+                        "several prompts)")
     r.add_argument("--speculative", type=int, default=0, metavar="K",
                    help="self-speculative decoding with the checkpoint's MTP block, K drafted "
                         "tokens per step (0 = off; K = 1 is implemented)")

@@ -204,8 +204,8 @@ class Transformer:
         the prompt; `progress` shows a bar on stderr when that takes PROGRESS_CHUNKS or more.
         mtp: the MTP block follows (reads every row whose next token is known: all but the
         last, which waits for the next token, see mtp_follow_token). May sync with the host.
-        With captured chunk graphs attached (self.prefill_graphs) a prompt they cover replays
-        them instead (same state and logits; `chunk` does not apply there)."""
+        With captured chunk graphs attached (self.prefill_graphs) the pieces of at most `chunk`
+        rows that PrefillGraphs.plan picks replay them instead (same state and logits)."""
         s, cap = ids.shape[0], self.rt.max_seq_len
         chunk = self.rt.prefill_chunk if chunk is None else chunk
         if s < 1 or start < 0 or start + s > cap:
@@ -217,22 +217,37 @@ class Transformer:
             self.reset()
         ids = ids.to(self.head_device)
         g = self.prefill_graphs
-        if g is not None and not mtp and g.covers(s):
-            return g.run(ids, start)
+        if g is not None and not mtp:      # pieces of at most the chunk replay where they pay
+            plan = g.plan(s, min(g.max_rows, 1 << (chunk.bit_length() - 1)))
+        else:
+            plan = [(s, False)]
         bar = None
         if progress and -(-s // chunk) >= PROGRESS_CHUNKS:
             from tqdm import tqdm
             bar = tqdm(total=s, desc="prefill", unit="tok", file=sys.stderr, leave=False)
+        h = out = None
         try:
-            for c0 in range(0, s, chunk):
-                h = self._prefill_chunk(ids[c0:c0 + chunk], start + c0)
-                if mtp:
-                    self._mtp_follow(h, ids[c0:c0 + chunk], start + c0, ids[c0 + 1:c0 + chunk + 1])
-                if bar is not None:
-                    bar.update(h.shape[0])
+            pos = start
+            for rows, graphed in plan:
+                if graphed:
+                    out, h = g.replay(ids[pos - start:pos - start + rows], pos), None
+                    if bar is not None:
+                        bar.update(rows)
+                    pos += rows
+                    continue
+                for c0 in range(pos, pos + rows, chunk):
+                    piece = ids[c0 - start:min(c0 + chunk, pos + rows) - start]
+                    h = self._prefill_chunk(piece, c0)
+                    if mtp:
+                        self._mtp_follow(h, piece, c0, ids[c0 - start + 1:c0 - start + chunk + 1])
+                    if bar is not None:
+                        bar.update(h.shape[0])
+                pos += rows
         finally:
             if bar is not None:
                 bar.close()
+        if h is None:
+            return out.clone()
         return self.logits(h[-1:].to(self.head_device))
 
     def _prefill_chunk(self, ids: torch.Tensor, start: int) -> torch.Tensor:

@@ -3,14 +3,15 @@
 
 One `graphs.CUDAGraphDecoder` per chunk size S (the powers of two up to `max_rows`), each a
 sequence of segments: `embed` (ids [S] -> h) -> `layer{l}` (Block.prefill at a device start, on
-the layer's device) -> `lm_head` (the last row's logits). A prompt of n <= max_rows tokens is fed
-as the binary decomposition of n, largest piece first, each piece at the position the previous
-one reached: chunked prefill at any position is exact, so the state and logits equal
-Transformer.prefill's. Every replay costs a fixed part (the prefill GEMMs read all weights even
-for a few rows), so a prompt of many pieces can be slower than one eager chunk: building times
-each size eagerly and replayed, and `covers` picks the graphs only where the pieces' measured
-replays beat the eager chunk (of the next captured size). Capturing runs every size eagerly and
-resets the model: build before the first sequence (Session does, with
+the layer's device) -> `lm_head` (the last row's logits). A prompt is fed as max_rows-sized
+pieces, then the binary decomposition of the rest, largest piece first, each piece at the
+position the previous one reached: chunked prefill at any position is exact, so the state and
+logits equal Transformer.prefill's. Every replay costs a fixed part (the prefill GEMMs read all
+weights even for a few rows), so a rest of many pieces can be slower than one eager chunk:
+building times each size eagerly and replayed, and `plan` replays a piece only where the
+measured replays beat the eager chunk. Long chunks gain too: a 4,096-token Flash chunk issues
+~7,700 launches, about as long on the host as on the device. Capturing runs every size eagerly
+and resets the model: build before the first sequence (Session does, with
 RuntimeConfig.prefill_graphs).
 """
 from __future__ import annotations
@@ -108,8 +109,8 @@ class PrefillGraphs:
     """Captured prefill chunks of 1, 2, 4, ..., max_rows tokens for one model (CUDA only).
 
     Attach with `model.prefill_graphs = PrefillGraphs(model, n)`: Transformer.prefill then feeds
-    prompts of at most `max_prompt` tokens through them (longer ones, and prefills that the MTP
-    block follows, stay eager: there the device, not the host, bounds the time)."""
+    prompts through them where `plan` says the replays beat the eager chunks (prefills that the
+    MTP block follows, and prompts longer than `max_prompt` when given, stay eager)."""
 
     def __init__(self, model, max_rows: int, max_prompt: int | None = None,
                  nvtx_domain: str = "dsv4-prefill"):
@@ -117,7 +118,7 @@ class PrefillGraphs:
             raise ConfigError("prefill graphs need CUDA devices (the model is on "
                               f"{model.head_device}); use prefill_graphs = 0")
         self.max_rows = max_rows
-        self.max_prompt = max_rows if max_prompt is None else max_prompt
+        self.max_prompt = max_prompt
         t = time.perf_counter()
         with torch.inference_mode():
             self.chunks = {S: _ChunkGraphs(model, S, nvtx_domain) for S in chunk_sizes(max_rows)}
@@ -125,23 +126,52 @@ class PrefillGraphs:
         self.replay_ms = {S: c.replay_ms for S, c in self.chunks.items()}
         self.eager_ms = {S: c.eager_ms for S, c in self.chunks.items()}
 
-    def covers(self, n: int) -> bool:
-        """Feed n tokens through the graphs: n <= max_prompt and the replays of its pieces took
-        less than one eager chunk of the next captured size (both measured when built)."""
-        return n <= self.max_prompt and graphs_pay(n, self.max_rows, self.replay_ms,
-                                                   self.eager_ms)
+    def plan(self, n: int, cap: int | None = None) -> list[tuple[int, bool]]:
+        """n tokens as pieces [(rows, replayed)] in order, by the times measured when built:
+        pieces of `cap` rows (a captured size, default max_rows) replay where their replay beat
+        the eager chunk; the rest (< cap) replays as its binary pieces where together they beat
+        one eager chunk of it, else stays one eager piece. Beyond max_prompt: all eager."""
+        cap = self.max_rows if cap is None else cap
+        if cap not in self.chunks:
+            raise ConfigError(f"no captured prefill chunk of {cap} rows (captured: "
+                              f"{list(self.chunks)})")
+        if self.max_prompt is not None and n > self.max_prompt:
+            return [(n, False)]
+        full, rest = divmod(n, cap)
+        out = [(cap, self.replay_ms[cap] < self.eager_ms[cap])] * full
+        if rest:
+            if graphs_pay(rest, cap, self.replay_ms, self.eager_ms):
+                out += [(S, True) for S in pieces(rest, cap)]
+            else:
+                out.append((rest, False))
+        merged: list[tuple[int, bool]] = []       # neighbouring eager pieces: one
+        for rows, graphed in out:
+            if merged and not graphed and not merged[-1][1]:
+                merged[-1] = (merged[-1][0] + rows, False)
+            else:
+                merged.append((rows, graphed))
+        return merged
+
+    def covers(self, n: int, cap: int | None = None) -> bool:
+        """Whether any of n tokens replays chunk graphs (plan)."""
+        return any(graphed for _, graphed in self.plan(n, cap))
 
     def graph_bytes(self) -> int:
         return sum(sum(c.decoder.graph_bytes.values()) for c in self.chunks.values())
 
+    def replay(self, ids: torch.Tensor, start: int) -> torch.Tensor:
+        """Feed ids [S] (S a captured size, head device) at positions start.. -> the last
+        position's logits [V] f32 (the graph's output buffer: the next replay overwrites it).
+        No host sync."""
+        return self.chunks[ids.shape[0]].decoder.step(ids=ids, start=start)["logits"]
+
     @torch.inference_mode()
     def run(self, ids: torch.Tensor, start: int) -> torch.Tensor:
-        """Feed ids [n] (head device) at positions start.. through the chunk graphs -> the last
-        position's logits [V] f32 (a new tensor). No host sync."""
+        """Feed ids [n] (head device) at positions start.. through the chunk graphs (pieces,
+        whatever plan says) -> the last position's logits [V] f32 (a new tensor). No host sync."""
         pos, out = start, None
         for S in pieces(ids.shape[0], self.max_rows):
-            c = self.chunks[S]
-            out = c.decoder.step(ids=ids[pos - start:pos - start + S], start=pos)["logits"]
+            out = self.replay(ids[pos - start:pos - start + S], pos)
             pos += S
         return out.clone()
 

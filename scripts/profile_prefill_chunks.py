@@ -33,7 +33,10 @@ for S in sizes:
     t = time.perf_counter()
     with torch.inference_mode():
         c = _ChunkGraphs(model, S, "x")
-    print(f"S={S} built {time.perf_counter()-t:.1f}s eager {c.eager_ms:.1f} replay {c.replay_ms:.1f} (random tokens)", flush=True)
+    gib = sum(c.decoder.graph_bytes.values()) / 2**30
+    print(f"S={S} built {time.perf_counter()-t:.1f}s eager {c.eager_ms:.1f} replay {c.replay_ms:.1f} "
+          f"(random tokens); graph pool {gib:.2f} GiB, peak allocated "
+          f"{torch.cuda.max_memory_allocated(dev) / 2**30:.1f} GiB", flush=True)
     gen = torch.Generator().manual_seed(S)
     ids = torch.randint(0, cfg.vocab_size, (S,), generator=gen).to(dev)
     with torch.inference_mode():

@@ -29,6 +29,35 @@ def test_graphs_pay_where_the_measured_replays_beat_one_eager_chunk():
     assert not graphs_pay(128, 512, replay, {S: 60 for S in replay})
 
 
+def _measured(replay, eager, max_rows, max_prompt=None):
+    """A PrefillGraphs with these build-time measurements and no graphs (plan only)."""
+    from dsv4.prefill_graphs import PrefillGraphs
+    pg = object.__new__(PrefillGraphs)
+    pg.max_rows, pg.max_prompt, pg.replay_ms, pg.eager_ms = max_rows, max_prompt, replay, eager
+    pg.chunks = dict.fromkeys(replay)
+    return pg
+
+
+def test_plan_replays_full_pieces_and_the_rest_where_measured_faster():
+    # the H200 figures of Flash 30 layers (2026-11-25): eager ~ max(host, device)
+    replay = {1: 21, 2: 36, 4: 37, 8: 38, 16: 41, 32: 46, 64: 53, 128: 57, 256: 81, 512: 122,
+              1024: 150, 2048: 200, 4096: 321}
+    eager = {S: 180 for S in replay} | {2048: 250, 4096: 333}
+    pg = _measured(replay, eager, 4096)
+    assert pg.plan(4096) == [(4096, True)] and pg.plan(16384) == [(4096, True)] * 4
+    assert pg.plan(4096 + 128) == [(4096, True), (128, True)]
+    assert pg.plan(4096 + 255) == [(4096, True), (255, False)]      # 8 pieces: one eager chunk
+    assert pg.plan(1000, cap=512) == [(512, True), (488, False)]
+    assert pg.covers(128) and not pg.covers(255) and pg.covers(255 + 4096)
+    slow = _measured(replay, eager | {4096: 300}, 4096)     # replay slower: eager pieces
+    assert slow.plan(8192 + 300) == [(8192 + 300, False)]
+    assert slow.plan(8192 + 128) == [(8192, False), (128, True)]
+    capped = _measured(replay, eager, 4096, max_prompt=512)
+    assert capped.plan(600) == [(600, False)] and capped.plan(512) == [(512, True)]
+    with pytest.raises(ConfigError, match="no captured prefill chunk of 300"):
+        pg.plan(1000, cap=300)
+
+
 @pytest.mark.parametrize("bad", [3, -4, 6, True, 2.0])
 def test_prefill_graphs_knob_is_zero_or_a_power_of_two(bad):
     with pytest.raises(ConfigError, match="prefill_graphs"):
@@ -109,6 +138,26 @@ def test_prefill_graphs_equal_eager_bitwise_without_host_sync(ckpt):
     # prompts the graphs do not cover go through the eager chunks
     ids = torch.randint(0, V, (40,), generator=gen).cuda()
     assert torch.equal(graphed.prefill(ids, 0), eager.prefill(ids, 0))
+
+
+@pytest.mark.cuda
+def test_prefill_mixes_replayed_and_eager_pieces_as_planned(ckpt):
+    """Transformer.prefill follows plan: full pieces replayed, the rest eager, pieces no longer
+    than the chunk; the logits and state equal the eager chunks' bit for bit."""
+    from dsv4.prefill_graphs import PrefillGraphs
+    graphed, eager = _model(ckpt), _model(ckpt)
+    pg = graphed.prefill_graphs = PrefillGraphs(graphed, 8)
+    pg.replay_ms, pg.eager_ms = {1: 10, 2: 10, 4: 10, 8: 10}, {1: 5, 2: 5, 4: 15, 8: 15}
+    assert pg.plan(21) == [(8, True), (8, True), (5, False)]
+    assert pg.plan(21, 4) == [(4, True)] * 5 + [(1, False)]
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, graphed.cfg.vocab_size, (21,), generator=gen).cuda()
+    for start, chunk in ((0, 8), (21, 4), (42, 16)):
+        got = graphed.prefill(ids, start, chunk=chunk)
+        want = eager.prefill(ids, start, chunk=min(chunk, 8))
+        assert torch.equal(got, want), f"logits at {start}, chunk {chunk}"
+        for a, b in zip(live_state(graphed), live_state(eager)):
+            assert torch.equal(a, b), f"state at {start}, chunk {chunk}"
 
 
 @pytest.mark.cuda
