@@ -99,8 +99,14 @@ class _ChunkGraphs:
         torch.randint(0, cfg.vocab_size, (S,), generator=gen, device=hd, out=self.ids)
         self.decoder.warmup()                 # compiles the kernels of this size
         devs = list(dict.fromkeys([hd] + model.placement))
-        self.eager_ms = _timed(self.decoder.warmup, devs)   # one eager chunk, warm
-        self.decoder.capture()
+
+        def eager():                          # Transformer.prefill's eager chunk at position 0
+            model.logits(model._prefill_chunk(self.ids, 0)[-1:].to(hd))
+        model.reset()
+        eager()                               # its host-shaped kernels compiled too
+        model.reset()
+        self.eager_ms = _timed(eager, devs)   # one eager chunk, warm (its start a host int:
+        self.decoder.capture()                # cache entries past the chunk are not scanned)
         self.replay_ms = _timed(self.decoder.step, devs)
         model.reset()
 
