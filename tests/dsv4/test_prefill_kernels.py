@@ -211,6 +211,7 @@ def check_split_k(dev, gen, M=3, N=256, K=512):
     T, E, k = 5, 4, 2
     idx = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)]).sort(1).values
     wt = torch.rand(T, k, generator=gen).to(dev)
+    xt = (torch.randint(-8, 9, (T, K), generator=gen).float() / 16).bfloat16().to(dev)  # T rows
     for fmt in ("fp8", "fp4"):
         (w, sc), (w3, s3) = mats[fmt]
         bank = [t[None].repeat(E, *([1] * t.dim())) for t in (w, sc, w3, s3)]
@@ -219,7 +220,7 @@ def check_split_k(dev, gen, M=3, N=256, K=512):
         outs = []
         for split in (1, 2, 4):
             out = torch.empty(T * k, N, dtype=torch.bfloat16, device=dev)
-            P.gemm16(x, bank[0], bank[1], fmt, out, rows=plan.token, w3=bank[2], s3=bank[3],
+            P.gemm16(xt, bank[0], bank[1], fmt, out, rows=plan.token, w3=bank[2], s3=bank[3],
                      rw=plan.weight, limit=7.0, quant=True, bm=tile.bm, bn=128, bk=64,
                      warps=tile.warps, split=split, **plan.launch())
             outs.append(out.cpu())
