@@ -130,7 +130,7 @@ def measure(model: Transformer, n: int, reps: int, seed: int, chunk: int | None)
     return {"tokens": n, "ttft_ms": med, "spread_ms": [min(ms), max(ms)],
             "tok_per_s": n / med * 1e3, "experts_hit": hits,
             "peak_bytes": {str(d): torch.cuda.max_memory_allocated(d) for d in devices},
-            "graphs": graphs is not None and graphs.covers(n)}
+            "graphs": graphs is not None and graphs.covers(n, chunk or model.rt.prefill_chunk)}
 
 
 def kernel_table(prof, width: int = 70) -> list:

@@ -69,10 +69,11 @@ class Indexer:
             return torch.empty(s, 0, dtype=torch.int64, device=x.device)
         keys = st.index_cache[:t]
         visible = (start + 1 + torch.arange(s, device=x.device)).unsqueeze(1) // 4
-        cols = torch.arange(t, device=x.device)
         if rows:                           # one launch, the masked scores [s, t]
             from .kernels.indexer_prefill import index_scores_rows
             scores = index_scores_rows(q, w, keys, pos0)
+        else:
+            cols = torch.arange(t, device=x.device)
         # chunk the queries so the [c, h, t] score tensor (torch) and top-k's int64 keys stay
         # bounded for long prompts
         c = max(1, (TOPK_ELEMS if rows else SCORE_ELEMS // self.n_heads) // max(1, t))

@@ -217,10 +217,8 @@ class Transformer:
             self.reset()
         ids = ids.to(self.head_device)
         g = self.prefill_graphs
-        if g is not None and not mtp:      # pieces of at most the chunk replay where they pay
-            plan = g.plan(s, min(g.max_rows, 1 << (chunk.bit_length() - 1)))
-        else:
-            plan = [(s, False)]
+        # pieces of at most the chunk replay where they pay
+        plan = g.plan(s, chunk) if g is not None and not mtp else [(s, False)]
         bar = None
         if progress and -(-s // chunk) >= PROGRESS_CHUNKS:
             from tqdm import tqdm
@@ -233,15 +231,15 @@ class Transformer:
                     out, h = g.replay(ids[pos - start:pos - start + rows], pos), None
                     if bar is not None:
                         bar.update(rows)
-                    pos += rows
-                    continue
-                for c0 in range(pos, pos + rows, chunk):
-                    piece = ids[c0 - start:min(c0 + chunk, pos + rows) - start]
-                    h = self._prefill_chunk(piece, c0)
-                    if mtp:
-                        self._mtp_follow(h, piece, c0, ids[c0 - start + 1:c0 - start + chunk + 1])
-                    if bar is not None:
-                        bar.update(h.shape[0])
+                else:
+                    for c0 in range(pos, pos + rows, chunk):
+                        piece = ids[c0 - start:min(c0 + chunk, pos + rows) - start]
+                        h = self._prefill_chunk(piece, c0)
+                        if mtp:
+                            self._mtp_follow(h, piece, c0,
+                                             ids[c0 - start + 1:c0 - start + chunk + 1])
+                        if bar is not None:
+                            bar.update(h.shape[0])
                 pos += rows
         finally:
             if bar is not None:

@@ -132,15 +132,13 @@ class PrefillGraphs:
         self.replay_ms = {S: c.replay_ms for S, c in self.chunks.items()}
         self.eager_ms = {S: c.eager_ms for S, c in self.chunks.items()}
 
-    def plan(self, n: int, cap: int | None = None) -> list[tuple[int, bool]]:
+    def plan(self, n: int, chunk: int | None = None) -> list[tuple[int, bool]]:
         """n tokens as pieces [(rows, replayed)] in order, by the times measured when built:
-        pieces of `cap` rows (a captured size, default max_rows) replay where their replay beat
-        the eager chunk; the rest (< cap) replays as its binary pieces where together they beat
-        one eager chunk of it, else stays one eager piece. Beyond max_prompt: all eager."""
-        cap = self.max_rows if cap is None else cap
-        if cap not in self.chunks:
-            raise ConfigError(f"no captured prefill chunk of {cap} rows (captured: "
-                              f"{list(self.chunks)})")
+        pieces of `cap` rows (the largest captured size <= chunk, default max_rows) replay where
+        their replay beat the eager chunk; the rest (< cap) replays as its binary pieces where
+        together they beat one eager chunk of it, else stays one eager piece. Beyond
+        max_prompt: all eager."""
+        cap = self.max_rows if chunk is None else min(self.max_rows, 1 << (chunk.bit_length() - 1))
         if self.max_prompt is not None and n > self.max_prompt:
             return [(n, False)]
         full, rest = divmod(n, cap)
@@ -158,9 +156,9 @@ class PrefillGraphs:
                 merged.append((rows, graphed))
         return merged
 
-    def covers(self, n: int, cap: int | None = None) -> bool:
+    def covers(self, n: int, chunk: int | None = None) -> bool:
         """Whether any of n tokens replays chunk graphs (plan)."""
-        return any(graphed for _, graphed in self.plan(n, cap))
+        return any(graphed for _, graphed in self.plan(n, chunk))
 
     def graph_bytes(self) -> int:
         return sum(sum(c.decoder.graph_bytes.values()) for c in self.chunks.values())

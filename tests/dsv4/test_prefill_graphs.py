@@ -47,15 +47,15 @@ def test_plan_replays_full_pieces_and_the_rest_where_measured_faster():
     assert pg.plan(4096) == [(4096, True)] and pg.plan(16384) == [(4096, True)] * 4
     assert pg.plan(4096 + 128) == [(4096, True), (128, True)]
     assert pg.plan(4096 + 255) == [(4096, True), (255, False)]      # 8 pieces: one eager chunk
-    assert pg.plan(1000, cap=512) == [(512, True), (488, False)]
+    assert pg.plan(1000, chunk=512) == [(512, True), (488, False)]
     assert pg.covers(128) and not pg.covers(255) and pg.covers(255 + 4096)
     slow = _measured(replay, eager | {4096: 300}, 4096)     # replay slower: eager pieces
     assert slow.plan(8192 + 300) == [(8192 + 300, False)]
     assert slow.plan(8192 + 128) == [(8192, False), (128, True)]
     capped = _measured(replay, eager, 4096, max_prompt=512)
     assert capped.plan(600) == [(600, False)] and capped.plan(512) == [(512, True)]
-    with pytest.raises(ConfigError, match="no captured prefill chunk of 300"):
-        pg.plan(1000, cap=300)
+    assert pg.plan(1000, chunk=300) == pg.plan(1000, chunk=256)     # a captured size <= chunk
+    assert pg.plan(1000, chunk=300) == [(256, True)] * 3 + [(232, False)]
 
 
 @pytest.mark.parametrize("bad", [3, -4, 6, True, 2.0])
