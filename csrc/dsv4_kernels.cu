@@ -6,7 +6,7 @@
 //    kernel; variants: two matrices on one x (wq_a + wkv), fused clamped SwiGLU (w1 + w3), grouped
 //    x without act quant (wo_a). Every weight byte is requested before the PDL wait.
 //  * dsv4_route: the MoE routing of one token (one CTA; warp-shuffle top-k).
-//  * dsv4_topk_bf16: the indexer's top-k (one CTA, radix select).
+//  * dsv4_topk_bf16: the indexer's top-k (one CTA per row of scores, radix select).
 //  * dsv4_fp4_up / dsv4_fp4_down: the routed FP4 experts of one token on tensor cores. An e2m1
 //    code is e4m3's bit pattern shifted down by two (value * 2^-6), so 8 codes become two e4m3
 //    registers in a few integer ops, then f16 pairs (cvt) for mma.m16n8k16 f16 against the
@@ -1067,13 +1067,16 @@ DEV void find_bin(const int* hist, int k, int* bin, int* above) {
 }
 
 // out[0..k) = the indices of the k largest of n bf16 scores (1 <= k <= n): those above the
-// threshold key in index order, then ties at it in index order. One CTA: two 8-bit radix passes
-// find the threshold, one pass compacts. Deterministic.
+// threshold key in index order, then ties at it in index order. One CTA per row of scores (CTA r:
+// sc + r * n -> out + r * k): two 8-bit radix passes find the threshold, one pass compacts.
+// Deterministic.
 __global__ void __launch_bounds__(1024) topk_bf16_kernel(const uint16_t* sc, int n, int k, int64_t* out) {
   __shared__ int hist[256];
   __shared__ int wsum[32];
   __shared__ int bin, above;
   const int tid = threadIdx.x, nt = blockDim.x;
+  sc += size_t(blockIdx.x) * n;
+  out += size_t(blockIdx.x) * k;
   pdl_wait();
   for (int i = tid; i < 256; i += nt) hist[i] = 0;
   __syncthreads();
@@ -1191,7 +1194,7 @@ constexpr int expert_variant(int spw, int dec, int depth) {
 extern "C" {
 
 // Version of this ABI (checked by the loader).
-int dsv4_abi_version() { return 3; }
+int dsv4_abi_version() { return 4; }
 
 const char* dsv4_error_string(int code) { return cudaGetErrorString(static_cast<cudaError_t>(code)); }
 
@@ -1350,12 +1353,12 @@ int dsv4_route(const void* logits, const void* bias, const void* tid2eid, const 
                 static_cast<int64_t*>(idx), static_cast<float*>(w));
 }
 
-// out [k] int64 = the indices of the k largest of scores [n] bf16 (1 <= k <= n), see
-// topk_bf16_kernel. One CTA.
-int dsv4_topk_bf16(const void* scores, int n, int k, void* out, void* stream, int pdl) {
-  if (k < 1 || k > n) return -1;
+// out [rows, k] int64 = per row, the indices of the k largest of scores [rows, n] bf16
+// (1 <= k <= n), see topk_bf16_kernel. One CTA per row.
+int dsv4_topk_bf16(const void* scores, int n, int k, void* out, int rows, void* stream, int pdl) {
+  if (k < 1 || k > n || rows < 1) return -1;
   const int threads = n >= 1024 ? 1024 : ((n + 31) / 32) * 32;
-  return launch(topk_bf16_kernel, dim3(1), dim3(threads), 0, static_cast<cudaStream_t>(stream), pdl,
+  return launch(topk_bf16_kernel, dim3(rows), dim3(threads), 0, static_cast<cudaStream_t>(stream), pdl,
                 static_cast<const uint16_t*>(scores), n, k, static_cast<int64_t*>(out));
 }
 

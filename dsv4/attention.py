@@ -189,16 +189,19 @@ class Attention:
         x only and start at once; the indexer's query (its wq_b) needs q_norm's qr only and runs
         on a second lane beside the compressors; the scores and the top-k wait for both. Every
         row's compressor step runs before the first row's scores and attention: those mask the
-        entries of later positions, so what later rows emit changes nothing for them. Prep (the
-        ring write) and attention run row after row: row t + 1's slot holds a position that row
-        t's window reads."""
+        entries of later positions, so what later rows emit changes nothing for them. The
+        compressor steps run row after row (each row's state follows the previous row's); the
+        index query, scores, top-k, prep and attention take all rows in one launch each. For T > 1
+        the ring is written after every row's attention (row t + 1's slot holds a position that
+        row t's window reads): until then a row reads the slots of rows <= t from their prepped
+        kv (attention_decode.sparse_attention_decode_rows)."""
         from .kernels import attention_decode as K
         cfg, act, H, T = self.cfg, x.dtype, self.cfg.n_heads, x.shape[0]
         W, r, eps = cfg.window_size, self.ratio, cfg.norm_eps
         ps = pos if T == 1 else pos + torch.arange(T, device=x.device)   # the rows' positions
         rows = [slice(t, t + 1) for t in range(T)]
         br = overlap.Branch(x, "attn", when=bool(r))
-        idx, n, proj = [None] * T, (st.kv_cache.shape[0] - W - 1 if r else 0), None  # n: compressed
+        idx, n, proj = None, (st.kv_cache.shape[0] - W - 1 if r else 0), None  # n: compressed
         with br.side():
             if r:
                 proj = self._side_projections(x)
@@ -214,26 +217,30 @@ class Attention:
         if r == 4:
             bq = overlap.Branch(qr, "attn", lane=1)
             with bq.side():
-                iqb = self.indexer.wq_b.rows(qr, act)
-                iq = [self.indexer.decode_query(qr[row], ps[row], self.freqs, q=iqb[row])
-                      for row in rows]
+                iq = self.indexer.decode_query(qr, pos, self.freqs,
+                                               q=self.indexer.wq_b.rows(qr, act))   # all rows
             br.wait_branch(bq)
             with br.side():
-                idx = [self.indexer.decode_select(q, ps[row], st, proj[4][row])
-                       for q, row in zip(iq, rows)]
-                n = idx[0].shape[-1]
+                idx = self.indexer.decode_select(iq, pos, st, proj[4])      # [T, k], all rows
+                n = idx.shape[-1]
         qb = self.wq_b.rows(qr, act)
         o = torch.empty(T, H * cfg.head_dim, dtype=act, device=x.device)
-        for t, row in enumerate(rows):
-            q = K.attention_prep(qb[row], kv[row], self.kv_norm, st.kv_cache, ps[row], self.freqs,
-                                 eps, H, W)                            # also kv -> ring slot
-            if t == 0:
-                if bq is not None:
-                    bq.join()
-                br.join()
-            K.sparse_attention_decode(q, st.kv_cache, self.attn_sink, ps[row], self.freqs,
-                                      cfg.head_dim ** -0.5, H, W, r, n, idx[t],
-                                      out=o[row])                      # inverse RoPE done
+        scale = cfg.head_dim ** -0.5
+        if T == 1:
+            q = K.attention_prep(qb, kv, self.kv_norm, st.kv_cache, pos, self.freqs, eps, H,
+                                 W)                                    # also kv -> ring slot
+        else:   # every row's q and kv; the ring is written after every row's attention
+            q, kv = K.attention_prep_rows(qb, kv, self.kv_norm, pos, self.freqs, eps, H,
+                                          decode=True)
+        if bq is not None:
+            bq.join()
+        br.join()
+        if T == 1:
+            K.sparse_attention_decode(q, st.kv_cache, self.attn_sink, pos, self.freqs, scale, H,
+                                      W, r, n, idx, out=o)             # inverse RoPE done
+        else:
+            K.sparse_attention_decode_rows(q.view(T, -1), kv, st.kv_cache, self.attn_sink, pos,
+                                           self.freqs, scale, H, W, r, n, idx, out=o)
         return self._project_out(o, rows=T > 1)
 
     def _q_kv_rows(self, x: torch.Tensor):

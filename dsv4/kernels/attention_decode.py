@@ -156,10 +156,13 @@ def attention_prep(q: torch.Tensor, kv: torch.Tensor, kv_norm: torch.Tensor,
 
 
 def attention_prep_rows(q: torch.Tensor, kv: torch.Tensor, kv_norm: torch.Tensor,
-                        pos0: torch.Tensor, freqs: torch.Tensor, eps: float, n_heads: int):
+                        pos0: torch.Tensor, freqs: torch.Tensor, eps: float, n_heads: int,
+                        decode: bool = False):
     """attention_prep for the rows of a prefill chunk at positions pos0 + i (pos0 [1] int64):
     q [s, h*d] -> [s, h, d] (per-head RMS, RoPE), kv [s, d] -> [s, d] (RMSNorm, RoPE, FP8
-    fake-quant), as Attention._q_kv after the GEMMs. One launch; the ring is not touched."""
+    fake-quant), as Attention._q_kv after the GEMMs. One launch; the ring is not touched. Each row
+    has the bits of attention_prep's (decode: the speculative verify rows, launched as the other
+    decode kernels)."""
     S, DH = kv.shape
     nope = DH - 2 * freqs.numel()
     hb = min(n_heads, 16)
@@ -171,7 +174,8 @@ def attention_prep_rows(q: torch.Tensor, kv: torch.Tensor, kv_norm: torch.Tensor
     with on_device(q):
         _prep_kernel[(n_heads // hb + 1, S)](q, qo, kv, kv_norm, kvo, freqs, pos0, eps,
                                              H=n_heads, DH=DH, HB=hb, W=1, NOPE=nope, ROWS=True,
-                                             num_warps=4, PDL=False)
+                                             num_warps=4,
+                                             **(launch_args(qo) if decode else {"PDL": False}))
     return qo.view(S, n_heads, DH), kvo
 
 
@@ -190,19 +194,35 @@ def attn_finish(acc, m, l, sink, pos_f, freqs_ptr, pair, ROWS: tl.constexpr, P: 
 
 @triton.jit
 def _attn_kernel(q_ptr, kv_ptr, idx_ptr, sink_ptr, freqs_ptr, pos_ptr, o_ptr, pm_ptr, pl_ptr,
-                 pacc_ptr, scale, H: tl.constexpr, DH: tl.constexpr, W: tl.constexpr,
+                 pacc_ptr, new_ptr, scale, H: tl.constexpr, DH: tl.constexpr, W: tl.constexpr,
                  R: tl.constexpr, KC: tl.constexpr, MODE: tl.constexpr, HB: tl.constexpr,
                  BN: tl.constexpr, BPS: tl.constexpr, NSPLIT: tl.constexpr, NOPE: tl.constexpr,
-                 F32: tl.constexpr, PDL: tl.constexpr):
+                 ROWS: tl.constexpr, F32: tl.constexpr, PDL: tl.constexpr):
     # program (split, head block): online softmax over BPS tiles of BN entries; entries [0, W) are
     # ring slots (valid iff slot <= pos), entries W + j compressed entry j (valid iff j <
     # (pos+1)//R: row W + j, or row W + idx[j] for the indexer's top-k). Tiles with no valid entry
     # are skipped. NSPLIT == 1: the epilogue runs here; else partial (m, l, acc) go to pm/pl/pacc.
+    # ROWS (the speculative verify rows): program_id(2) is the row r, at pos + r, with its own q,
+    # idx, partials and output; the ring still holds positions < pos (it is written after all
+    # rows), so a ring slot that rows 0..r write comes from their prepped kv at new_ptr instead:
+    # the values and their order are those of a one-row launch after the one-row ring writes
     pdl_wait(PDL)
     split = tl.program_id(0)
     hh = tl.program_id(1) * HB + tl.arange(0, HB)
     d = tl.arange(0, DH)
     pos = load_pos(pos_ptr)
+    pos0 = pos
+    row = 0
+    if ROWS:
+        row = tl.program_id(2)
+        pos = pos0 + row
+        q_ptr += row * (H * DH)
+        o_ptr += row * (H * DH)
+        if MODE == 2:
+            idx_ptr += row * KC
+        pm_ptr += row * (NSPLIT * H)
+        pl_ptr += row * (NSPLIT * H)
+        pacc_ptr += row * (NSPLIT * H * DH)
     q = tl.load(q_ptr + hh[:, None] * DH + d[None, :], mask=(hh < H)[:, None], other=0.0)
     nw = tl.minimum(pos + 1, W)                                  # valid ring slots: 0 .. nw-1
     if MODE == 2:   # the indexer's top-k comes unsorted: any of the KC entries may be valid
@@ -235,7 +255,12 @@ def _attn_kernel(q_ptr, kv_ptr, idx_ptr, sink_ptr, freqs_ptr, pos_ptr, o_ptr, pm
                 cvalid = j < nc
             rows = tl.where(win, blk * BN + e, W + t)
             valid = tl.where(win, blk * BN + e < nw, cvalid)
-            k = tl.load(kv_ptr + rows[:, None] * DH + d[None, :], mask=valid[:, None], other=0.0)
+            kp = kv_ptr + rows[:, None] * DH + d[None, :]
+            if ROWS:       # ring slots rows 0..row wrote: chunk row jn of new_ptr
+                jn = (blk * BN + e - pos0 % W + W) % W
+                fresh = (blk * BN + e < W) & (jn <= row)
+                kp = tl.where(fresh[:, None], new_ptr + jn[:, None] * DH + d[None, :], kp)
+            k = tl.load(kp, mask=valid[:, None], other=0.0)
             s = dot_bf16(q, tl.trans(k), F32) * scale                            # [HB, BN]
             s = tl.where(valid[None, :], s, NEG_INF)
             m_new = tl.maximum(m, tl.max(s, axis=1))
@@ -260,14 +285,27 @@ def _attn_kernel(q_ptr, kv_ptr, idx_ptr, sink_ptr, freqs_ptr, pos_ptr, o_ptr, pm
 
 
 @triton.jit
-def _combine_kernel(pm_ptr, pl_ptr, pacc_ptr, sink_ptr, freqs_ptr, pos_ptr, o_ptr,
-                    H: tl.constexpr, DH: tl.constexpr, HC: tl.constexpr, BD: tl.constexpr,
-                    NSPLIT: tl.constexpr, NOPE: tl.constexpr, PDL: tl.constexpr):
-    # program (head block, dim block): merge the splits in a fixed order, sink, bf16, inverse RoPE
+def _combine_kernel(pm_ptr, pl_ptr, pacc_ptr, sink_ptr, freqs_ptr, pos_ptr, o_ptr, new_ptr,
+                    cache_ptr, H: tl.constexpr, DH: tl.constexpr, HC: tl.constexpr,
+                    BD: tl.constexpr, NSPLIT: tl.constexpr, NOPE: tl.constexpr, W: tl.constexpr,
+                    ROWS: tl.constexpr, PDL: tl.constexpr):
+    # program (head block, dim block): merge the splits in a fixed order, sink, bf16, inverse RoPE.
+    # ROWS: program_id(2) is the row r (at pos + r); the head block 0 programs also write row r's
+    # prepped kv (new_ptr) into its ring slot: every row's attention has finished reading the ring
     pdl_wait(PDL)
     hh = tl.program_id(0) * HC + tl.arange(0, HC)
     dd = tl.program_id(1) * BD + tl.arange(0, BD)
     hm = hh < H
+    pos = load_pos(pos_ptr)
+    if ROWS:
+        row = tl.program_id(2)
+        pos = pos + row
+        pm_ptr += row * (NSPLIT * H)
+        pl_ptr += row * (NSPLIT * H)
+        pacc_ptr += row * (NSPLIT * H * DH)
+        o_ptr += row * (H * DH)
+        if tl.program_id(0) == 0:
+            tl.store(cache_ptr + (pos % W) * DH + dd, tl.load(new_ptr + row * DH + dd))
     # unrolled: every split's loads are independent and go out together (latency, not bytes)
     mx = tl.full([HC], NEG_INF, tl.float32)
     for s in tl.static_range(NSPLIT):
@@ -281,8 +319,7 @@ def _combine_kernel(pm_ptr, pl_ptr, pacc_ptr, sink_ptr, freqs_ptr, pos_ptr, o_pt
                                     mask=hm[:, None], other=0.0)
     sink = tl.load(sink_ptr + hh, mask=hm, other=0.0)
     pair = tl.program_id(1) * (BD // 2) + tl.arange(0, BD // 2)[None, :]
-    o = attn_finish(acc, mx, l, sink, load_pos(pos_ptr).to(tl.float32), freqs_ptr, pair, HC,
-                    BD // 2, NOPE)
+    o = attn_finish(acc, mx, l, sink, pos.to(tl.float32), freqs_ptr, pair, HC, BD // 2, NOPE)
     tl.store(o_ptr + hh[:, None] * DH + dd[None, :], o.to(o_ptr.dtype.element_ty), mask=hm[:, None])
 
 
@@ -331,24 +368,79 @@ def sparse_attention_decode(q: torch.Tensor, kv_cache: torch.Tensor, sink: torch
     if idx is not None and idx.numel() != n_comp:
         raise ValueError(f"sparse_attention_decode: idx {tuple(idx.shape)}; expected {n_comp} "
                          f"entries")
-    mode = MODE_WINDOW if not ratio else (MODE_RATIO if idx is None else MODE_INDEXED)
     pl = plan_attention(n_heads, DH, window, n_comp if ratio else 0, config)
     out = torch.empty_like(q) if out is None else out
+    _attention_launches(q, kv_cache, sink, pos, freqs, scale, n_heads, window, ratio, n_comp, idx,
+                        pl, out, None)
+    return out
+
+
+def _attention_launches(q, kv_cache, sink, pos, freqs, scale, n_heads, window, ratio, n_comp,
+                        idx, pl, out, new):
+    """The split pass (+ combine) of sparse_attention_decode (new None) or of
+    sparse_attention_decode_rows (new: the rows' prepped kv; then the ring write at the end)."""
+    DH = kv_cache.shape[-1]
+    nope = DH - 2 * freqs.numel()
+    mode = MODE_WINDOW if not ratio else (MODE_RATIO if idx is None else MODE_INDEXED)
+    T = 1 if new is None else new.shape[0]
     ns = pl["nsplit"]
     f32 = dict(dtype=torch.float32, device=q.device)
-    pm = torch.empty(ns, n_heads, **f32) if ns > 1 else out
-    pls = torch.empty(ns, n_heads, **f32) if ns > 1 else out
-    pacc = torch.empty(ns, n_heads, DH, **f32) if ns > 1 else out
+    pm = torch.empty(T, ns, n_heads, **f32) if ns > 1 else out
+    pls = torch.empty(T, ns, n_heads, **f32) if ns > 1 else out
+    pacc = torch.empty(T, ns, n_heads, DH, **f32) if ns > 1 else out
+    rows = new is not None
     with on_device(q):
-        _attn_kernel[pl["grid"]](q, kv_cache, idx if idx is not None else pos, sink, freqs, pos,
-                                 out, pm, pls, pacc, scale, H=n_heads, DH=DH, W=window, R=ratio,
-                                 KC=n_comp if ratio else 0, MODE=mode, HB=pl["hb"], BN=pl["bn"],
-                                 BPS=pl["bps"], NSPLIT=ns, NOPE=nope, F32=interpreting(),
-                                 num_warps=pl["num_warps"], **launch_args(out))
+        _attn_kernel[pl["grid"] + ((T,) if rows else ())](
+            q, kv_cache, idx if idx is not None else pos, sink, freqs, pos, out, pm, pls, pacc,
+            new if rows else out, scale, H=n_heads, DH=DH, W=window, R=ratio,
+            KC=n_comp if ratio else 0, MODE=mode, HB=pl["hb"], BN=pl["bn"], BPS=pl["bps"],
+            NSPLIT=ns, NOPE=nope, ROWS=rows, F32=interpreting(), num_warps=pl["num_warps"],
+            **launch_args(out))
         if ns > 1:
-            _combine_kernel[pl["combine_grid"]](pm, pls, pacc, sink, freqs, pos, out, H=n_heads,
-                                                DH=DH, HC=pl["hc"], BD=pl["bd"], NSPLIT=ns,
-                                                NOPE=nope, num_warps=4, **launch_args(out))
+            _combine_kernel[pl["combine_grid"] + ((T,) if rows else ())](
+                pm, pls, pacc, sink, freqs, pos, out, new if rows else out,
+                kv_cache if rows else out, H=n_heads, DH=DH, HC=pl["hc"], BD=pl["bd"],
+                NSPLIT=ns, NOPE=nope, W=window, ROWS=rows, num_warps=4, **launch_args(out))
+        elif rows:
+            _ring_write_kernel[(T,)](new, kv_cache, pos, W=window, DH=DH, num_warps=4,
+                                     **launch_args(out))
+
+
+@triton.jit
+def _ring_write_kernel(new_ptr, cache_ptr, pos_ptr, W: tl.constexpr, DH: tl.constexpr,
+                       PDL: tl.constexpr):
+    # program r: row r's prepped kv -> ring slot (pos + r) % W (after every row's attention)
+    pdl_wait(PDL)
+    r = tl.program_id(0)
+    d = tl.arange(0, DH)
+    tl.store(cache_ptr + ((load_pos(pos_ptr) + r) % W) * DH + d, tl.load(new_ptr + r * DH + d))
+
+
+def sparse_attention_decode_rows(q: torch.Tensor, kv: torch.Tensor, kv_cache: torch.Tensor,
+                                 sink: torch.Tensor, pos: torch.Tensor, freqs: torch.Tensor,
+                                 scale: float, n_heads: int, window: int, ratio: int, n_comp: int,
+                                 idx: torch.Tensor | None = None, config: AttnConfig | None = None,
+                                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """sparse_attention_decode of T decode rows at positions pos .. pos+T-1 (the speculative
+    verify rows), row t seeing rows <= t: q [T, h*d] prepped, kv [T, d] their prepped kv
+    (attention_prep_rows; the ring is not written yet), idx [T, n_comp] (ratio 4) -> [T, h*d];
+    then kv row t goes to ring slot (pos+t) % window. Each output row has the bits of
+    attention_prep + sparse_attention_decode run row after row (the same values in the same
+    order: a slot rows <= t wrote is read from kv). One split launch (+ combine, which also
+    writes the ring; else one ring-write launch). Capture-safe, deterministic."""
+    T, DH = kv.shape
+    if q.shape != (T, n_heads * DH) or T > window or kv_cache.shape[-1] != DH \
+            or q.dtype != torch.bfloat16 or kv.dtype != torch.bfloat16:
+        raise ValueError(f"sparse_attention_decode_rows: q {tuple(q.shape)} {q.dtype}, kv "
+                         f"{tuple(kv.shape)} {kv.dtype}, cache {tuple(kv_cache.shape)}; expected "
+                         f"bf16 q [T, h*d], kv [T, d], T <= window ({HATCH})")
+    if idx is not None and tuple(idx.shape) != (T, n_comp):
+        raise ValueError(f"sparse_attention_decode_rows: idx {tuple(idx.shape)}; expected "
+                         f"{(T, n_comp)}")
+    pl = plan_attention(n_heads, DH, window, n_comp if ratio else 0, config)
+    out = torch.empty_like(q) if out is None else out
+    _attention_launches(q, kv_cache, sink, pos, freqs, scale, n_heads, window, ratio, n_comp,
+                        None if idx is None else idx.contiguous(), pl, out, kv.contiguous())
     return out
 
 

@@ -22,7 +22,7 @@ import torch
 
 SWITCH = "DSV4_CUDA_KERNELS"   # "0": never use the CUDA C++ kernels (Triton only)
 LIB_ENV = "DSV4_CUDA_LIB"      # path of a prebuilt library: no build
-ABI = 3
+ABI = 4
 SOURCE = Path(__file__).resolve().parents[2] / "csrc" / "dsv4_kernels.cu"
 MIN_CAPABILITY = (8, 9)        # cvt e4m3x2 (sm_89); PDL needs sm_90 and is compiled out below
 
@@ -86,7 +86,7 @@ def _declare(lib) -> None:
     lib.dsv4_route.restype = i
     lib.dsv4_route.argtypes = [p, p, p, p, i, i, i, f, p, p, i, p, i]
     lib.dsv4_topk_bf16.restype = i
-    lib.dsv4_topk_bf16.argtypes = [p, i, i, p, p, i]
+    lib.dsv4_topk_bf16.argtypes = [p, i, i, p, i, p, i]
     lib.dsv4_fp4_down.restype = i
     lib.dsv4_fp4_down.argtypes = [p, p, p, p, p, p, p, p, i, i, i, i, i, i, i, i, i, p, i]
 
@@ -214,8 +214,10 @@ def route(lib, logits, bias, tid2eid, ids, k: int, score: int, route_scale: floa
 
 
 def topk_bf16(lib, scores, k: int, out, pdl: bool) -> None:
-    err = lib.dsv4_topk_bf16(scores.data_ptr(), scores.numel(), k, out.data_ptr(), _stream(out),
-                             int(pdl))
+    """Per row of scores [rows, n] bf16: the k best entries -> out [rows, k] int64."""
+    rows = scores.shape[0] if scores.dim() == 2 else 1
+    err = lib.dsv4_topk_bf16(scores.data_ptr(), scores.shape[-1], k, out.data_ptr(), rows,
+                             _stream(out), int(pdl))
     _check(err, "top-k (CUDA)", lib)
 
 

@@ -48,10 +48,15 @@ def _query_kernel(q_ptr, qo_ptr, freqs_ptr, pos_ptr, H: tl.constexpr, DI: tl.con
 def _scores_kernel(q_ptr, w_ptr, k_ptr, pos_ptr, out_ptr, wscale, N, H: tl.constexpr,
                    HP: tl.constexpr, DI: tl.constexpr, BT: tl.constexpr, F32: tl.constexpr, PDL: tl.constexpr):
     # entries [t0, t0+BT): sum_h relu(q_h . k_t) * w_h with bf16 rounding after each torch op;
-    # -inf for t >= (pos+1)//4 (blocks wholly past it load nothing)
+    # -inf for t >= (pos+1)//4 (blocks wholly past it load nothing). program_id(1): the row (the
+    # speculative verify rows: row r at pos + r, its q, w and scores at row r)
     pdl_wait(PDL)
+    row = tl.program_id(1)
+    q_ptr += row.to(tl.int64) * (H * DI)
+    w_ptr += row * H
+    out_ptr += row.to(tl.int64) * N
     t = tl.program_id(0) * BT + tl.arange(0, BT)
-    vis = (load_pos(pos_ptr) + 1) // 4
+    vis = (load_pos(pos_ptr) + row + 1) // 4
     s = tl.full([BT], NEG_INF, tl.float32)
     if tl.program_id(0) * BT < vis:
         hh = tl.arange(0, HP)
@@ -87,19 +92,22 @@ def index_query(q: torch.Tensor, pos: torch.Tensor, freqs: torch.Tensor, n_heads
 
 def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, pos: torch.Tensor,
                  wscale: float, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Index scores [1, n] bf16 of the prepped q [1, h*di] against keys [n, di] (the index cache
-    without its scratch row) with head weights w [1, h] * wscale; -inf for entries not yet visible
-    (t >= (pos+1)//4). As dsv4.sparse.index_scores + the decode mask. Capture-safe, deterministic."""
+    """Index scores [T, n] bf16 of the prepped q [T, h*di] against keys [n, di] (the index cache
+    without its scratch row) with head weights w [T, h] * wscale; -inf for entries not yet visible
+    (t >= (pos+r+1)//4 for row r: one decode row, or the speculative verify rows at pos + r). As
+    dsv4.sparse.index_scores + the decode mask; each row has the bits of its one-row launch.
+    Capture-safe, deterministic."""
     n, DI = keys.shape
-    H = w.numel()
-    if q.numel() != H * DI or keys.dtype != torch.bfloat16:
+    T = w.shape[0] if w.dim() == 2 else 1
+    H = w.numel() // T
+    if q.numel() != T * H * DI or keys.dtype != torch.bfloat16:
         raise ValueError(f"index_scores: q {tuple(q.shape)}, w {tuple(w.shape)}, keys "
-                         f"{tuple(keys.shape)} {keys.dtype}; expected q [1, h*di], bf16 keys "
+                         f"{tuple(keys.shape)} {keys.dtype}; expected q [T, h*di], bf16 keys "
                          f"({HATCH})")
     if out is None:
-        out = torch.empty(1, n, dtype=torch.bfloat16, device=q.device)
+        out = torch.empty(T, n, dtype=torch.bfloat16, device=q.device)
     with on_device(q):
-        _scores_kernel[(triton.cdiv(n, BT),)](q, w, keys, pos, out, wscale, n, H=H,
+        _scores_kernel[(triton.cdiv(n, BT), T)](q, w, keys, pos, out, wscale, n, H=H,
                                               HP=max(16, triton.next_power_of_2(H)), DI=DI, BT=BT,
                                               F32=interpreting(), num_warps=4,
                                               **launch_args(out))
@@ -107,16 +115,18 @@ def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, pos: torc
 
 
 def index_topk(scores: torch.Tensor, k: int, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The k best entries of index scores [1, n] bf16 -> [1, k] int64, unsorted (the set matters;
-    among equal scores at the threshold the lowest entries). One CUDA launch (a radix select in
-    csrc/dsv4_kernels.cu) where the CUDA kernels serve the device, else dsv4.sparse.topk_lowest
-    (the same tie rule). Capture-safe, deterministic."""
+    """The k best entries of each row of index scores [T, n] bf16 -> [T, k] int64, unsorted (the
+    set matters; among equal scores at the threshold the lowest entries). One CUDA launch (a radix
+    select per row in csrc/dsv4_kernels.cu) where the CUDA kernels serve the device, else
+    dsv4.sparse.topk_lowest (the same tie rule). Capture-safe, deterministic."""
     from . import cuda_lib
     n = scores.shape[-1]
     if not 1 <= k <= n:
         raise ValueError(f"index_topk: k = {k} for {n} scores")
-    if scores.dtype == torch.bfloat16 and scores.numel() == n and cuda_lib.usable(scores):
-        out = torch.empty(1, k, dtype=torch.int64, device=scores.device) if out is None else out
+    if scores.dtype == torch.bfloat16 and scores.dim() == 2 and scores.is_contiguous() \
+            and cuda_lib.usable(scores):
+        out = torch.empty(scores.shape[0], k, dtype=torch.int64, device=scores.device) \
+            if out is None else out
         with on_device(out):
             cuda_lib.topk_bf16(cuda_lib.lib_for(out.device), scores, k, out, pdl(out))
         return out

@@ -120,7 +120,7 @@ def test_fp8_every_cuda_config_agrees(name):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("T", [2, 4])
+@pytest.mark.parametrize("T", [2, 3, 4])
 def test_rows_equal_one_row_launches_cuda(T):
     """The speculative verify rows: T activation rows in one launch (FP8 CUDA kernel: weights
     held in registers across rows; bf16 Triton: one program per row and tile) give each row the bits of
@@ -133,7 +133,8 @@ def test_rows_equal_one_row_launches_cuda(T):
     from test_kernels import BF16_SHAPES
     _need_lib()
     dev, gen = torch.device("cuda"), fresh_gen("cuda")
-    for name in ("flash.wq_b", "flash.wo_a", "flash.wo_b", "flash.shared.w2", "pro.wq_b", "odd"):
+    for name in ("flash.wq_b", "flash.wo_a", "flash.wo_b", "flash.shared.w2", "pro.wq_b",
+                 "pro.wo_b", "odd"):
         n, k, G = FP8_SHAPES[name]
         w, s = fp8_weight(n, k, gen, device=dev)
         gk = k if G > 1 else None

@@ -131,6 +131,65 @@ def check_attention(dev, g, cfg, ratio, capacity, positions, configs=(None,)):
             assert torch.equal(again, out), "sparse attention not deterministic"
 
 
+def check_attention_rows(dev, g, cfg, ratio, capacity, positions, Ts=(2, 4), configs=(None,)):
+    """The speculative verify rows: prep, index query, scores, top-k and attention of T rows at
+    pos .. pos+T-1 in one launch each (the ring written after every row's attention) == the
+    one-row launches row after row (attention_prep writing the ring first), bit for bit: outputs
+    and the whole cache, at positions where the rows' ring slots wrap and overwrite what an
+    earlier row's window reads."""
+    from dsv4.kernels import attention_decode as K
+    from dsv4.kernels import indexer_decode as KI
+    from dsv4.rope import rope_frequencies
+    H, Dh, W, eps = cfg.n_heads, cfg.head_dim, cfg.window_size, cfg.norm_eps
+    HI, DI = cfg.index_n_heads, cfg.index_head_dim
+    n = capacity // ratio if ratio else 0
+    freqs = rope_frequencies(cfg, ratio, dev)
+    cache0 = randn(g, W + n + 1, Dh, device=dev) * torch.exp(
+        torch.randn(W + n + 1, 1, generator=g)).to(dev).bfloat16()
+    sink = torch.randn(H, generator=g).to(dev)
+    kvw = (1 + 0.1 * torch.randn(Dh, generator=g)).to(dev)
+    keys = randn(g, max(n, 1), DI, device=dev)
+    for T in Ts:
+        for p in positions:
+            if p + T > capacity:
+                continue
+            pos = torch.tensor([p], device=dev)
+            sc = float(torch.exp(torch.randn(1, generator=g)))
+            q_raw = randn(g, T, H * Dh, scale=sc, device=dev)
+            kv_raw = randn(g, T, Dh, scale=sc, device=dev)
+            idx, nc = None, n
+            if ratio == 4:                   # the indexer's query, scores and top-k of T rows
+                nc = min(cfg.index_topk, n)
+                iq_raw, iw = randn(g, T, HI * DI, device=dev), randn(g, T, HI, device=dev)
+                iq = KI.index_query(iq_raw, pos, freqs, HI)
+                isc = KI.index_scores(iq, iw, keys, pos, DI ** -0.5)
+                idx = KI.index_topk(isc, nc)
+                for t in range(T):
+                    one_q = KI.index_query(iq_raw[t:t + 1], pos + t, freqs, HI)
+                    one_s = KI.index_scores(one_q, iw[t:t + 1], keys, pos + t, DI ** -0.5)
+                    assert torch.equal(iq[t:t + 1], one_q), f"index query rows T={T} p={p}"
+                    assert torch.equal(isc[t:t + 1], one_s), f"index scores rows T={T} p={p}"
+                    assert torch.equal(idx[t:t + 1], KI.index_topk(one_s, nc)), \
+                        f"index top-k rows T={T} p={p}"
+            for c in configs:
+                what = f"attention rows r={ratio} T={T} p={p} {c}"
+                cache_a, out_a = cache0.clone(), []
+                for t in range(T):
+                    qt = K.attention_prep(q_raw[t:t + 1], kv_raw[t:t + 1], kvw, cache_a, pos + t,
+                                          freqs, eps, H, W)
+                    out_a.append(K.sparse_attention_decode(
+                        qt, cache_a, sink, pos + t, freqs, Dh ** -0.5, H, W, ratio, nc,
+                        None if idx is None else idx[t:t + 1], config=c))
+                cache_b = cache0.clone()
+                qb, kvb = K.attention_prep_rows(q_raw, kv_raw, kvw, pos, freqs, eps, H,
+                                                decode=True)
+                out_b = K.sparse_attention_decode_rows(
+                    qb.view(T, -1), kvb, cache_b, sink, pos, freqs, Dh ** -0.5, H, W, ratio, nc,
+                    idx, config=c, out=poisoned(T, H * Dh, device=dev))
+                assert torch.equal(out_b, torch.cat(out_a)), what
+                assert torch.equal(cache_b, cache_a), what + ": ring"
+
+
 def _compressor(cfg, ratio, dc, rotate, dev, g):
     from dsv4.compressor import Compressor
     from dsv4.quant import hadamard_matrix
@@ -273,6 +332,44 @@ def check_attention_decode(dev, g, capacity=64, steps=36, layers=(0, 1, 2), seed
                 torch.testing.assert_close(a.score, b.score, rtol=1e-5, atol=1e-5, msg=c)
 
 
+def check_attention_decode_rows(dev, g, capacity=64, seed=0):
+    """Attention.decode_rows of T rows (the speculative verify rows: index query, scores, top-k,
+    prep and attention in one launch each) == T one-row decode_rows calls, bit for bit: the layer
+    output and every state tensor, for each compress ratio, with the ring wrapping inside the
+    rows."""
+    from dsv4.attention import Attention
+    from dsv4.device_weights import DeviceWeights
+    from dsv4.quant import hadamard_matrix
+    from dsv4.state import LayerState
+    from helpers import SMALL
+    cfg = SMALL.replace(index_topk=4)          # fewer than the visible entries: a real top-k
+    src = DeviceWeights(cfg, seed)
+    had = hadamard_matrix(cfg.index_head_dim, dev)
+    for l in (0, 1, 2):
+        r = cfg.ratio(l)
+        attn = Attention(cfg, r, "fp8", dev, had)
+        for name, dst in attn.tensors(f"layers.{l}.attn").items():
+            src.load_into(name, dst)
+        st = LayerState.allocate(cfg, r, capacity, torch.bfloat16, dev)
+        with torch.inference_mode():
+            attn.prefill(randn(g, 13, cfg.dim, device=dev), st)
+            for T, p in ((2, 13), (4, 15), (3, 30)):
+                a, b = clone_state(st), clone_state(st)
+                x = randn(g, T, cfg.dim, device=dev)
+                y = attn.decode_rows(x, torch.tensor([p], device=dev), b)
+                ones = [attn.decode_rows(x[t:t + 1], torch.tensor([p + t], device=dev), a)
+                        for t in range(T)]
+                what = f"Attention.decode_rows layer {l} (r={r}) T={T} p={p}"
+                assert torch.equal(y, torch.cat(ones)), what
+                for f in ("kv_cache", "index_cache"):
+                    if getattr(a, f) is not None:
+                        assert torch.equal(getattr(a, f), getattr(b, f)), f"{what}: {f}"
+                for c in ("compressor", "index_compressor"):
+                    if getattr(a, c) is not None:
+                        assert torch.equal(getattr(a, c).kv, getattr(b, c).kv), f"{what}: {c}"
+                        assert torch.equal(getattr(a, c).score, getattr(b, c).score), what
+
+
 # ---- the interpreter (CPU) -------------------------------------------------------------------
 
 def _interp_main(group: str, seed: int) -> None:
@@ -285,12 +382,14 @@ def _interp_main(group: str, seed: int) -> None:
         split = AttnConfig(rows_per_split=16, hc=2, bd=32)     # force split-K + combine
         for ratio in (0, 4, 16):
             check_attention("cpu", g, SMALL, ratio, 64, SMALL_POS, configs=(None, split))
+            check_attention_rows("cpu", g, SMALL, ratio, 64, (0, 14, 29, 60), configs=(None, split))
         check_compressor("cpu", g, SMALL, 4, SMALL.head_dim, False, 64, (0, 40), 12)
         check_compressor("cpu", g, SMALL, 16, SMALL.head_dim, False, 64, (0,), 34)
         check_compressor("cpu", g, SMALL, 4, SMALL.index_head_dim, True, 64, (0, 52), 12)
         check_indexer("cpu", g, SMALL, 64, (0, 3, 17, 33, 40, 63))   # visible 0 .. 16 > topk 8
     else:
         check_attention_decode("cpu", g, seed=seed % 7)
+        check_attention_decode_rows("cpu", g, seed=seed % 7)
     print("ok")
 
 
@@ -337,6 +436,7 @@ def test_attention_kernels_cuda_real_shapes(preset, capacity):
         check_prep("cuda", g, cfg, ratio, pos)
     for ratio in (0, 4, 128):
         check_attention("cuda", g, cfg, ratio, capacity, pos)
+        check_attention_rows("cuda", g, cfg, ratio, capacity, (0, 126, 4093), Ts=(2, 4))
     check_compressor("cuda", g, cfg, 4, cfg.head_dim, False, capacity, (0, capacity - 9), 9)
     check_compressor("cuda", g, cfg, 4, cfg.index_head_dim, True, capacity, (0, capacity - 9), 9)
     check_compressor("cuda", g, cfg, 128, cfg.head_dim, False, capacity, (capacity - 130,), 130)
