@@ -214,10 +214,9 @@ def route(lib, logits, bias, tid2eid, ids, k: int, score: int, route_scale: floa
 
 
 def topk_bf16(lib, scores, k: int, out, pdl: bool) -> None:
-    """Per row of scores [rows, n] bf16: the k best entries -> out [rows, k] int64."""
-    rows = scores.shape[0] if scores.dim() == 2 else 1
-    err = lib.dsv4_topk_bf16(scores.data_ptr(), scores.shape[-1], k, out.data_ptr(), rows,
-                             _stream(out), int(pdl))
+    """Per row of scores [rows, n] bf16 (contiguous): the k best entries -> out [rows, k] int64."""
+    rows, n = scores.shape
+    err = lib.dsv4_topk_bf16(scores.data_ptr(), n, k, out.data_ptr(), rows, _stream(out), int(pdl))
     _check(err, "top-k (CUDA)", lib)
 
 
