@@ -21,7 +21,8 @@ from .expert_cuda import (CUDA_DOWN_VARIANTS, CUDA_UP_VARIANTS, TUNED_CUDA_UP,
                           ExpertCudaConfig, cuda_down_config, cuda_expert_config, cuda_spw_fits,
                           down_all_variants, up_stream_variants)
 from .fp4_experts import down_config, fp4_experts_down, fp4_experts_up, up_config
-from .fp8_linear import cuda_config, fp8_config, fp8_linear, fp8_swiglu
+from .fp8_cuda import cuda_config, mma_config, mma_configs
+from .fp8_linear import fp8_config, fp8_linear, fp8_swiglu
 
 L2_SAFE_BYTES = 128 << 20    # below this, rotate weight copies (H100/H200 L2 is 50-60 MB)
 ROTATE_BYTES = 256 << 20     # the copies of one case span at least this much
@@ -173,10 +174,12 @@ def fp8_case(name, n, k, dev, gen, groups=1, dual=False) -> Case:
     shape = f"[{n}, {k}]" + (f" G={groups}" if groups > 1 else "") + (" x2 (w1+w3)" if dual else "")
     ng = n // groups if groups > 1 else 0
     nm = 2 if dual else 1
-    ccfg = cuda_config(n, k, (n,), ng, nm)
+    core = cuda_config(n, k, (n,), ng, nm)
+    ccfg = mma_config(n, k, (n,), ng, nm, groups == 1, torch.bfloat16) or core  # the model's pick
     return Case(name, shape, nbytes, make, cfg, torch_path, copies,
                 _neighbours(cfg, prefetch=(False, True)), ccfg,
-                _cuda_neighbours(ccfg, k, nm, math.gcd(128, n, *([ng] if ng else []))))
+                _cuda_neighbours(core, k, nm, math.gcd(128, n, *([ng] if ng else [])))
+                + (mma_configs(k, nm) if ng % 16 == 0 else []))
 
 
 def bf16_case(name, n, k, dev, gen, x_dtype=torch.bfloat16) -> Case:

@@ -84,6 +84,16 @@ class CudaConfig:
         return (32 // self.lc) * self.rpl
 
 
+@dataclass(frozen=True)
+class MmaConfig:
+    """A launch config of the tensor-core FP8 GEMV (csrc fp8_mma_kernel): CTAs of 16 rows, `warps`
+    warps splitting K into spw 128-blocks each (K == warps * 128 * spw)."""
+    spw: int
+    warps: int
+
+    rows = 16
+
+
 def pow2_floor(v: int) -> int:
     return 1 << (max(int(v), 1).bit_length() - 1)
 

@@ -1,5 +1,5 @@
-"""The CUDA C++ decode kernels (`csrc/dsv4_kernels.cu`: FP8 GEMV, routed FP4 experts on tensor
-cores) through ctypes. The library is built once per source, GPU architecture and nvcc with `nvcc`
+"""The CUDA C++ decode kernels (`csrc/dsv4_kernels.cu`: FP8 GEMV on CUDA cores and on tensor
+cores, routed FP4 experts on tensor cores) through ctypes. The library is built once per source, GPU architecture and nvcc with `nvcc`
 (about a minute) into `~/.cache/dsv4/cuda/`, or taken from `DSV4_CUDA_LIB` (a prebuilt .so). Where
 neither works (no nvcc, GPU older than sm_89, `DSV4_CUDA_KERNELS=0`) the Triton kernels serve
 instead; `status()` says which and why. Launches go to the tensors' device and current stream, with
@@ -22,7 +22,7 @@ import torch
 
 SWITCH = "DSV4_CUDA_KERNELS"   # "0": never use the CUDA C++ kernels (Triton only)
 LIB_ENV = "DSV4_CUDA_LIB"      # path of a prebuilt library: no build
-ABI = 4
+ABI = 5
 SOURCE = Path(__file__).resolve().parents[2] / "csrc" / "dsv4_kernels.cu"
 MIN_CAPABILITY = (8, 9)        # cvt e4m3x2 (sm_89); PDL needs sm_90 and is compiled out below
 
@@ -81,6 +81,8 @@ def _declare(lib) -> None:
     lib.dsv4_fp8_gemv.restype = i
     lib.dsv4_fp8_gemv.argtypes = [p, p, p, p, p, p, p, i, i, i, f, i, i, i, i, i, i, i, i, i, i, i,
                                    p, i]
+    lib.dsv4_fp8_gemv_mma.restype = i
+    lib.dsv4_fp8_gemv_mma.argtypes = [p, p, p, p, p, p, p, i, i, i, f, i, i, i, i, i, i, i, i, i, p, i]
     lib.dsv4_fp4_up.restype = i
     lib.dsv4_fp4_up.argtypes = [p, p, p, p, p, p, p, p, f, i, i, i, i, i, i, i, i, p, i]
     lib.dsv4_route.restype = i
@@ -188,6 +190,17 @@ def fp8_gemv(lib, x, w0, s0, y0, w1, s1, y1, *, n0: int, rows: int, K: int, ng: 
                             int(swiglu), cfg.lc, cfg.rpl, cfg.cpl, cfg.warps, rows // cfg.rows,
                             nx, xs, ys0, ys1, _stream(y0), int(pdl))
     _check(err, "fp8 GEMV (CUDA)", lib)
+
+
+def fp8_gemv_mma(lib, x, w0, s0, y0, w1, s1, y1, *, n0: int, rows: int, K: int, ng: int,
+                 limit: float, flags: int, swiglu: bool, cfg, pdl: bool, nx: int = 1,
+                 xs: int = 0, ys0: int = 0, ys1: int = 0) -> None:
+    """dsv4_fp8_gemv_mma (see csrc): the tensor-core GEMV, rows / 16 CTAs, nx <= 8 rows."""
+    err = lib.dsv4_fp8_gemv_mma(w0.data_ptr(), s0.data_ptr(), y0.data_ptr(), w1.data_ptr(),
+                                s1.data_ptr(), y1.data_ptr(), x.data_ptr(), n0, K, ng, limit,
+                                flags, int(swiglu), cfg.spw, cfg.warps, rows // cfg.rows, nx, xs,
+                                ys0, ys1, _stream(y0), int(pdl))
+    _check(err, "fp8 GEMV (CUDA, tensor cores)", lib)
 
 
 def _ptr(t) -> int:

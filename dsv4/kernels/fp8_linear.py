@@ -1,14 +1,14 @@
-"""FP8 (e4m3, 128x128 ue8m0) GEMV for a few activation rows: W8A8 `fp8_linear`, the fused shared-expert
-`fp8_swiglu`, and grouped wo_a (no act quant). x [T, K] -> y [T, N]; weights w [N, K], s [N/128, K/128]
-(T = 1 in decoding; T > 1, the speculative verify rows, reads each weight once in the CUDA kernel).
-Two implementations with the same semantics (float32 sums of the exact products): the CUDA C++ kernel
-(csrc/dsv4_kernels.cu via dsv4.kernels.cuda_lib; the default where it is available) and the Triton
-kernel below (the fallback, and the interpreter tests). `backend=` / the config type pick one.
+"""FP8 (e4m3, 128x128 ue8m0) GEMV for a few activation rows: W8A8 `fp8_linear`, the fused
+shared-expert `fp8_swiglu`, and grouped wo_a (no act quant). x [T, K] -> y [T, N]; weights w [N, K],
+s [N/128, K/128] (T = 1 in decoding; T > 1, the speculative verify rows, reads each weight once in
+the CUDA kernels). Implementations with the same semantics (float32 sums of the exact products, in
+different orders): the CUDA C++ kernels (csrc/dsv4_kernels.cu; configs and launchers in
+fp8_cuda.py: the tensor-core kernel for the shapes it fits, else the CUDA-core one; the default
+where the library is available) and the Triton kernel below (the fallback, and the interpreter
+tests). `backend=` / the config type pick one.
 Test: `python -m pytest tests/dsv4/test_kernels.py`; bench: `python scripts/bench_kernels.py`.
 """
 from __future__ import annotations
-
-import math
 
 import torch
 import triton
@@ -17,8 +17,10 @@ import triton.language as tl
 from ..formats import FP8_BLOCK, dequantize_fp8_weight
 from ..quant import fp8_quant_dequant
 from . import cuda_lib
-from .common import (Config, CudaConfig, block_exponent, e4m3_to_f32, e8m0_to_f32, interpreting,
-                     launch_args, on_device, pdl, pdl_wait, pick_config, quant_dequant, round_bf16)
+from .common import (Config, CudaConfig, MmaConfig, block_exponent, e4m3_to_f32, e8m0_to_f32,
+                     interpreting, launch_args, on_device, pdl_wait, pick_config, quant_dequant,
+                     round_bf16)
+from .fp8_cuda import cuda_config, launch_cuda, launch_mma, mma_config
 
 TILE_BYTES = 16384   # weight bytes per program and step (one matrix); half of it for fp8_swiglu
 
@@ -156,48 +158,6 @@ def fp8_config(n: int, k: int, ng: int, dual: bool = False) -> Config:
                        programs_per_row=max(1, n // min(n, ng, 128)))
 
 
-# CUDA C++ kernel configs measured best on an H200 (bench_kernels --sweep --backend cuda) for the
-# Flash shapes, keyed (rows, K, rows per x group or 0, matrices per row); others: cuda_config.
-TUNED_CUDA: dict[tuple, CudaConfig] = {
-    (1536, 4096, 0, 1): CudaConfig(32, 16, 1, 8),     # wq_a + wkv   3.8 -> 3.2 us
-    (32768, 1024, 0, 1): CudaConfig(8, 8, 2, 4),      # wq_b        12.2 -> 11.3 us
-    (8192, 1024, 0, 1): CudaConfig(8, 8, 2, 4),       # indexer wq_b 4.2 -> 3.6 us
-    (8192, 4096, 1024, 1): CudaConfig(32, 8, 2, 4),   # wo_a (G=8)  12.5 -> 11.5 us
-    (4096, 8192, 0, 1): CudaConfig(32, 8, 2, 8),      # wo_b        13.4 -> 12.0 us
-    (2048, 4096, 0, 2): CudaConfig(32, 8, 1, 8),      # shared w1+w3 (SwiGLU) 7.6 -> 7.2 us
-    (4096, 2048, 0, 1): CudaConfig(32, 16, 1, 4),     # shared w2    4.0 -> 3.7 us
-}
-
-CUDA_TARGET_CTAS = 264       # ~2 CTAs per SM on H100/H200 before a CTA takes more rows
-
-
-def cuda_config(rows: int, k: int, seg_rows: tuple, ng: int, nm: int) -> CudaConfig | None:
-    """CUDA launch config for `rows` output rows in segments `seg_rows` (each a matrix of its own),
-    K = k, activation groups of ng rows (0: one group), nm matrices per row (2: SwiGLU); None when
-    the CUDA kernel cannot take the shape. Lanes read 16-byte chunks: LC lanes per row (32 when K
-    allows), up to 16 warps splitting K (2 chunks per lane beyond), then the most rows per CTA with
-    at most 8 chunks per lane that still gives ~2 CTAs per SM."""
-    key = (rows, k, ng, nm)
-    if key in TUNED_CUDA:
-        return TUNED_CUDA[key]
-    kc = k // 16
-    lc = next((c for c in (32, 16, 8) if kc % c == 0), None)
-    if lc is None or k % 128:
-        return None
-    warps, cpl = kc // lc, 1
-    if warps > 16 and warps % 2 == 0:
-        warps, cpl = warps // 2, 2
-    if warps > 16:
-        return None
-    lr = 32 // lc
-    div = math.gcd(128, *seg_rows, *([ng] if ng else []))
-    fits = [r for r in (16, 8, 4, 2, 1) if r * cpl * nm <= 16 and div % (lr * r) == 0]
-    if not fits:
-        return None
-    good = [r for r in fits if r * cpl * nm <= 8 and rows // (lr * r) >= CUDA_TARGET_CTAS]
-    return CudaConfig(lc, good[0] if good else fits[-1], cpl, warps)
-
-
 def _check(w, s, what="fp8 GEMV"):
     N, K = w.shape
     if w.dtype != torch.float8_e4m3fn or N % FP8_BLOCK or K % FP8_BLOCK:
@@ -242,15 +202,21 @@ def _launch(x, w, s, w3, s3, out, limit, quant, group_k, out_dtype, config, nati
     xc = x.contiguous()
     extra = (() if second is None else second) + (() if w3 is None else (w3,))
     # the bit-path decode (native) and the add epilogue are Triton-only
+    cuda_cfg = isinstance(config, (CudaConfig, MmaConfig))
     if cuda_lib.pick("fp8 GEMV", backend, xc, w, out, *extra,
                      declined=isinstance(config, Config) or native is not None or add is not None,
-                     insisted=isinstance(config, CudaConfig)):
+                     insisted=cuda_cfg):
         nm = 1 if w3 is None else 2
         seg = (N,) if second is None else (N, nb_rows - N)
-        ccfg = config if isinstance(config, CudaConfig) else cuda_config(
-            nb_rows, K, seg, ng if G > 1 else 0, nm)
+        ccfg = config if cuda_cfg else (
+            mma_config(nb_rows, K, seg, ng if G > 1 else 0, nm, quant, xc.dtype)
+            or cuda_config(nb_rows, K, seg, ng if G > 1 else 0, nm))
+        if isinstance(ccfg, MmaConfig):
+            launch_mma(xc, w, s, w3, s3, out, limit, quant, ng if G > 1 else 0, nb_rows, K, ccfg,
+                        second, T)
+            return out
         if ccfg is not None:
-            _launch_cuda(xc, w, s, w3, s3, out, limit, quant, ng if G > 1 else 0, nb_rows, K,
+            launch_cuda(xc, w, s, w3, s3, out, limit, quant, ng if G > 1 else 0, nb_rows, K,
                          ccfg, second, T)
             return out
         if isinstance(config, CudaConfig) or backend == "cuda":
@@ -281,34 +247,6 @@ def _launch(x, w, s, w3, s3, out, limit, quant, group_k, out_dtype, config, nati
             NB=cfg.nb, EVEN_K=K % (cfg.nb * 128) == 0, PREFETCH=cfg.prefetch and cfg.nb * 128 < K,
             num_warps=cfg.num_warps, **launch_args(out))
     return out
-
-
-def _launch_cuda(x, w, s, w3, s3, out, limit, quant, ng, rows, K, cfg: CudaConfig, second,
-                 T: int = 1):
-    """The CUDA C++ kernel (dsv4_fp8_gemv) for the same launch, T activation rows."""
-    n0 = w.shape[0]
-    if (rows % cfg.rows or n0 % cfg.rows or 128 % cfg.rows or (ng and ng % cfg.rows)
-            or cfg.warps * cfg.lc * cfg.cpl * 16 != K):   # one scale block and x group per CTA
-        raise ValueError(f"fp8 GEMV: CUDA config {cfg} does not fit {rows} rows, K = {K}")
-    flags = ((cuda_lib.FLAG_X_F32 if x.dtype == torch.float32 else 0)
-             | (cuda_lib.FLAG_Y_F32 if out.dtype == torch.float32 else 0)
-             | (cuda_lib.FLAG_QUANT if quant else 0)
-             | (cuda_lib.FLAG_TWO if second is not None else 0))
-    if out.dtype not in (torch.float32, torch.bfloat16) or x.dtype not in (torch.float32,
-                                                                           torch.bfloat16):
-        raise ValueError(f"fp8 GEMV: x {x.dtype} / out {out.dtype}; expected bfloat16 or float32")
-    u8 = torch.uint8
-    if second is not None:
-        w1, s1, y1 = second[0].view(u8), second[1].view(u8), second[2]
-    elif w3 is not None:
-        w1, s1, y1 = w3.view(u8), s3.view(u8), out
-    else:
-        w1, s1, y1 = w.view(u8), s.view(u8), out
-    with on_device(out):
-        cuda_lib.fp8_gemv(cuda_lib.lib_for(out.device), x, w.view(u8), s.view(u8), out, w1, s1, y1,
-                          n0=n0, rows=rows, K=K, ng=ng, limit=float(limit), flags=flags,
-                          swiglu=w3 is not None, cfg=cfg, pdl=pdl(out), nx=T,
-                          xs=x.numel() // T, ys0=out.numel() // T, ys1=y1.numel() // T)
 
 
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, *, quant_act: bool = True,

@@ -31,7 +31,7 @@ def _need_lib():
 def test_cuda_config_fits_the_real_shapes():
     """Every FP8 GEMV of the Flash / Pro decode gets a CUDA config whose CTA rows divide its
     segments and scale blocks, and whose warps x lanes x chunks cover K exactly."""
-    from dsv4.kernels.fp8_linear import cuda_config
+    from dsv4.kernels.fp8_cuda import cuda_config
     for name, (n, k, g) in FP8_SHAPES.items():
         ng = n // g if g > 1 else 0
         for nm in (1, 2):
@@ -100,7 +100,8 @@ def test_fp8_every_cuda_config_agrees(name):
     """Every instantiated config of a shape (lanes per row, rows and chunks per lane, warps) gives
     the reference's values: the butterfly and the warp sums cover each product exactly once."""
     from dsv4.kernels.bench import _cuda_neighbours
-    from dsv4.kernels.fp8_linear import cuda_config, fp8_linear, fp8_linear_reference
+    from dsv4.kernels.fp8_cuda import cuda_config
+    from dsv4.kernels.fp8_linear import fp8_linear, fp8_linear_reference
     _need_lib()
     import math
     n, k, G = FP8_SHAPES[name]
@@ -117,6 +118,77 @@ def test_fp8_every_cuda_config_agrees(name):
         y = fp8_linear(x, w, s, quant_act=G == 1, group_k=gk, config=cfg,
                        out=poisoned(1, n, device=dev))
         assert_close_bf16(y, ref, x, w, s, G == 1, group_k=gk)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", ["flash.wq_b", "flash.wo_b", "flash.wo_a", "pro.wq_a", "odd",
+                                  "odd.grouped", "small"])
+def test_fp8_every_mma_config_agrees(name):
+    """The tensor-core GEMV, every config of a shape (blocks per warp x warps), against the
+    reference: W8A8 (bf16 and float32 x: the act-quantized operands are exact in f16) and, for bf16
+    x, without act quant (the grouped wo_a: x scaled per block by a power of two into f16), bf16
+    and float32 outputs; 11 rows in one call (two launches of <= 8) give each row the bits of its
+    one-row launch; float32 x without act quant is refused (not exact in f16)."""
+    from dsv4.kernels.fp8_cuda import mma_configs
+    from dsv4.kernels.fp8_linear import fp8_linear, fp8_linear_reference
+    from test_kernels import assert_close_f32
+    _need_lib()
+    n, k, G = FP8_SHAPES[name]
+    dev, gen = torch.device("cuda"), fresh_gen("cuda")
+    w, s = fp8_weight(n, k, gen, device=dev)
+    gk = k if G > 1 else None
+    cfgs = mma_configs(k, 1)
+    assert cfgs
+    T = 11
+    for quant, xdt in ([(False, torch.bfloat16)] if G > 1 else
+                       [(True, torch.bfloat16), (True, torch.float32), (False, torch.bfloat16)]):
+        x = torch.cat([spiky_x(k * G, gen, xdt, dev) for _ in range(T)])
+        for cfg in cfgs:
+            y = fp8_linear(x, w, s, quant_act=quant, group_k=gk, config=cfg,
+                           out=poisoned(T, n, device=dev))
+            yf = fp8_linear(x, w, s, quant_act=quant, group_k=gk, config=cfg,
+                            out_dtype=torch.float32,
+                            out=poisoned(T, n, dtype=torch.float32, device=dev))
+            for t in (0, 7, 8, 10):
+                xt = x[t:t + 1]
+                ref = fp8_linear_reference(xt, w, s, quant_act=quant, group_k=gk)
+                assert_close_bf16(y[t:t + 1], ref, xt, w, s, quant, group_k=gk)
+                reff = fp8_linear_reference(xt, w, s, quant_act=quant, group_k=gk,
+                                            out_dtype=torch.float32)
+                assert_close_f32(yf[t:t + 1], reff, xt, w, s, quant, group_k=gk)
+                one = fp8_linear(xt, w, s, quant_act=quant, group_k=gk, config=cfg)
+                assert torch.equal(y[t:t + 1], one), (cfg, quant, xdt, t)
+    with pytest.raises(ValueError, match="tensor-core config"):
+        fp8_linear(spiky_x(k * G, gen, torch.float32, dev), w, s, quant_act=False, group_k=gk,
+                   config=cfgs[0])
+
+
+@pytest.mark.cuda
+def test_fp8_mma_two_matrices_and_swiglu():
+    """The tensor-core GEMV with two matrices on one x (wq_a + wkv) equals their own launches, and
+    its fused SwiGLU meets the reference, for every config, 3 rows."""
+    from dsv4.kernels.fp8_cuda import mma_configs
+    from dsv4.kernels.fp8_linear import (fp8_linear, fp8_linear2, fp8_swiglu,
+                                         fp8_swiglu_reference)
+    _need_lib()
+    dev, gen = torch.device("cuda"), fresh_gen("cuda")
+    (wa, sa), (wb, sb) = fp8_weight(1024, 4096, gen, device=dev), fp8_weight(512, 4096, gen,
+                                                                              device=dev)
+    x = torch.cat([spiky_x(4096, gen, torch.bfloat16, dev) for _ in range(3)])
+    for cfg in mma_configs(4096, 1):
+        ya, yb = fp8_linear2(x, wa, sa, wb, sb, config=cfg)
+        assert torch.equal(ya, fp8_linear(x, wa, sa, config=cfg))
+        assert torch.equal(yb, fp8_linear(x, wb, sb, config=cfg))
+    (w1, s1), (w3, s3) = fp8_weight(2048, 4096, gen, 8.0, dev), fp8_weight(2048, 4096, gen, 8.0,
+                                                                            dev)
+    for cfg in mma_configs(4096, 2):
+        for limit in (0.0, 10.0):
+            a = fp8_swiglu(x, w1, s1, w3, s3, limit, config=cfg, out=poisoned(3, 2048, device=dev))
+            for t in range(3):
+                xt = x[t:t + 1]
+                assert_close_bf16(a[t:t + 1], fp8_swiglu_reference(xt, w1, s1, w3, s3, limit),
+                                  rtol=2 ** -5, min_equal=0.9,
+                                  absdot=swiglu_absdot(xt, w1, s1, w3, s3, limit))
 
 
 @pytest.mark.cuda
