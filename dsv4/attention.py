@@ -113,9 +113,9 @@ class Attention:
         cs = None if rows else cos_sin(pos, self.freqs)
         pos0 = pos[:1]
         if rows:
-            from .kernels import attention_decode as K
-            qr = K.rms_norm_rows(self.wq_a(x, x.dtype), self.q_norm, cfg.norm_eps)
-            q, kv = K.attention_prep_rows(self.wq_b(qr, x.dtype), self.wkv(x, x.dtype),
+            from .kernels import attention_prep as P
+            qr = P.rms_norm_rows(self.wq_a(x, x.dtype), self.q_norm, cfg.norm_eps)
+            q, kv = P.attention_prep_rows(self.wq_b(qr, x.dtype), self.wkv(x, x.dtype),
                                           self.kv_norm, pos0, self.freqs, cfg.norm_eps,
                                           cfg.n_heads)
         else:
@@ -181,8 +181,9 @@ class Attention:
         -> [T, D] (T = 1: decode's fused path; T > 1: the speculative verify rows, row t with the
         bits of decode(x[t:t+1], pos + t) after the rows before it). Same math and state updates
         as the torch path (bf16 activations), everything between the GEMVs in Triton kernels
-        (dsv4/kernels/attention_decode.py, compressor_decode.py, indexer_decode.py); the
-        projections of x, qr and o read each weight once for all rows. Capture-safe.
+        (dsv4/kernels/attention_prep.py, attention_decode.py, compressor_decode.py,
+        indexer_decode.py); the projections of x, qr and o read each weight once for all rows.
+        Capture-safe.
         When captured, the compressors and the indexer (state: their own buffers and
         kv_cache[W:]) are parallel branches (dsv4.overlap) beside wq_a + wkv, q_norm, wq_b and
         prep (which writes the ring kv_cache[:W]): the side projections and both compressors need
@@ -196,6 +197,7 @@ class Attention:
         row t's window reads): until then a row reads the slots of rows <= t from their prepped
         kv (attention_decode.sparse_attention_decode_rows)."""
         from .kernels import attention_decode as K
+        from .kernels import attention_prep as P
         cfg, act, H, T = self.cfg, x.dtype, self.cfg.n_heads, x.shape[0]
         W, r, eps = cfg.window_size, self.ratio, cfg.norm_eps
         ps = pos if T == 1 else pos + torch.arange(T, device=x.device)   # the rows' positions
@@ -212,7 +214,7 @@ class Attention:
                     self.compressor.decode(x[row], ps[row], st.compressor, st.kv_cache[W:],
                                            self.freqs, fused=True, proj=[proj[0][row], proj[1][row]])
         qr, kv = self._q_kv_rows(x)
-        qr = K.rms_norm_row(qr, self.q_norm, eps)
+        qr = P.rms_norm_row(qr, self.q_norm, eps)
         bq = None
         if r == 4:
             bq = overlap.Branch(qr, "attn", lane=1)
@@ -227,10 +229,10 @@ class Attention:
         o = torch.empty(T, H * cfg.head_dim, dtype=act, device=x.device)
         scale = cfg.head_dim ** -0.5
         if T == 1:
-            q = K.attention_prep(qb, kv, self.kv_norm, st.kv_cache, pos, self.freqs, eps, H,
+            q = P.attention_prep(qb, kv, self.kv_norm, st.kv_cache, pos, self.freqs, eps, H,
                                  W)                                    # also kv -> ring slot
         else:   # every row's q and kv; the ring is written after every row's attention
-            q, kv = K.attention_prep_rows(qb, kv, self.kv_norm, pos, self.freqs, eps, H,
+            q, kv = P.attention_prep_rows(qb, kv, self.kv_norm, pos, self.freqs, eps, H,
                                           decode=True)
         if bq is not None:
             bq.join()

@@ -73,7 +73,7 @@ def randn(g, *shape, scale=1.0, device="cpu", dtype=torch.bfloat16):
 # ---- kernel checks (shared by the interpreter and CUDA tests) ----------------------------------
 
 def check_prep(dev, g, cfg, ratio, positions):
-    from dsv4.kernels import attention_decode as K
+    from dsv4.kernels import attention_prep as K
     from dsv4.mhc import rms_norm
     from dsv4.rope import rope_frequencies
     H, Dh, W = cfg.n_heads, cfg.head_dim, cfg.window_size
@@ -138,6 +138,7 @@ def check_attention_rows(dev, g, cfg, ratio, capacity, positions, Ts=(2, 4), con
     and the whole cache, at positions where the rows' ring slots wrap and overwrite what an
     earlier row's window reads."""
     from dsv4.kernels import attention_decode as K
+    from dsv4.kernels import attention_prep as P
     from dsv4.kernels import indexer_decode as KI
     from dsv4.rope import rope_frequencies
     H, Dh, W, eps = cfg.n_heads, cfg.head_dim, cfg.window_size, cfg.norm_eps
@@ -175,13 +176,13 @@ def check_attention_rows(dev, g, cfg, ratio, capacity, positions, Ts=(2, 4), con
                 what = f"attention rows r={ratio} T={T} p={p} {c}"
                 cache_a, out_a = cache0.clone(), []
                 for t in range(T):
-                    qt = K.attention_prep(q_raw[t:t + 1], kv_raw[t:t + 1], kvw, cache_a, pos + t,
+                    qt = P.attention_prep(q_raw[t:t + 1], kv_raw[t:t + 1], kvw, cache_a, pos + t,
                                           freqs, eps, H, W)
                     out_a.append(K.sparse_attention_decode(
                         qt, cache_a, sink, pos + t, freqs, Dh ** -0.5, H, W, ratio, nc,
                         None if idx is None else idx[t:t + 1], config=c))
                 cache_b = cache0.clone()
-                qb, kvb = K.attention_prep_rows(q_raw, kv_raw, kvw, pos, freqs, eps, H,
+                qb, kvb = P.attention_prep_rows(q_raw, kv_raw, kvw, pos, freqs, eps, H,
                                                 decode=True)
                 out_b = K.sparse_attention_decode_rows(
                     qb.view(T, -1), kvb, cache_b, sink, pos, freqs, Dh ** -0.5, H, W, ratio, nc,

@@ -20,6 +20,7 @@ def _compile_all():
     from triton.compiler import ASTSource
 
     from dsv4.kernels import attention_decode as A
+    from dsv4.kernels import attention_prep as AP
     from dsv4.kernels import compressor_decode as C
     from dsv4.kernels import indexer_decode as I
     pl = A.plan_attention(64, 512, 128, 512)
@@ -27,10 +28,10 @@ def _compile_all():
     attn = dict(H=64, DH=512, W=128, R=4, KC=512, MODE=A.MODE_INDEXED, NOPE=448, F32=False)
     comp = "kv_ptr sc_ptr ape_ptr skv_ptr ssc_ptr norm_ptr freqs_ptr"
     jobs = [  # kernel, float32 pointer args (others bf16), constexprs, num_warps
-        (A._rms_norm_kernel, "w_ptr", dict(D=1536, BD=2048), 4),
-        (A._prep_kernel, "kvw_ptr freqs_ptr", dict(H=64, DH=512, HB=16, W=128, NOPE=448,
+        (AP._rms_norm_kernel, "w_ptr", dict(D=1536, BD=2048), 4),
+        (AP._prep_kernel, "kvw_ptr freqs_ptr", dict(H=64, DH=512, HB=16, W=128, NOPE=448,
                                                         ROWS=False), 4),
-        (A._prep_kernel, "kvw_ptr freqs_ptr", dict(H=64, DH=512, HB=16, W=1, NOPE=448,
+        (AP._prep_kernel, "kvw_ptr freqs_ptr", dict(H=64, DH=512, HB=16, W=1, NOPE=448,
                                                         ROWS=True), 4),
         # ROWS: the speculative verify rows (program_id(2) the row, the ring written after)
         *[(A._attn_kernel, "sink_ptr freqs_ptr pm_ptr pl_ptr pacc_ptr",
