@@ -1024,8 +1024,9 @@ __global__ void __launch_bounds__(512) fp4_down_all_kernel(const __nv_bfloat16* 
 // the warp first act-quantizes its K slice of each row into shared memory (xs, f16).
 constexpr int MMA_MAX_X = 8;
 
+// Halves per xs row: a 16-byte pad puts the rows' reads in different banks.
 template <int SPW>
-__host__ __device__ constexpr int mma_xrow() { return 128 * SPW + 8; }   // halves per xs row (16-byte pad: banks)
+__host__ __device__ constexpr int mma_xrow() { return 128 * SPW + 8; }
 
 // Bytes of fp8_mma_kernel's shared memory: per warp xs [nx][mma_xrow] f16 and ef [nx][SPW] float
 // (the row's block scales), then red [warps][NM][16][8] float.
@@ -1362,9 +1363,9 @@ Fp8Args fp8_args(const void* w0, const void* s0, void* y0, const void* w1, const
 template <int SPW, bool SW>
 cudaError_t fp8_mma_launch(const Fp8Args& a, int blocks, int warps, cudaStream_t st, int pdl) {
   const size_t smem = fp8_mma_smem<SPW, SW ? 2 : 1>(warps, a.nx);
-  if (smem > 48 * 1024) {   // above the default limit: opt in (not a stream operation; capture-safe)
-    const cudaError_t err = cudaFuncSetAttribute(fp8_mma_kernel<SPW, SW>,
-                                                 cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+  if (smem > 48 * 1024) {   // above the default limit: opt in (no stream operation: capture-safe)
+    const cudaError_t err = cudaFuncSetAttribute(
+        fp8_mma_kernel<SPW, SW>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
     if (err != cudaSuccess) {
       (void)cudaGetLastError();
       return err;

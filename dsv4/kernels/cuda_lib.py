@@ -1,9 +1,10 @@
 """The CUDA C++ decode kernels (`csrc/dsv4_kernels.cu`: FP8 GEMV on CUDA cores and on tensor
-cores, routed FP4 experts on tensor cores) through ctypes. The library is built once per source, GPU architecture and nvcc with `nvcc`
-(about a minute) into `~/.cache/dsv4/cuda/`, or taken from `DSV4_CUDA_LIB` (a prebuilt .so). Where
-neither works (no nvcc, GPU older than sm_89, `DSV4_CUDA_KERNELS=0`) the Triton kernels serve
-instead; `status()` says which and why. Launches go to the tensors' device and current stream, with
-programmatic dependent launch where `common.pdl` allows it, and are capture-safe.
+cores, routed FP4 experts on tensor cores) through ctypes. The library is built once per source,
+GPU architecture and nvcc with `nvcc` (about a minute) into `~/.cache/dsv4/cuda/`, or taken from
+`DSV4_CUDA_LIB` (a prebuilt .so). Where neither works (no nvcc, GPU older than sm_89,
+`DSV4_CUDA_KERNELS=0`) the Triton kernels serve instead; `status()` says which and why. Launches
+go to the tensors' device and current stream, with programmatic dependent launch where
+`common.pdl` allows it, and are capture-safe.
 Tests: `python -m pytest tests/dsv4/test_cuda_kernels.py`.
 """
 from __future__ import annotations
@@ -82,7 +83,8 @@ def _declare(lib) -> None:
     lib.dsv4_fp8_gemv.argtypes = [p, p, p, p, p, p, p, i, i, i, f, i, i, i, i, i, i, i, i, i, i, i,
                                    p, i]
     lib.dsv4_fp8_gemv_mma.restype = i
-    lib.dsv4_fp8_gemv_mma.argtypes = [p, p, p, p, p, p, p, i, i, i, f, i, i, i, i, i, i, i, i, i, p, i]
+    lib.dsv4_fp8_gemv_mma.argtypes = [p, p, p, p, p, p, p, i, i, i, f, i, i, i, i, i, i, i, i, i,
+                                       p, i]
     lib.dsv4_fp4_up.restype = i
     lib.dsv4_fp4_up.argtypes = [p, p, p, p, p, p, p, p, f, i, i, i, i, i, i, i, i, p, i]
     lib.dsv4_route.restype = i

@@ -111,7 +111,6 @@ TUNED_MMA: dict[tuple, MmaConfig | None] = {
 }
 
 
-
 def _operands(x, w, s, w3, s3, out, quant, second):
     """The kernels' flags and their second matrix, its scales and output (w1, s1, y1: the second
     matrix, w3 of the SwiGLU, or w itself when unused)."""

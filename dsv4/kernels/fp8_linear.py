@@ -213,13 +213,13 @@ def _launch(x, w, s, w3, s3, out, limit, quant, group_k, out_dtype, config, nati
             or cuda_config(nb_rows, K, seg, ng if G > 1 else 0, nm))
         if isinstance(ccfg, MmaConfig):
             launch_mma(xc, w, s, w3, s3, out, limit, quant, ng if G > 1 else 0, nb_rows, K, ccfg,
-                        second, T)
+                       second, T)
             return out
         if ccfg is not None:
             launch_cuda(xc, w, s, w3, s3, out, limit, quant, ng if G > 1 else 0, nb_rows, K,
-                         ccfg, second, T)
+                        ccfg, second, T)
             return out
-        if isinstance(config, CudaConfig) or backend == "cuda":
+        if cuda_cfg or backend == "cuda":
             raise ValueError(f"fp8 GEMV: no CUDA config for {nb_rows} rows, K = {K}")
     if T > 1:   # Triton: one launch per activation row (each weight read T times)
         xr, o2 = xc.view(T, L), out.view(T, N)
