@@ -17,6 +17,7 @@ import torch
 
 from .errors import InputError, exit_code
 from .model import PREFILL_CHUNK
+from .spec_policy import DEFAULT_MIN_ACCEPTANCE
 
 DEMO_PROMPT = "Write one sentence about the sea."
 
@@ -68,6 +69,12 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--speculative", type=int, default=0, metavar="K",
                    help="self-speculative decoding with the checkpoint's MTP block, K drafted "
                         "tokens per step (0 = off; K = 1 is implemented)")
+    r.add_argument("--speculative-min-acceptance", type=float, default=DEFAULT_MIN_ACCEPTANCE,
+                   metavar="A",
+                   help="with --speculative: while fewer than this share of the drafts are "
+                        "accepted, decode plain steps (the MTP block following) and try drafting "
+                        f"again later (default {DEFAULT_MIN_ACCEPTANCE}, about where drafting "
+                        "starts to pay on Flash; 0 = always draft)")
     o = p.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="one JSON object on stdout at the end")
     o.add_argument("--dump-logits", help="save float32 logits [n_generated, vocab] to PATH.npy")
@@ -128,6 +135,10 @@ def run(args) -> int:
     if args.speculative not in (0, 1):
         raise InputError(f"--speculative {args.speculative}: allowed 0 (off) or 1 (one drafted "
                          f"token per step; more is not implemented)")
+    a = args.speculative_min_acceptance
+    if not 0.0 <= a <= 1.0:
+        raise InputError(f"--speculative-min-acceptance {a}: must be in [0, 1] (the share of "
+                         f"accepted drafts below which steps go plain; 0 = always draft)")
     sampling = SamplingParams(args.temperature, args.top_p, args.top_k,
                               args.seed if args.seed is not None else secrets.randbelow(2 ** 31))
     devices = resolve_devices(args.device)
@@ -140,9 +151,10 @@ def run(args) -> int:
                          f"(--speculative) does not replay chunk graphs; use --prefill-graphs 0")
     if args.speculative and devices[0].startswith("cuda"):
         print("[dsv4] note: a --speculative step costs ~1.7x a plain one on Flash (mostly the "
-              "verified rows' distinct experts), so it is faster than plain decoding "
-              "(--speculative 0) only when more than ~70% of the drafts are accepted",
-              file=sys.stderr)
+              "verified rows' distinct experts), so drafting pays only when more than ~65-70% "
+              "of the drafts are accepted; below --speculative-min-acceptance "
+              f"{args.speculative_min_acceptance} the session decodes plain steps and tries "
+              "drafting again later", file=sys.stderr)
     force = _parse_ids(args.force_ids, "--force-ids") if args.force_ids is not None else None
     from .profiling import parse_steps
     if args.profile != "none":
@@ -207,7 +219,8 @@ def run(args) -> int:
     ck.close()
     load_s = time.perf_counter() - t0
     session = Session(model, sampling, mode=mode, granularity=args.granularity,
-                      speculative=args.speculative)
+                      speculative=args.speculative,
+                      spec_min_acceptance=args.speculative_min_acceptance)
     detok = IncrementalDetokenizer(tok)
     eos = tok.eos_id
 
@@ -249,11 +262,15 @@ def run(args) -> int:
 
 
 def _memory(session) -> dict:
-    dec = session.decoder
-    out = {"graph_bytes": {k: int(v) for k, v in dec.graph_bytes.items()}}
+    decs = [session.decoder] + (session.spec.decoders() if session.spec is not None else [])
+    graph = {}
+    for dec in decs:
+        for k, v in dec.graph_bytes.items():
+            graph[k] = graph.get(k, 0) + int(v)
+    out = {"graph_bytes": graph}
     if session.model.head_device.type == "cuda":
         out["peak_bytes"] = {str(d): int(torch.cuda.max_memory_allocated(d))
-                             for d in dec.devices if torch.device(d).type == "cuda"}
+                             for d in session.decoder.devices if torch.device(d).type == "cuda"}
     return out
 
 
@@ -266,7 +283,8 @@ def _summary(res, t, mem, mode, devices, sampling, prompt_ids, prof) -> None:
       f"({t['ms_per_token']:.2f} ms/token)\n")
     if "acceptance_rate" in t:
         w(f"[dsv4] speculative K={t['speculative']}: acceptance rate {t['acceptance_rate']:.2f}, "
-          f"{t['tokens_per_step']:.2f} tokens per step ({t['steps']} steps)\n")
+          f"{t['tokens_per_step']:.2f} tokens per step ({t['steps']} steps, "
+          f"{t['speculative_steps']} drafting)\n")
     for d, b in mem["graph_bytes"].items():
         w(f"[dsv4] graph memory {d}: {b / 2**20:.1f} MiB\n")
     for d, b in mem.get("peak_bytes", {}).items():

@@ -21,6 +21,7 @@ from .profiling import nvtx_range
 from .model import RuntimeConfig, Transformer, balanced_placement
 from .sampling import SamplingParams, sample
 from .segments import DecodeBuffers, build_segments
+from .spec_policy import DEFAULT_MIN_ACCEPTANCE
 
 FIX_HINTS = ("lower --max-seq-len (smaller caches and graph memory)", "--mode eager")
 
@@ -93,14 +94,9 @@ class Session:
 
     def __init__(self, model: Transformer, params: SamplingParams, mode: str = "eager",
                  granularity: str = "segment", debug: bool = False, nvtx_domain: str = "dsv4",
-                 speculative: int = 0):
+                 speculative: int = 0, spec_min_acceptance: float = DEFAULT_MIN_ACCEPTANCE):
         self.model, self.params, self.mode = model, params, mode
         self.spec = None                # the speculative step (dsv4.spec_step), when asked for
-        if speculative:
-            from .spec_step import SpecStep
-            self.spec = SpecStep(model, params, speculative, mode=mode, granularity=granularity,
-                                 reset_fn=self.reset, debug=debug, nvtx_domain=f"{nvtx_domain}-spec",
-                                 fix_hints=FIX_HINTS)
         self.bufs = DecodeBuffers.allocate(model)
         segs = build_segments(model, self.bufs, params)
         self.decoder = CUDAGraphDecoder(
@@ -109,6 +105,12 @@ class Session:
             mode=mode, granularity=granularity, reset_fn=self.reset, debug=debug,
             nvtx_domain=nvtx_domain, fix_hints=FIX_HINTS)
         self.decoder.allocate()
+        if speculative:
+            from .spec_step import SpecStep
+            self.spec = SpecStep(model, params, speculative, plain=(self.decoder, self.bufs),
+                                 min_acceptance=spec_min_acceptance, mode=mode,
+                                 granularity=granularity, reset_fn=self.reset, debug=debug,
+                                 nvtx_domain=f"{nvtx_domain}-spec", fix_hints=FIX_HINTS)
         self.length, self.pending = 0, None
         self.capture_s = 0.0
         self.step_hook = None           # profiling: hook(step, before: bool)
@@ -287,11 +289,12 @@ class Session:
                               keep_logits, progress) -> GenerationResult:
         """generate() with the MTP block's drafts: prefill (the MTP block following), the first
         token and its draft, then speculative steps (graphs or eager, like the plain loop) of up
-        to 1 + k tokens each. The host reads each step's output before the next one: it sets
-        the next step's limit, and the state must end exactly at the output's end."""
+        to 1 + k tokens each, or plain steps with the MTP block following where the policy
+        says so. The host reads each step's output before the next one: it sets the next step's
+        limit, and the state must end exactly at the output's end."""
         model, spec, hd = self.model, self.spec, self.model.head_device
         sync = torch.cuda.synchronize if hd.type == "cuda" else (lambda: None)
-        steps0, prop0, acc0 = spec.steps, spec.proposed, spec.accepted
+        steps0, spec0, prop0, acc0 = spec.steps, spec.spec_steps, spec.proposed, spec.accepted
         if start == 0:
             self.reset()
         sync()
@@ -323,7 +326,7 @@ class Session:
                 if on_token is not None:
                     on_token(tid)
             if keep_logits:
-                rows += list(spec.bufs.logits[:len(ys)].to("cpu", copy=True))
+                rows += list(spec.logits().to("cpu", copy=True))
             pos += len(ys)
             stop = eos_id is not None and ys[-1] == eos_id
         sync()
@@ -333,6 +336,7 @@ class Session:
         n_dec, steps = len(out) - 1, spec.steps - steps0
         proposed, accepted = spec.proposed - prop0, spec.accepted - acc0
         timings = {**_timings(len(feed), n_dec, t0, t1, t2), "speculative": spec.k, "steps": steps,
+                   "speculative_steps": spec.spec_steps - spec0,
                    "acceptance_rate": accepted / proposed if proposed else 0.0,
                    "tokens_per_step": n_dec / steps if steps else 0.0}
         return GenerationResult(prompt_ids, out, "eos" if stop else "length",

@@ -66,7 +66,7 @@ class Profiler:
 
     def _decoders(self) -> list:
         spec = self.session.spec
-        return [self.session.decoder] + ([spec.decoder] if spec is not None else [])
+        return [self.session.decoder] + (spec.decoders() if spec is not None else [])
 
     def _start(self) -> None:
         for d in self._decoders():

@@ -25,6 +25,8 @@ from . import overlap
 from .errors import ConfigError
 from .model import Transformer
 from .sampling import SamplingParams
+from .segments import DecodeBuffers
+from .spec_policy import DEFAULT_MIN_ACCEPTANCE, SpecPolicy
 from .speculative import Journal, accept, draft, oracle_draft
 
 
@@ -181,13 +183,47 @@ def next_draft(model, bufs: SpecBuffers, params: SamplingParams, logits: torch.T
                pending: torch.Tensor, pos: torch.Tensor) -> None:
     """The pending token [1] at pos ([1] int64) and the MTP logits [V] of the row before it ->
     the buffers' pending, pos, draft (the oracle's, when on) and q. Capture-safe."""
+    set_draft(model, bufs, params, logits, pos)
+    bufs.pending.copy_(pending)
+    bufs.pos.copy_(pos)
+
+
+def set_draft(model, bufs: SpecBuffers, params: SamplingParams, logits: torch.Tensor,
+              pos: torch.Tensor) -> None:
+    """The MTP logits [V] of the row before the pending token's position pos ([1] int64) -> the
+    buffers' draft (the oracle's, when on) and q. Capture-safe."""
     d, q = draft(logits, pos, params)
     bufs.drafts.copy_(oracle_draft(d, pos + 1, bufs.oracle_seq, bufs.oracle_a,
                                    model.cfg.vocab_size))
     if q is not None:
         bufs.q[0].copy_(q)
-    bufs.pending.copy_(pending)
-    bufs.pos.copy_(pos)
+
+
+def plain_segments(model: Transformer, bufs: SpecBuffers, plain: DecodeBuffers, params
+                   ) -> tuple[Segment, Segment]:
+    """The segments that keep the MTP block along a plain decode step (dsv4.segments): `follow`
+    (after the step: the MTP block reads the step's row at pos - 1, its hidden stream and the
+    token it chose, exactly as row 0 of a speculative step does; the pending token and position
+    move to `bufs`) and `mtp_draft` (when speculation resumes: the MTP logits of that row -> the
+    draft of the token after the pending one). Capture-safe."""
+    mtp, hd = model.mtp, model.head_device
+    h = plain.h[hd]
+
+    def follow():
+        pos = plain.pos - 1
+        mtp.decode_rows(h, model.embed.index_select(0, plain.token), plain.token, pos,
+                        out=bufs.hm[:1])
+        bufs.pending.copy_(plain.token)
+        bufs.pos.copy_(plain.pos)
+
+    def redraft():
+        set_draft(model, bufs, params, model.logits(bufs.hm[:1], head=mtp.head()), bufs.pos)
+
+    return (Segment("mtp_follow", hd, follow,
+                    reads={"h": h, "token": plain.token, "ppos": plain.pos},
+                    writes={"hm": bufs.hm, "pending": bufs.pending, "pos": bufs.pos}),
+            Segment("mtp_draft", hd, redraft, reads={"hm": bufs.hm, "pos": bufs.pos},
+                    writes={"drafts": bufs.drafts, "q": bufs.q}))
 
 
 def layer_journals(model: Transformer, T: int) -> list[Journal]:
@@ -215,9 +251,14 @@ def verify_decoder(model: Transformer, k: int, mode: str) -> tuple[CUDAGraphDeco
 
 class SpecStep:
     """The speculative step of one model (K = 1) over a graphs.CUDAGraphDecoder: `start` after a
-    prefill that the MTP block followed, then `step` until the output is complete."""
+    prefill that the MTP block followed, then `step` until the output is complete. With `plain`
+    (the session's plain decoder and its buffers), a SpecPolicy picks each step: speculative, or
+    plain with the MTP block following (two one-segment decoders of plain_segments), so drafts
+    that are seldom accepted cost little; without it every step speculates."""
 
     def __init__(self, model: Transformer, params: SamplingParams, k: int = 1, *,
+                 plain: tuple[CUDAGraphDecoder, DecodeBuffers] | None = None,
+                 min_acceptance: float = DEFAULT_MIN_ACCEPTANCE,
                  mode: str = "eager", granularity: str = "segment", reset_fn=None,
                  debug: bool = False, nvtx_domain: str = "dsv4-spec", fix_hints=()):
         if model.mtp is None:
@@ -228,6 +269,7 @@ class SpecStep:
             raise ConfigError(f"--speculative {k}: only 1 draft token per step is implemented "
                               f"(0 = off)")
         self.model, self.params, self.k = model, params, k
+        self.policy = SpecPolicy(min_acceptance if plain is not None else 0.0)
         T = k + 1
         self.bufs = SpecBuffers.allocate(model, k)
         self.journals = layer_journals(model, T)
@@ -235,19 +277,39 @@ class SpecStep:
                                    model.cfg.window_size, T)
         b = self.bufs
         segs = build_spec_segments(model, b, params, self.journals, self.mtp_journal)
+        kw = dict(mode=mode, granularity=granularity, reset_fn=reset_fn or model.reset,
+                  debug=debug, nvtx_domain=nvtx_domain,
+                  **({"fix_hints": tuple(fix_hints)} if fix_hints else {}))
         self.decoder = CUDAGraphDecoder(
             segs, inputs={"pending": b.pending, "pos": b.pos, "limit": b.limit, "eos": b.eos},
-            outputs={"record": b.record, "logits": b.logits}, mode=mode, granularity=granularity,
-            reset_fn=reset_fn or model.reset, debug=debug, nvtx_domain=nvtx_domain,
-            **({"fix_hints": tuple(fix_hints)} if fix_hints else {}))
-        self.decoder.allocate()
-        self.steps = self.proposed = self.accepted = 0
+            outputs={"record": b.record, "logits": b.logits}, **kw)
+        self.plain, self.follow, self.redraft = plain, None, None
+        if plain is not None:
+            pb = plain[1]
+            follow, redraft = plain_segments(model, b, pb, params)
+            self.follow = CUDAGraphDecoder(
+                [follow], inputs={"h": pb.h[model.head_device], "token": pb.token,
+                                  "ppos": pb.pos},
+                outputs={"pending": b.pending}, **kw)
+            self.redraft = CUDAGraphDecoder([redraft], inputs={"hm": b.hm, "pos": b.pos},
+                                            outputs={"drafts": b.drafts}, **kw)
+        for d in self.decoders():
+            d.allocate()
+        self.steps = self.spec_steps = self.proposed = self.accepted = 0
+        # bufs.drafts hold the pending token's draft; else the last step was plain and the plain
+        # buffers hold the pending token and its position
+        self._drafted = False
+        self._last = 0                  # rows of the last step's logits (spec > 0, plain 0)
         pinned = model.head_device.type == "cuda"
         self._host = torch.zeros(1 + T, dtype=torch.int64, pin_memory=pinned)
 
+    def decoders(self) -> list[CUDAGraphDecoder]:
+        return [d for d in (self.decoder, self.follow, self.redraft) if d is not None]
+
     def capture(self) -> None:
-        self.decoder.warmup()
-        self.decoder.capture()
+        for d in self.decoders():
+            d.warmup()
+            d.capture()
 
     def set_oracle(self, seq, a: float) -> None:
         """Tests / benchmarks: draft seq[p] at position p with probability a (a < 0: off)."""
@@ -260,35 +322,75 @@ class SpecStep:
 
     def reset(self) -> None:
         self.bufs.reset()
+        self.policy.reset()
+        self._drafted = False
 
     def start(self, token: torch.Tensor, pos: int) -> None:
-        """The token [1] chosen at pos - 1 (after a prefill the MTP block followed): the MTP block
-        reads its waiting row with it and drafts the next token. Eager (once per generate)."""
+        """The token [1] chosen at pos - 1 (after a prefill that the MTP block followed): the MTP
+        block reads its waiting row with it and drafts the next token. Eager (once per
+        generate)."""
         m = self.model
         next_draft(m, self.bufs, self.params, m.mtp_follow_token(token), token,
                    torch.tensor([pos], dtype=torch.int64, device=m.head_device))
+        self._drafted = True
 
     def step(self, limit: int, eos_id: int | None) -> list[int]:
-        """One step; -> its output tokens (1 .. min(limit, T); the last one is the new pending
-        token, not fed). Waits for the device (the output decides the next step's limit)."""
+        """One step, speculative or plain as the policy says (plain, when there is a plain
+        decoder, where only one more token is wanted); -> its output tokens (1 .. min(limit, T);
+        the last one is the new pending token, not fed). Waits for the device (the output
+        decides the next step's limit)."""
+        self.steps += 1
+        if self.plain is None or (limit > 1 and self.policy.speculate()):
+            return self._speculative_step(limit, eos_id)
+        return self._plain_step()
+
+    def logits(self) -> torch.Tensor:
+        """The main logits [n, V] of the last step's output tokens (views of static buffers)."""
+        if self._last == 0:
+            return self.plain[1].logits[None]
+        return self.bufs.logits[:self._last]
+
+    def _speculative_step(self, limit: int, eos_id: int | None) -> list[int]:
         b = self.bufs
+        if not self._drafted:           # after plain steps: draft from the MTP block's last row
+            self.redraft.step()
         b.limit.fill_(limit)
         b.eos.fill_(-1 if eos_id is None else eos_id)
         self.decoder.step()
-        self._host.copy_(b.record, non_blocking=self._host.is_pinned())
-        if self._host.is_pinned():
-            torch.cuda.current_stream(b.record.device).synchronize()
-        rec = self._host.tolist()
+        self._drafted = True
+        rec = self._read(b.record)
         n = rec[0]
-        self.steps += 1
-        self.proposed += min(self.k, limit - 1)
+        proposed = min(self.k, limit - 1)
+        self.spec_steps += 1
+        self.proposed += proposed
         self.accepted += n - 1
+        self.policy.spec_step(n - 1, proposed)
+        self._last = n
         return rec[1:1 + n]
 
-    def stats(self) -> dict:
-        return {"speculative": self.k, "steps": self.steps, "proposed": self.proposed,
-                "accepted": self.accepted,
-                "acceptance_rate": self.accepted / self.proposed if self.proposed else 0.0}
+    def _plain_step(self) -> list[int]:
+        if self.plain is None:
+            raise ConfigError("a plain step needs the session's plain decoder (SpecStep(plain=))")
+        dec, pb = self.plain
+        b = self.bufs
+        if self._drafted:               # after a speculative step (or start): the plain step
+            pb.token.copy_(b.pending)   # feeds the pending token at its position (after a plain
+            pb.pos.copy_(b.pos)         # step its sample segment left them there)
+        dec.step()
+        self.follow.step()              # the MTP block reads the row; pending and pos move on
+        self._drafted = False
+        self.policy.plain_step()
+        self._last = 0
+        return self._read(b.pending)
+
+    def _read(self, t: torch.Tensor) -> list[int]:
+        """A step's output [n] int64 on the host (the per-step token stream read)."""
+        host = self._host[:t.shape[0]]
+        host.copy_(t, non_blocking=host.is_pinned())
+        if host.is_pinned():
+            torch.cuda.current_stream(t.device).synchronize()
+        return host.tolist()
 
     def close(self) -> None:
-        self.decoder.close()
+        for d in self.decoders():
+            d.close()

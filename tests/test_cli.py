@@ -82,6 +82,8 @@ def test_force_ids_run_exactly_that_many_steps(ckpt, tmp_path):
      ["--prefill-graphs 8", "graph mode", "--prefill-graphs 0"]),
     (["--prompt-ids", "1,2", "--speculative", "-1"], ["--speculative -1", "0 (off) or 1"]),
     (["--prompt-ids", "1,2", "--speculative", "3"], ["--speculative 3", "not implemented"]),
+    (["--prompt-ids", "1,2", "--speculative", "1", "--speculative-min-acceptance", "1.5"],
+     ["--speculative-min-acceptance 1.5", "[0, 1]"]),
 ])
 def test_bad_inputs_exit_2(ckpt, args, words):
     _one_error_line(run("--ckpt", str(ckpt), *args), *words)
@@ -163,5 +165,11 @@ def test_speculative_cli(ckpt):
     assert 0 <= b["acceptance_rate"] <= 1 and 1 <= b["tokens_per_step"] <= 2
     assert b["timings"]["acceptance_rate"] == b["acceptance_rate"]
     assert "acceptance_rate" not in a and "tokens_per_step" not in a["timings"]
+    assert 1 <= b["timings"]["speculative_steps"] <= b["timings"]["steps"]
     shown = run(*base, "--speculative", "1")
-    assert shown.returncode == 0 and "acceptance rate" in shown.stderr
+    assert shown.returncode == 0
+    assert "acceptance rate" in shown.stderr and "drafting" in shown.stderr
+    always = run(*base, "--json", "--speculative", "1", "--speculative-min-acceptance", "0")
+    c = json.loads(always.stdout)
+    assert c["output_ids"] == a["output_ids"]
+    assert c["timings"]["speculative_steps"] >= c["timings"]["steps"] - 1   # a last one: plain

@@ -11,6 +11,7 @@ from conftest import parity_case_dir
 from dsv4.generate import Session, load_model
 from dsv4.model import RuntimeConfig
 from dsv4.sampling import SamplingParams, filtered_probs
+from dsv4.spec_policy import DEFAULT_MIN_ACCEPTANCE
 from dsv4.speculative import accept, draft
 
 DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -91,24 +92,31 @@ def first_near_tie(logits):
 @pytest.mark.parametrize("weights,n_new", [("bf16", 260), ("fp8", 256)])
 @pytest.mark.parametrize("a", [0.0, 0.6, 1.0])
 def test_speculative_greedy_equals_plain(small, weights, n_new, a):
+    """Every step speculative (min acceptance 0), and the default policy, which turns to plain
+    steps with the MTP block following while the drafts fail: the same tokens and logits."""
     m = _model(small[weights])
     prompt = list(range(5, 45))
     plain = Session(m, SamplingParams()).generate(prompt, n_new, keep_logits=True)
-    s = Session(m, SamplingParams(), speculative=1)
-    if a:   # the MTP block of a random checkpoint never guesses right: an oracle drafts
-        s.spec.set_oracle(prompt + plain.output_ids, a)
-    spec = s.generate(prompt, n_new, keep_logits=True)
-    assert spec.output_ids == plain.output_ids
-    assert torch.equal(spec.logits, plain.logits)
-    t = spec.timings
-    steps_expected = n_new - 1 if a == 0 else None
-    if steps_expected:
-        assert t["steps"] == steps_expected and t["acceptance_rate"] == 0.0
-    if a == 1.0:       # every draft right: two tokens per step (the last step may be single)
-        assert t["acceptance_rate"] > 0.99 and t["tokens_per_step"] > 1.95
-    if a == 0.6:
-        assert 0.35 < t["acceptance_rate"] < 0.85
-        assert t["tokens_per_step"] == pytest.approx(1 + t["acceptance_rate"], abs=0.02)
+    for min_acc in (0.0, DEFAULT_MIN_ACCEPTANCE):
+        s = Session(m, SamplingParams(), speculative=1, spec_min_acceptance=min_acc)
+        if a:   # the MTP block of a random checkpoint never guesses right: an oracle drafts
+            s.spec.set_oracle(prompt + plain.output_ids, a)
+        spec = s.generate(prompt, n_new, keep_logits=True)
+        assert spec.output_ids == plain.output_ids, min_acc
+        assert torch.equal(spec.logits, plain.logits), min_acc
+        t = spec.timings
+        if a == 0:
+            assert t["steps"] == n_new - 1 and t["acceptance_rate"] == 0.0
+        # a last step that may output one token only is a plain one
+        if min_acc == 0 or a == 1.0:    # never below the bar: every other step drafts
+            assert t["speculative_steps"] == t["steps"] - 1, t
+        elif a == 0:    # probes of 4 steps between plain runs of 16, 32, 64 and 128 steps,
+            assert t["speculative_steps"] == {256: 16, 260: 18}[n_new], t   # a probe again
+        if a == 1.0:       # every draft right: two tokens per step (the last step may be single)
+            assert t["acceptance_rate"] > 0.99 and t["tokens_per_step"] > 1.95
+        if a == 0.6 and min_acc == 0:
+            assert 0.35 < t["acceptance_rate"] < 0.85
+            assert t["tokens_per_step"] == pytest.approx(1 + t["acceptance_rate"], abs=0.02)
 
 
 @pytest.mark.parametrize("name", ["p1-bf16-3layer", "p2-fp8-2layer", "p3-mtp"])
@@ -135,18 +143,23 @@ def _mtp_state(m):
     return [st.kv_cache.clone()]
 
 
-def test_state_after_rejections_equals_plain(small):
-    """Bit for bit, FP8 activation quantization on: the kept rows are decode steps, and the
-    journal restores every slot a dropped row wrote."""
+@pytest.mark.parametrize("min_acc", [0.0, DEFAULT_MIN_ACCEPTANCE])
+def test_state_after_rejections_equals_plain(small, min_acc):
+    """Bit for bit, FP8 activation quantization on: the kept rows are decode steps, the journal
+    restores every slot a dropped row wrote, and (the default policy) plain steps with the MTP
+    block following leave the state a speculative step would."""
     from helpers import live_state
     m = _model(small["fp8"])
     prompt = list(range(7, 40))
     plain = Session(m, SamplingParams()).generate(prompt, 150)
-    s = Session(m, SamplingParams(), speculative=1)
+    s = Session(m, SamplingParams(), speculative=1, spec_min_acceptance=min_acc)
     s.spec.set_oracle(prompt + plain.output_ids, 0.5)
     out = s.generate(prompt, 150)
     assert out.output_ids == plain.output_ids
     assert 0.3 < out.timings["acceptance_rate"] < 0.7
+    t = out.timings
+    if min_acc:       # both kinds of step ran
+        assert 8 <= t["speculative_steps"] < t["steps"] - 20, t
     L = s.length                                  # positions in the state (pending not fed)
     seq = prompt + out.output_ids
     got, got_mtp = live_state(m), _mtp_state(m)

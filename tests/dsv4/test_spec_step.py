@@ -42,8 +42,14 @@ def test_spec_step_has_no_host_sync(ckpt, monkeypatch):
     monkeypatch.setattr(torch, "nonzero", boom)
     for _ in range(12):                              # crosses emissions of every compressor
         s.spec.decoder.step()
+    for _ in range(3):                               # the policy's plain steps and redraft
+        s.bufs.token.copy_(s.spec.bufs.pending)
+        s.bufs.pos.copy_(s.spec.bufs.pos)
+        s.decoder.step()
+        s.spec.follow.step()
+    s.spec.redraft.step()
     monkeypatch.undo()
-    assert int(s.spec.bufs.pos) > 20 + 12
+    assert int(s.spec.bufs.pos) > 20 + 12 + 3
 
 
 def _states(cfg, device, cap=64):
@@ -127,8 +133,8 @@ def test_journal_kernel_equals_torch():
                     assert torch.equal(x, y), (pos, keep, T)
 
 
-def _generate(m, params, mode, prompt, n, spec, oracle=None):
-    s = Session(m, params, mode=mode, speculative=1 if spec else 0)
+def _generate(m, params, mode, prompt, n, spec, oracle=None, min_acc=0.0):
+    s = Session(m, params, mode=mode, speculative=1 if spec else 0, spec_min_acceptance=min_acc)
     if oracle is not None:
         s.spec.set_oracle(*oracle)
     out = s.generate(prompt, n, keep_logits=True)
@@ -137,18 +143,25 @@ def _generate(m, params, mode, prompt, n, spec, oracle=None):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("min_acc", [0.0, 0.7])
 @pytest.mark.parametrize("params", [SamplingParams(),
                                     SamplingParams(temperature=0.8, top_p=0.9, seed=4)])
-def test_graph_spec_equals_eager_bitwise(ckpt, params):
+def test_graph_spec_equals_eager_bitwise(ckpt, params, min_acc):
+    """Every step drafting, and the default policy (plain steps with the MTP block following
+    between probes: both kinds of step, captured and eager)."""
     m = _model(ckpt, torch.bfloat16, "cuda")
     prompt, n = list(range(5, 45)), 120
     plain = _generate(m, params, "graph", prompt, n, False)
     oracle = (prompt + plain.output_ids, 0.6)
-    graph = _generate(m, params, "graph", prompt, n, True, oracle)
-    eager = _generate(m, params, "eager", prompt, n, True, oracle)
+    graph = _generate(m, params, "graph", prompt, n, True, oracle, min_acc)
+    eager = _generate(m, params, "eager", prompt, n, True, oracle, min_acc)
     assert graph.output_ids == eager.output_ids
     assert torch.equal(graph.logits, eager.logits)
+    assert graph.timings == {**graph.timings, **{k: eager.timings[k] for k in (
+        "steps", "speculative_steps", "acceptance_rate")}}
     assert 0.3 < graph.timings["acceptance_rate"] < 0.9
+    if min_acc:
+        assert 8 <= graph.timings["speculative_steps"] < graph.timings["steps"] - 10
     if params.greedy:        # the kept rows are plain decoding's rows
         assert graph.output_ids == plain.output_ids
         assert torch.equal(graph.logits, plain.logits)
