@@ -19,7 +19,7 @@ import torch
 
 from graphs import CUDAGraphDecoder
 
-from . import bench_prefill
+from . import bench_prefill, bench_spec
 from .device_weights import DeviceWeights
 from .errors import DeviceError, InputError, exit_code
 from .generate import Session, resolve_devices
@@ -357,7 +357,7 @@ def run(args, command: str = "") -> dict:
         modes = ["eager"]
         notes.append("graph mode needs CUDA: not measured")
     for flag, v, lo in (("--steps", args.steps, 1), ("--warmup", args.warmup, 0),
-                        ("--context", args.context, 1)):
+                        ("--context", args.context, 1), ("--spec-tokens", args.spec_tokens, 2)):
         if v < lo:
             raise InputError(f"{flag} {v}: must be >= {lo}")
     if args.steps < MIN_STEPS:
@@ -372,7 +372,8 @@ def run(args, command: str = "") -> dict:
         raise InputError(f"--prefill-graphs {g}: expected 0 or a power of two, with --prefill")
     full = get_preset(args.preset)
     cfg = get_preset(args.preset, args.layers)
-    cap = capacity_for(max([args.context] + lengths), args.steps, args.warmup)
+    spec_len = [bench_spec.PROMPT + args.spec_tokens + 2] if args.speculative else []
+    cap = capacity_for(max([args.context] + lengths + spec_len), args.steps, args.warmup)
     if cap > cfg.max_position_embeddings:
         raise InputError(f"--context {args.context} + steps + warmup needs capacity {cap}, above "
                          f"the model's {cfg.max_position_embeddings} positions; lower --context")
@@ -436,10 +437,10 @@ def run(args, command: str = "") -> dict:
                                       "built_eager_ms": pg.eager_ms})
     spec = None
     if args.speculative:
-        from . import bench_spec
         graph = next((r for r in runs if r["mode"] == "graph"), None)
         spec = bench_spec.run(model, args.context, args.seed,
-                              graph["ms_per_token"] if graph else None, _log)
+                              graph["ms_per_token"] if graph else None, _log,
+                              n_new=args.spec_tokens)
     spans = {}
     for l, d in enumerate(placement):
         spans.setdefault(str(d), [l, l])[1] = l
@@ -586,6 +587,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also measure the speculative mechanism (MTP block loaded): verify pass "
                         "T = 1..4, the speculative step, end-to-end tok/s with an oracle drafting right at "
                         "rates a")
+    p.add_argument("--spec-tokens", type=int, default=256, metavar="N",
+                   help="with --speculative: tokens per end-to-end run (default 256)")
     p.add_argument("--prefill-graphs", type=int, default=0, metavar="N",
                    help="CUDA: capture prefill chunk graphs of 1..N tokens (a power of two) and "
                         "time prompts up to N through them (capture time, each chunk's replay and eager time in the JSON)")

@@ -205,15 +205,21 @@ def test_speculative_bench_on_cpu(capsys):
     """--speculative: verify passes T = 1..4, the step, and end-to-end rates whose measured
     acceptance follows the oracle's rate a (tokens per step = 1 + acceptance), with the tokens
     of plain decoding."""
-    rep = _run(capsys, "--speculative", "--layers", "2", *FAST)
+    rep = _run(capsys, "--speculative", "--layers", "2", "--spec-tokens", "40", *FAST)
     assert set(rep["spec_verify_ms"]) == {"1", "2", "3", "4"}     # JSON keys
     assert all(v > 0 for v in rep["spec_verify_ms"].values()) and rep["spec_step_ms"] > 0
+    assert rep["spec_plain_follow_ms"] > 0 and rep["spec_new_tokens"] == 40
     assert rep["spec_same_tokens"] is True
     e2e = {r["a"]: r for r in rep["spec_e2e"]}
+    # every step drafts but the last (one token wanted: a plain step)
     assert e2e[0.0]["acceptance_rate"] == 0 and e2e[0.0]["tokens_per_step"] == 1
+    assert e2e[0.0]["speculative_steps"] == e2e[0.0]["steps"] - 1
     assert e2e[1.0]["acceptance_rate"] == 1
     for r in e2e.values():
-        assert r["tokens_per_step"] == pytest.approx(1 + r["acceptance_rate"], abs=0.05)
+        assert r["tokens_per_step"] == pytest.approx(1 + r["acceptance_rate"], abs=0.06)
+    policy = {r["a"]: r for r in rep["spec_e2e_default"]}   # drafts that fail: plain steps
+    assert policy[0.0]["speculative_steps"] < policy[0.0]["steps"] // 2
+    assert policy[1.0]["speculative_steps"] == policy[1.0]["steps"] - 1
 
 
 @pytest.mark.cuda
