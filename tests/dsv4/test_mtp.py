@@ -92,12 +92,13 @@ def first_near_tie(logits):
 @pytest.mark.parametrize("weights,n_new", [("bf16", 260), ("fp8", 256)])
 @pytest.mark.parametrize("a", [0.0, 0.6, 1.0])
 def test_speculative_greedy_equals_plain(small, weights, n_new, a):
-    """Every step speculative (min acceptance 0), and the default policy, which turns to plain
-    steps with the MTP block following while the drafts fail: the same tokens and logits."""
+    """Every step speculative (min acceptance 0), and (fp8) the default policy, which turns to
+    plain steps with the MTP block following while the drafts fail: the same tokens and
+    logits."""
     m = _model(small[weights])
     prompt = list(range(5, 45))
     plain = Session(m, SamplingParams()).generate(prompt, n_new, keep_logits=True)
-    for min_acc in (0.0, DEFAULT_MIN_ACCEPTANCE):
+    for min_acc in (0.0, DEFAULT_MIN_ACCEPTANCE) if weights == "fp8" else (0.0,):
         s = Session(m, SamplingParams(), speculative=1, spec_min_acceptance=min_acc)
         if a:   # the MTP block of a random checkpoint never guesses right: an oracle drafts
             s.spec.set_oracle(prompt + plain.output_ids, a)
@@ -110,8 +111,8 @@ def test_speculative_greedy_equals_plain(small, weights, n_new, a):
         # a last step that may output one token only is a plain one
         if min_acc == 0 or a == 1.0:    # never below the bar: every other step drafts
             assert t["speculative_steps"] == t["steps"] - 1, t
-        elif a == 0:    # probes of 4 steps between plain runs of 16, 32, 64 and 128 steps,
-            assert t["speculative_steps"] == {256: 16, 260: 18}[n_new], t   # a probe again
+        elif a == 0:    # probes of 4 steps between plain runs of 16, 32, 64 and 128 steps
+            assert t["speculative_steps"] == 16, t
         if a == 1.0:       # every draft right: two tokens per step (the last step may be single)
             assert t["acceptance_rate"] > 0.99 and t["tokens_per_step"] > 1.95
         if a == 0.6 and min_acc == 0:
