@@ -17,7 +17,7 @@ import torch
 
 from .errors import InputError, exit_code
 from .model import PREFILL_CHUNK
-from .spec_policy import DEFAULT_MIN_ACCEPTANCE
+from .spec_policy import DEFAULT_MIN_ACCEPTANCE, check_min_acceptance
 
 DEMO_PROMPT = "Write one sentence about the sea."
 
@@ -135,10 +135,7 @@ def run(args) -> int:
     if args.speculative not in (0, 1):
         raise InputError(f"--speculative {args.speculative}: allowed 0 (off) or 1 (one drafted "
                          f"token per step; more is not implemented)")
-    a = args.speculative_min_acceptance
-    if not 0.0 <= a <= 1.0:
-        raise InputError(f"--speculative-min-acceptance {a}: must be in [0, 1] (the share of "
-                         f"accepted drafts below which steps go plain; 0 = always draft)")
+    check_min_acceptance(args.speculative_min_acceptance)
     sampling = SamplingParams(args.temperature, args.top_p, args.top_k,
                               args.seed if args.seed is not None else secrets.randbelow(2 ** 31))
     devices = resolve_devices(args.device)

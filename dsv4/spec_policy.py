@@ -19,14 +19,19 @@ from .errors import InputError
 DEFAULT_MIN_ACCEPTANCE = 0.65
 
 
+def check_min_acceptance(a: float) -> None:
+    """The --speculative-min-acceptance value (CLI, before anything loads) or SpecPolicy's."""
+    if not 0.0 <= a <= 1.0:
+        raise InputError(f"--speculative-min-acceptance {a}: must be in [0, 1] (the share of "
+                         f"accepted drafts below which steps go plain; 0 = always draft)")
+
+
 class SpecPolicy:
     """Host-side; no tensors. speculate() before a step, then spec_step() or plain_step()."""
 
     def __init__(self, min_acceptance: float = DEFAULT_MIN_ACCEPTANCE, probe: int = 4,
                  window: int = 32, backoff: int = 16, max_backoff: int = 256):
-        if not 0.0 <= min_acceptance <= 1.0:
-            raise InputError(f"--speculative-min-acceptance {min_acceptance}: must be in [0, 1] "
-                             f"(0 = always draft)")
+        check_min_acceptance(min_acceptance)
         if not 1 <= probe <= window or not 1 <= backoff <= max_backoff:
             raise ValueError(f"SpecPolicy: need 1 <= probe ({probe}) <= window ({window}) and "
                              f"1 <= backoff ({backoff}) <= max_backoff ({max_backoff})")
