@@ -127,7 +127,7 @@ def linear_rows(cfg, T, dev, gen):
                 t = _time(lambda: G.gemm16(xq, w, s, "fp8", out, bm=bm, bk=bk, warps=warps))
                 rows.append((f"wq_b T={T}", "bf16", bm, str(bk), warps, t, 0.0,
                              2 * T * N * K / t / 1e9, 0.0, N * K / t / 1e6, 0.0))
-    if G.scaled_mm_ok(x8, out):                 # torch._scaled_mm's blockwise recipe
+    if G.scaled_mm_ok(x8, w, out):              # torch._scaled_mm's blockwise recipe
         t = _time(lambda: G.scaled_mm(x8, xs, w, s, out))
         rows.append((f"wq_b T={T}", "cubl", 0, "128", 0, t, 0.0, 2 * T * N * K / t / 1e9, 0.0,
                      N * K / t / 1e6, 0.0))

@@ -475,36 +475,44 @@ def _grid(out, bm, grid_m, N, bn=BN):
 
 
 CUBLAS_SWITCH = "DSV4_PREFILL_CUBLAS"   # "0": the FP8 linears stay on the Triton GEMM
-_SCALED_MM_OK: dict = {}
+SCALED_MM_K_BLOCKS = 4   # cuBLASLt reads 128x128 weight scales as if K/128 were padded to this
+_SCALED_MM_OK: dict = {}  # (device index, n, k) -> the probe's verdict
 
 
-def scaled_mm_ok(x8: torch.Tensor, out: torch.Tensor) -> bool:
+def scaled_mm_ok(x8: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> bool:
     """Whether torch._scaled_mm's DeepSeek recipe (1x128 activation, 128x128 weight scales;
-    cuBLAS >= 12.9, sm_90 only) runs here for these rows: CUDA, m a multiple of 4 (cuBLASLt),
-    not switched off, and a probe on this device matched gemm8 bit for bit (once per device)."""
-    if (x8.device.type != "cuda" or interpreting() or x8.shape[0] % 4
+    cuBLAS >= 12.9, sm_90 only) serves rows x8 [m, k] times the FP8 weight w [n, k] here: CUDA,
+    m a multiple of 4 (cuBLASLt), k / 128 a multiple of SCALED_MM_K_BLOCKS, not switched off, and
+    a probe of this weight shape on this device gave gemm8's bits on poisoned output (once per
+    shape and device). cuBLASLt's layout for 128x128 scales pads K/128 to a multiple of 4 (cuBLAS
+    docs, "scaling factors layouts"): with k = 128 or 256 it read past the scales and left parts
+    of `out` unwritten, so the same prompt gave different tokens (issue 33)."""
+    M, K = x8.shape
+    if (x8.device.type != "cuda" or interpreting() or M % 4 or (K // 128) % SCALED_MM_K_BLOCKS
             or os.environ.get(CUBLAS_SWITCH, "1") == "0" or not hasattr(torch, "_scaled_mm")):
         return False
-    key = x8.device.index
+    key = (x8.device.index, w.shape[-2], K)
     if key not in _SCALED_MM_OK:
         if torch.cuda.is_current_stream_capturing():
             return False       # no probe inside a capture: gemm8 now (same bits), probe later
-        _SCALED_MM_OK[key] = _probe_scaled_mm(x8.device)
+        _SCALED_MM_OK[key] = _probe_scaled_mm(x8.device, w.shape[-2], K)
     return _SCALED_MM_OK[key]
 
 
-def _probe_scaled_mm(dev: torch.device) -> bool:
-    """One small GEMM through both paths: the recipe is used only where it exists and agrees."""
+def _probe_scaled_mm(dev: torch.device, n: int, k: int) -> bool:
+    """One GEMM of this shape through both paths, into NaN-filled outputs, over a row count that
+    is not a multiple of any tile (260): the recipe is used only where it exists, writes every
+    output and agrees bit for bit."""
     if torch.cuda.get_device_capability(dev) != (9, 0):
         return False
     from ..formats import quantize_fp8_weight
     gen = torch.Generator(device=dev).manual_seed(0)
-    w, s = quantize_fp8_weight(torch.randn(256, 512, device=dev, generator=gen) * 0.05)
-    x8, xs = act_quant8(torch.randn(64, 512, device=dev, generator=gen).bfloat16())
-    want = gemm8(x8, xs, w, s, "fp8", torch.empty(64, 256, dtype=torch.bfloat16, device=dev),
-                 bm=64, warps=4, cublas=False)
+    w, s = quantize_fp8_weight(torch.randn(n, k, device=dev, generator=gen) * 0.05)
+    x8, xs = act_quant8(torch.randn(260, k, device=dev, generator=gen).bfloat16())
+    nan = torch.full((260, n), float("nan"), dtype=torch.bfloat16, device=dev)
+    want = gemm8(x8, xs, w, s, "fp8", nan.clone(), bm=64, warps=4, cublas=False)
     try:
-        got = scaled_mm(x8, xs, w, s, torch.empty_like(want))
+        got = scaled_mm(x8, xs, w, s, nan.clone())
     except (RuntimeError, NotImplementedError, TypeError):
         return False
     return torch.equal(got, want)
@@ -565,7 +573,7 @@ def gemm8(x8, xs, w, s, fmt: str, out: torch.Tensor, *, bm: int = BM, rows=None,
         raise ValueError(f"FP8 GEMM: k = {K} must be a multiple of 128 (and n = {N} of {BN} "
                          f"for a quantized output)")
     if (cublas and fmt == "fp8" and rows is None and tiles is None and rw is None
-            and out.dtype != torch.float32 and scaled_mm_ok(x8, out)):
+            and out.dtype != torch.float32 and scaled_mm_ok(x8, w, out)):
         if w3 is None and out_scale is None:
             return scaled_mm(x8, xs, w, s, out)
         if w3 is not None and out_scale is not None:

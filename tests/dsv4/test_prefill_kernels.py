@@ -647,12 +647,32 @@ def test_scaled_mm_same_bits():
     """Where torch._scaled_mm's blockwise recipe serves (scaled_mm_ok), the FP8 linears and the
     shared expert's SwiGLU up through it give gemm8's bits (Flash shapes, 300 and 1,024 rows)."""
     from dsv4.kernels import prefill_gemm as P
-    x8 = torch.zeros(4, 128, dtype=torch.uint8, device="cuda")
-    if not P.scaled_mm_ok(x8, x8):
+    x8 = torch.zeros(4, 4096, dtype=torch.uint8, device="cuda")
+    if not P.scaled_mm_ok(x8, x8[:, :2048].t(), x8):
         pytest.skip("torch._scaled_mm's blockwise FP8 recipe is not available on this device")
     gen = torch.Generator().manual_seed(input_seed(4))
     for M in (300, 1024):
         check_swiglu_split("cuda", gen, M=M, N=2048, K=4096, cublas=True)
+
+
+@pytest.mark.cuda
+def test_fp8_gemm_writes_every_output():
+    """The FP8 prefill GEMM as the linears call it (cublas where scaled_mm_ok allows) writes every
+    output of a NaN-filled tensor and gives the Triton GEMM's bits, for the small models' shapes
+    (k = 128, 256, 384: torch._scaled_mm left rows unwritten there, issue 33) and Flash's, at row
+    counts that are no multiple of a tile."""
+    from dsv4.kernels import prefill_gemm as P
+    gen = torch.Generator().manual_seed(input_seed(5))
+    for n, k in ((128, 128), (512, 128), (256, 256), (512, 384), (256, 512), (1024, 4096)):
+        w, s = _fmt_weight("fp8", n, k, gen, "cuda")
+        for m in (256, 300, 600, 1000):
+            x8, xs = P.act_quant8(torch.randn(m, k, generator=gen).bfloat16().cuda())
+            got, want = (P.gemm8(x8, xs, w, s, "fp8", torch.full((m, n), float("nan"),
+                                                                   dtype=torch.bfloat16,
+                                                                   device="cuda"),
+                                 bm=P.pick_bm(m), warps=4, cublas=c) for c in (True, False))
+            assert not got.isnan().any(), f"{m}x{n}x{k}: unwritten outputs"
+            assert torch.equal(got, want), f"{m}x{n}x{k}: torch._scaled_mm vs gemm8"
 
 
 @pytest.mark.cuda
