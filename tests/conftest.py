@@ -5,6 +5,7 @@ import importlib.metadata
 import importlib.util
 import os
 import re
+import warnings
 from pathlib import Path
 
 import pytest
@@ -64,6 +65,53 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_multi)
 
 
+POISON_BYTE = 0xFF      # NaN as float32 / bf16 / fp16 / e4m3, -1 as a signed integer
+POISON_BYTES = 16 << 30   # at most this much of a GPU's free memory is poisoned and kept cached
+POISON_PIECE = 256 << 20
+POISON_SMALL = 512 << 10  # pieces of the caching allocator's small pool (< 1 MiB)
+
+
+def poison_cuda_memory(device: torch.device) -> float:
+    """Make the caching allocator's free memory on `device` poisoned: empty its cache, then take
+    up to POISON_BYTES (all but 512 MiB of what is free) in pieces of both of its pools, fill them
+    with POISON_BYTE and free them, so they stay cached and later allocations of this process
+    (split from them) start as NaN / -1: a kernel that reads what nothing wrote then fails on
+    every GPU, not only where memory happens to be dirty. (Memory handed back to the driver
+    comes back zeroed, so the poison must stay in the cache.) -> the fraction of a fresh 64 MiB
+    allocation that reads as poison."""
+    torch.cuda.synchronize(device)
+    with torch.cuda.device(device):
+        torch.cuda.empty_cache()
+        free, _ = torch.cuda.mem_get_info(device)
+        n = max(0, min(POISON_BYTES, free - (512 << 20)) // POISON_PIECE)
+        held = [torch.empty(POISON_SMALL, dtype=torch.uint8, device=device) for _ in range(256)]
+        held += [torch.empty(POISON_PIECE, dtype=torch.uint8, device=device) for _ in range(n)]
+        for t in held:
+            t.fill_(POISON_BYTE)
+        torch.cuda.synchronize(device)
+        del held, t
+        probe = torch.empty(64 << 20, dtype=torch.uint8, device=device)
+        frac = (probe == POISON_BYTE).float().mean().item()
+        del probe
+    return frac
+
+
+@pytest.fixture(autouse=True, scope="module")
+def poisoned_cuda_memory(request):
+    """CUDA test modules start on poisoned GPU memory (poison_cuda_memory on every GPU). Off with
+    DSV4_TEST_POISON=0."""
+    cuda_items = [i for i in request.session.items if i.module is request.module
+                  and ("cuda" in i.keywords or "multigpu" in i.keywords)]
+    if cuda_items and _cuda_ok() and os.environ.get("DSV4_TEST_POISON", "1") != "0":
+        for d in range(torch.cuda.device_count()):
+            frac = poison_cuda_memory(torch.device("cuda", d))
+            if frac < 1.0:    # another process holds the GPU's memory: say so, run unpoisoned
+                warnings.warn(f"cuda:{d}: only {frac:.3f} of a new allocation reads as poison "
+                              f"({torch.cuda.mem_get_info(d)[0] >> 20} MiB free): "
+                              f"{request.module.__name__} runs on memory that is not poisoned")
+    yield
+
+
 @pytest.fixture(scope="session")
 def shared_dir() -> Path:
     if not SHARED.is_dir():
@@ -78,6 +126,15 @@ def parity_case_dir(name: str) -> Path:
         if (base / name).is_dir():
             return base / name
     pytest.skip(f"parity case {name} not found (../shared absent)")
+
+
+@pytest.fixture
+def near_ties(monkeypatch):
+    """A helpers.NearTies recorder, installed for the test; tests that assert float32 agreement of
+    two differently batched computations check `near_ties.min_gap > helpers.GAP` after them, so
+    they hold on any CPU (a top-k near-tie would let float32 noise pick another entry)."""
+    from helpers import NearTies
+    return NearTies().install(monkeypatch)
 
 
 @pytest.fixture
