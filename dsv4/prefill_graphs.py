@@ -7,9 +7,11 @@ the layer's device) -> `lm_head` (the last row's logits). A prompt is fed as max
 pieces, then the binary decomposition of the rest, largest piece first, each piece at the
 position the previous one reached: chunked prefill at any position is exact, so the state and
 logits equal Transformer.prefill's. Every replay costs a fixed part (the prefill GEMMs read all
-weights even for a few rows), so a rest of many pieces can be slower than one eager chunk:
-building times each size eagerly and replayed, and `plan` replays a piece only where the
-measured replays beat the eager chunk. Long chunks gain too: a 4,096-token Flash chunk issues
+weights even for a few rows), so pieces can be slower than the eager chunk they replace:
+building times each size replayed and each eager chunk size up to the prefill chunk, and `plan`
+replays pieces only where the measured replays beat the eager chunks they stand for (with
+--prefill-graphs 512, a 4,096-token prompt replayed eight 512-row graphs in 574 ms where one
+eager chunk took 208: issue 33). Long chunks can gain too: a 4,096-token Flash chunk issues
 ~7,700 launches, about as long on the host as on the device. Capturing runs every size eagerly
 and resets the model: build before the first sequence (Session does, with
 RuntimeConfig.prefill_graphs).
@@ -44,11 +46,24 @@ def pieces(n: int, max_rows: int) -> list[int]:
     return out
 
 
-def graphs_pay(n: int, max_rows: int, replay_ms: dict, eager_ms: dict) -> bool:
-    """Whether n tokens replay faster as graph pieces than as one eager chunk, by the measured
-    times per chunk size (eager: that of the smallest size >= n; longer prompts: the largest)."""
-    eager = eager_ms[min([S for S in eager_ms if S >= n], default=max_rows)]
-    return sum(replay_ms[S] for S in pieces(n, max_rows)) < eager
+def eager_time(n: int, eager_ms: dict) -> float:
+    """The measured time of one eager chunk of n rows: that of the smallest measured size >= n
+    (an eager chunk costs no less with more rows), or past the largest, scaled from it."""
+    above = [S for S in eager_ms if S >= n]
+    if above:
+        return eager_ms[min(above)]
+    top = max(eager_ms)
+    return eager_ms[top] * n / top
+
+
+def eager_sizes(max_rows: int, limit: int) -> list[int]:
+    """The eager chunk sizes a build times: the captured ones, then powers of two past them up
+    to `limit` (the prefill chunk, at most the cache capacity: a prompt's eager alternative is
+    chunks of it), and `limit` itself."""
+    out = chunk_sizes(max_rows)
+    while out[-1] * 2 < limit:
+        out.append(out[-1] * 2)
+    return out + [limit] if limit > out[-1] else out
 
 
 def _timed(fn, devices) -> float:
@@ -98,17 +113,29 @@ class _ChunkGraphs:
         gen = torch.Generator(device=hd).manual_seed(S)
         torch.randint(0, cfg.vocab_size, (S,), generator=gen, device=hd, out=self.ids)
         self.decoder.warmup()                 # compiles the kernels of this size
-        devs = list(dict.fromkeys([hd] + model.placement))
+        # one eager chunk of the same tokens, warm (its start a host int: cache entries past the
+        # chunk are not scanned), then the replay
+        self.eager_ms = _eager_chunk_ms(model, S)
+        self.decoder.capture()
+        self.replay_ms = _timed(self.decoder.step, list(dict.fromkeys([hd] + model.placement)))
+        model.reset()
 
-        def eager():                          # Transformer.prefill's eager chunk at position 0
-            model.logits(model._prefill_chunk(self.ids, 0)[-1:].to(hd))
-        model.reset()
-        eager()                               # its host-shaped kernels compiled too
-        model.reset()
-        self.eager_ms = _timed(eager, devs)   # one eager chunk, warm (its start a host int:
-        self.decoder.capture()                # cache entries past the chunk are not scanned)
-        self.replay_ms = _timed(self.decoder.step, devs)
-        model.reset()
+
+def _eager_chunk_ms(model, S: int) -> float:
+    """One eager chunk of S random tokens at position 0 (Transformer.prefill's), warm, in ms
+    (the tokens _ChunkGraphs times its replay on: the same seed)."""
+    hd = model.head_device
+    gen = torch.Generator(device=hd).manual_seed(S)
+    ids = torch.randint(0, model.cfg.vocab_size, (S,), generator=gen, device=hd)
+
+    def eager():
+        model.logits(model._prefill_chunk(ids, 0)[-1:].to(hd))
+    model.reset()
+    eager()                                   # compiles the kernels of this size
+    model.reset()
+    ms = _timed(eager, list(dict.fromkeys([hd] + model.placement)))
+    model.reset()
+    return ms
 
 
 class PrefillGraphs:
@@ -123,32 +150,44 @@ class PrefillGraphs:
         if model.head_device.type != "cuda":
             raise ConfigError("prefill graphs need CUDA devices (the model is on "
                               f"{model.head_device}); use prefill_graphs = 0")
-        self.max_rows = max_rows
+        chunk_sizes(max_rows)             # validates it
+        cap = model.rt.max_seq_len        # no chunk longer than the cache (state past it)
+        self.max_rows = min(max_rows, 1 << (cap.bit_length() - 1))
         self.max_prompt = max_prompt
+        self.prefill_chunk = model.rt.prefill_chunk
         t = time.perf_counter()
         with torch.inference_mode():
-            self.chunks = {S: _ChunkGraphs(model, S, nvtx_domain) for S in chunk_sizes(max_rows)}
+            self.chunks = {S: _ChunkGraphs(model, S, nvtx_domain)
+                           for S in chunk_sizes(self.max_rows)}
+            self.replay_ms = {S: c.replay_ms for S, c in self.chunks.items()}
+            self.eager_ms = {S: c.eager_ms for S, c in self.chunks.items()}
+            for S in eager_sizes(self.max_rows, min(self.prefill_chunk, cap))[len(self.chunks):]:
+                self.eager_ms[S] = _eager_chunk_ms(model, S)   # the eager alternative's chunks
         self.capture_s = time.perf_counter() - t
-        self.replay_ms = {S: c.replay_ms for S, c in self.chunks.items()}
-        self.eager_ms = {S: c.eager_ms for S, c in self.chunks.items()}
 
     def plan(self, n: int, chunk: int | None = None) -> list[tuple[int, bool]]:
-        """n tokens as pieces [(rows, replayed)] in order, by the times measured when built:
-        pieces of `cap` rows (the largest captured size <= chunk, default max_rows) replay where
-        their replay beat the eager chunk; the rest (< cap) replays as its binary pieces where
-        together they beat one eager chunk of it, else stays one eager piece. Beyond
-        max_prompt: all eager."""
-        cap = self.max_rows if chunk is None else min(self.max_rows, 1 << (chunk.bit_length() - 1))
+        """n tokens as pieces [(rows, replayed)] in order, by the times measured when built. The
+        eager alternative is chunks of `chunk` rows (default: the model's prefill chunk), so
+        each such segment takes the fastest of: one eager chunk; its graph pieces (pieces of
+        `cap` rows, the largest captured size <= chunk, then the binary pieces of the rest); its
+        cap-sized pieces replayed and the rest as one eager chunk. Beyond max_prompt: all
+        eager. Neighbouring eager pieces merge (Transformer.prefill cuts them into chunks)."""
+        chunk = self.prefill_chunk if chunk is None else chunk
+        cap = min(self.max_rows, 1 << (chunk.bit_length() - 1))
         if self.max_prompt is not None and n > self.max_prompt:
             return [(n, False)]
-        full, rest = divmod(n, cap)
-        out = [(cap, self.replay_ms[cap] < self.eager_ms[cap])] * full
-        if rest:
-            if graphs_pay(rest, cap, self.replay_ms, self.eager_ms):
-                out += [(S, True) for S in pieces(rest, cap)]
-            else:
-                out.append((rest, False))
-        merged: list[tuple[int, bool]] = []       # neighbouring eager pieces: one
+        out: list[tuple[int, bool]] = []
+        for pos in range(0, n, chunk):
+            seg = min(chunk, n - pos)
+            full, rest = divmod(seg, cap)
+            options = [(eager_time(seg, self.eager_ms), [(seg, False)]),
+                       (sum(self.replay_ms[S] for S in pieces(seg, cap)),
+                        [(S, True) for S in pieces(seg, cap)])]
+            if full and rest:
+                options.append((full * self.replay_ms[cap] + eager_time(rest, self.eager_ms),
+                                [(cap, True)] * full + [(rest, False)]))
+            out += min(options, key=lambda o: o[0])[1]
+        merged: list[tuple[int, bool]] = []
         for rows, graphed in out:
             if merged and not graphed and not merged[-1][1]:
                 merged[-1] = (merged[-1][0] + rows, False)

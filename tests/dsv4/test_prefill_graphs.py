@@ -6,7 +6,7 @@ import torch
 
 from dsv4.errors import ConfigError
 from dsv4.model import RuntimeConfig
-from dsv4.prefill_graphs import chunk_sizes, graphs_pay, pieces
+from dsv4.prefill_graphs import chunk_sizes, eager_time, pieces
 from helpers import live_state, small_checkpoint
 
 
@@ -19,21 +19,18 @@ def test_pieces_cover_the_prompt_largest_first():
     assert pieces(45, 8) == [8, 8, 8, 8, 8, 4, 1]
 
 
-def test_graphs_pay_where_the_measured_replays_beat_one_eager_chunk():
-    # the H200 figures of Flash 30 layers: a replay costs a fixed ~35 ms, eager ~180 ms
-    replay = {1: 21, 2: 36, 4: 37, 8: 38, 16: 41, 32: 46, 64: 53, 128: 67, 256: 81, 512: 122}
-    eager = {S: 180 for S in replay}
-    assert graphs_pay(128, 512, replay, eager) and graphs_pay(192, 512, replay, eager)
-    assert not graphs_pay(255, 512, replay, eager)      # 8 pieces: 339 ms
-    assert graphs_pay(512, 512, replay, eager) and not graphs_pay(1024, 512, replay, eager)
-    assert not graphs_pay(128, 512, replay, {S: 60 for S in replay})
+def test_eager_time_is_the_smallest_measured_chunk_that_holds_the_rows():
+    eager = {1: 20, 2: 20, 4: 30, 8: 50}
+    assert eager_time(1, eager) == 20 and eager_time(3, eager) == 30 and eager_time(8, eager) == 50
+    assert eager_time(12, eager) == pytest.approx(75)             # past the largest: scaled
 
 
-def _measured(replay, eager, max_rows, max_prompt=None):
+def _measured(replay, eager, max_rows, max_prompt=None, prefill_chunk=None):
     """A PrefillGraphs with these build-time measurements and no graphs (plan only)."""
     from dsv4.prefill_graphs import PrefillGraphs
     pg = object.__new__(PrefillGraphs)
     pg.max_rows, pg.max_prompt, pg.replay_ms, pg.eager_ms = max_rows, max_prompt, replay, eager
+    pg.prefill_chunk = prefill_chunk or max_rows
     pg.chunks = dict.fromkeys(replay)
     return pg
 
@@ -54,8 +51,26 @@ def test_plan_replays_full_pieces_and_the_rest_where_measured_faster():
     assert slow.plan(8192 + 128) == [(8192, False), (128, True)]
     capped = _measured(replay, eager, 4096, max_prompt=512)
     assert capped.plan(600) == [(600, False)] and capped.plan(512) == [(512, True)]
-    assert pg.plan(1000, chunk=300) == pg.plan(1000, chunk=256)     # a captured size <= chunk
-    assert pg.plan(1000, chunk=300) == [(256, True)] * 3 + [(232, False)]
+    # eager chunks of 300 rows (180 ms) beat their pieces (256 + 32 + 8 + 4: 202 ms), and the
+    # cap-sized piece with the rest eager (81 + 180); the last 100 rows replay (136 ms)
+    assert pg.plan(1000, chunk=300) == [(900, False), (64, True), (32, True), (4, True)]
+    assert pg.plan(1000, chunk=256) == [(256, True)] * 3 + [(232, False)]
+
+
+def test_plan_weighs_pieces_against_the_eager_chunk_they_replace():
+    """Issue 33: with --prefill-graphs 512, a 4,096-token prompt replayed eight 512-row graphs
+    (574 ms, 20 Flash layers on an H100) where one eager 4,096-row chunk took 208 ms."""
+    from dsv4.prefill_graphs import eager_sizes
+    replay = {1: 20, 2: 30, 4: 31, 8: 32, 16: 34, 32: 38, 64: 43, 128: 48, 256: 56, 512: 71.7}
+    eager = {S: 150 for S in replay} | {1024: 160, 2048: 180, 4096: 207.7}
+    assert eager_sizes(512, 4096) == list(eager)
+    pg = _measured(replay, eager, 512, prefill_chunk=4096)
+    assert pg.plan(4096) == [(4096, False)]
+    assert pg.plan(4096, chunk=512) == [(512, True)] * 8          # eager chunks of 512: slower
+    assert pg.plan(600) == [(600, False)]             # 160 < 71.7 + 150 (512 + the rest)
+    assert pg.plan(260) == [(256, True), (4, True)]             # 87 < 150
+    assert pg.plan(300) == [(300, False)]                        # 157 > 150
+    assert eager_time(5000, eager) == pytest.approx(207.7 * 5000 / 4096)
 
 
 @pytest.mark.parametrize("bad", [3, -4, 6, True, 2.0])
