@@ -45,3 +45,47 @@ def assert_state_close(a, b, tol=1e-5):
         err = (x[fin] - y[fin]).abs().max().item() if fin.any() else 0.0
         scale = max(y[fin].abs().max().item(), 1.0) if fin.any() else 1.0
         assert err <= tol * scale, f"state tensor {i}: max abs error {err:.3g} (scale {scale:.3g})"
+
+
+class NearTies:
+    """The smallest relative gap, over every top-k selection made while it is installed, between
+    the k-th best score and the best one left out: MoE routing (Tensor.topk over float scores)
+    and the indexer's topk_lowest. Two differently batched float32 computations of the same
+    thing differ by ~1e-6 of a value (chunked prefill's state on several CPUs, thread counts and
+    vector widths), so where every gap is far above that they select the same entries on any
+    machine, and exactness can be asserted of the rest. Exact ties of zeros or infinities (relu'd
+    index scores, masked entries) are broken by a fixed rule and stay exact: they do not count.
+    install() with a pytest monkeypatch; `min_gap` after the computation."""
+
+    def __init__(self):
+        self.min_gap = float("inf")
+
+    def note(self, scores: torch.Tensor, k: int, dim: int = -1, largest: bool = True) -> None:
+        if not scores.is_floating_point() or not 0 < k < scores.shape[dim]:
+            return
+        v = scores.detach().float().sort(dim=dim, descending=largest).values
+        a, b = v.narrow(dim, k - 1, 1), v.narrow(dim, k, 1)
+        exact = (a == b) & ((a == 0) | a.isinf())
+        gap = (a - b).abs() / torch.maximum(a.abs(), b.abs()).clamp_min(1e-30)
+        gap = gap.masked_fill(exact | (a.isinf() & ~b.isinf()), float("inf"))
+        self.min_gap = min(self.min_gap, float(gap.min()))
+
+    def install(self, monkeypatch) -> "NearTies":
+        import dsv4.indexer
+        topk, lowest = torch.Tensor.topk, dsv4.indexer.topk_lowest
+
+        def noted_topk(t, k, dim=-1, largest=True, sorted=True):
+            self.note(t, k, dim, largest)
+            return topk(t, k, dim=dim, largest=largest, sorted=sorted)
+
+        def noted_lowest(scores, k):
+            self.note(scores, k)
+            return lowest(scores, k)
+        monkeypatch.setattr(torch.Tensor, "topk", noted_topk)
+        monkeypatch.setattr(dsv4.indexer, "topk_lowest", noted_lowest)
+        return self
+
+
+# The smallest top-k gap at which tests assert float32 agreement: ten times the noise measured
+# between chunkings (<= 1e-6 of a value, 1 or 2 threads, AVX2 / AVX-512 / no vector kernels).
+GAP = 1e-5

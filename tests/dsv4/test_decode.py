@@ -7,7 +7,7 @@ from conftest import parity_case_dir
 from dsv4.generate import Session, load_model
 from dsv4.model import RuntimeConfig
 from dsv4.sampling import SamplingParams, sample, uniform_noise
-from helpers import small_checkpoint
+from helpers import GAP, small_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -40,25 +40,28 @@ def _prefill_then_decode(m, ids, n_prompt):
 
 
 @pytest.mark.parametrize("n_prompt", [1, 17, 64])
-def test_prefill_then_decode_equals_token_by_token(ckpts, n_prompt, no_fake_quant):
+def test_prefill_then_decode_equals_token_by_token(ckpts, n_prompt, no_fake_quant, near_ties):
     """float32, bf16 weights: 100 positions cross 6 window wraps, ratio-4/16 emissions and
-    indexer saturation (top-8 of up to 25 entries)."""
+    indexer saturation (top-8 of up to 25 entries); no top-k near-tie (near_ties), so float32
+    noise is all that differs, on any CPU."""
     m = _model(ckpts["bf16"])
     g = torch.Generator().manual_seed(n_prompt)
     ids = torch.randint(0, m.cfg.vocab_size, (100,), generator=g).tolist()
     err = _rel_err(_prefill_then_decode(m, ids, n_prompt), _token_by_token(m, ids, n_prompt))
+    assert near_ties.min_gap > GAP, f"a top-k near-tie ({near_ties.min_gap:.2g}): other inputs"
     assert err.max() < 1e-5, f"max relative error {err.max():.3g}"
 
 
 @pytest.mark.parametrize("n_prompt", [17, 64])
 def test_prefill_then_decode_with_fake_quant(ckpts, n_prompt):
     """The real forward (fake-quant on): rows sit at float32 noise until a rounding flip lands in a
-    cached KV entry; from then on they stay within ~1e-4 (a flip changes one element by 1/16)."""
+    cached KV entry (where depends on the CPU's summation order); from then on they stay within
+    ~1e-4 (a flip changes one element by 1/16)."""
     m = _model(ckpts["bf16"])
     g = torch.Generator().manual_seed(n_prompt)
     ids = torch.randint(0, m.cfg.vocab_size, (100,), generator=g).tolist()
     err = _rel_err(_prefill_then_decode(m, ids, n_prompt), _token_by_token(m, ids, n_prompt))
-    assert err[:8].max() < 1e-5 and err.median() < 1e-3 and err.max() < 5e-3, err
+    assert err.median() < 1e-3 and err.max() < 5e-3, err
 
 
 def _rel_err(a, b):

@@ -8,8 +8,8 @@ from dsv4.errors import CapacityError, InputError
 from dsv4.generate import Session, load_model
 from dsv4.model import RuntimeConfig
 from dsv4.sampling import SamplingParams
+from helpers import GAP, live_state, small_checkpoint
 from helpers import assert_state_close as _assert_state_close
-from helpers import live_state, small_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -42,44 +42,56 @@ def _token_by_token(m, ids):
 
 
 @pytest.mark.parametrize("chunk", [1, 3, 7, 16, 64])
-def test_chunked_prefill_equals_one_chunk(ckpts, chunk, no_fake_quant):
+def test_chunked_prefill_equals_one_chunk(ckpts, chunk, no_fake_quant, near_ties):
     """100 positions: window wraps (W = 16), ratio-4 / 16 emissions across chunk edges, indexer
-    saturation (top-8 of up to 25 entries)."""
+    saturation (top-8 of up to 25 entries). Float32 noise apart (~1e-6 here), on any CPU: every
+    top-k choice of these inputs has a gap far above that noise (near_ties)."""
     m = _model(ckpts["bf16"])
     ids = _ids(m, 100, chunk)
     one = m.prefill(ids)
     ref_state = live_state(m)
     got = m.prefill(ids, chunk=chunk)
+    assert near_ties.min_gap > GAP, f"a top-k near-tie ({near_ties.min_gap:.2g}): other inputs"
     assert _rel(got, one) < 1e-5
     _assert_state_close(live_state(m), ref_state)
 
 
 @pytest.mark.parametrize("first,chunk", [(1, 5), (37, 11), (50, 64), (96, 3)])
-def test_prefill_at_offset_equals_token_by_token(ckpts, first, chunk, no_fake_quant):
+def test_prefill_at_offset_equals_token_by_token(ckpts, first, chunk, no_fake_quant, near_ties):
     m = _model(ckpts["bf16"])
     ids = _ids(m, 100, first)
     tbt = _token_by_token(m, ids)
     ref_state = live_state(m)
     m.prefill(ids[:first])
     got = m.prefill(ids[first:], start=first, chunk=chunk)
+    assert near_ties.min_gap > GAP, f"a top-k near-tie ({near_ties.min_gap:.2g}): other inputs"
     assert _rel(got, tbt[-1]) < 1e-5
     _assert_state_close(live_state(m), ref_state)
 
 
+# A flip of one e4m3 rounding (an activation or cached KV value landing on the other side of a
+# rounding boundary because another batching summed it in another order) moves the logits of a
+# random FP8 model by up to ~7e-2 (measured: token-by-token against one chunk, 24 tokens); a wrong
+# position, row or state slot moves them by 0.3 or more (test_prefill_kernels).
+FLIP_BOUND = 0.15
+
+
 def test_chunked_prefill_with_fake_quant(ckpts):
-    """The real forward (every fake-quant and W8A8 step on), float32: with FP8/FP4 weights a short
-    prompt agrees to float32 noise whatever the chunking; a longer one (bf16 weights) stays within
-    the size of an e4m3 rounding flip in a cached entry (~1e-4 each)."""
+    """The real forward (every fake-quant and W8A8 step on), float32. Which chunkings flip a
+    rounding depends on the CPU's summation order (on one machine chunks of 6-10 tokens flipped
+    here, on another none), so each chunking only stays within what a flip can do: 1..24-token
+    chunks of a 24-token prompt with FP8/FP4 weights, and a longer prompt with bf16 weights (KV
+    fake-quant only). The exact agreement of every chunking is asserted with fake-quant off."""
     m = _model(ckpts["fp8"])
     ids = _ids(m, 24, 1)
     one = m.prefill(ids)
-    for chunk in (1, 5, 7):
-        assert _rel(m.prefill(ids, chunk=chunk), one) < 1e-5, chunk
-    m = _model(ckpts["bf16"])      # KV fake-quant only: flips are rarer than with W8A8 too
+    errs = {chunk: _rel(m.prefill(ids, chunk=chunk), one) for chunk in range(1, 25)}
+    assert max(errs.values()) < FLIP_BOUND, errs
+    m = _model(ckpts["bf16"])
     ids = _ids(m, 100, 2)
     one = m.prefill(ids)
     for chunk in (3, 7, 32):
-        assert _rel(m.prefill(ids, chunk=chunk), one) < 5e-3, chunk
+        assert _rel(m.prefill(ids, chunk=chunk), one) < FLIP_BOUND, chunk
 
 
 def test_bf16_chunked_prefill_stays_close(ckpts):
@@ -92,7 +104,7 @@ def test_bf16_chunked_prefill_stays_close(ckpts):
     assert _rel(m.prefill(ids, chunk=9), one) < 0.05
 
 
-def test_session_continues_a_sequence(ckpts, no_fake_quant):
+def test_session_continues_a_sequence(ckpts, no_fake_quant, near_ties):
     """Two turns on one session (the second continues the first, which is not read again) give
     the tokens and logits of one fresh run over the whole sequence."""
     m = _model(ckpts["bf16"])
@@ -104,6 +116,7 @@ def test_session_continues_a_sequence(ckpts, no_fake_quant):
     assert s.length == 30 + 6 + 17 + 7
     fresh = Session(_model(ckpts["bf16"]), SamplingParams())
     whole = fresh.generate(a + first.output_ids + b, 8, keep_logits=True)
+    assert near_ties.min_gap > GAP, f"a top-k near-tie ({near_ties.min_gap:.2g}): other inputs"
     assert second.output_ids == whole.output_ids
     assert max(_rel(x, y) for x, y in zip(second.logits, whole.logits)) < 1e-5
     # prefill-only turns, then generate from there
