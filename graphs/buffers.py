@@ -83,6 +83,35 @@ def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a0 < b1 and b0 < a1
 
 
+class LiveBuffers(Mapping):
+    """A segment's `reads`/`writes` whose entries may live on another object: name -> tensor, or
+    name -> (obj, "attr"), looked up as getattr(obj, "attr") at every access.
+
+    State owned by a library object (a KV cache layer's `keys`) stays where it lives; the plan
+    takes the tensors once at allocate() time, and debug mode re-reads them before each step, so
+    `obj.attr = new_tensor` (a reallocation the graph would never see) raises DebugPointerError
+    instead of replaying on freed memory, which a dict snapshot would hide.
+    """
+
+    def __init__(self, entries: Mapping[str, object]):
+        self._entries = dict(entries)
+        for name, v in self._entries.items():
+            if not (isinstance(v, torch.Tensor) or (isinstance(v, tuple) and len(v) == 2
+                                                    and isinstance(v[1], str))):
+                raise BufferError(f"LiveBuffers[{name!r}] is a {type(v).__name__}; expected a "
+                                  "tensor or an (object, 'attribute') pair")
+
+    def __getitem__(self, name: str):
+        v = self._entries[name]
+        return v if isinstance(v, torch.Tensor) else getattr(v[0], v[1], None)
+
+    def __iter__(self):
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
 class PointerTable:
     """data_ptr() of every static buffer, re-read from the caller's mappings on `moved()`.
 
