@@ -14,7 +14,7 @@ pytest.importorskip("transformers",
                     reason="transformers is not installed (the 'dev' extra brings it)")
 from examples import hf_decoder as hd  # noqa: E402 - after the skip
 
-from graphs import DebugPointerError  # noqa: E402
+from graphs import DebugPointerError, find_host_syncs  # noqa: E402
 
 PROMPT = [7, 21, 300, 42, 5, 99, 12]
 N_NEW = 64
@@ -95,11 +95,13 @@ def test_steps_equal_prefill_and_a_new_sequence_reuses_the_cache():
     torch.testing.assert_close(again[1], expected[1], rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("family", ["llama", "mixtral"])
+@pytest.mark.parametrize("family", ["llama", "mixtral", "qwen2_moe"])
 def test_decode_step_has_no_host_sync(family, monkeypatch):
-    """Capture-readiness on the CPU: nothing in a step reads tensor values on the host."""
+    """Capture-readiness on the CPU: no op of a step syncs (graphs.find_host_syncs, the profiler's
+    view, C++ included) and no Python code reads a tensor value."""
     with hd.HFGraphDecoder(hd.build_model(family), max_seq_len=64, mode="eager") as dec:
         dec.prefill(PROMPT)
+        assert find_host_syncs(dec.decoder.eager_step) == []
 
         def boom(*a, **k):
             raise AssertionError("host sync in the decode step")
@@ -112,6 +114,15 @@ def test_decode_step_has_no_host_sync(family, monkeypatch):
         dec.decoder.step(token=5, pos=30)
         monkeypatch.undo()
         assert int(dec.pos[0]) == 31
+
+
+def test_the_libraries_eager_experts_would_not_capture():
+    """Why check_supported refuses experts_implementation='eager' in graph mode: its step syncs."""
+    model = hd.build_model("mixtral", experts_implementation="eager")
+    with hd.HFGraphDecoder(model, max_seq_len=64, mode="eager") as dec:
+        dec.prefill(PROMPT)
+        found = find_host_syncs(dec.decoder.eager_step)
+    assert any(f.startswith("aten::nonzero") for f in found), found
 
 
 def test_debug_mode_watches_the_models_cache():
