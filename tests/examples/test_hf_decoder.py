@@ -240,3 +240,15 @@ def test_bench_runs_on_the_cpu_and_reports_every_path():
     assert ms["hf_compile_static"] is None and "accelerators" in row["notes"]["hf_compile_static"]
     assert row["notes"]["graphs_eager_first_32_tokens_equal_generate"] is True
     assert row["device"] == "cpu" and row["transformers"]
+
+
+def test_embedding_doc_walks_through_the_example():
+    from pathlib import Path
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "EMBEDDING.md").read_text()
+    section = doc.split("## A model you did not write: `transformers`", 1)[1]
+    for phrase in ("python -m examples.hf_decoder", "HFGraphDecoder", "StaticCache",
+                   "cumulative_length", "LiveBuffers", "find_host_syncs", "batched_mm",
+                   "python -m examples.hf_bench", "generate()"):
+        assert phrase in section, phrase
+    for name in ("embed", "layer{l}", "head"):             # the segment table
+        assert f"| `{name}` |" in section, name
