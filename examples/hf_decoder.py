@@ -93,11 +93,12 @@ class HFGraphDecoder:
 
     `devices`: the primary first; layers split over them by weight bytes (graphs'
     balanced_placement), or pass `placement` (one device per layer). Modules are moved there.
+    `capture=False` leaves `self.decoder.allocate()`, `warmup()`, `capture()` to the caller.
     """
 
     def __init__(self, model, max_seq_len: int, *, devices: Sequence | None = None,
                  placement: Sequence | None = None, mode: str = "auto",
-                 granularity: str = "segment", debug: bool = False):
+                 granularity: str = "segment", debug: bool = False, capture: bool = True):
         self.model, self.max_seq_len = model, max_seq_len
         inner = model.model                              # embed_tokens, layers, norm, rotary_emb
         self.layers = list(inner.layers)
@@ -127,9 +128,10 @@ class HFGraphDecoder:
             outputs={"token": self.token, "logits": self.logits}, mode=mode,
             granularity=granularity, reset_fn=self.cache.reset, debug=debug, nvtx_domain="hf",
             fix_hints=(f"a smaller max_seq_len (now {max_seq_len})", "mode='eager'"))
-        self.decoder.allocate()
-        self.decoder.warmup()
-        self.decoder.capture()
+        if capture:
+            self.decoder.allocate()
+            self.decoder.warmup()
+            self.decoder.capture()
 
     # ------------------------------------------------------------------ build
     def _static_cache(self) -> StaticCache:
