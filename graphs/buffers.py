@@ -52,6 +52,11 @@ def allocate_all(specs: Iterable[BufferSpec]) -> dict[str, torch.Tensor]:
 def check_buffers(owner: str, kind: str, buffers: Mapping[str, object], device: torch.device) -> None:
     """Raise BufferError unless every value of `buffers` is a tensor on `device`."""
     for name, t in buffers.items():
+        if t is None:
+            raise BufferError(
+                f"{owner}.{kind}[{name!r}] is None: state its owner allocates lazily (on first use) "
+                "does not exist yet. Fix: have the owner allocate it before allocate() (its own "
+                "init call); a buffer allocated after capture would alias graph memory.")
         if not isinstance(t, torch.Tensor):
             raise BufferError(f"{owner}.{kind}[{name!r}] is a {type(t).__name__}, not a tensor. "
                               "Fix: pass the static tensor itself (allocated once, before capture).")

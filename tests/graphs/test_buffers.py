@@ -95,6 +95,18 @@ def test_live_buffers_read_attributes_at_each_lookup():
         LiveBuffers({"x": 3})
 
 
+def test_lazily_allocated_state_is_named_at_allocate():
+    from graphs import CUDAGraphDecoder, LiveBuffers, Segment
+    obj = _Holder()
+    obj.keys = None                               # a cache before its first update
+    seg = Segment("layer0", "cpu", lambda: None, reads=LiveBuffers({"k": (obj, "keys")}),
+                  writes={})
+    dec = CUDAGraphDecoder([seg], {}, {}, mode="eager")
+    with pytest.raises(BufferError, match=r"layer0\.reads\['k'\] is None.*lazily.*before "
+                                          r"allocate\(\)"):
+        dec.allocate()
+
+
 def test_debug_mode_sees_a_rebound_attribute_that_a_dict_snapshot_hides():
     from graphs import CUDAGraphDecoder, DebugPointerError, LiveBuffers, Segment
     obj, x = _Holder(), torch.zeros(4)
