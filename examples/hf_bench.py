@@ -93,7 +93,7 @@ def graphs_run(dec: HFGraphDecoder, prompt: list[int], sync_each: bool) -> Calla
 
 
 def bench(shape: str, device: str = "cuda:0", dtype: str = "bfloat16", prompt_len: int = 32,
-          new_tokens: int = 256, repeats: int = 3, compile: bool = True) -> dict:
+          new_tokens: int = 128, repeats: int = 3, compile: bool = True) -> dict:
     """Build the model, time every path on `device`, return the JSON-able result row."""
     dev, dt = torch.device(device), getattr(torch, dtype)
     family, overrides = SHAPES[shape]
@@ -157,7 +157,7 @@ def main(argv=None) -> None:
     ap.add_argument("--device", default="cuda:0")
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     ap.add_argument("--prompt", type=int, default=32)
-    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile path")
     a = ap.parse_args(argv)
