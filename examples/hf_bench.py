@@ -98,7 +98,9 @@ def bench(shape: str, device: str = "cuda:0", dtype: str = "bfloat16", prompt_le
     dev, dt = torch.device(device), getattr(torch, dtype)
     family, overrides = SHAPES[shape]
     model = build_model(family, device=dev, dtype=dt, **overrides)
-    cap = prompt_len + max(new_tokens, CHECK_TOKENS) + 1
+    # cache capacity rounded up to 64 rows: SDPA's memory-efficient kernel wants the mask's last
+    # dimension 16-aligned (it would pad a copy each call otherwise)
+    cap = -(-(prompt_len + max(new_tokens, CHECK_TOKENS) + 1) // 64) * 64
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, model.config.vocab_size, (prompt_len,), generator=g).tolist()
     prompt = torch.tensor([ids], device=dev)
