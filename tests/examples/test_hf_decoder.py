@@ -234,6 +234,23 @@ def test_two_gpu_split_graph_equals_split_eager_and_generate(granularity):
     assert_same_greedy(*out["graph"], ref_tokens, ref_logits)
 
 
+def test_bench_runs_on_the_cpu_and_reports_every_path():
+    """examples/hf_bench.py on a tiny model (the GPU run is the lead's): a number for each path
+    that runs here, and the reason for each that does not."""
+    from examples import hf_bench
+    row = hf_bench.bench("tiny", device="cpu", dtype="float32", prompt_len=8, new_tokens=4,
+                         repeats=1)
+    ms = row["ms_per_token"]
+    assert set(ms) == {"hf_generate_dynamic", "hf_generate_static_eager",
+                       "hf_forward_static_eager", "graphs_eager", "hf_compile_static"}
+    # numbers only: 4 tokens on a shared CPU time noise (a difference of two runs may be < 0)
+    assert all(isinstance(v, float) and math.isfinite(v) for k, v in ms.items()
+               if k != "hf_compile_static")
+    assert ms["hf_compile_static"] is None and "accelerators" in row["notes"]["hf_compile_static"]
+    assert row["notes"]["graphs_eager_first_32_tokens_equal_generate"] is True
+    assert row["device"] == "cpu" and row["transformers"]
+
+
 def test_embedding_doc_walks_through_the_example():
     from pathlib import Path
     doc = (Path(__file__).resolve().parents[2] / "docs" / "EMBEDDING.md").read_text()
