@@ -13,6 +13,8 @@ from typing import Sequence
 
 import torch
 
+from graphs.placement import balanced_placement  # noqa: F401 - dsv4.model.balanced_placement
+
 from .block import Block, fused_mhc
 from .config import ModelConfig
 from .errors import CapacityError, ConfigError
@@ -317,34 +319,3 @@ class Transformer:
     def decode_step(self, token: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """One token: token, pos [1] int64 on the head device -> logits [V] f32. No host sync."""
         return self.logits(self.decode_hidden(token, pos).to(self.head_device, non_blocking=True))
-
-
-def balanced_placement(layer_bytes: Sequence[int], devices: Sequence, head_bytes: int = 0
-                       ) -> list[torch.device]:
-    """Contiguous layer ranges per device (one hand-off per boundary, not per layer) minimising the
-    largest device's bytes; device 0 also holds the embedding and head (`head_bytes`)."""
-    devices = [torch.device(d) for d in devices]
-    n, k = len(layer_bytes), len(devices)
-    if k == 1 or n == 0:
-        return [devices[0]] * n
-    k = min(k, n)
-
-    def fill(cap):          # greedy from the front: device index per layer, or None if > k devices
-        out, d, load = [], 0, head_bytes
-        for b in layer_bytes:
-            if load + b > cap and load > (head_bytes if d == 0 else 0):
-                d, load = d + 1, 0
-                if d >= k:
-                    return None
-            out.append(d)
-            load += b
-        return out
-
-    lo, hi = max(max(layer_bytes), head_bytes), head_bytes + sum(layer_bytes)
-    while lo < hi:          # smallest feasible cap (integer bisection)
-        mid = (lo + hi) // 2
-        if fill(mid) is None:
-            lo = mid + 1
-        else:
-            hi = mid
-    return [devices[i] for i in fill(lo)]

@@ -52,6 +52,11 @@ def allocate_all(specs: Iterable[BufferSpec]) -> dict[str, torch.Tensor]:
 def check_buffers(owner: str, kind: str, buffers: Mapping[str, object], device: torch.device) -> None:
     """Raise BufferError unless every value of `buffers` is a tensor on `device`."""
     for name, t in buffers.items():
+        if t is None:
+            raise BufferError(
+                f"{owner}.{kind}[{name!r}] is None: state its owner allocates lazily (on first use) "
+                "does not exist yet. Fix: have the owner allocate it before allocate() (its own "
+                "init call); a buffer allocated after capture would alias graph memory.")
         if not isinstance(t, torch.Tensor):
             raise BufferError(f"{owner}.{kind}[{name!r}] is a {type(t).__name__}, not a tensor. "
                               "Fix: pass the static tensor itself (allocated once, before capture).")
@@ -81,6 +86,35 @@ def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
         return False
     (a0, a1), (b0, b1) = _byte_range(a), _byte_range(b)
     return a0 < b1 and b0 < a1
+
+
+class LiveBuffers(Mapping):
+    """A segment's `reads`/`writes` whose entries may live on another object: name -> tensor, or
+    name -> (obj, "attr"), looked up as getattr(obj, "attr") at every access.
+
+    State owned by a library object (a KV cache layer's `keys`) stays where it lives; the plan
+    takes the tensors once at allocate() time, and debug mode re-reads them before each step, so
+    `obj.attr = new_tensor` (a reallocation the graph would never see) raises DebugPointerError
+    instead of replaying on freed memory, which a dict snapshot would hide.
+    """
+
+    def __init__(self, entries: Mapping[str, object]):
+        self._entries = dict(entries)
+        for name, v in self._entries.items():
+            if not (isinstance(v, torch.Tensor) or (isinstance(v, tuple) and len(v) == 2
+                                                    and isinstance(v[1], str))):
+                raise BufferError(f"LiveBuffers[{name!r}] is a {type(v).__name__}; expected a "
+                                  "tensor or an (object, 'attribute') pair")
+
+    def __getitem__(self, name: str):
+        v = self._entries[name]
+        return v if isinstance(v, torch.Tensor) else getattr(v[0], v[1], None)
+
+    def __iter__(self):
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
 
 
 class PointerTable:

@@ -1,9 +1,11 @@
 """Capture one unit into a CUDA graph: side-stream warm-up, capture on the device's own stream into
-its pool, time and pool bytes measured; plus the NVTX ranges (a no-op without the `nvtx` package).
+its pool, time and pool bytes measured; NVTX ranges (a no-op without the `nvtx` package); and a
+CPU-side check that a step makes no host sync (find_host_syncs).
 """
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -17,6 +19,11 @@ except ImportError:  # pragma: no cover - depends on the environment
     _nvtx = None
 
 GIB = 1024**3
+# ops that read device values on the host (.item(), bool(), int() of a tensor) or size their
+# output from data: a CUDA graph capture fails on them
+HOST_SYNC_OPS = ("aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select",
+                 "aten::unique", "aten::_unique", "aten::_unique2", "aten::unique_dim",
+                 "aten::unique_consecutive")
 
 
 class Ranges:
@@ -102,3 +109,18 @@ def capture_unit(fn: Callable[[], None], *, name: str, device: torch.device,
         seconds = time.perf_counter() - t0
         grown = max(0, torch.cuda.memory_reserved(device) - reserved)
     return CapturedUnit(graph, seconds, grown)
+
+
+def find_host_syncs(fn: Callable[[], object]) -> list[str]:
+    """Run fn() once eagerly under the CPU profiler and list the ops in it that need a host sync
+    ("aten::nonzero x3"); [] means none. Works without a GPU, e.g. on a step of a model you did
+    not write (`find_host_syncs(dec.eager_step)`), before taking it to a capture. A proxy: it
+    sees the ops of the device fn() ran on, and a few CUDA kernels sync where their CPU
+    counterparts do not; capturing on the GPU under torch.cuda.set_sync_debug_mode("error")
+    is the final word. fn() runs for real (a decode step advances its state).
+    """
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    found = Counter(e.name for e in prof.events() if e.name in HOST_SYNC_OPS)
+    return [f"{name} x{n}" for name, n in sorted(found.items())]

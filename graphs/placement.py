@@ -170,6 +170,40 @@ def plan_handoffs(segments: Sequence[Segment], inputs: Mapping[str, torch.Tensor
     return Plan(primary, all_devices, tuple(devices), tuple(before), carries)
 
 
+def balanced_placement(layer_bytes: Sequence[int], devices: Sequence, head_bytes: int = 0
+                       ) -> list[torch.device]:
+    """The device of each layer: contiguous layer ranges per device (one hand-off per boundary, not
+    per layer) minimising the largest device's bytes; devices[0] also holds `head_bytes` (the
+    embedding and head of a model whose inputs and head live on the primary device)."""
+    devices = [torch.device(d) for d in devices]
+    if not devices:
+        raise ConfigError("balanced_placement needs at least one device")
+    n, k = len(layer_bytes), len(devices)
+    if k == 1 or n == 0:
+        return [devices[0]] * n
+    k = min(k, n)
+
+    def fill(cap):          # greedy from the front: device index per layer, or None if > k devices
+        out, d, load = [], 0, head_bytes
+        for b in layer_bytes:
+            if load + b > cap and load > (head_bytes if d == 0 else 0):
+                d, load = d + 1, 0
+                if d >= k:
+                    return None
+            out.append(d)
+            load += b
+        return out
+
+    lo, hi = max(max(layer_bytes), head_bytes), head_bytes + sum(layer_bytes)
+    while lo < hi:          # smallest feasible cap (integer bisection)
+        mid = (lo + hi) // 2
+        if fill(mid) is None:
+            lo = mid + 1
+        else:
+            hi = mid
+    return [devices[i] for i in fill(lo)]
+
+
 def device_units(segments: Sequence[Segment], plan: Plan) -> list[list[int]]:
     """Runs of consecutive segments on one device that can share one graph.
 

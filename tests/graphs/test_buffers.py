@@ -72,3 +72,59 @@ def test_pointer_table_sees_rebinding_and_set_():
     assert [m[0] for m in moved] == ["seg.reads[h]", "seg.reads[k]"] and moved[0][1] == old
     del bufs["h"]
     assert table.moved()[0] == ("seg.reads[h]", old, 0)
+
+
+class _Holder:
+    """Stands in for a library object that owns a state tensor as an attribute (a KV cache layer)."""
+
+    def __init__(self):
+        self.keys = torch.zeros(4)
+
+
+def test_live_buffers_read_attributes_at_each_lookup():
+    from graphs import LiveBuffers
+    obj, h = _Holder(), torch.zeros(2)
+    live = LiveBuffers({"h": h, "k": (obj, "keys")})
+    assert list(live) == ["h", "k"] and len(live) == 2
+    assert live["h"] is h and live["k"] is obj.keys
+    obj.keys = torch.ones(4)                      # rebound by its owner
+    assert live["k"] is obj.keys and live.get("missing") is None
+    del obj.keys
+    assert live["k"] is None                      # gone: the planner / debug mode report it
+    with pytest.raises(BufferError, match="'x'.*tensor or an \\(object, 'attribute'\\) pair"):
+        LiveBuffers({"x": 3})
+
+
+def test_lazily_allocated_state_is_named_at_allocate():
+    from graphs import CUDAGraphDecoder, LiveBuffers, Segment
+    obj = _Holder()
+    obj.keys = None                               # a cache before its first update
+    seg = Segment("layer0", "cpu", lambda: None, reads=LiveBuffers({"k": (obj, "keys")}),
+                  writes={})
+    dec = CUDAGraphDecoder([seg], {}, {}, mode="eager")
+    with pytest.raises(BufferError, match=r"layer0\.reads\['k'\] is None.*lazily.*before "
+                                          r"allocate\(\)"):
+        dec.allocate()
+
+
+def test_debug_mode_sees_a_rebound_attribute_that_a_dict_snapshot_hides():
+    from graphs import CUDAGraphDecoder, DebugPointerError, LiveBuffers, Segment
+    obj, x = _Holder(), torch.zeros(4)
+
+    def step():
+        obj.keys.add_(x)
+
+    for live, caught in ((True, True), (False, False)):
+        state = {"k": (obj, "keys")} if live else {"k": obj.keys}
+        seg = Segment("s", "cpu", step, reads=LiveBuffers({"x": x, **state}),
+                      writes=LiveBuffers(state))
+        dec = CUDAGraphDecoder([seg], {"x": x}, {"k": obj.keys}, debug=True)
+        dec.allocate(), dec.capture()
+        dec.step()
+        obj.keys = torch.zeros(4)                 # what a cache does on reorder/offload/re-init
+        if caught:
+            with pytest.raises(DebugPointerError, match=r"s\.reads\[k\]"):
+                dec.step()
+        else:
+            dec.step()                            # the snapshot still holds the old tensor
+        dec.close()

@@ -153,3 +153,14 @@ def test_device_units_group_consecutive_segments():
     plan = plan_handoffs(segs, model.inputs())
     assert device_units(segs, plan) == [[0, 1, 2, 3, 4]]
     assert plan.primary == CPU and plan.devices == (CPU,)
+
+
+def test_balanced_placement_splits_contiguously_with_the_head_on_the_primary():
+    from graphs import balanced_placement
+    d0, d1 = torch.device("cuda", 0), torch.device("cuda", 1)  # devices are only named, never used
+    assert balanced_placement([10] * 4, ["cuda:0", "cuda:1"]) == [d0, d0, d1, d1]
+    # the primary also holds the head: it takes fewer layers
+    assert balanced_placement([10] * 4, ["cuda:0", "cuda:1"], head_bytes=20) == [d0, d1, d1, d1]
+    assert balanced_placement([10] * 3, ["cpu"]) == [CPU] * 3
+    with pytest.raises(ConfigError, match="at least one device"):
+        balanced_placement([10], [])
