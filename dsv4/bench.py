@@ -17,14 +17,14 @@ import time
 
 import torch
 
-from graphs import CUDAGraphDecoder
+from graphs import CUDAGraphDecoder, balanced_placement
 
 from . import bench_prefill, bench_spec
 from .device_weights import DeviceWeights
 from .errors import DeviceError, InputError, exit_code
 from .generate import Session, resolve_devices
 from .kernels import PREFILL_SWITCH
-from .model import DTYPES, RuntimeConfig, Transformer, balanced_placement
+from .model import DTYPES, RuntimeConfig, Transformer
 from .presets import PRESETS, get_preset
 from .sampling import SamplingParams
 from .segments import build_segments

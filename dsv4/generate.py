@@ -13,12 +13,12 @@ from typing import Callable, Sequence
 
 import torch
 
-from graphs import CUDAGraphDecoder
+from graphs import CUDAGraphDecoder, balanced_placement
 
 from .checkpoint import open_checkpoint
 from .errors import DeviceError, InputError
 from .profiling import nvtx_range
-from .model import RuntimeConfig, Transformer, balanced_placement
+from .model import RuntimeConfig, Transformer
 from .sampling import SamplingParams, sample
 from .segments import DecodeBuffers, build_segments
 from .spec_policy import DEFAULT_MIN_ACCEPTANCE

@@ -13,8 +13,6 @@ from typing import Sequence
 
 import torch
 
-from graphs.placement import balanced_placement  # noqa: F401 - dsv4.model.balanced_placement
-
 from .block import Block, fused_mhc
 from .config import ModelConfig
 from .errors import CapacityError, ConfigError
