@@ -81,9 +81,13 @@ class Transformer:
             self.states.append(LayerState.allocate(cfg, cfg.ratio(l), rt.max_seq_len, self.act, dev))
         self.mtp = None                    # the MTP block on the head device (rt.mtp)
         if rt.mtp:
+            if cfg.dspark is not None:
+                raise ConfigError("RuntimeConfig(mtp=True) on a DSpark checkpoint: its draft "
+                                  "module is not an MTP block, and DSpark drafting is not "
+                                  "supported yet; use mtp=False (plain decoding)")
             if cfg.n_mtp_layers < 1:
                 raise ConfigError("RuntimeConfig(mtp=True) but the checkpoint has no MTP block "
-                                  "(num_nextn_predict_layers = 0)")
+                                  "(num_nextn_predict_layers = 0); use mtp=False")
             from .mtp import MTPBlock
             had.setdefault(hdev, hadamard_matrix(cfg.index_head_dim, hdev))
             self.mtp = MTPBlock(cfg, 0, hdev, rt.max_seq_len, self.act, had[hdev])

@@ -38,7 +38,7 @@ class Tokenizer:
         tid = self._tok.token_to_id(token)
         if tid is None:
             raise CheckpointError(f"{self.path} has no {token!r} token: it is not a DeepSeek-V4 "
-                                   f"tokenizer. Point --ckpt-path at a DSV4 checkpoint, or remove "
+                                   f"tokenizer. Use a DeepSeek-V4 checkpoint folder, or remove "
                                    f"its {TOKENIZER_FILE} to use the one from `{PACKAGE}`.")
         return tid
 
@@ -95,9 +95,12 @@ def load_tokenizer(ckpt_dir: str | Path | None = None) -> Tokenizer:
                 raise MissingFileError(f"tokenizer file {given} does not exist. Fix the path, or "
                                        f"pass the checkpoint directory instead.")
             path = given
+        elif given.exists() and not given.is_dir():
+            raise MissingFileError(f"{given} is not a directory (it is a file); pass the checkpoint "
+                                   f"folder, or a {TOKENIZER_FILE} file itself.")
         elif not given.is_dir():
             raise MissingFileError(f"checkpoint directory {given} does not exist (looked for "
-                                   f"{TOKENIZER_FILE} there). Fix --ckpt-path.")
+                                   f"{TOKENIZER_FILE} there). Fix the path.")
         elif (given / TOKENIZER_FILE).is_file():
             path = given / TOKENIZER_FILE
         else:

@@ -113,7 +113,7 @@ def test_bad_checkpoints_exit_2(ckpt, tmp_path):
     cfg = json.loads((bad / "config.json").read_text())
     cfg["scoring_func"] = "tanh"
     (bad / "config.json").write_text(json.dumps(cfg))
-    _one_error_line(run("--ckpt", str(bad), "--prompt-ids", "1,2"), "score_func", "tanh")
+    _one_error_line(run("--ckpt", str(bad), "--prompt-ids", "1,2"), "scoring_func", "tanh", "config.json")
     bad = tmp_path / "c5"
     shutil.copytree(ckpt, bad)
     cfg = json.loads((bad / "config.json").read_text())
