@@ -305,3 +305,24 @@ def test_the_dsv4_command(capsys, tmp_path):
     p = subprocess.run([sys.executable, "-m", "dsv4", "decode", "--help"], capture_output=True,
                        text=True, timeout=120, cwd=REPO)
     assert p.returncode == 0 and "usage: dsv4 decode" in p.stdout
+
+
+def test_docs_cover_every_flag_and_the_readme_links_them(ckpt):
+    """docs/CLI.md names every flag of decode and chat and every field of the JSON object; the
+    README sends readers there (and to REAL_MODEL.md, EMBEDDING.md), not outside the repo."""
+    from dsv4.chat_repl import build_parser as chat_parser
+    from dsv4.cli import build_parser
+    doc = (REPO / "docs" / "CLI.md").read_text()
+    for parser in (build_parser(), chat_parser()):
+        for action in parser._actions:
+            for flag in action.option_strings:
+                if flag.startswith("--") and flag != "--help":
+                    assert f"`{flag}" in doc, flag
+    p = run("--ckpt", str(ckpt), "--prompt-ids", "5,6", "--max-new-tokens", "1", "--json")
+    out = json.loads(p.stdout)
+    for key in [*out, *out["timings"], *out["memory"]]:
+        assert f"`{key}`" in doc, key
+    readme = (REPO / "README.md").read_text()
+    for link in ("docs/CLI.md", "docs/REAL_MODEL.md", "docs/EMBEDDING.md"):
+        assert f"]({link})" in readme and (REPO / link).is_file(), link
+    assert "shared/docs" not in readme
