@@ -586,23 +586,21 @@ def format_table(rep: dict) -> str:
     return "\n".join(lines)
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):          # one line, exit 2
-        raise InputError(f"{message} (see --help)")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="bench.py", description="Batch-1 decode benchmark on device-generated weights "
+    from .cli_options import Parser     # defaults in --help, a usage error is one line
+    p = Parser(prog="dsv4 bench", description="Batch-1 decode benchmark on device-generated weights "
                 "(method: BENCHMARKS.md).")
-    p.add_argument("--preset", required=True, choices=sorted(PRESETS))
+    p.add_argument("--preset", required=True, choices=sorted(PRESETS), help="the model's shapes")
     p.add_argument("--layers", type=int, default=None, help="first N layers (default: all)")
     p.add_argument("--devices", default="auto", help="auto | cpu | cuda:0 | cuda:0,cuda:1")
     p.add_argument("--context", type=int, default=4096, help="decode position L (state filled)")
     p.add_argument("--steps", type=int, default=100, help=f"timed steps (>= {MIN_STEPS} to report)")
-    p.add_argument("--warmup", type=int, default=10)
-    p.add_argument("--mode", default="both", choices=("both", "eager", "graph"))
-    p.add_argument("--granularity", default="segment", choices=("segment", "device", "both"))
-    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
+    p.add_argument("--warmup", type=int, default=10, help="untimed steps first")
+    p.add_argument("--mode", default="both", choices=("both", "eager", "graph"),
+                   help="eager steps, CUDA graph replays, or both")
+    p.add_argument("--granularity", default="segment", choices=("segment", "device", "both"),
+                   help="graph mode: one graph per layer (segment), per device run, or both")
+    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES), help="activation dtype")
     p.add_argument("--seed", type=int, default=0, help="weight / state seed")
     p.add_argument("--json", default=None, metavar="PATH|-", help="write the report as JSON "
                    "(- : stdout, the table then goes to stderr)")

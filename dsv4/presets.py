@@ -2,7 +2,8 @@
 
 `flash` and `pro` equal the released configs (`../shared/data/configs/`); `tiny` keeps the real
 vocabulary (129280, so the real tokenizer works) and every architectural feature (hash layer,
-window-only, ratio-4 with indexer, another ratio, FP8 + FP4 weights, MTP block) at toy size.
+window-only, ratio-4 with indexer, another ratio, FP8 + FP4 weights, MTP block) at toy size;
+`tiny-dspark` is `tiny`'s backbone with a DSpark draft module in place of the MTP block.
 """
 from __future__ import annotations
 
