@@ -257,13 +257,6 @@ def test_help_shows_defaults():
     assert "(default: 512)" in chat and "(default: 8192)" in chat
 
 
-def test_greedy_json_has_no_seed(ckpt):
-    p = run("--ckpt", str(ckpt), "--prompt-ids", "5,6", "--max-new-tokens", "2", "--json")
-    assert p.returncode == 0, p.stderr
-    out = json.loads(p.stdout)
-    assert out["seed"] is None and out["interrupted"] is False
-
-
 @pytest.fixture(scope="module")
 def dspark_ckpt(tmp_path_factory):
     from dsv4.presets import TINY_DSPARK
@@ -276,7 +269,10 @@ def test_dspark_checkpoint_decodes_its_backbone(dspark_ckpt):
     p = run("--ckpt", str(dspark_ckpt), "--prompt-ids", "5,6,7", "--max-new-tokens", "3",
             "--json", "--device", "cpu")
     assert p.returncode == 0, p.stderr
-    assert len(json.loads(p.stdout)["output_ids"]) == 3
+    out = json.loads(p.stdout)
+    assert len(out["output_ids"]) == 3
+    assert out["seed"] is None and out["interrupted"] is False     # greedy: no seed drawn
+    _check_doc_lists(out)
     notes = [ln for ln in p.stderr.splitlines() if "DSpark" in ln]
     assert len(notes) == 1 and notes[0].startswith("[dsv4] notice: DSpark checkpoint")
     for part in ("mtp.0-2", "main_proj", "markov_head", "confidence_head", "not supported yet"):
@@ -307,8 +303,15 @@ def test_the_dsv4_command(capsys, tmp_path):
     assert p.returncode == 0 and "usage: dsv4 decode" in p.stdout
 
 
-def test_docs_cover_every_flag_and_the_readme_links_them(ckpt):
-    """docs/CLI.md names every flag of decode and chat and every field of the JSON object; the
+def _check_doc_lists(out: dict) -> None:
+    """docs/CLI.md names every field of a JSON object `out` of dsv4 decode."""
+    doc = (REPO / "docs" / "CLI.md").read_text()
+    for key in [*out, *out["timings"], *out["memory"]]:
+        assert f"`{key}`" in doc, key
+
+
+def test_docs_cover_every_flag_and_the_readme_links_them():
+    """docs/CLI.md names every flag of decode and chat (the JSON fields: _check_doc_lists); the
     README sends readers there (and to REAL_MODEL.md, EMBEDDING.md), not outside the repo."""
     from dsv4.chat_repl import build_parser as chat_parser
     from dsv4.cli import build_parser
@@ -318,10 +321,6 @@ def test_docs_cover_every_flag_and_the_readme_links_them(ckpt):
             for flag in action.option_strings:
                 if flag.startswith("--") and flag != "--help":
                     assert f"`{flag}" in doc, flag
-    p = run("--ckpt", str(ckpt), "--prompt-ids", "5,6", "--max-new-tokens", "1", "--json")
-    out = json.loads(p.stdout)
-    for key in [*out, *out["timings"], *out["memory"]]:
-        assert f"`{key}`" in doc, key
     readme = (REPO / "README.md").read_text()
     for link in ("docs/CLI.md", "docs/REAL_MODEL.md", "docs/EMBEDDING.md"):
         assert f"]({link})" in readme and (REPO / link).is_file(), link

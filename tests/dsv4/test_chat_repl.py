@@ -76,10 +76,10 @@ def test_conversation_continues_the_sequence(tok, demo):
         return generate(ids, n, **kw)
     session.generate = spy
     out, err = io.StringIO(), io.StringIO()
-    chat = Conversation(session, tok, system="Be brief.", thinking=False, max_new=3, out=out,
+    chat = Conversation(session, tok, system="Be brief.", thinking=False, max_new=2, out=out,
                         err=err)
     first = chat.turn("Hello")
-    assert calls[0] == (build_prompt_ids(tok, prompt="Hello", system="Be brief."), 3, False)
+    assert calls[0] == (build_prompt_ids(tok, prompt="Hello", system="Be brief."), 2, False)
     assert first["cached"] == 0 and first["prefilled"] == len(calls[0][0])
     held = session.length
     second = chat.turn("And then?")

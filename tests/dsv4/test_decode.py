@@ -145,7 +145,7 @@ def test_session_seeded_generation_is_reproducible(ckpts):
 
 # ---- the embedding API's contract ------------------------------------------------------------
 
-def test_session_is_a_context_manager_and_resolves_auto(ckpts):
+def test_session_is_a_context_manager_resolves_auto_and_speaks_api(ckpts):
     m = _model(ckpts["fp8"], torch.bfloat16, cap=64)
     with Session(m, SamplingParams(), mode="auto") as s:
         assert s.mode == "eager" and s.decoder.mode == "eager"      # auto on the CPU
@@ -158,11 +158,8 @@ def test_session_is_a_context_manager_and_resolves_auto(ckpts):
         Session(m, SamplingParams(), mode="graph")
     with pytest.raises(InputError, match="mode='fast'"):
         Session(m, SamplingParams(), mode="fast")
-
-
-def test_api_errors_name_api_parameters(ckpts):
-    from dsv4.errors import CapacityError, InputError, in_cli_words
-    m = _model(ckpts["fp8"], torch.bfloat16, cap=64)
+    # API errors name API parameters
+    from dsv4.errors import CapacityError, in_cli_words
     s = Session(m, SamplingParams())
     with pytest.raises(CapacityError) as e:
         s.generate(list(range(10)), 60)
