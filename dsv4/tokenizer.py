@@ -226,7 +226,8 @@ def build_followup_ids(tokenizer: Tokenizer, messages: list, *, context: list | 
     (`build_prompt_ids`; a list, or {"messages": [...], "tools": [...]} as there), each reply
     the session generated and the follow-ups since. It must end with the assistant reply the
     session generated, ended by its EOS (the session holds that EOS: it is fed first on a
-    continuation). `messages` must end with a user, developer or tool turn. The ids carry no
+    continuation; for a reply cut before its EOS, put `tokenizer.eos_id` before these ids).
+    `messages` must end with a user, developer or tool turn. The ids carry no
     BOS; they open with the turn boundary that follows an EOS ("<｜User｜>", a tool result, a
     "<｜latest_reminder｜>" ...) and end with the hand-over to the assistant: "<｜Assistant｜>"
     + "</think>" (chat mode) or "<think>" (`thinking`), or a task token.
