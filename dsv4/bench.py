@@ -98,34 +98,63 @@ def token_bytes(model: Transformer, context: int) -> dict[str, int]:
 
 # ---- memory -----------------------------------------------------------------------------------
 
+DEQUANT_FP4 = 21   # peak bytes per value while dequantizing FP4: uint8 + 2 x int64 codes + float32
+DEQUANT_FP8 = 10   # FP8: float32 copy, float32 product, the activation-dtype result
+
 def layer_sizes(meta: Transformer) -> dict:
     """Per-layer weight / state bytes and largest float32 master DeviceWeights makes (FP4: two
-    values per byte), plus the globals (embed, head, norms), of a model on the meta device."""
+    values per byte), the dequantized copies a CPU run keeps (`dense`, in the activation dtype),
+    plus the globals (embed, head, norms), of a model on the meta device."""
     def master(ts):
         return max((t.numel() * (8 if t.dtype == torch.int8 else 4) for t in ts), default=0)
     glob = [meta.embed, meta.head, meta.norm, *meta.hc_head.values()]
     layers = [blk.tensors("").values() for blk in meta.layers]
     return {"weights": [_nb(*ts) for ts in layers], "master": [master(ts) for ts in layers],
+            "dense": [dense_bytes(blk, meta.act)[0] for blk in meta.layers],
+            "dequant": [dense_bytes(blk, meta.act)[1] for blk in meta.layers],
             "state": [st.nbytes() for st in meta.states], "global": _nb(*glob),
             "global_master": master(glob)}
 
 
+def dense_bytes(blk, act: torch.dtype) -> tuple[int, int]:
+    """(kept, transient) bytes of the dequantized weights a CPU model caches for block `blk`
+    (Transformer keeps dense copies on the CPU, where op overhead dominates): every weight stored
+    in another dtype than `act`, at `act`'s element size (an FP4 byte holds two values); and the
+    peak temporaries of dequantizing the largest one (dsv4.formats: FP4 goes through int64 codes
+    and float32 values, ~DEQUANT_FP4 bytes per value; FP8 through float32, ~DEQUANT_FP8)."""
+    size, kept, peak = torch.empty((), dtype=act).element_size(), 0, 0
+    for w in blk.weights():
+        for name in ("w1", "w2", "w3") if hasattr(w, "w1") else ("weight",):
+            t = getattr(w, name)
+            if t.dtype == act:
+                continue
+            n = t.numel() * (2 if t.dtype == torch.int8 else 1)
+            kept += n * size
+            peak = max(peak, n * (DEQUANT_FP4 if t.dtype == torch.int8 else DEQUANT_FP8))
+    return kept, peak
+
+
 def memory_estimate(sizes: dict, n_layers: int, devices, reserve: int):
-    """(placement, {device: {weights, state, reserve, total}}) for the first n_layers; reserve:
-    per-device workspace on top of the largest float32 master generated there."""
+    """(placement, {device: {weights, dense, state, reserve, total}}) for the first n_layers;
+    reserve: per-device workspace on top of the largest float32 master generated there (on the
+    CPU, or of the largest dequantization's temporaries if larger); dense: the CPU's dequantized
+    copies."""
     placement = balanced_placement(sizes["weights"][:n_layers], devices, sizes["global"])
-    est = {str(d): {"weights": 0, "state": 0, "reserve": reserve} for d in devices}
+    est = {str(d): {"weights": 0, "dense": 0, "state": 0, "reserve": reserve} for d in devices}
     master = dict.fromkeys(est, 0)
     for l, d in enumerate(map(str, placement)):
         est[d]["weights"] += sizes["weights"][l]
         est[d]["state"] += sizes["state"][l]
         master[d] = max(master[d], sizes["master"][l])
+        if torch.device(d).type == "cpu":       # the CPU keeps dequantized copies as well
+            est[d]["dense"] += sizes["dense"][l]
+            master[d] = max(master[d], sizes["dequant"][l])
     head = str(torch.device(devices[0]))
     est[head]["weights"] += sizes["global"]
     master[head] = max(master[head], sizes["global_master"])
     for d, e in est.items():
         e["reserve"] += master[d]
-        e["total"] = e["weights"] + e["state"] + e["reserve"]
+        e["total"] = e["weights"] + e["dense"] + e["state"] + e["reserve"]
     return placement, est
 
 
@@ -161,11 +190,16 @@ def check_memory(meta: Transformer, n_layers: int, devices, reserve: int, capaci
     d, e = over[0], est[over[0]]
     more = (f"--layers {fits} (the most that fit here)" if fits else
             "fewer --layers (not even one layer fits)")
+    cpu = torch.device(d).type == "cpu"
+    dense = (f" + dequantized copies {e['dense'] / GIB:.1f}" if e["dense"] else "")
+    temps = "dequantization" if cpu else "weight generation"
     raise DeviceError(
-        f"{d} needs an estimated {e['total'] / GIB:.1f} GiB (weights {e['weights'] / GIB:.1f} + "
-        f"state {e['state'] / GIB:.2f} at capacity {capacity} + reserve {e['reserve'] / GIB:.1f}) "
-        f"but has {free[d] / GIB:.1f} GiB free. Fix: {more}, more --devices (e.g. "
-        f"cuda:0,cuda:1), or a smaller --context; escape hatch: --reserve-gib 0")
+        f"{d} needs an estimated {e['total'] / GIB:.1f} GiB (weights {e['weights'] / GIB:.1f}"
+        f"{dense} + state {e['state'] / GIB:.2f} at capacity {capacity} + reserve "
+        f"{e['reserve'] / GIB:.1f}: --reserve-gib {reserve / GIB:g} and the largest {temps}'s "
+        f"temporaries) but has {free[d] / GIB:.1f} GiB "
+        f"{'host memory available (MemAvailable)' if cpu else 'free'}. Fix: {more}, more "
+        f"--devices (e.g. cuda:0,cuda:1), or a smaller --context; escape hatch: --reserve-gib 0")
 
 
 # ---- measurement ------------------------------------------------------------------------------
@@ -552,23 +586,21 @@ def format_table(rep: dict) -> str:
     return "\n".join(lines)
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):          # one line, exit 2
-        raise InputError(f"{message} (see --help)")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="bench.py", description="Batch-1 decode benchmark on device-generated weights "
+    from .cli_options import Parser     # defaults in --help, a usage error is one line
+    p = Parser(prog="dsv4 bench", description="Batch-1 decode benchmark on device-generated weights "
                 "(method: BENCHMARKS.md).")
-    p.add_argument("--preset", required=True, choices=sorted(PRESETS))
+    p.add_argument("--preset", required=True, choices=sorted(PRESETS), help="the model's shapes")
     p.add_argument("--layers", type=int, default=None, help="first N layers (default: all)")
     p.add_argument("--devices", default="auto", help="auto | cpu | cuda:0 | cuda:0,cuda:1")
     p.add_argument("--context", type=int, default=4096, help="decode position L (state filled)")
     p.add_argument("--steps", type=int, default=100, help=f"timed steps (>= {MIN_STEPS} to report)")
-    p.add_argument("--warmup", type=int, default=10)
-    p.add_argument("--mode", default="both", choices=("both", "eager", "graph"))
-    p.add_argument("--granularity", default="segment", choices=("segment", "device", "both"))
-    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
+    p.add_argument("--warmup", type=int, default=10, help="untimed steps first")
+    p.add_argument("--mode", default="both", choices=("both", "eager", "graph"),
+                   help="eager steps, CUDA graph replays, or both")
+    p.add_argument("--granularity", default="segment", choices=("segment", "device", "both"),
+                   help="graph mode: one graph per layer (segment), per device run, or both")
+    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES), help="activation dtype")
     p.add_argument("--seed", type=int, default=0, help="weight / state seed")
     p.add_argument("--json", default=None, metavar="PATH|-", help="write the report as JSON "
                    "(- : stdout, the table then goes to stderr)")

@@ -18,6 +18,7 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
+from . import dspark
 from .config import FP4_BLOCK, FP8_BLOCK, ModelConfig
 from .errors import CheckpointError, CorruptFileError, MissingFileError, TensorMismatchError
 
@@ -175,13 +176,15 @@ def open_checkpoint(path, cfg: ModelConfig | None = None) -> "Checkpoint":
     model.safetensors.index.json (or a single model.safetensors), every safetensors header
     (truncation, corruption), the index against the headers, then names/shapes/dtypes against
     `expected_tensor_table(cfg)`. Raises a `CheckpointError` subclass / `ConfigError`, never warns.
+    A DSpark checkpoint's draft module (`mtp.*`, dsv4.dspark) is set aside unchecked and unread:
+    `Checkpoint.skipped` lists it and `Checkpoint.notice` says so in one line.
     """
     root = Path(path)
     if not root.exists():
         raise MissingFileError(f"checkpoint directory not found: {root}")
     if not root.is_dir():
-        raise MissingFileError(f"{root} is a file, not a checkpoint directory; pass the folder that "
-                               f"holds config.json and the *.safetensors shards")
+        raise MissingFileError(f"{root} is not a directory (it is a file); pass the checkpoint "
+                               f"folder that holds config.json and the *.safetensors shards")
     if cfg is None:
         cfg_path = root / "config.json"
         if not cfg_path.is_file():
@@ -198,8 +201,12 @@ def open_checkpoint(path, cfg: ModelConfig | None = None) -> "Checkpoint":
             infos[name] = info
     if weight_map is not None:
         _check_index(root, weight_map, infos)
+    skipped = {}
+    if cfg.dspark is not None:   # the draft module is not read: set it aside unchecked
+        skipped = {n: i for n, i in infos.items() if n.startswith(dspark.MTP_PREFIX)}
+        infos = {n: i for n, i in infos.items() if n not in skipped}
     table = _check_table(root, cfg, infos)
-    return Checkpoint(root, cfg, {n: infos[n] for n in table})
+    return Checkpoint(root, cfg, {n: infos[n] for n in table}, skipped)
 
 
 def _shard_files(root: Path) -> tuple[list[str], dict[str, str] | None]:
@@ -344,12 +351,23 @@ def _mismatch_hints(cfg, table, found, wrong, unexpected) -> list[str]:
     """Fixes for the common config/shard disagreements (formats, layer counts)."""
     hints = []
     experts = [n for n in wrong if ".experts." in n and n.endswith(".weight")]
-    if any(found[n][1] == "I8" for n in experts):
+    # a format hint only where the stored dtype differs from the expected one (a shape
+    # mismatch of FP4 experts under "expert_dtype": "fp4" is not a format problem)
+    if any(found[n][1] == "I8" and table[n][1] != "I8" for n in experts):
         hints.append('The shards hold FP4 experts (I8 + per-32 scales): add "expert_dtype": "fp4" '
                      'to config.json.')
-    elif any(table[n][1] == "I8" for n in experts):
+    elif any(table[n][1] == "I8" and found[n][1] != "I8" for n in experts):
         hints.append(f"The shards hold {found[experts[0]][1]} experts, not FP4: remove "
                      f'"expert_dtype" from config.json.')
+    emb = "embed.weight"
+    if emb in wrong and len(found[emb][0]) == 2:
+        (v, d), (cv, cd) = found[emb][0], table[emb][0]
+        if d != cd:
+            hints.append(f"The shards have hidden_size = {d} ({emb} is {list(found[emb][0])}) but "
+                         f"config.json says hidden_size = {cd}: fix hidden_size.")
+        if v != cv:
+            hints.append(f"The shards have vocab_size = {v} ({emb} is {list(found[emb][0])}) but "
+                         f"config.json says vocab_size = {cv}: fix vocab_size.")
     dense = [n for n in wrong if ".experts." not in n and n.endswith(".weight")]
     if any(table[n][1] == "BF16" and found[n][1] == "F8_E4M3" for n in dense):
         hints.append("The shards hold FP8 linears: config.json needs the release's "
@@ -362,7 +380,7 @@ def _mismatch_hints(cfg, table, found, wrong, unexpected) -> list[str]:
         hints.append(f"The shards hold layers 0..{max(layers)} but num_hidden_layers = "
                      f"{cfg.n_layers}: fix num_hidden_layers.")
     mtp = {int(m.group(1)) for n in found if (m := re.match(r"mtp\.(\d+)\.", n))}
-    if len(mtp) != cfg.n_mtp_layers:
+    if len(mtp) != cfg.n_mtp_layers and cfg.dspark is None:
         hints.append(f"The shards hold {len(mtp)} MTP block(s) but num_nextn_predict_layers = "
                      f"{cfg.n_mtp_layers}: fix num_nextn_predict_layers.")
     return hints
@@ -395,11 +413,20 @@ class Checkpoint:
     Use as a context manager (or call `close()`) to release the shard handles.
     """
 
-    def __init__(self, path: Path, config: ModelConfig, infos: dict[str, TensorInfo]):
+    def __init__(self, path: Path, config: ModelConfig, infos: dict[str, TensorInfo],
+                 skipped: dict[str, TensorInfo] | None = None):
         self.path = Path(path)
         self.config = config
         self._infos = infos          # name -> TensorInfo, in tensor-table order
+        self.skipped = dict(skipped or {})   # stored but not part of the model (DSpark drafts)
         self._handles: dict = {}     # shard file name -> open safe_open handle
+
+    @property
+    def notice(self) -> str | None:
+        """One line naming what this checkpoint holds and the runtime leaves out, or None."""
+        if self.config.dspark is None:
+            return None
+        return dspark.skipped_notice(self.config, self.skipped)
 
     # ---- names and sizes ---------------------------------------------------------------------
     def tensor_names(self) -> list[str]:

@@ -1,39 +1,31 @@
-"""The `scripts/decode.py` command: argument contract, input checks, streaming output, summary, JSON.
+"""`dsv4 decode` (and `scripts/decode.py`): one prompt in, streamed text, a summary or one JSON
+object out; Ctrl-C keeps what was generated.
 
 Exit status: 0 success; 2 bad usage or input (one line on stderr naming the problem and the fix);
-1 runtime failure. Contract: ../shared/docs/USERS.md.
+1 runtime failure; 130 interrupted (the partial result is still printed). Contract: docs/CLI.md.
 """
 from __future__ import annotations
 
-import argparse
 import json
-import os
-import secrets
 import sys
 import time
 from pathlib import Path
 
 import torch
 
+from .cli_options import (Parser, add_model_args, add_runtime_args, add_sampling_args,
+                          check_checkpoint_args, check_runtime_args, checkpoint_dir,
+                          demo_checkpoint, load_session, sampling_params)
 from .errors import InputError, exit_code
-from .model import PREFILL_CHUNK
-from .spec_policy import DEFAULT_MIN_ACCEPTANCE, check_min_acceptance
 
 DEMO_PROMPT = "Write one sentence about the sea."
+__all__ = ["build_parser", "run", "main", "demo_checkpoint"]
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):          # one line, exit 2
-        raise InputError(f"{message} (see --help)")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="decode.py", description="Batch-1 DeepSeek-V4 decoding (CUDA graphs or eager).")
-    src = p.add_argument_group("model")
-    src.add_argument("--ckpt", help="checkpoint directory in the released DSV4 format")
-    src.add_argument("--demo", action="store_true",
-                     help="build (once, cached) and run a tiny random-weight model (the default "
-                          "when no --ckpt is given)")
+def build_parser() -> Parser:
+    p = Parser(prog="dsv4 decode", description="Batch-1 DeepSeek-V4 decoding of one prompt "
+               "(CUDA graphs or eager). Flags, JSON fields and exit codes: docs/CLI.md.")
+    add_model_args(p)
     pr = p.add_argument_group("prompt").add_mutually_exclusive_group()
     pr.add_argument("--prompt", help="prompt text (chat-encoded unless --raw)")
     pr.add_argument("--prompt-file", help="file with the prompt text")
@@ -42,43 +34,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--raw", action="store_true", help="encode the text as-is (no chat template)")
     p.add_argument("--thinking", action="store_true", help="thinking mode of the chat encoding")
     p.add_argument("--system", help="system prompt")
-    g = p.add_argument_group("generation")
-    g.add_argument("--max-new-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--seed", type=int, default=None, help="sampling seed (random if omitted)")
-    g.add_argument("--force-ids", help="teacher forcing: feed these ids instead of sampled ones")
-    r = p.add_argument_group("runtime")
-    r.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:0,cuda:1 (pipeline)")
-    r.add_argument("--mode", default="auto", choices=("auto", "graph", "eager"))
-    r.add_argument("--granularity", default="segment", choices=("segment", "device"),
-                   help="graph per layer (segment) or per device")
-    r.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
-    r.add_argument("--max-seq-len", type=int, default=None,
-                   help="cache capacity (default: prompt + max-new-tokens, rounded up to 256)")
-    r.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK, metavar="N",
-                   help=f"prefill the prompt N tokens at a time (same result; activation memory "
-                        f"grows with N; default {PREFILL_CHUNK})")
-    r.add_argument("--prefill-graphs", type=int, default=0, metavar="N",
-                   help="graph mode: capture prefill chunks of 1, 2, 4, ..., N tokens at startup "
-                        "(N a power of two; 0 = off) and replay them where that measured faster "
-                        "than the eager chunk (N-token pieces, then the rest): a faster first "
-                        "token, paid for by the capture (worth it when one process serves "
-                        "several prompts)")
-    r.add_argument("--speculative", type=int, default=0, metavar="K",
-                   help="self-speculative decoding with the checkpoint's MTP block, K drafted "
-                        "tokens per step (0 = off; K = 1 is implemented)")
-    r.add_argument("--speculative-min-acceptance", type=float, default=DEFAULT_MIN_ACCEPTANCE,
-                   metavar="A",
-                   help="with --speculative: while fewer than this share of the drafts are "
-                        "accepted, decode plain steps (the MTP block following) and try drafting "
-                        f"again later (default {DEFAULT_MIN_ACCEPTANCE}, about where drafting "
-                        "starts to pay on Flash; 0 = always draft)")
+    add_sampling_args(p, max_new_tokens=64)
+    p.add_argument("--force-ids", help="teacher forcing: feed these ids instead of sampled ones")
+    add_runtime_args(p)
     o = p.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="one JSON object on stdout at the end")
     o.add_argument("--dump-logits", help="save float32 logits [n_generated, vocab] to PATH.npy")
-    o.add_argument("--profile", default="none", choices=("none", "torch", "nsys"))
+    o.add_argument("--profile", default="none", choices=("none", "torch", "nsys"),
+                   help="profile decode steps (docs/CLI.md)")
     o.add_argument("--profile-steps", default="10-20", help="decode steps A-B to profile")
     return p
 
@@ -93,103 +56,84 @@ def _parse_ids(text: str, flag: str) -> list[int]:
     return ids
 
 
-def demo_checkpoint() -> Path:
-    """The cached tiny random-weight checkpoint (built once under the user's cache directory)."""
-    from .presets import TINY
-    from .synthetic import write_checkpoint
-    root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "dsv4"
-    path = root / "demo-tiny-v1"
-    if (path / "model.safetensors.index.json").exists():
-        return path
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = root / f".demo-tmp-{os.getpid()}"
-    print(f"[dsv4] building the demo checkpoint (random weights) in {path} ...", file=sys.stderr)
-    write_checkpoint(TINY, tmp, weights="fp8", seed=0, shards=2)
-    try:
-        tmp.rename(path)
-    except OSError:                    # another process won the race
-        import shutil
-        shutil.rmtree(tmp, ignore_errors=True)
-    return path
+def _prompt_ids(args, tok, demo: bool) -> list[int]:
+    from .tokenizer import build_prompt_ids, load_messages
+    if args.prompt_ids is not None:
+        return _parse_ids(args.prompt_ids, "--prompt-ids")
+    text = args.prompt
+    if args.prompt_file is not None:
+        try:
+            text = Path(args.prompt_file).read_text(encoding="utf-8")
+        except OSError as e:
+            raise InputError(f"--prompt-file {args.prompt_file}: cannot read ({e.strerror})") \
+                from None
+    messages = load_messages(args.messages) if args.messages is not None else None
+    if text is None and messages is None:
+        if not demo:
+            raise InputError("no prompt: give --prompt, --prompt-file, --prompt-ids or --messages")
+        text = DEMO_PROMPT
+    return build_prompt_ids(tok, prompt=text, messages=messages, system=args.system,
+                            thinking=args.thinking, raw=args.raw)
+
+
+class Stream:
+    """Streams generated tokens as text and remembers them (and when they came), so a run cut
+    by Ctrl-C still has its tokens and timings."""
+
+    def __init__(self, out, tok, eos: int | None):
+        from .tokenizer import IncrementalDetokenizer
+        self.out, self.eos, self.detok = out, eos, IncrementalDetokenizer(tok)
+        self.ids: list[int] = []
+        self.t0 = self.t_first = self.t_last = time.perf_counter()
+
+    def start(self) -> None:
+        self.t0 = self.t_first = self.t_last = time.perf_counter()
+
+    def push(self, tid: int) -> None:
+        self.t_last = time.perf_counter()
+        if not self.ids:
+            self.t_first = self.t_last
+        self.ids.append(tid)
+        if tid == self.eos:
+            return
+        piece = self.detok.push(tid)
+        if piece:
+            self.out.write(piece)
+            self.out.flush()
+
+    def finish(self) -> None:
+        """The rest of the text and the newline that ends it."""
+        self.out.write(self.detok.flush() + "\n")
+        self.out.flush()
+
+    def timings(self, n_prompt: int) -> dict:
+        """generate()'s timings, measured from the tokens as they arrived (for a cut run)."""
+        from .generate import _timings
+        return _timings(n_prompt, max(len(self.ids) - 1, 0), self.t0, self.t_first, self.t_last)
 
 
 def run(args) -> int:
     from .config import ModelConfig
-    from .generate import Session, load_model, resolve_devices, resolve_mode
-    from .model import DTYPES, RuntimeConfig
-    from .sampling import SamplingParams
-    from .tokenizer import IncrementalDetokenizer, build_prompt_ids, load_tokenizer
+    from .generate import GenerationResult
+    from .profiling import Profiler, parse_steps
+    from .tokenizer import load_tokenizer
 
     out = sys.stderr if args.json else sys.stdout
-    if args.ckpt and args.demo:
-        raise InputError("give either --ckpt DIR or --demo, not both")
-    if args.max_new_tokens is not None and args.max_new_tokens < 1:
-        raise InputError(f"--max-new-tokens {args.max_new_tokens}: must be >= 1")
-    if args.prefill_chunk < 1:
-        raise InputError(f"--prefill-chunk {args.prefill_chunk}: must be >= 1 (tokens per "
-                         f"prefill pass; default {PREFILL_CHUNK})")
-    g = args.prefill_graphs
-    if g < 0 or g & (g - 1):
-        raise InputError(f"--prefill-graphs {g}: expected 0 (off) or a power of two (the "
-                         f"largest captured chunk, e.g. 256)")
-    if args.speculative not in (0, 1):
-        raise InputError(f"--speculative {args.speculative}: allowed 0 (off) or 1 (one drafted "
-                         f"token per step; more is not implemented)")
-    check_min_acceptance(args.speculative_min_acceptance)
-    sampling = SamplingParams(args.temperature, args.top_p, args.top_k,
-                              args.seed if args.seed is not None else secrets.randbelow(2 ** 31))
-    devices = resolve_devices(args.device)
-    mode = resolve_mode(args.mode, devices)
-    if g and mode != "graph":
-        raise InputError(f"--prefill-graphs {g} needs graph mode (CUDA, --mode graph or auto); use "
-                         f"--prefill-graphs 0")
-    if g and args.speculative:
-        raise InputError(f"--prefill-graphs {g}: a prefill that the MTP block follows "
-                         f"(--speculative) does not replay chunk graphs; use --prefill-graphs 0")
-    if args.speculative and devices[0].startswith("cuda"):
-        print("[dsv4] note: a --speculative step costs ~1.7x a plain one on Flash (mostly the "
-              "verified rows' distinct experts), so drafting pays only when more than ~65-70% "
-              "of the drafts are accepted; below --speculative-min-acceptance "
-              f"{args.speculative_min_acceptance} the session decodes plain steps and tries "
-              "drafting again later", file=sys.stderr)
+    devices, mode = check_runtime_args(args)
+    sampling, seed = sampling_params(args)
     force = _parse_ids(args.force_ids, "--force-ids") if args.force_ids is not None else None
-    from .profiling import parse_steps
     if args.profile != "none":
         parse_steps(args.profile_steps)
         if args.profile == "nsys" and not devices[0].startswith("cuda"):
             raise InputError("--profile nsys needs CUDA; use --profile torch on the CPU")
-
     demo = args.demo or not args.ckpt
-    if demo and not args.demo:
-        print("[dsv4] no --ckpt given: running the demo (tiny model, random weights)", file=sys.stderr)
-    ckpt = Path(demo_checkpoint() if demo else args.ckpt)
-    if not ckpt.is_dir():
-        from .errors import MissingFileError
-        raise MissingFileError(f"checkpoint directory not found: {ckpt} (--ckpt)")
+    ckpt = checkpoint_dir(args)
     cfg = ModelConfig.from_json(ckpt)
+    check_checkpoint_args(args, cfg)
     tok = load_tokenizer(ckpt)
 
     # ---- the prompt (all checks before any allocation) ------------------------------------
-    if args.prompt_ids is not None:
-        prompt_ids = _parse_ids(args.prompt_ids, "--prompt-ids")
-    else:
-        text = args.prompt
-        if args.prompt_file is not None:
-            try:
-                text = Path(args.prompt_file).read_text(encoding="utf-8")
-            except OSError as e:
-                raise InputError(f"--prompt-file {args.prompt_file}: cannot read ({e.strerror})") \
-                    from None
-        messages = None
-        if args.messages is not None:
-            from .tokenizer import load_messages
-            messages = load_messages(args.messages)
-        if text is None and messages is None:
-            if not demo:
-                raise InputError("no prompt: give --prompt, --prompt-file, --prompt-ids or --messages")
-            text = DEMO_PROMPT
-        prompt_ids = build_prompt_ids(tok, prompt=text, messages=messages, system=args.system,
-                                      thinking=args.thinking, raw=args.raw)
+    prompt_ids = _prompt_ids(args, tok, demo)
     n_new = len(force) if force is not None else args.max_new_tokens
     for tid in prompt_ids + (force or []):
         if not 0 <= tid < cfg.vocab_size:
@@ -204,58 +148,42 @@ def run(args) -> int:
                          f"exceeds --max-seq-len {cap}; raise --max-seq-len to at least {need} or "
                          f"lower --max-new-tokens")
 
-    # ---- load, prepare, generate ----------------------------------------------------------
-    if args.speculative and cfg.n_mtp_layers < 1:
-        raise InputError(f"--speculative {args.speculative}: the checkpoint has no MTP block "
-                         f"(num_nextn_predict_layers = 0); use --speculative 0")
-    rt = RuntimeConfig(max_seq_len=cap, dtype=DTYPES[args.dtype], devices=tuple(devices),
-                       prefill_chunk=args.prefill_chunk, mtp=bool(args.speculative),
-                       prefill_graphs=args.prefill_graphs if mode == "graph" else 0)
-    t0 = time.perf_counter()
-    model, ck = load_model(ckpt, rt)
-    ck.close()
-    load_s = time.perf_counter() - t0
-    session = Session(model, sampling, mode=mode, granularity=args.granularity,
-                      speculative=args.speculative,
-                      spec_min_acceptance=args.speculative_min_acceptance)
-    detok = IncrementalDetokenizer(tok)
-    eos = tok.eos_id
-
-    def on_token(tid):
-        if tid == eos and force is None:
-            return
-        piece = detok.push(tid)
-        if piece:
-            out.write(piece)
-            out.flush()
-
-    from .profiling import Profiler
-    with Profiler(args.profile, args.profile_steps, session) as prof:
-        res = session.generate(prompt_ids, n_new, force_ids=force, eos_id=eos, on_token=on_token,
-                               keep_logits=args.dump_logits is not None, progress=not args.json)
-    tail = detok.flush()
-    if tail:
-        out.write(tail)
-    out.write("\n")
-    out.flush()
-    if args.dump_logits:
-        import numpy as np
-        np.save(args.dump_logits, res.logits.numpy().astype("float32"))
-    text_ids = res.output_ids[:-1] if res.finish_reason == "eos" else res.output_ids
-    timings = {"load_s": load_s, "capture_s": session.capture_s, **res.timings}
-    mem = _memory(session)
-    if args.json:
-        print(json.dumps({"prompt_ids": prompt_ids, "output_ids": res.output_ids,
-                          "text": tok.decode(text_ids), "finish_reason": res.finish_reason,
-                          "device": ",".join(devices), "mode": mode, "dtype": args.dtype,
-                          "seed": sampling.seed, "timings": timings, "memory": mem,
-                          "profile": prof.summary_path,
-                          **({k: timings[k] for k in ("speculative", "acceptance_rate",
-                                                      "tokens_per_step") if k in timings})}))
-    else:
-        _summary(res, timings, mem, mode, devices, sampling, prompt_ids, prof)
-    session.close()
-    return 0
+    # ---- load, generate (Ctrl-C keeps the tokens so far) ----------------------------------
+    session, load_s = load_session(args, ckpt, cap, devices, mode, sampling)
+    with session:
+        stream = Stream(out, tok, None if force is not None else tok.eos_id)
+        prof = Profiler(args.profile, args.profile_steps, session)
+        interrupted = False
+        try:
+            with prof:
+                stream.start()
+                res = session.generate(prompt_ids, n_new, force_ids=force, eos_id=tok.eos_id,
+                                       on_token=stream.push, progress=not args.json,
+                                       keep_logits=args.dump_logits is not None)
+        except KeyboardInterrupt:
+            interrupted = True
+            res = GenerationResult(prompt_ids, list(stream.ids), "interrupted", None,
+                                   stream.timings(len(prompt_ids)))
+        stream.finish()
+        if args.dump_logits and res.logits is not None:
+            import numpy as np
+            np.save(args.dump_logits, res.logits.numpy().astype("float32"))
+        text_ids = res.output_ids[:-1] if res.finish_reason == "eos" else res.output_ids
+        timings = {"load_s": load_s, "capture_s": session.capture_s, **res.timings}
+        mem = _memory(session)
+        if args.json:
+            print(json.dumps({"prompt_ids": prompt_ids, "output_ids": res.output_ids,
+                              "text": tok.decode(text_ids), "finish_reason": res.finish_reason,
+                              "interrupted": interrupted, "device": ",".join(devices),
+                              "mode": mode, "dtype": args.dtype, "seed": seed, "timings": timings,
+                              "memory": mem, "profile": prof.summary_path,
+                              **({k: timings[k] for k in ("speculative", "acceptance_rate",
+                                                          "tokens_per_step") if k in timings})}))
+        else:
+            _summary(res, timings, mem, mode, devices, seed, prompt_ids, prof)
+        if interrupted and args.dump_logits:
+            print(f"[dsv4] interrupted: {args.dump_logits} not written", file=sys.stderr)
+    return 130 if interrupted else 0
 
 
 def _memory(session) -> dict:
@@ -271,10 +199,11 @@ def _memory(session) -> dict:
     return out
 
 
-def _summary(res, t, mem, mode, devices, sampling, prompt_ids, prof) -> None:
+def _summary(res, t, mem, mode, devices, seed, prompt_ids, prof) -> None:
     w = sys.stderr.write
-    w(f"[dsv4] mode={mode} device={','.join(devices)} seed={sampling.seed} "
-      f"prompt={len(prompt_ids)} tokens generated={len(res.output_ids)} ({res.finish_reason})\n")
+    how = "greedy" if seed is None else f"seed={seed}"
+    w(f"[dsv4] mode={mode} device={','.join(devices)} {how} prompt={len(prompt_ids)} tokens "
+      f"generated={len(res.output_ids)} ({res.finish_reason})\n")
     w(f"[dsv4] load {t['load_s']:.2f} s | capture {t['capture_s']:.2f} s | prefill "
       f"{t['prefill_tok_per_s']:.1f} tok/s | decode {t['decode_tok_per_s']:.2f} tok/s "
       f"({t['ms_per_token']:.2f} ms/token)\n")

@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Mapping
 
+from . import dspark as _dspark
+from .dspark import DSparkConfig
 from .errors import ConfigError, MissingFileError
 
 FP8_BLOCK = 128   # weight block (both dims) and activation-quant block of FP8 linears
@@ -68,8 +71,12 @@ class ModelConfig:
     bos_token_id: int = 0
     eos_token_id: int = 1
     max_position_embeddings: int = 1048576
+    # a DSpark draft module in place of the MTP block (dsv4.dspark; not loaded: n_mtp_layers = 0)
+    dspark: DSparkConfig | None = None
 
     def __post_init__(self):
+        if isinstance(self.dspark, Mapping):        # replace() / asdict() round trips
+            object.__setattr__(self, "dspark", DSparkConfig(**self.dspark))
         if not isinstance(self.compress_ratios, (list, tuple)):
             raise _err("compress_ratios", self.compress_ratios, "expected a list of integers")
         if not all(isinstance(r, int) and not isinstance(r, bool) for r in self.compress_ratios):
@@ -120,19 +127,23 @@ class ModelConfig:
 
     # ---- I/O -----------------------------------------------------------------------------
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any], source: str = "config") -> "ModelConfig":
-        """Build from a released root config (HF keys) or an inference-style config."""
+    def from_dict(cls, d: Mapping[str, Any], source: str = "config.json") -> "ModelConfig":
+        """Build from a released root config (HF keys) or an inference-style config. Errors
+        start with `source` and name the keys of that style (`num_attention_heads = 5`)."""
         if not isinstance(d, Mapping):
             raise ConfigError(f"{source}: expected a JSON object, got {type(d).__name__}")
         if "hidden_size" in d:
-            kw = _from_hf(d, source)
+            kw, names = _from_hf(d, source), _FIELD_TO_KEY
         elif "dim" in d:
-            kw = _from_inference(d, source)
+            kw, names = _from_inference(d, source), {}
         else:
             raise ConfigError(f"{source}: neither 'hidden_size' (released config.json) nor 'dim' "
                               f"(inference config) is present; not a DeepSeek-V4 config")
         try:
             return cls(**kw)
+        except ConfigError as e:        # validation speaks of fields: say the file's keys
+            raise ConfigError(f"{source}: {_in_keys(str(e), names)}; fix that value in "
+                              f"{Path(source).name}") from None
         except TypeError as e:  # pragma: no cover - guarded by the key mapping
             raise ConfigError(f"{source}: {e}") from None
 
@@ -204,6 +215,9 @@ class ModelConfig:
                                         "weight_block_size": [FP8_BLOCK, FP8_BLOCK]}
         if self.expert_dtype is not None:
             d["expert_dtype"] = self.expert_dtype
+        if self.dspark is not None:
+            d.update(_dspark.to_hf(self.dspark))
+            d["compress_ratios"] += list(self.dspark.compress_ratios)
         return dict(sorted(d.items()))
 
 
@@ -235,6 +249,19 @@ _REQUIRED = ("vocab_size", "dim", "moe_inter_dim", "n_layers", "n_heads", "n_rou
              "o_lora_rank", "window_size", "compress_ratios", "index_n_heads", "index_head_dim",
              "index_topk")
 _FIELD_TO_HF = {v: k for k, v in _HF_KEYS.items()}
+# field -> where a released config.json holds it (for error messages)
+_FIELD_TO_KEY = {**_FIELD_TO_HF, "rope_factor": "rope_scaling.factor",
+                 "original_seq_len": "rope_scaling.original_max_position_embeddings",
+                 "beta_fast": "rope_scaling.beta_fast", "beta_slow": "rope_scaling.beta_slow",
+                 "dtype": "quantization_config", "scale_fmt": "quantization_config.scale_fmt"}
+_FIELD_RE = re.compile(r"\b(" + "|".join(sorted(_FIELD_TO_KEY, key=len, reverse=True)) + r")\b")
+
+
+def _in_keys(message: str, names: Mapping[str, str]) -> str:
+    """A validation message with each ModelConfig field name replaced by its config key."""
+    if not names:
+        return message
+    return _FIELD_RE.sub(lambda m: names.get(m.group(1), m.group(1)), message)
 
 
 def _from_hf(d: Mapping[str, Any], source: str) -> dict:
@@ -268,6 +295,13 @@ def _from_hf(d: Mapping[str, Any], source: str) -> dict:
         _check_quant_config(qc, source)
         kw["dtype"] = "fp8"
         kw["scale_fmt"] = "ue8m0"
+    n_layers = kw.get("n_layers")
+    if isinstance(n_layers, int) and not isinstance(n_layers, bool):
+        ds = _dspark.from_hf(d, n_layers)
+        if ds is not None:       # the backbone only: the draft module is not an MTP block
+            kw["dspark"], kw["n_mtp_layers"] = ds, 0
+            if isinstance(kw["compress_ratios"], (list, tuple)):
+                kw["compress_ratios"] = kw["compress_ratios"][:n_layers]
     if d.get("tie_word_embeddings", False):
         raise ConfigError(f"{source}: tie_word_embeddings = true; DeepSeek-V4 has a separate "
                           f"head.weight (expected false)")
@@ -326,11 +360,13 @@ def _validate(c: ModelConfig) -> None:
     for k in ints_pos:
         v = getattr(c, k)
         if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-            raise _err(k, v, "expected a positive integer")
+            raise _err(k, v, "must be a positive integer" + (" (a JSON number, not a string)"
+                                                              if isinstance(v, str) else ""))
     for k in ("n_hash_layers", "n_mtp_layers", "original_seq_len", "bos_token_id", "eos_token_id"):
         v = getattr(c, k)
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            raise _err(k, v, "expected a non-negative integer")
+            raise _err(k, v, "must be a non-negative integer" + (" (a JSON number, not a string)"
+                                                                  if isinstance(v, str) else ""))
     for k in ("norm_eps", "hc_eps", "rope_theta", "compress_rope_theta", "rope_factor"):
         v = getattr(c, k)
         if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0 or not math.isfinite(v):
@@ -339,6 +375,10 @@ def _validate(c: ModelConfig) -> None:
         v = getattr(c, k)
         if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0 or not math.isfinite(v):
             raise _err(k, v, "expected a non-negative finite number")
+    for k in ("beta_fast", "beta_slow"):
+        v = getattr(c, k)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise _err(k, v, "expected a number")
     if c.beta_fast <= c.beta_slow:
         raise _err("beta_fast", c.beta_fast, f"expected > beta_slow = {c.beta_slow}")
 
@@ -351,6 +391,9 @@ def _validate(c: ModelConfig) -> None:
             raise ConfigError(f"compress_ratios[{i}] = {r}; allowed: 0 (window only), 4 (overlapped "
                               f"compression + indexer) or another integer >= 2")
 
+    if c.dspark is not None and c.n_mtp_layers:
+        raise _err("n_mtp_layers", c.n_mtp_layers, "must be 0 with a DSpark draft module (its "
+                   "mtp.* blocks are not MTP blocks)")
     if c.score_func not in SCORE_FUNCS:
         raise _err("score_func", c.score_func, f"allowed: {', '.join(SCORE_FUNCS)}")
     if c.n_activated_experts > c.n_routed_experts:
@@ -361,7 +404,7 @@ def _validate(c: ModelConfig) -> None:
     if c.n_hash_layers > c.n_layers:
         raise _err("n_hash_layers", c.n_hash_layers, f"must be <= n_layers = {c.n_layers}")
     if c.n_heads % c.o_groups:
-        raise _err("o_groups", c.o_groups, f"must divide n_heads = {c.n_heads}")
+        raise _err("n_heads", c.n_heads, f"must be a multiple of o_groups = {c.o_groups}")
     if c.rope_head_dim % 2:
         raise _err("rope_head_dim", c.rope_head_dim, "must be even (RoPE rotates pairs)")
     if c.rope_head_dim >= c.head_dim:

@@ -6,6 +6,8 @@ is a runtime failure (exit 1).
 """
 from __future__ import annotations
 
+import re
+
 
 class UserInputError(Exception):
     """Base for problems the user can fix (exit status 2 in the CLI)."""
@@ -40,25 +42,52 @@ class CapacityError(InputError):
 
 
 class DeviceError(UserInputError, RuntimeError):
-    """A requested device or mode that is not available (e.g. --mode graph without CUDA)."""
+    """A requested device or mode that is not available (e.g. mode='graph' without CUDA, a CUDA
+    device on a CPU-only torch)."""
+
+
+# API parameter -> CLI flag. The library's errors name what an embedder passes
+# (RuntimeConfig.max_seq_len, max_new_tokens, mode='eager'); the CLI shows the flag instead.
+API_FLAGS = {"max_seq_len": "--max-seq-len", "max_new_tokens": "--max-new-tokens",
+             "force_ids": "--force-ids", "prefill_chunk": "--prefill-chunk",
+             "prefill_graphs": "--prefill-graphs", "spec_min_acceptance":
+             "--speculative-min-acceptance", "speculative": "--speculative", "mode": "--mode",
+             "temperature": "--temperature", "top_p": "--top-p", "top_k": "--top-k",
+             "seed": "--seed"}
+BARE_OK = ("max_seq_len", "max_new_tokens", "force_ids", "prefill_chunk", "prefill_graphs",
+           "spec_min_acceptance", "top_p", "top_k")   # the others only as name=value
+_API_RE = re.compile(r"\b(?:RuntimeConfig\.|Session\.)?(" + "|".join(API_FLAGS) +
+                     r")\b(?:\s?=\s?'?([\w.\-]+)'?)?")
+
+
+def in_cli_words(message: str) -> str:
+    """`message` with API parameters written as the CLI's flags: 'RuntimeConfig.max_seq_len' ->
+    '--max-seq-len', "mode='eager'" -> '--mode eager', 'max_new_tokens = 0' -> '--max-new-tokens 0'."""
+    def sub(m: re.Match) -> str:
+        name, value = m.group(1), m.group(2)
+        if value is None:
+            return API_FLAGS[name] if name in BARE_OK else m.group(0)
+        return f"{API_FLAGS[name]} {value}"
+    return _API_RE.sub(sub, message)
 
 
 def exit_code(fn) -> int:
     """Run a CLI body: 0 (or its return value) on success, 2 with one stderr line for a
-    UserInputError, 130 on Ctrl-C, 1 with the cause for anything else (DSV4_TRACEBACK=1 re-raises)."""
+    UserInputError, 130 on Ctrl-C, 1 with the cause for anything else (DSV4_TRACEBACK=1 re-raises).
+    Messages name CLI flags (in_cli_words)."""
     import os
     import sys
     try:
         return fn() or 0
     except UserInputError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {in_cli_words(str(e))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+        print("\ninterrupted", file=sys.stderr)
         return 130
     except Exception as e:
         if os.environ.get("DSV4_TRACEBACK"):
             raise
-        print(f"runtime error: {type(e).__name__}: {e} (set DSV4_TRACEBACK=1 for the traceback)",
-              file=sys.stderr)
+        print(f"runtime error: {type(e).__name__}: {in_cli_words(str(e))} (set DSV4_TRACEBACK=1 "
+              f"for the traceback)", file=sys.stderr)
         return 1

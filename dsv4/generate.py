@@ -23,7 +23,7 @@ from .sampling import SamplingParams, sample
 from .segments import DecodeBuffers, build_segments
 from .spec_policy import DEFAULT_MIN_ACCEPTANCE
 
-FIX_HINTS = ("lower --max-seq-len (smaller caches and graph memory)", "--mode eager")
+FIX_HINTS = ("lower RuntimeConfig.max_seq_len (smaller caches and graph memory)", "mode='eager'")
 
 
 @dataclass
@@ -63,14 +63,15 @@ def resolve_devices(device: str) -> list[str]:
 
 
 def resolve_mode(mode: str, devices: Sequence[str]) -> str:
-    on_cuda = devices[0].startswith("cuda")
+    """'auto' -> 'graph' on CUDA, 'eager' on the CPU; 'graph' without CUDA is a DeviceError."""
+    on_cuda = str(devices[0]).startswith("cuda")
     if mode == "auto":
         return "graph" if on_cuda else "eager"
     if mode == "graph" and not on_cuda:
-        raise DeviceError("--mode graph needs CUDA (no CUDA device in use); use --mode eager or "
-                          "--mode auto")
+        raise DeviceError("mode='graph' needs CUDA (no CUDA device in use); use mode='eager' or "
+                          "mode='auto'")
     if mode not in ("graph", "eager"):
-        raise InputError(f"--mode {mode!r}: allowed auto, graph, eager")
+        raise InputError(f"mode={mode!r}: allowed 'auto', 'graph', 'eager'")
     return mode
 
 
@@ -90,11 +91,17 @@ def load_model(ckpt_dir, rt: RuntimeConfig, progress: bool | None = None):
 
 
 class Session:
-    """Prefill + decode of one sequence at a time over a loaded model (eager or graph mode)."""
+    """Prefill + decode of one sequence at a time over a loaded model (eager or graph mode).
+
+    mode: 'eager', 'graph' (captures the decode step at construction) or 'auto' (graph on CUDA,
+    eager on the CPU); `session.mode` is the resolved one. A context manager: `with Session(...)
+    as s:` closes it (graphs and pools freed) on exit. Errors name API parameters
+    (RuntimeConfig.max_seq_len, max_new_tokens); the CLI words them as flags."""
 
     def __init__(self, model: Transformer, params: SamplingParams, mode: str = "eager",
                  granularity: str = "segment", debug: bool = False, nvtx_domain: str = "dsv4",
                  speculative: int = 0, spec_min_acceptance: float = DEFAULT_MIN_ACCEPTANCE):
+        mode = resolve_mode(mode, [model.head_device.type])
         self.model, self.params, self.mode = model, params, mode
         self.spec = None                # the speculative step (dsv4.spec_step), when asked for
         self.bufs = DecodeBuffers.allocate(model)
@@ -137,9 +144,16 @@ class Session:
         self.length, self.pending = 0, None
 
     def close(self) -> None:
+        """Free the graphs and pools (idempotent); the model and its weights stay."""
         self.decoder.close()
         if self.spec is not None:
             self.spec.close()
+
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     # ---- the sequence ------------------------------------------------------------------------
     # `length`: positions the model state holds (tokens fed); `pending`: the last token chosen by
@@ -196,14 +210,14 @@ class Session:
         if force_ids is not None:
             force_ids = list(force_ids)
             if not force_ids:
-                raise InputError("--force-ids is empty; give at least one token id")
+                raise InputError("force_ids is empty; give at least one token id")
             max_new_tokens = len(force_ids)
             for tid in force_ids:
                 if not 0 <= tid < model.cfg.vocab_size:
                     raise InputError(f"token id {tid} is out of range: the vocabulary has "
                                      f"{model.cfg.vocab_size} ids (0..{model.cfg.vocab_size - 1})")
         if max_new_tokens < 1:
-            raise InputError(f"--max-new-tokens {max_new_tokens}: must be >= 1")
+            raise InputError(f"max_new_tokens = {max_new_tokens}: must be >= 1")
         feed, start = self._feed(prompt_ids, continue_sequence, max_new_tokens)
         if self.spec is not None and force_ids is None:
             return self._generate_speculative(feed, start, list(prompt_ids), max_new_tokens,

@@ -15,7 +15,7 @@ import torch
 
 from .block import Block, fused_mhc
 from .config import ModelConfig
-from .errors import CapacityError, ConfigError
+from .errors import CapacityError, ConfigError, DeviceError
 from .mhc import hc_head, rms_norm
 from .quant import hadamard_matrix
 from .state import LayerState
@@ -49,6 +49,15 @@ class RuntimeConfig:
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ConfigError(f"{name} = {v!r}; expected a positive integer")
         object.__setattr__(self, "devices", tuple(torch.device(d) for d in self.devices))
+        cuda = [d for d in self.devices if d.type == "cuda"]
+        if cuda and not torch.cuda.is_available():   # else torch raises a bare AssertionError
+            raise DeviceError(f"devices = {tuple(map(str, self.devices))}: this torch build has "
+                              f"no CUDA ({torch.__version__}; torch.cuda.is_available() is False); "
+                              f"use devices=('cpu',), or install a CUDA build of torch")
+        for d in cuda:
+            if (d.index or 0) >= torch.cuda.device_count():
+                raise DeviceError(f"devices: {d} does not exist; this machine has "
+                                  f"{torch.cuda.device_count()} CUDA device(s)")
 
 
 class Transformer:
@@ -81,9 +90,13 @@ class Transformer:
             self.states.append(LayerState.allocate(cfg, cfg.ratio(l), rt.max_seq_len, self.act, dev))
         self.mtp = None                    # the MTP block on the head device (rt.mtp)
         if rt.mtp:
+            if cfg.dspark is not None:
+                raise ConfigError("RuntimeConfig(mtp=True) on a DSpark checkpoint: its draft "
+                                  "module is not an MTP block, and DSpark drafting is not "
+                                  "supported yet; use mtp=False (plain decoding)")
             if cfg.n_mtp_layers < 1:
                 raise ConfigError("RuntimeConfig(mtp=True) but the checkpoint has no MTP block "
-                                  "(num_nextn_predict_layers = 0)")
+                                  "(num_nextn_predict_layers = 0); use mtp=False")
             from .mtp import MTPBlock
             had.setdefault(hdev, hadamard_matrix(cfg.index_head_dim, hdev))
             self.mtp = MTPBlock(cfg, 0, hdev, rt.max_seq_len, self.act, had[hdev])
@@ -186,10 +199,10 @@ class Transformer:
     def check_capacity(self, n_prompt: int, n_new: int) -> None:
         cap = self.rt.max_seq_len
         if n_prompt + n_new > cap:
-            raise CapacityError(f"prompt ({n_prompt} tokens) + max-new-tokens ({n_new}) = "
+            raise CapacityError(f"prompt ({n_prompt} tokens) + max_new_tokens ({n_new}) = "
                                 f"{n_prompt + n_new} exceeds the cache capacity {cap}; raise "
-                                f"--max-seq-len to at least {n_prompt + n_new} or lower "
-                                f"--max-new-tokens")
+                                f"RuntimeConfig.max_seq_len to at least {n_prompt + n_new} or "
+                                f"lower max_new_tokens")
 
     # ---- prefill / decode --------------------------------------------------------------------
     @torch.inference_mode()
@@ -210,7 +223,7 @@ class Transformer:
         chunk = self.rt.prefill_chunk if chunk is None else chunk
         if s < 1 or start < 0 or start + s > cap:
             raise CapacityError(f"prefill of {s} tokens at position {start}: positions must stay in "
-                                f"0..{cap - 1} (raise --max-seq-len to at least {start + s})")
+                                f"0..{cap - 1} (raise RuntimeConfig.max_seq_len to at least {start + s})")
         if chunk < 1:
             raise ConfigError(f"prefill chunk = {chunk}; expected a positive integer")
         if start == 0:

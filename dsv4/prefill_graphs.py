@@ -26,7 +26,8 @@ from graphs import CUDAGraphDecoder, Segment
 
 from .errors import ConfigError
 
-FIX_HINTS = ("lower --prefill-graphs (fewer and smaller chunk graphs)", "--prefill-graphs 0")
+FIX_HINTS = ("lower RuntimeConfig.prefill_graphs (fewer and smaller chunk graphs)",
+             "RuntimeConfig.prefill_graphs = 0")
 
 
 def chunk_sizes(max_rows: int) -> list[int]:

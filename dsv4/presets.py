@@ -2,11 +2,13 @@
 
 `flash` and `pro` equal the released configs (`../shared/data/configs/`); `tiny` keeps the real
 vocabulary (129280, so the real tokenizer works) and every architectural feature (hash layer,
-window-only, ratio-4 with indexer, another ratio, FP8 + FP4 weights, MTP block) at toy size.
+window-only, ratio-4 with indexer, another ratio, FP8 + FP4 weights, MTP block) at toy size;
+`tiny-dspark` is `tiny`'s backbone with a DSpark draft module in place of the MTP block.
 """
 from __future__ import annotations
 
 from .config import ModelConfig
+from .dspark import DSparkConfig
 
 _COMMON = dict(
     vocab_size=129280, n_hash_layers=3, n_mtp_layers=1, n_shared_experts=1,
@@ -37,7 +39,14 @@ TINY = ModelConfig(
     index_head_dim=128, index_topk=8, hc_mult=4, hc_sinkhorn_iters=20, hc_eps=1e-6,
     dtype="fp8", scale_fmt="ue8m0", expert_dtype="fp4")
 
-PRESETS = {"flash": FLASH, "pro": PRO, "tiny": TINY}
+# TINY's backbone with a DSpark draft module (3 window-only blocks, as the 0731 release) in
+# place of the MTP block: dsv4 loads the backbone and skips the draft module (dsv4.dspark)
+TINY_DSPARK = TINY.replace(
+    n_mtp_layers=0, compress_ratios=TINY.compress_ratios[:TINY.n_layers],
+    dspark=DSparkConfig(block_size=5, noise_token_id=128799, target_layer_ids=(1, 2, 3),
+                        markov_rank=16, n_blocks=3, compress_ratios=(0, 0, 0), nextn_layers=1))
+
+PRESETS = {"flash": FLASH, "pro": PRO, "tiny": TINY, "tiny-dspark": TINY_DSPARK}
 
 
 def get_preset(name: str, n_layers: int | None = None) -> ModelConfig:

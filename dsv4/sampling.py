@@ -25,13 +25,13 @@ class SamplingParams:
 
     def __post_init__(self):
         if not (self.temperature >= 0) or self.temperature != self.temperature:
-            raise InputError(f"--temperature {self.temperature}: must be >= 0 (0 = greedy)")
+            raise InputError(f"temperature = {self.temperature}: must be >= 0 (0 = greedy)")
         if not (0 < self.top_p <= 1):
-            raise InputError(f"--top-p {self.top_p}: must be in (0, 1]")
+            raise InputError(f"top_p = {self.top_p}: must be in (0, 1]")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
-            raise InputError(f"--top-k {self.top_k}: must be a non-negative integer (0 = off)")
+            raise InputError(f"top_k = {self.top_k}: must be a non-negative integer (0 = off)")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
-            raise InputError(f"--seed {self.seed}: must be a non-negative integer")
+            raise InputError(f"seed = {self.seed}: must be a non-negative integer")
 
     @property
     def greedy(self) -> bool:

@@ -22,7 +22,7 @@ DEFAULT_MIN_ACCEPTANCE = 0.65
 def check_min_acceptance(a: float) -> None:
     """The --speculative-min-acceptance value (CLI, before anything loads) or SpecPolicy's."""
     if not 0.0 <= a <= 1.0:
-        raise InputError(f"--speculative-min-acceptance {a}: must be in [0, 1] (the share of "
+        raise InputError(f"spec_min_acceptance = {a}: must be in [0, 1] (the share of "
                          f"accepted drafts below which steps go plain; 0 = always draft)")
 
 

@@ -266,7 +266,7 @@ class SpecStep:
                               "RuntimeConfig(mtp=True) on a checkpoint with "
                               "num_nextn_predict_layers >= 1")
         if k != 1:
-            raise ConfigError(f"--speculative {k}: only 1 draft token per step is implemented "
+            raise ConfigError(f"speculative = {k}: only 1 draft token per step is implemented "
                               f"(0 = off)")
         self.model, self.params, self.k = model, params, k
         self.policy = SpecPolicy(min_acceptance if plain is not None else 0.0)

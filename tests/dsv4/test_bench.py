@@ -148,7 +148,7 @@ def test_memory_check_names_device_and_fixes(capsys, monkeypatch):
     rc = bench.main(["--preset", "tiny", "--reserve-gib", "0", *FAST])
     out, err = capsys.readouterr()
     assert rc == 2 and out == "" and len(err.strip().splitlines()) == 1
-    for part in ("cpu needs an estimated", "GiB free", "--layers 2 (the most that fit here)",
+    for part in ("cpu needs an estimated", "GiB host memory available", "--layers 2 (the most that fit here)",
                  "more --devices", "smaller --context", "--reserve-gib 0"):
         assert part in err, part
 
@@ -232,3 +232,24 @@ def test_prefill_profile_cuda(capsys):
     assert pr["kernels"] > 0 and pr["device_ms"] > 0 and pr["top"] and pr["host_top"]
     assert pr["host_issue_ms"] > 0 and pr["device_span_ms"] > 0
     assert sum(c for _, c, _ in pr["top"]) <= pr["kernels"]
+
+
+def test_cpu_memory_check_counts_dequantized_copies(capsys, monkeypatch):
+    """A CPU run keeps dequantized weights (and dequantizing a Flash expert bank needs tens of GB
+    of temporaries): the check counts both and refuses before generating anything."""
+    meta = Transformer(get_preset("flash"), RuntimeConfig(max_seq_len=4352, devices=("meta",)))
+    sizes = bench.layer_sizes(meta)
+    _, cpu = bench.memory_estimate(sizes, 1, [torch.device("cpu")], 0)
+    _, gpu = bench.memory_estimate(sizes, 1, [torch.device("cuda:0")], 0)
+    bank = 256 * 2048 * 4096                                      # one Flash expert matrix
+    assert cpu["cpu"]["dense"] >= 3 * bank * 2 and gpu["cuda:0"]["dense"] == 0
+    assert cpu["cpu"]["reserve"] >= bank * bench.DEQUANT_FP4 > gpu["cuda:0"]["reserve"]
+    monkeypatch.setattr(bench, "free_memory", lambda d: 24 * 2**30)   # the 24 GB machine
+    generated = []
+    monkeypatch.setattr(bench, "DeviceWeights", lambda *a: generated.append(a))
+    rc = bench.main(["--preset", "flash", "--devices", "cpu", "--layers", "1", "--steps", "2"])
+    err = capsys.readouterr().err
+    assert rc == 2 and not generated, err
+    for part in ("cpu needs an estimated", "dequantized copies", "host memory available",
+                 "not even one layer fits"):
+        assert part in err, (part, err)

@@ -123,7 +123,8 @@ def test_missing_directory(tmp_path):
 
 
 def test_path_is_a_file(ckpt):
-    assert "not a checkpoint directory" in _raises(MissingFileError, ckpt / "config.json")
+    msg = _raises(MissingFileError, ckpt / "config.json")
+    assert "config.json is not a directory" in msg and "not found" not in msg
 
 
 def test_missing_config(ckpt):
@@ -134,7 +135,7 @@ def test_missing_config(ckpt):
 def test_invalid_config_value(ckpt):
     _edit_config(ckpt, scoring_func="relu")
     msg = _raises(ConfigError, ckpt)
-    assert "score_func" in msg and "'relu'" in msg and "sqrtsoftplus" in msg
+    assert "config.json: scoring_func = 'relu'" in msg and "sqrtsoftplus" in msg
 
 
 def test_unparsable_config(ckpt):
@@ -230,6 +231,17 @@ def test_fp4_experts_without_expert_dtype_hint(ckpt):
     msg = _raises(TensorMismatchError, ckpt)
     assert 'add "expert_dtype": "fp4" to config.json' in msg
     assert "expected [128, 128] F8_E4M3, found [128, 64] I8" in msg
+
+
+def test_hidden_size_hint_without_a_wrong_format_hint(ckpt):
+    """Only the shapes differ (the FP4 experts match "expert_dtype": "fp4"): the hint names
+    hidden_size and does not advise adding expert_dtype, which is already there."""
+    _edit_config(ckpt, hidden_size=256)
+    msg = _raises(TensorMismatchError, ckpt)
+    assert "expert_dtype" not in msg and "remove" not in msg, msg
+    assert "The shards have hidden_size = 128 (embed.weight is [1024, 128]) but config.json says " \
+           "hidden_size = 256: fix hidden_size." in msg
+    assert "expected [1024, 256] BF16, found [1024, 128] BF16" in msg
 
 
 def test_fp8_shards_with_bf16_config_hint(ckpt):
@@ -428,3 +440,53 @@ def test_load_to_cuda(written):
         for e in range(E):
             assert torch.equal(stacked[e].cpu().view(torch.uint8),
                                ck.get(name.format(e)).view(torch.uint8))
+
+
+# ---- DSpark checkpoints ------------------------------------------------------------------------
+
+def test_dspark_checkpoint_opens_its_backbone(tmp_path):
+    """A DSpark checkpoint (0731 layout: dspark_* keys, compress_ratios past the main layers,
+    draft module under mtp.*) opens as its backbone; the draft tensors are set aside and named."""
+    from dsv4.dspark import draft_tensor_table
+    from dsv4.presets import TINY_DSPARK
+    cfg = TINY_DSPARK.replace(vocab_size=1024)
+    d = write_checkpoint(cfg, tmp_path / "dspark", weights="fp8", seed=1)
+    raw = json.loads((d / "config.json").read_text())
+    assert raw["dspark_block_size"] == 5 and raw["dspark_target_layer_ids"] == [1, 2, 3]
+    assert len(raw["compress_ratios"]) == cfg.n_layers + 3 and raw["num_nextn_predict_layers"] == 1
+    ck = open_checkpoint(d)
+    assert ck.config == cfg and ck.config.n_mtp_layers == 0
+    assert set(ck.tensor_names()) == set(expected_tensor_table(cfg))
+    draft = draft_tensor_table(cfg)
+    assert set(ck.skipped) == set(draft) and all(n.startswith("mtp.") for n in draft)
+    for part in ("mtp.0.main_proj.weight", "mtp.0.main_norm.weight", "mtp.2.norm.weight",
+                 "mtp.2.markov_head.markov_w1.weight", "mtp.2.confidence_head.proj.weight",
+                 "mtp.1.attn.wkv.weight", "mtp.2.ffn.experts.0.w1.weight"):
+        assert part in ck.skipped, part
+    assert ck.skipped["mtp.0.main_proj.weight"].shape == (128, 3 * 128)
+    note = ck.notice
+    for part in ("DSpark checkpoint", "dspark_block_size 5", f"{len(draft)} tensors", "mtp.0-2",
+                 "main_proj", "main_norm", "markov_head", "confidence_head", "not supported yet"):
+        assert part in note, (part, note)
+    assert open_checkpoint(ck.path).notice == note
+    # the same shards under a config without the dspark keys: the usual table mismatch
+    _edit_config(d, dspark_block_size=None, dspark_target_layer_ids=None,
+                 dspark_markov_rank=None, dspark_noise_token_id=None,
+                 compress_ratios=raw["compress_ratios"][:cfg.n_layers] + [0])
+    assert "unexpected" in _raises(TensorMismatchError, d)
+
+
+@pytest.mark.parametrize("changes, words", [
+    ({"dspark_markov_rank": None}, ["dspark_markov_rank is missing"]),
+    ({"dspark_target_layer_ids": [1, 9]}, ["dspark_target_layer_ids = [1, 9]", "< num_hidden_layers = 4"]),
+    ({"dspark_block_size": 0}, ["dspark_block_size = 0", "positive integer"]),
+])
+def test_dspark_config_errors(changes, words):
+    from dsv4.presets import TINY_DSPARK
+    d = TINY_DSPARK.to_hf_dict()
+    for k, v in changes.items():
+        d.pop(k) if v is None else d.__setitem__(k, v)
+    with pytest.raises(ConfigError) as e:
+        ModelConfig.from_dict(d)
+    for w in words:
+        assert w in str(e.value), (w, str(e.value))

@@ -1,5 +1,7 @@
 """ModelConfig: both released config styles, presets, and validation messages."""
 
+import re
+
 import pytest
 
 from dsv4.config import ModelConfig
@@ -48,28 +50,54 @@ def _bad(**changes):
 
 
 @pytest.mark.parametrize("changes,words", [
-    ({"compress_ratios": [0, 4, 16]}, ["compress_ratios", "3 entries", "n_layers + n_mtp_layers"]),
+    ({"compress_ratios": [0, 4, 16]}, ["compress_ratios", "3 entries", "num_hidden_layers + num_nextn_predict_layers"]),
     ({"compress_ratios": [0, 1, 16, 4, 0]}, ["compress_ratios[1]", "1"]),
-    ({"scoring_func": "relu"}, ["score_func", "relu", "sqrtsoftplus"]),
-    ({"num_experts_per_tok": 17}, ["n_activated_experts", "17", "n_routed_experts"]),
-    ({"num_hash_layers": 9}, ["n_hash_layers", "9", "n_layers"]),
-    ({"o_groups": 3}, ["o_groups", "3", "n_heads"]),
+    ({"scoring_func": "relu"}, ["scoring_func", "relu", "sqrtsoftplus"]),
+    ({"num_experts_per_tok": 17}, ["num_experts_per_tok", "17", "n_routed_experts"]),
+    ({"num_hash_layers": 9}, ["num_hash_layers", "9", "num_hidden_layers"]),
+    ({"o_groups": 3}, ["o_groups = 3", "num_attention_heads = 4"]),
     ({"index_head_dim": 96}, ["index_head_dim", "96", "power of two"]),
-    ({"head_dim": 160}, ["head_dim - rope_head_dim", "96", "64"]),
+    ({"head_dim": 160}, ["head_dim - qk_rope_head_dim", "96", "64"]),
     ({"hidden_size": 200}, ["FP8", "128"]),
     ({"moe_intermediate_size": 96}, ["128"]),
-    ({"hidden_size": -4}, ["dim", "-4", "positive"]),
+    ({"hidden_size": -4}, ["hidden_size = -4", "positive integer"]),
     ({"num_key_value_heads": 8}, ["num_key_value_heads", "1"]),
     ({"rope_scaling": {"type": "linear", "factor": 2}}, ["rope_scaling.type", "linear", "yarn"]),
     ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [64, 64]}},
      ["weight_block_size", "128"]),
     ({"quantization_config": {"quant_method": "awq"}}, ["quant_method", "awq"]),
     ({"expert_dtype": "int4"}, ["expert_dtype", "int4"]),
+    # the user's words: config.json, its key and the value (not the internal field names)
+    ({"num_attention_heads": 5}, ["config.json", "num_attention_heads = 5", "o_groups = 2"]),
+    ({"hidden_size": "128"}, ["config.json", "hidden_size = '128'", "integer", "not a string"]),
+    ({"num_hidden_layers": 2.5}, ["num_hidden_layers = 2.5", "integer"]),
+    ({"rope_scaling": {"type": "yarn", "factor": "x", "original_max_position_embeddings": 4096}},
+     ["rope_scaling.factor = 'x'"]),
+    ({"rope_scaling": {"type": "yarn", "beta_fast": "32", "original_max_position_embeddings": 9}},
+     ["rope_scaling.beta_fast = '32'", "number"]),
 ])
 def test_validation_names_key_value_allowed(changes, words):
     msg = _bad(**changes)
     for w in words:
         assert w in msg, (w, msg)
+    assert not re.search(r"\b(dim|n_heads|n_layers|score_func) = ", msg), msg  # internal names
+
+
+def test_config_file_errors_name_the_file_and_key(tmp_path):
+    import json
+    d = TINY.to_hf_dict()
+    d["num_attention_heads"] = 5
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    with pytest.raises(ConfigError) as e:
+        ModelConfig.from_json(tmp_path)
+    assert str(e.value).startswith(f"{tmp_path / 'config.json'}: num_attention_heads = 5")
+    # the inference style keeps its own (field) names
+    inf = {k: v for k, v in TINY.to_dict().items()
+           if k not in ("bos_token_id", "eos_token_id", "max_position_embeddings")}
+    inf["n_heads"] = 5
+    with pytest.raises(ConfigError, match="inference.json: n_heads = 5; must be a multiple of "
+                                          "o_groups = 2"):
+        ModelConfig.from_dict(inf, source="inference.json")
 
 
 def test_missing_key_and_bad_files(tmp_path):

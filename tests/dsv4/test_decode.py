@@ -144,3 +144,41 @@ def test_session_seeded_generation_is_reproducible(ckpts):
     r = [Session(m, SamplingParams(temperature=1.0, seed=s)).generate(list(range(20)), 16).output_ids
          for s in (1, 1, 2)]
     assert r[0] == r[1] and r[0] != r[2]
+
+
+# ---- the embedding API's contract ------------------------------------------------------------
+
+def test_session_is_a_context_manager_resolves_auto_and_speaks_api(ckpts):
+    m = _model(ckpts["fp8"], torch.bfloat16, cap=64)
+    with Session(m, SamplingParams(), mode="auto") as s:
+        assert s.mode == "eager" and s.decoder.mode == "eager"      # auto on the CPU
+        assert len(s.generate([5, 6, 7], 3).output_ids) == 3
+    from graphs import LifecycleError
+    with pytest.raises(LifecycleError):                             # closed on exit
+        s.decoder.step()
+    from dsv4.errors import DeviceError, InputError
+    with pytest.raises(DeviceError, match="mode='graph' needs CUDA"):
+        Session(m, SamplingParams(), mode="graph")
+    with pytest.raises(InputError, match="mode='fast'"):
+        Session(m, SamplingParams(), mode="fast")
+    # API errors name API parameters
+    from dsv4.errors import CapacityError, in_cli_words
+    s = Session(m, SamplingParams())
+    with pytest.raises(CapacityError) as e:
+        s.generate(list(range(10)), 60)
+    msg = str(e.value)
+    assert "RuntimeConfig.max_seq_len to at least 70" in msg and "max_new_tokens" in msg
+    assert "--" not in msg
+    # the CLI's wording of the same error
+    assert "raise --max-seq-len to at least 70 or lower --max-new-tokens" in in_cli_words(msg)
+    with pytest.raises(InputError, match="^max_new_tokens = 0: must be >= 1$"):
+        s.generate([1, 2], 0)
+    with pytest.raises(InputError, match="^force_ids is empty"):
+        s.generate([1, 2], 3, force_ids=[])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_device_without_cuda_is_a_typed_error():
+    from dsv4.errors import DeviceError
+    with pytest.raises(DeviceError, match=r"devices = \('cuda:0',\): this torch build has no CUDA"):
+        RuntimeConfig(max_seq_len=64, devices=("cuda:0",))

@@ -63,5 +63,5 @@ def test_threshold_and_always():
 
 @pytest.mark.parametrize("bad", [-0.1, 1.5, float("nan")])
 def test_bad_min_acceptance(bad):
-    with pytest.raises(InputError, match="min-acceptance"):
+    with pytest.raises(InputError, match="spec_min_acceptance = "):
         SpecPolicy(bad)
