@@ -158,10 +158,10 @@ class Session:
         """Back to a saved point: the next generate(..., continue_sequence=True) or prefill(...,
         continue_sequence=True) goes on from it (an empty continuation samples from the saved
         logits, when there are some), with the same tokens and logits as a fresh run that fed
-        the same tokens in the same pieces. Valid while every sequence this session processed
-        since the save shares the saved sequence's first snap.length tokens: the compressed
-        entries are not saved (dsv4.snapshot; dsv4.prefix_cache keeps that account). The
-        speculative step starts over, as after a fresh prefill."""
+        the same tokens in the same pieces. Valid while nothing was fed at a position below
+        snap.length since the save (the compressed entries, append-only, are not saved:
+        dsv4.snapshot; dsv4.prefix_cache keeps that account). The speculative step starts
+        over, as after a fresh prefill."""
         if snap.empty:
             raise InputError("restore of an empty snapshot: save() into it first")
         self._logits = snap.restore(self.model)

@@ -5,11 +5,12 @@ ring (slot p % W), its compressors' open-block rows (in overlap mode also the pr
 and the MTP block's own ring and compressor rows, plus the MTP block's place along the sequence.
 The compressed KV and index entries are append-only and masked by position: an entry that a later
 position wrote is invisible to every query before that position and is written again before any
-query at or after it reads it. So copying the first set at L and back restores the state of the
-sequence at L exactly, whatever ran in between, as long as every sequence processed since shares
-the first L tokens (else the entries they hold belong to other tokens: the caller's bookkeeping,
-dsv4.prefix_cache). The snapshot's buffers are allocated once and reused, so serving
-many prompts allocates nothing.
+query at or after it reads it, and no position >= L writes an entry of a block that closed before
+L. So copying the first set at L and back restores the state of the sequence at L bit for bit,
+whatever ran in between, as long as nothing was fed at a position < L since the save (a new
+sequence from position 0, a continuation from an earlier point: those rewrite entries the saved
+point reads; dsv4.prefix_cache keeps that account). The buffers are allocated once and reused:
+serving many prompts allocates nothing.
 """
 from __future__ import annotations
 
