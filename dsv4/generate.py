@@ -36,6 +36,14 @@ class GenerationResult:
     timings: dict = field(default_factory=dict)
 
 
+def check_token_ids(ids: Sequence[int], vocab_size: int) -> None:
+    """InputError naming the first id outside 0..vocab_size-1."""
+    for tid in ids:
+        if not 0 <= tid < vocab_size:
+            raise InputError(f"token id {tid} is out of range: the vocabulary has {vocab_size} ids "
+                             f"(0..{vocab_size - 1})")
+
+
 def resolve_devices(device: str) -> list[str]:
     """--device auto|cpu|cuda|cuda:0,cuda:1 -> device names; never touches CUDA for 'cpu'."""
     if device == "cpu":
@@ -147,6 +155,12 @@ class Session:
             self.spec.reset()
         self.length, self.pending, self._logits = 0, None, None
 
+    @property
+    def holds_logits(self) -> bool:
+        """Right after a prefill() or a restore() of a point saved after one: the last fed
+        token's logits are held, and generate([], ..., continue_sequence=True) samples from them."""
+        return self._logits is not None
+
     def save(self, snap: StateSnapshot) -> None:
         """Save the sequence's current point into `snap` (allocated once with
         StateSnapshot(session.model)): the state that later positions overwrite, the length, the
@@ -186,10 +200,7 @@ class Session:
         if not ids and not (continue_sequence and (self.pending is not None
                                                    or self._logits is not None)):
             raise InputError("empty prompt: give at least one token")
-        for tid in ids:
-            if not 0 <= tid < cfg.vocab_size:
-                raise InputError(f"token id {tid} is out of range: the vocabulary has "
-                                 f"{cfg.vocab_size} ids (0..{cfg.vocab_size - 1})")
+        check_token_ids(ids, cfg.vocab_size)
         if not continue_sequence:
             feed, start = ids, 0
         else:
@@ -248,10 +259,7 @@ class Session:
             if not force_ids:
                 raise InputError("--force-ids is empty; give at least one token id")
             max_new_tokens = len(force_ids)
-            for tid in force_ids:
-                if not 0 <= tid < model.cfg.vocab_size:
-                    raise InputError(f"token id {tid} is out of range: the vocabulary has "
-                                     f"{model.cfg.vocab_size} ids (0..{model.cfg.vocab_size - 1})")
+            check_token_ids(force_ids, model.cfg.vocab_size)
         if max_new_tokens < 1:
             raise InputError(f"--max-new-tokens {max_new_tokens}: must be >= 1")
         speculate = self.spec is not None and force_ids is None and speculative is not False
