@@ -27,13 +27,26 @@ class _Parser(argparse.ArgumentParser):
         raise InputError(f"{message} (see --help)")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="decode.py", description="Batch-1 DeepSeek-V4 decoding (CUDA graphs or eager).")
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """--ckpt / --demo (shared with the server, dsv4.serve)."""
     src = p.add_argument_group("model")
     src.add_argument("--ckpt", help="checkpoint directory in the released DSV4 format")
     src.add_argument("--demo", action="store_true",
                      help="build (once, cached) and run a tiny random-weight model (the default "
                           "when no --ckpt is given)")
+
+
+def add_sampling_args(g) -> None:
+    """--temperature / --top-p / --top-k / --seed (the server's defaults for its requests)."""
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=None, help="sampling seed (random if omitted)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="decode.py", description="Batch-1 DeepSeek-V4 decoding (CUDA graphs or eager).")
+    add_model_args(p)
     pr = p.add_argument_group("prompt").add_mutually_exclusive_group()
     pr.add_argument("--prompt", help="prompt text (chat-encoded unless --raw)")
     pr.add_argument("--prompt-file", help="file with the prompt text")
@@ -44,19 +57,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--system", help="system prompt")
     g = p.add_argument_group("generation")
     g.add_argument("--max-new-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--seed", type=int, default=None, help="sampling seed (random if omitted)")
+    add_sampling_args(g)
     g.add_argument("--force-ids", help="teacher forcing: feed these ids instead of sampled ones")
+    add_runtime_args(p)
+    o = p.add_argument_group("output")
+    o.add_argument("--json", action="store_true", help="one JSON object on stdout at the end")
+    o.add_argument("--dump-logits", help="save float32 logits [n_generated, vocab] to PATH.npy")
+    o.add_argument("--profile", default="none", choices=("none", "torch", "nsys"))
+    o.add_argument("--profile-steps", default="10-20", help="decode steps A-B to profile")
+    return p
+
+
+def add_runtime_args(p: argparse.ArgumentParser, max_seq_len: int | None = None,
+                     max_seq_len_help: str = "cache capacity (default: prompt + max-new-tokens, "
+                                             "rounded up to 256)") -> None:
+    """The runtime group: --device, --mode, --granularity, --dtype, --max-seq-len,
+    --prefill-chunk, --prefill-graphs, --speculative, --speculative-min-acceptance (shared with
+    the server; checked by check_runtime_args)."""
     r = p.add_argument_group("runtime")
     r.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:0,cuda:1 (pipeline)")
     r.add_argument("--mode", default="auto", choices=("auto", "graph", "eager"))
     r.add_argument("--granularity", default="segment", choices=("segment", "device"),
                    help="graph per layer (segment) or per device")
     r.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
-    r.add_argument("--max-seq-len", type=int, default=None,
-                   help="cache capacity (default: prompt + max-new-tokens, rounded up to 256)")
+    r.add_argument("--max-seq-len", type=int, default=max_seq_len, help=max_seq_len_help)
     r.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK, metavar="N",
                    help=f"prefill the prompt N tokens at a time (same result; activation memory "
                         f"grows with N; default {PREFILL_CHUNK})")
@@ -75,12 +99,52 @@ def build_parser() -> argparse.ArgumentParser:
                         "accepted, decode plain steps (the MTP block following) and try drafting "
                         f"again later (default {DEFAULT_MIN_ACCEPTANCE}, about where drafting "
                         "starts to pay on Flash; 0 = always draft)")
-    o = p.add_argument_group("output")
-    o.add_argument("--json", action="store_true", help="one JSON object on stdout at the end")
-    o.add_argument("--dump-logits", help="save float32 logits [n_generated, vocab] to PATH.npy")
-    o.add_argument("--profile", default="none", choices=("none", "torch", "nsys"))
-    o.add_argument("--profile-steps", default="10-20", help="decode steps A-B to profile")
-    return p
+
+
+def check_runtime_args(args) -> tuple[list[str], str]:
+    """The runtime flags checked before anything loads -> (devices, mode). InputError naming the
+    flag, the value and the fix."""
+    from .generate import resolve_devices, resolve_mode
+    if args.prefill_chunk < 1:
+        raise InputError(f"--prefill-chunk {args.prefill_chunk}: must be >= 1 (tokens per "
+                         f"prefill pass; default {PREFILL_CHUNK})")
+    g = args.prefill_graphs
+    if g < 0 or g & (g - 1):
+        raise InputError(f"--prefill-graphs {g}: expected 0 (off) or a power of two (the "
+                         f"largest captured chunk, e.g. 256)")
+    if args.speculative not in (0, 1):
+        raise InputError(f"--speculative {args.speculative}: allowed 0 (off) or 1 (one drafted "
+                         f"token per step; more is not implemented)")
+    check_min_acceptance(args.speculative_min_acceptance)
+    devices = resolve_devices(args.device)
+    mode = resolve_mode(args.mode, devices)
+    if g and mode != "graph":
+        raise InputError(f"--prefill-graphs {g} needs graph mode (CUDA, --mode graph or auto); use "
+                         f"--prefill-graphs 0")
+    if g and args.speculative:
+        raise InputError(f"--prefill-graphs {g}: a prefill that the MTP block follows "
+                         f"(--speculative) does not replay chunk graphs; use --prefill-graphs 0")
+    if args.speculative and devices[0].startswith("cuda"):
+        print("[dsv4] note: a --speculative step costs ~1.7x a plain one on Flash (mostly the "
+              "verified rows' distinct experts), so drafting pays only when more than ~65-70% "
+              "of the drafts are accepted; below --speculative-min-acceptance "
+              f"{args.speculative_min_acceptance} the session decodes plain steps and tries "
+              "drafting again later", file=sys.stderr)
+    return devices, mode
+
+
+def resolve_checkpoint(args) -> Path:
+    """The checkpoint directory of --ckpt / --demo (the demo's built once, cached)."""
+    if args.ckpt and args.demo:
+        raise InputError("give either --ckpt DIR or --demo, not both")
+    demo = args.demo or not args.ckpt
+    if demo and not args.demo:
+        print("[dsv4] no --ckpt given: running the demo (tiny model, random weights)", file=sys.stderr)
+    ckpt = Path(demo_checkpoint() if demo else args.ckpt)
+    if not ckpt.is_dir():
+        from .errors import MissingFileError
+        raise MissingFileError(f"checkpoint directory not found: {ckpt} (--ckpt)")
+    return ckpt
 
 
 def _parse_ids(text: str, flag: str) -> list[int]:
@@ -115,7 +179,7 @@ def demo_checkpoint() -> Path:
 
 def run(args) -> int:
     from .config import ModelConfig
-    from .generate import Session, load_model, resolve_devices, resolve_mode
+    from .generate import Session, load_model
     from .model import DTYPES, RuntimeConfig
     from .sampling import SamplingParams
     from .tokenizer import IncrementalDetokenizer, build_prompt_ids, load_tokenizer
@@ -125,33 +189,9 @@ def run(args) -> int:
         raise InputError("give either --ckpt DIR or --demo, not both")
     if args.max_new_tokens is not None and args.max_new_tokens < 1:
         raise InputError(f"--max-new-tokens {args.max_new_tokens}: must be >= 1")
-    if args.prefill_chunk < 1:
-        raise InputError(f"--prefill-chunk {args.prefill_chunk}: must be >= 1 (tokens per "
-                         f"prefill pass; default {PREFILL_CHUNK})")
-    g = args.prefill_graphs
-    if g < 0 or g & (g - 1):
-        raise InputError(f"--prefill-graphs {g}: expected 0 (off) or a power of two (the "
-                         f"largest captured chunk, e.g. 256)")
-    if args.speculative not in (0, 1):
-        raise InputError(f"--speculative {args.speculative}: allowed 0 (off) or 1 (one drafted "
-                         f"token per step; more is not implemented)")
-    check_min_acceptance(args.speculative_min_acceptance)
+    devices, mode = check_runtime_args(args)
     sampling = SamplingParams(args.temperature, args.top_p, args.top_k,
                               args.seed if args.seed is not None else secrets.randbelow(2 ** 31))
-    devices = resolve_devices(args.device)
-    mode = resolve_mode(args.mode, devices)
-    if g and mode != "graph":
-        raise InputError(f"--prefill-graphs {g} needs graph mode (CUDA, --mode graph or auto); use "
-                         f"--prefill-graphs 0")
-    if g and args.speculative:
-        raise InputError(f"--prefill-graphs {g}: a prefill that the MTP block follows "
-                         f"(--speculative) does not replay chunk graphs; use --prefill-graphs 0")
-    if args.speculative and devices[0].startswith("cuda"):
-        print("[dsv4] note: a --speculative step costs ~1.7x a plain one on Flash (mostly the "
-              "verified rows' distinct experts), so drafting pays only when more than ~65-70% "
-              "of the drafts are accepted; below --speculative-min-acceptance "
-              f"{args.speculative_min_acceptance} the session decodes plain steps and tries "
-              "drafting again later", file=sys.stderr)
     force = _parse_ids(args.force_ids, "--force-ids") if args.force_ids is not None else None
     from .profiling import parse_steps
     if args.profile != "none":
@@ -159,13 +199,8 @@ def run(args) -> int:
         if args.profile == "nsys" and not devices[0].startswith("cuda"):
             raise InputError("--profile nsys needs CUDA; use --profile torch on the CPU")
 
+    ckpt = resolve_checkpoint(args)
     demo = args.demo or not args.ckpt
-    if demo and not args.demo:
-        print("[dsv4] no --ckpt given: running the demo (tiny model, random weights)", file=sys.stderr)
-    ckpt = Path(demo_checkpoint() if demo else args.ckpt)
-    if not ckpt.is_dir():
-        from .errors import MissingFileError
-        raise MissingFileError(f"checkpoint directory not found: {ckpt} (--ckpt)")
     cfg = ModelConfig.from_json(ckpt)
     tok = load_tokenizer(ckpt)
 

@@ -101,10 +101,11 @@ def load_model(ckpt_dir, rt: RuntimeConfig, progress: bool | None = None):
 class Session:
     """Prefill + decode of one sequence at a time over a loaded model (eager or graph mode).
 
-    per_request_sampling: the captured steps read the sampling parameters from device tensors
-    (dsv4.sampling.SamplingKnobs), so that each generate() may pass its own (`sampling=`); the
-    same tokens as fixed parameters, for the cost of the sampling ops on every step (greedy
-    included). Off, the parameters are fixed when the steps are captured."""
+    per_request_sampling: each generate() may pass its own parameters (`sampling=`), the same
+    tokens as a session built with them. Captured steps read them from device tensors
+    (dsv4.sampling.SamplingKnobs) and pay for the sampling ops on every step, greedy included;
+    eager steps branch on the host as fixed parameters do. Off, the parameters are fixed when
+    the steps are captured."""
 
     def __init__(self, model: Transformer, params: SamplingParams, mode: str = "eager",
                  granularity: str = "segment", debug: bool = False, nvtx_domain: str = "dsv4",
@@ -112,7 +113,9 @@ class Session:
                  per_request_sampling: bool = False):
         self.model, self.params, self.mode = model, params, mode
         self.spec = None                # the speculative step (dsv4.spec_step), when asked for
-        self.knobs = SamplingKnobs(model.head_device, params) if per_request_sampling else None
+        # eager steps branch on the host copy of the knobs: no cost; captured ones read tensors
+        self.knobs = (SamplingKnobs(model.head_device, params, on_host=mode != "graph")
+                      if per_request_sampling else None)
         sampler = self.knobs if self.knobs is not None else params
         self._sampler = sampler
         self.bufs = DecodeBuffers.allocate(model)

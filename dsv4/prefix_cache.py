@@ -113,7 +113,7 @@ class PrefixCache:
         try:
             return self._serve(prompt, plan, max_new_tokens, save_before_last, kw), plan.cached
         except BaseException:
-            self._forget()                # the state is unknown: start the next prompt afresh
+            self.forget()                 # the state is unknown: start the next prompt afresh
             raise
 
     def _serve(self, prompt, plan: Plan, max_new_tokens, save_before_last, kw):
@@ -166,7 +166,8 @@ class PrefixCache:
                 slot.snap.clear()
                 slot.ids = ()
 
-    def _forget(self) -> None:
+    def forget(self) -> None:
+        """Start afresh: the session reset, no live sequence, no snapshot."""
         self.session.reset()
         self.ids = []
         self._drop_beyond(0)

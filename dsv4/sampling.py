@@ -47,10 +47,13 @@ class SamplingKnobs:
     decisions greedy / use_top_p / use_top_k [1] bool, all on one device. `set(params)` writes
     them in place (ordered on the current stream, no host sync). Every op runs for every value
     (greedy still pays for the softmax, the sort of top-p / top-k and the noise), and the token
-    equals the one `SamplingParams` gives, bit for bit."""
+    equals the one `SamplingParams` gives, bit for bit.
+    on_host (an eager step, never captured): the ops branch on the host copy `params` exactly as
+    fixed parameters do, so the knobs cost nothing."""
 
-    def __init__(self, device, params: SamplingParams | None = None):
+    def __init__(self, device, params: SamplingParams | None = None, on_host: bool = False):
         dev = torch.device(device)
+        self.on_host = on_host
         f32, i64, b = (dict(dtype=d, device=dev) for d in (torch.float32, torch.int64, torch.bool))
         self.temperature, self.top_p = torch.zeros(1, **f32), torch.ones(1, **f32)
         self.top_k, self.seed = torch.zeros(1, **i64), torch.zeros(1, **i64)
@@ -73,6 +76,11 @@ class SamplingKnobs:
         self.use_top_p.fill_(params.top_p < 1.0)
         self.use_top_k.fill_(params.top_k > 0)
         self.params = params
+
+
+def fixed(params: SamplingParams | SamplingKnobs) -> SamplingParams | SamplingKnobs:
+    """The parameters the ops branch on: on-host knobs give their SamplingParams."""
+    return params.params if isinstance(params, SamplingKnobs) and params.on_host else params
 
 
 def _mix(x: torch.Tensor) -> torch.Tensor:
@@ -99,6 +107,7 @@ def filtered_probs(logits: torch.Tensor, params: SamplingParams | SamplingKnobs,
     """logits [V] f32 -> the sampling distribution [V] (softmax at the temperature, top-k / top-p
     applied, renormalised unless `normalize` is off). Not for greedy params (knobs: any values;
     the result is unused where the temperature is 0)."""
+    params = fixed(params)
     if isinstance(params, SamplingKnobs):
         return _filtered_probs_knobs(logits, params, normalize)
     probs = torch.softmax(logits / max(params.temperature, 1e-5), dim=-1)
@@ -144,6 +153,7 @@ def sample(logits: torch.Tensor, pos: torch.Tensor, params: SamplingParams | Sam
            ) -> torch.Tensor:
     """logits [V] float32, pos [1] int64 (the position being decoded; keys the noise) -> token [1]
     int64. Python branches only on `params` (fixed per capture), never on tensor values."""
+    params = fixed(params)
     if isinstance(params, SamplingKnobs):
         drawn = race(filtered_probs(logits, params, normalize=False), params.seed, pos)
         return torch.where(params.greedy, logits.argmax(dim=-1, keepdim=True), drawn)

@@ -24,7 +24,7 @@ from graphs import CUDAGraphDecoder, Segment
 from . import overlap
 from .errors import ConfigError
 from .model import Transformer
-from .sampling import SamplingKnobs, SamplingParams
+from .sampling import SamplingKnobs, SamplingParams, fixed
 from .segments import DecodeBuffers
 from .spec_policy import DEFAULT_MIN_ACCEPTANCE, SpecPolicy
 from .speculative import Journal, accept, draft, oracle_draft
@@ -151,7 +151,8 @@ def _lm_head_fn(model, bufs):
 
 def _accept_fn(bufs, params):
     def fn():
-        q = bufs.q if isinstance(params, SamplingKnobs) or not params.greedy else None
+        p = fixed(params)
+        q = bufs.q if isinstance(p, SamplingKnobs) or not p.greedy else None
         y, keep = accept(bufs.logits, bufs.drafts, q, bufs.pos,
                          params, bufs.limit, bufs.eos)
         bufs.y.copy_(y)

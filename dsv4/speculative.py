@@ -20,7 +20,8 @@ from typing import Sequence
 import torch
 
 from .errors import ConfigError
-from .sampling import SamplingKnobs, SamplingParams, filtered_probs, race, sample, uniform_noise
+from .sampling import (SamplingKnobs, SamplingParams, filtered_probs, fixed, race, sample,
+                       uniform_noise)
 from .state import LayerState
 
 STREAM = {"draft": 1, "accept": 2, "residual": 3, "oracle": 4}
@@ -35,6 +36,7 @@ def draft(logits: torch.Tensor, pos: torch.Tensor, params: SamplingParams | Samp
     """MTP logits [V] f32 of the row at `pos` ([1] int64: the position of the pending token) ->
     (the draft of the token at pos + 1 [1] int64, its distribution q [V] f32, or None when
     greedy; with knobs always q, unused where greedy). Capture-safe."""
+    params = fixed(params)
     if isinstance(params, SamplingKnobs):
         q = filtered_probs(logits, params)
         d = race(q, stream_seed(params.seed, "draft"), pos)
@@ -70,6 +72,7 @@ def accept(logits: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor | None, p
     tokens before it. Capture-safe."""
     T, dev = logits.shape[0], logits.device
     rows = torch.arange(T, device=dev)
+    params = fixed(params)
     knobs = isinstance(params, SamplingKnobs)
     if knobs or params.greedy:
         y_greedy = logits.argmax(dim=-1)                                            # [T]

@@ -55,6 +55,12 @@ class Tokenizer:
     def id_to_token(self, tid: int) -> str | None:
         return self._tok.id_to_token(tid)
 
+    def special_ids(self) -> frozenset[int]:
+        """Ids of the tokens the tokenizer marks special (BOS, EOS, placeholders): what an API
+        reply leaves out of its text by default. The chat markup ("<think>", "｜DSML｜"...) is
+        not among them."""
+        return frozenset(i for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
+
     def __repr__(self) -> str:
         return f"Tokenizer(path={str(self.path)!r}, vocab_size={self.vocab_size})"
 
@@ -169,13 +175,15 @@ def _has_user_content(msg: dict) -> bool:
 
 def build_prompt_ids(tokenizer: Tokenizer, *, prompt: str | None = None,
                      messages: list | dict | None = None, system: str | None = None,
-                     thinking: bool = False, raw: bool = False) -> list[int]:
+                     thinking: bool = False, raw: bool = False,
+                     reasoning_effort: str | None = None) -> list[int]:
     """Prompt token ids with exactly one BOS, at position 0.
 
     `prompt` becomes one user turn (after an optional `system` turn) and `messages` is a whole
     conversation; both go through the DSV4 chat encoding ("</think>" after "<｜Assistant｜>" in
-    chat mode, "<think>" when `thinking`). The template text carries the BOS. `raw` encodes
-    `prompt` as-is after a BOS (no template).
+    chat mode, "<think>" when `thinking`; `reasoning_effort` "max" adds the official preamble in
+    thinking mode). The template text carries the BOS. `raw` encodes `prompt` as-is after a BOS
+    (no template).
     """
     if (prompt is None) == (messages is None):
         raise InputError("give exactly one of a prompt text or a messages list")
@@ -199,7 +207,8 @@ def build_prompt_ids(tokenizer: Tokenizer, *, prompt: str | None = None,
                              "message; drop one of them")
         msgs = [{"role": "system", "content": system}] + msgs
     msgs = attach_tools(msgs, tools)
-    text = encode_messages(msgs, "thinking" if thinking else "chat")
+    text = encode_messages(msgs, "thinking" if thinking else "chat",
+                           reasoning_effort=reasoning_effort)
     ids = tokenizer.encode(text)
     assert ids[:1] == [tokenizer.bos_id], f"template text must start with BOS; got ids {ids[:4]}"
     if tokenizer.bos_id in ids[1:]:

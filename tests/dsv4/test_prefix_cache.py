@@ -55,7 +55,7 @@ def test_sources_counts_and_drops(ckpt, no_fake_quant):
 
     def full(prompt, n=5):
         r = fresh.generate(prompt, n, keep_logits=True)
-        pc._forget()                                # the fresh run moved the shared state
+        pc.forget()                                # the fresh run moved the shared state
         return r
 
     p1 = _ids(1, 23)

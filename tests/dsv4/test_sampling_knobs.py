@@ -69,12 +69,15 @@ def _model(path, mtp=False):
     return m
 
 
-@pytest.mark.parametrize("speculative", [0, 1])
-def test_per_request_sampling_session_equals_fixed_sessions(ckpt, speculative):
+@pytest.mark.parametrize("speculative,on_host", [(0, False), (1, False), (0, True)])
+def test_per_request_sampling_session_equals_fixed_sessions(ckpt, speculative, on_host):
     """One knob session serves calls with different parameters; each call's tokens equal those of
-    a session built with that call's fixed parameters (plain and speculative decoding)."""
+    a session built with that call's fixed parameters (plain and speculative decoding; the
+    device-tensor path that graph mode captures, and the host branches of eager mode)."""
     m = _model(ckpt, mtp=bool(speculative))
     knob_s = Session(m, SamplingParams(), speculative=speculative, per_request_sampling=True)
+    assert knob_s.knobs.on_host                  # an eager session branches on the host ...
+    knob_s.knobs.on_host = on_host               # ... the captured path, run eagerly here
     prompt, n = list(range(40, 52)), 8 - 2 * speculative
     calls = [SamplingParams(0.8, top_p=0.9, seed=11), SamplingParams(),
              SamplingParams(1.1, top_k=7, seed=12)][:3 - speculative]
@@ -89,6 +92,7 @@ def test_per_request_sampling_session_equals_fixed_sessions(ckpt, speculative):
 
 def test_knob_decode_step_has_no_host_sync(ckpt, monkeypatch):
     s = Session(_model(ckpt), SamplingParams(), per_request_sampling=True)
+    s.knobs.on_host = False                      # the path graph mode captures
     s.generate(list(range(10, 20)), 2, sampling=SamplingParams(0.9, 0.8, 4, seed=1))
 
     def boom(*a, **k):
