@@ -11,9 +11,9 @@ completes it.
 from __future__ import annotations
 
 import asyncio
-import queue
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 from ..errors import UserInputError
@@ -73,14 +73,13 @@ class Engine:
         self.max_queue = max_queue
         self.metrics = metrics or Metrics()
         self.special = tokenizer.special_ids()
-        self._queue: queue.Queue = queue.Queue()
-        self._lock = threading.Lock()
-        self._waiting = 0
+        self._pending: deque[Job] = deque()          # FIFO; cancelled ones wait to be skipped
+        self._cv = threading.Condition()
         self._running: Job | None = None
         self._closing = threading.Event()
         self._thread = threading.Thread(target=self._work, name="dsv4-decode", daemon=True)
         self.healthy, self.problem = True, ""
-        self.metrics.queue = lambda: (self._waiting, int(self._running is not None))
+        self.metrics.queue = lambda: (self.waiting, int(self.busy))
         spec = session.spec
         if spec is not None:
             self.metrics.spec = lambda: (spec.proposed, spec.accepted)
@@ -92,22 +91,28 @@ class Engine:
     def submit(self, job: Job) -> None:
         """Enqueue (FIFO); ApiError 503 with Retry-After when --max-queue jobs already wait or
         the server is shutting down."""
-        with self._lock:
+        with self._cv:
             if self._closing.is_set():
                 raise ApiError(503, "the server is shutting down; retry on another instance",
                                kind="server_error", code="shutting_down")
-            if self._waiting >= self.max_queue and self._running is not None:
-                raise ApiError(503, f"the request queue is full ({self._waiting} waiting, "
+            waiting = self._count_waiting()
+            if waiting >= self.max_queue and self._running is not None:
+                raise ApiError(503, f"the request queue is full ({waiting} waiting, "
                                     f"--max-queue {self.max_queue}); retry after "
                                     f"{RETRY_AFTER_S} s", kind="server_error", code="queue_full",
                                headers={"Retry-After": str(RETRY_AFTER_S)})
-            self._waiting += 1
-        job.t_submit = time.perf_counter()
-        self._queue.put(job)
+            job.t_submit = time.perf_counter()
+            self._pending.append(job)
+            self._cv.notify()
+
+    def _count_waiting(self) -> int:
+        return sum(not j.cancel.is_set() for j in self._pending)
 
     @property
     def waiting(self) -> int:
-        return self._waiting
+        """Requests waiting (those whose client went away are not counted)."""
+        with self._cv:
+            return self._count_waiting()
 
     @property
     def busy(self) -> bool:
@@ -116,11 +121,11 @@ class Engine:
     def shutdown(self) -> None:
         """Stop taking jobs: the running one ends at its next token, the waiting ones get a 503.
         Idempotent; returns at once (close() waits)."""
-        self._closing.set()
-        job = self._running
-        if job is not None:
-            job.cancel.set()
-        self._queue.put(None)                     # wakes the worker
+        with self._cv:
+            self._closing.set()
+            if self._running is not None:
+                self._running.cancel.set()
+            self._cv.notify()
 
     def close(self, timeout: float | None = None) -> None:
         """shutdown(), wait for the worker, close the session (graphs and memory released)."""
@@ -132,31 +137,26 @@ class Engine:
     # ---- the worker --------------------------------------------------------------------------
     def _work(self) -> None:
         while True:
-            job = self._queue.get()
-            if job is None:
+            with self._cv:
+                while not self._pending and not self._closing.is_set():
+                    self._cv.wait()
                 if self._closing.is_set():
                     break
-                continue
-            with self._lock:
-                self._waiting -= 1
-                self._running = job
+                job = self._running = self._pending.popleft()
             try:
-                if self._closing.is_set():
-                    job.post("error", ApiError(503, "the server is shutting down",
-                                               kind="server_error", code="shutting_down"))
-                elif job.cancel.is_set():
+                if job.cancel.is_set():               # its client went away while it waited
                     job.finish = "cancelled"
                     job.post("done", job)
                 else:
                     self._run(job)
             finally:
-                with self._lock:
+                with self._cv:
                     self._running = None
-        while not self._queue.empty():                # refuse whatever still waits
-            job = self._queue.get_nowait()
-            if job is not None:
-                job.post("error", ApiError(503, "the server is shutting down",
-                                           kind="server_error", code="shutting_down"))
+        with self._cv:                                # refuse whatever still waits
+            left, self._pending = list(self._pending), deque()
+        for job in left:
+            job.post("error", ApiError(503, "the server is shutting down", kind="server_error",
+                                       code="shutting_down"))
 
     def _run(self, job: Job) -> None:
         job.t_start = time.perf_counter()

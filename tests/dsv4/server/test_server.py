@@ -8,14 +8,12 @@ full queue; bad requests (4xx with the OpenAI error object, the server keeps ser
 requests with flat memory; /v1/models, /health, /metrics; SIGTERM mid-stream exits 0.
 """
 import json
-import subprocess
-import sys
 import threading
 import time
 
 import pytest
 
-from serving import REPO, ServerProcess, openai_client, require_serve_packages
+from serving import ServerProcess, openai_client, require_serve_packages
 
 require_serve_packages()
 
@@ -90,16 +88,15 @@ def test_chat_streaming_equals_non_streaming(client):
         full.choices[0].finish_reason
 
 
-def test_greedy_equals_decode_py(client, ckpt, tmp_path):
+def test_greedy_equals_decode_py(client, ckpt, tmp_path, capsys):
+    """decode.py's own entry point (dsv4.cli.main, what scripts/decode.py runs), in this process."""
+    from dsv4.cli import main
     f = tmp_path / "m.json"
     f.write_text(json.dumps(MESSAGES))
-    p = subprocess.run([sys.executable, str(REPO / "scripts" / "decode.py"), "--ckpt", str(ckpt),
-                        "--messages", str(f), "--max-new-tokens", "6", "--json",
-                        "--max-seq-len", str(CAP),
-                        "--temperature", "0", "--device", "cpu"],
-                       capture_output=True, text=True, timeout=600, cwd=REPO)
-    assert p.returncode == 0, p.stderr
-    want = json.loads(p.stdout)
+    capsys.readouterr()
+    assert main(["--ckpt", str(ckpt), "--messages", str(f), "--max-new-tokens", "6", "--json",
+                 "--max-seq-len", str(CAP), "--temperature", "0", "--device", "cpu"]) == 0
+    want = json.loads(capsys.readouterr().out)
     got = _chat(client, use_cache=False, return_token_ids=True, skip_special_tokens=False)
     body = got.model_dump()
     assert body["prompt_token_ids"] == want["prompt_ids"]
@@ -151,8 +148,8 @@ def test_tool_call_and_its_follow_up(client, tok):
     r2 = client.chat.completions.create(model="demo-tiny-v1", messages=follow, tools=TOOLS,
                                         max_tokens=3, temperature=0)
     assert r2.choices[0].finish_reason in ("stop", "length", "tool_calls")
-    # the whole first exchange (prompt, the call, the EOS) is reused: only the new turn is read
-    assert r2.usage.prompt_tokens_details.cached_tokens == r.usage.prompt_tokens + len(forced)
+    # the whole first exchange is reused: only its EOS (chosen, never fed) and the new turn are read
+    assert r2.usage.prompt_tokens_details.cached_tokens == r.usage.prompt_tokens + len(forced) - 1
 
 
 def test_completions_text_and_ids(client, tok):
@@ -203,8 +200,8 @@ def _metric(server, name, labels=""):
 def test_a_disconnect_mid_stream_stops_that_generation(server, client):
     gen0 = _metric(server, "dsv4_generated_tokens_total")
     cancelled0 = _metric(server, "dsv4_requests_total", '{endpoint="chat",outcome="cancelled"}')
-    body = {"messages": [{"role": "user", "content": "Talk a lot."}], "max_tokens": 200,
-            "stream": True, "temperature": 0}
+    body = {"messages": [{"role": "user", "content": "Talk a lot."}], "stream": True,
+            "force_ids": [5] * 200}                 # 200 steps, whatever the weights
     with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=60) as r:
         lines = r.iter_lines()
         seen = 0
@@ -221,21 +218,23 @@ def test_a_disconnect_mid_stream_stops_that_generation(server, client):
 
 
 def test_a_full_queue_answers_503_with_retry_after(server, client):
-    body = {"messages": [{"role": "user", "content": "Go on."}], "max_tokens": 200,
-            "stream": True}
+    body = {"messages": [{"role": "user", "content": "Go on."}], "stream": True,
+            "force_ids": [5] * 200}                 # 200 steps, whatever the weights
     streams = []
     try:
         for _ in range(9):                      # one decoding + --max-queue 8 waiting
             cm = httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=60)
             r = cm.__enter__()
-            assert r.status_code == 200
-            next(r.iter_lines())                # the role chunk: the request is queued
             streams.append(cm)
+            assert r.status_code == 200
+            lines = r.iter_lines()              # kept: a collected iterator closes the response
+            next(lines)                         # the role chunk: the request is queued
+            streams.append(lines)
         full = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
         assert full.status_code == 503 and full.headers["retry-after"] == "1"
         assert "--max-queue 8" in full.json()["error"]["message"]
     finally:
-        for cm in streams:
+        for cm in streams[::2]:
             cm.__exit__(None, None, None)
     assert _chat(client, [{"role": "user", "content": "Still there?"}], n=2).choices
 
@@ -313,16 +312,16 @@ def test_200_sequential_requests_leave_memory_flat(server):
     assert after - before < 16 * 2 ** 20, (before, after)
 
 
-def test_sigterm_mid_stream_closes_the_session_and_exits_0(ckpt, tmp_path):
-    log = tmp_path / "server.log"
-    srv = ServerProcess(["--ckpt", ckpt, "--max-seq-len", 128, "--log-level", "warning"], log=log)
-    body = {"messages": [{"role": "user", "content": "Talk."}], "max_tokens": 100, "stream": True}
-    with httpx.stream("POST", srv.url + "/v1/chat/completions", json=body, timeout=60) as r:
+def test_sigterm_mid_stream_closes_the_session_and_exits_0(server):
+    """Last in this file: it stops the module's server. The stream in flight ends with an error
+    event (the reply was cut) and [DONE]; the process closes the session and exits 0."""
+    body = {"messages": [{"role": "user", "content": "Talk."}], "stream": True,
+            "force_ids": [5] * 200}
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=60) as r:
         lines = r.iter_lines()
         next(lines)
-        srv.proc.send_signal(15)
+        server.proc.send_signal(15)
         rest = [ln for ln in lines if ln.startswith("data: ")]
-    assert rest[-1] == "data: [DONE]"
-    assert "shutting down" in rest[-2] or '"finish_reason"' in rest[-2]
-    assert srv.stop() == 0
-    assert "session closed" in srv.stderr_tail()
+    assert rest[-1] == "data: [DONE]" and "shutting down" in rest[-2]
+    assert server.stop() == 0
+    assert "session closed" in server.stderr_tail()
