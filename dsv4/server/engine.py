@@ -42,6 +42,7 @@ class Job:
     save_before_last: bool = False
     force_ids: list | None = None
     skip_special: bool = True
+    ignore_eos: bool = False
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancel: threading.Event = field(default_factory=threading.Event)
     # filled by the worker
@@ -177,7 +178,8 @@ class Engine:
         try:
             res, job.cached = self.cache.generate(
                 job.prompt, job.max_tokens, use_cache=job.use_cache,
-                save_before_last=job.save_before_last, eos_id=eos, on_token=on_token,
+                save_before_last=job.save_before_last,
+                eos_id=None if job.ignore_eos else eos, on_token=on_token,
                 sampling=job.sampling, speculative=job.speculative, force_ids=job.force_ids)
         except UserInputError as e:
             job.post("error", ApiError(400, str(e)))

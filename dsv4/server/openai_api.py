@@ -84,7 +84,7 @@ def _job_common(req, d: Defaults, loop, prompt: list, limit, parser, endpoint) -
     return Job(prompt=prompt, max_tokens=_limits(len(prompt), limit, d),
                sampling=_sampling(req, d), parser=parser, loop=loop, endpoint=endpoint,
                use_cache=req.use_cache, speculative=req.speculative, force_ids=req.force_ids,
-               skip_special=req.skip_special_tokens)
+               skip_special=req.skip_special_tokens, ignore_eos=req.ignore_eos)
 
 
 def chat_job(req: ChatRequest, tok, d: Defaults, loop) -> Job:

@@ -4,9 +4,9 @@ object every refusal answers with.
 Unknown fields are refused, as the OpenAI API refuses them ("Unrecognized request argument"), so
 that a misspelt parameter is never ignored silently; fields the API defines that the runtime
 cannot honour (n > 1, logprobs, penalties, constrained decoding) get a 400 naming them. dsv4's
-own fields: top_k, seed < 2**63, use_cache, speculative, chat_template_kwargs {thinking,
-reasoning_effort}, return_token_ids, skip_special_tokens; force_ids only on a server started with
-the test option --allow-force-ids.
+own fields: top_k, use_cache, speculative, chat_template_kwargs {thinking, reasoning_effort},
+return_token_ids, skip_special_tokens, ignore_eos (benchmarks); force_ids only on a server
+started with the test option --allow-force-ids.
 """
 from __future__ import annotations
 
@@ -103,6 +103,7 @@ class _Sampling(_Strict):
     speculative: bool | None = None
     return_token_ids: bool = False
     skip_special_tokens: bool = True
+    ignore_eos: bool = False
     force_ids: list[int] | None = None
 
     @field_validator("temperature")

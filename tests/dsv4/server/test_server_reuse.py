@@ -25,6 +25,7 @@ from dsv4.tokenizer import build_prompt_ids, load_tokenizer  # noqa: E402
 from helpers import disable_fake_quant  # noqa: E402
 
 CAP, TOL = 512, 1e-4
+DEVICE = "cuda:0" if torch.cuda.is_available() else "cpu"     # the server's and the reference's
 LAUNCHER = REPO / "tests" / "dsv4" / "server" / "serve_exact.py"
 
 
@@ -38,7 +39,8 @@ def ckpt(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(ckpt, tmp_path_factory):
     log = tmp_path_factory.mktemp("exact-server") / "server.log"
-    srv = ServerProcess(["--ckpt", ckpt, "--dtype", "float32", "--max-seq-len", CAP,
+    srv = ServerProcess(["--ckpt", ckpt, "--device", DEVICE, "--dtype", "float32",
+                         "--max-seq-len", CAP,
                          "--allow-force-ids", "--log-level", "warning"], launcher=LAUNCHER,
                         log=log)
     yield srv
@@ -61,7 +63,8 @@ def reference(ckpt):
     prefill in this process with the server's numerics."""
     mp = pytest.MonkeyPatch()
     disable_fake_quant(mp.setattr)
-    m, ck = load_model(ckpt, RuntimeConfig(max_seq_len=CAP, dtype=torch.float32))
+    m, ck = load_model(ckpt, RuntimeConfig(max_seq_len=CAP, dtype=torch.float32,
+                                           devices=(DEVICE,)))
     ck.close()
     s = Session(m, SamplingParams())
     memo = {}
