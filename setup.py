@@ -21,7 +21,11 @@ setup(
         # 3.6 (the GPU machines' release, CUDA suite on H200) through 3.9 (the current release,
         # interpreter suite; 3.6's interpreter fails under NumPy >= 2.4, and those tests skip
         # there); no upper cap, as no release is known to break the kernels.
-        "dev": ["pytest", "triton>=3.6"],
+        # the OpenAI-compatible server (scripts/serve.py, docs/SERVING.md)
+        "serve": ["fastapi>=0.100", "uvicorn>=0.29", "pydantic>=2"],
+        # dev: the server's packages too, and the official openai client its tests drive it with
+        "dev": ["pytest", "triton>=3.6", "fastapi>=0.100", "uvicorn>=0.29", "pydantic>=2",
+                "openai>=1.0", "httpx"],
         "cuda": ["triton>=3.6"],
     },
 )
