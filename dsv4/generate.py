@@ -194,8 +194,7 @@ class Session:
     # ---- the sequence ------------------------------------------------------------------------
     # `length`: positions the model state holds (tokens fed); `pending`: the last token chosen by
     # generate() and not fed yet (None after a prefill). A continuation feeds pending first.
-    def _feed(self, ids: Sequence[int], continue_sequence: bool, n_new: int = 0,
-              speculate: bool = False):
+    def _feed(self, ids: Sequence[int], continue_sequence: bool, n_new: int = 0):
         """Validate ids; -> (tokens to prefill, their first position). Raises before any state
         changes: a bad request loses nothing. An empty result: go on from the held logits."""
         cfg = self.model.cfg
@@ -210,7 +209,8 @@ class Session:
             feed = ([self.pending] if self.pending is not None else []) + ids
             start = self.length
             m = self.model
-            if speculate and start and not (
+            # a speculative session's prefill runs the MTP block, which must have followed
+            if self.spec is not None and start and not (
                     m.mtp_len == start or (m.mtp_len == start - 1 and m.h_last is not None)):
                 raise InputError("this sequence cannot be continued with speculative decoding: "
                                  "its last tokens were not decoded with it (forced ids); start a "
@@ -266,7 +266,7 @@ class Session:
         if max_new_tokens < 1:
             raise InputError(f"--max-new-tokens {max_new_tokens}: must be >= 1")
         speculate = self.spec is not None and force_ids is None and speculative is not False
-        feed, start = self._feed(prompt_ids, continue_sequence, max_new_tokens, speculate)
+        feed, start = self._feed(prompt_ids, continue_sequence, max_new_tokens)
         if speculate:
             return self._generate_speculative(feed, start, list(prompt_ids), max_new_tokens,
                                               eos_id, on_token, keep_logits, progress)

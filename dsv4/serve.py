@@ -108,11 +108,11 @@ def _build(args, ckpt, cfg, tok, devices, mode, sampling):
                         sampling=sampling, seed=args.seed, speculative=bool(args.speculative),
                         prefix_snapshots=args.prefix_snapshots,
                         allow_force_ids=args.allow_force_ids)
+    per_snapshot = engine.cache.nbytes() / max(1, args.prefix_snapshots) / 2 ** 20
     print(f"[dsv4] {name}: mode={mode} device={','.join(devices)} dtype={args.dtype} "
           f"max-seq-len={args.max_seq_len} speculative={args.speculative} | ready in "
           f"{time.perf_counter() - t0:.1f} s (capture {session.capture_s:.1f} s) | prefix "
-          f"snapshots {args.prefix_snapshots} x {engine.cache.nbytes() / 2 ** 20 / max(1, args.prefix_snapshots):.1f} MiB",
-          file=sys.stderr)
+          f"snapshots {args.prefix_snapshots} x {per_snapshot:.1f} MiB", file=sys.stderr)
     return engine, defaults
 
 

@@ -45,4 +45,5 @@ def test_serve_without_its_packages_names_the_extra():
     assert len(line) == 1 and "fastapi" in line[0] and ".[serve]" in line[0], p.stderr
     help_ = subprocess.run([sys.executable, str(REPO / "scripts" / "serve.py"), "--help"],
                            capture_output=True, text=True, timeout=300)
-    assert help_.returncode == 0 and "--max-queue" in help_.stdout and "--prefill-graphs" in help_.stdout
+    assert help_.returncode == 0, help_.stderr
+    assert "--max-queue" in help_.stdout and "--prefill-graphs" in help_.stdout

@@ -184,7 +184,7 @@ class ChunkWriter:
         obj = {"id": self.rid, "object": "chat.completion.chunk" if self.chat else
                "text_completion", "created": self.created, "model": self.model,
                "choices": choices, **extra}
-        return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
+        return b"data: " + _json(obj) + b"\n\n"
 
     def _choice(self, delta: dict | str, finish: str | None = None) -> dict:
         if self.chat:
@@ -218,4 +218,8 @@ class ChunkWriter:
 
     @staticmethod
     def error(err: ApiError) -> bytes:
-        return (b"data: " + json.dumps(err.body()).encode() + b"\n\n" + b"data: [DONE]\n\n")
+        return b"data: " + _json(err.body()) + b"\n\ndata: [DONE]\n\n"
+
+
+def _json(obj) -> bytes:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()

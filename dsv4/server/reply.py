@@ -86,11 +86,11 @@ class ReplyParser:
         """Emit content up to the next marker; True when the state changed (drain again)."""
         buf = self._buf
         opener = buf.find(TOOL_CALLS_OPEN) if self.tools else -1
-        stop_at, stop_len = -1, 0
+        stop_at = -1
         for s in self.stop:
             j = buf.find(s)
             if j >= 0 and (stop_at < 0 or j < stop_at):
-                stop_at, stop_len = j, len(s)
+                stop_at = j
         if stop_at >= 0 and (opener < 0 or stop_at < opener):
             self._emit(out, CONTENT, buf[:stop_at])
             self._buf, self.state, self.stopped = "", DONE, True

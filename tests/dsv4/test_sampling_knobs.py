@@ -31,7 +31,8 @@ def test_knobs_give_the_fixed_parameters_bits(params):
         assert torch.equal(sample(lg, pos, knobs), sample(lg, pos, params))
         if not params.greedy:
             for norm in (True, False):
-                assert torch.equal(filtered_probs(lg, knobs, norm), filtered_probs(lg, params, norm))
+                assert torch.equal(filtered_probs(lg, knobs, norm),
+                                   filtered_probs(lg, params, norm))
 
 
 @pytest.mark.parametrize("params", PARAMS, ids=str)

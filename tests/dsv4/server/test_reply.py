@@ -1,5 +1,5 @@
-"""The streaming reply parser (dsv4/server/reply.py): for replies in every shape (reasoning, content,
-tool calls, stop strings, cut by max tokens), split into pieces at every position (and token by
+"""The streaming reply parser (dsv4/server/reply.py): for replies in every shape (reasoning,
+content, tool calls, stop strings, cut by max tokens), split into pieces at every position (and token by
 token), the deltas add up to what dsv4.chat.parse_completion gives for the whole text, and no
 markup ever reaches content or reasoning."""
 import itertools
@@ -11,7 +11,8 @@ from dsv4.server.reply import ReplyParser
 
 CALL = ('\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="get_weather">\n'
         '<｜DSML｜parameter name="city" string="true">Paris</｜DSML｜parameter>\n'
-        '<｜DSML｜parameter name="days" string="false">3</｜DSML｜parameter>\n</｜DSML｜invoke>\n'
+        '<｜DSML｜parameter name="days" string="false">3</｜DSML｜parameter>\n'
+        '</｜DSML｜invoke>\n'
         '<｜DSML｜invoke name="now">\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>')
 REPLIES = [
     ("chat", "Hello there.\n\nBye < > | </thin"),

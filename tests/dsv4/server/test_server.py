@@ -9,7 +9,6 @@ requests with flat memory; /v1/models, /health, /metrics; SIGTERM mid-stream exi
 """
 import json
 import threading
-import time
 
 import pytest
 

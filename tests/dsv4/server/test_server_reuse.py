@@ -98,7 +98,8 @@ def _chat(client, messages, n, thinking=False, **extra):
     r = client.chat.completions.create(model="tiny-bf16", messages=messages, max_tokens=n,
                                        temperature=0, extra_body=body)
     d = r.model_dump()
-    return d["choices"][0]["token_ids"], d["prompt_token_ids"], r.usage.prompt_tokens_details.cached_tokens
+    cached = r.usage.prompt_tokens_details.cached_tokens
+    return d["choices"][0]["token_ids"], d["prompt_token_ids"], cached
 
 
 def test_second_chat_turn_after_an_eos_reads_only_the_new_turn(client, tok, reference):
