@@ -65,8 +65,9 @@ def run(args) -> int:
         flag, v = (("--max-queue", args.max_queue) if args.max_queue < 0 else
                    ("--prefix-snapshots", args.prefix_snapshots))
         raise InputError(f"{flag} {v}: must be >= 0")
-    if args.max_seq_len < 2:
-        raise InputError(f"--max-seq-len {args.max_seq_len}: must be >= 2 (prompt + reply)")
+    if args.max_seq_len < 16:
+        raise InputError(f"--max-seq-len {args.max_seq_len}: must be >= 16 (the context of "
+                         f"every request: prompt + max_tokens)")
     devices, mode = check_runtime_args(args)
     from .config import ModelConfig
     from .sampling import SamplingParams
@@ -137,6 +138,6 @@ def _listen(args, engine, tok, defaults) -> int:
     try:
         server.run()
     finally:
-        engine.close(timeout=60)
+        engine.close()
     print("[dsv4] server stopped, session closed", file=sys.stderr)
     return 0

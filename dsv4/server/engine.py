@@ -36,7 +36,6 @@ class Job:
     sampling: SamplingParams
     parser: ReplyParser
     loop: asyncio.AbstractEventLoop
-    endpoint: str = "chat"
     use_cache: bool = True
     speculative: bool | None = None
     save_before_last: bool = False
@@ -128,11 +127,12 @@ class Engine:
                 self._running.cancel.set()
             self._cv.notify()
 
-    def close(self, timeout: float | None = None) -> None:
-        """shutdown(), wait for the worker, close the session (graphs and memory released)."""
+    def close(self) -> None:
+        """shutdown(), wait for the worker (the running job ends at its next token, or when its
+        prefill ends), close the session (graphs and memory released)."""
         self.shutdown()
         if self._thread.is_alive():
-            self._thread.join(timeout)
+            self._thread.join()
         self.session.close()
 
     # ---- the worker --------------------------------------------------------------------------
@@ -150,6 +150,9 @@ class Engine:
                     job.post("done", job)
                 else:
                     self._run(job)
+            except Exception as e:                    # outside the decode: still answer, go on
+                job.post("error", ApiError(500, f"internal error: {type(e).__name__}: {e}",
+                                           kind="server_error"))
             finally:
                 with self._cv:
                     self._running = None

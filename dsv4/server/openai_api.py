@@ -70,7 +70,7 @@ def _limits(n_prompt: int, limit: int | None, d: Defaults) -> int:
     return n
 
 
-def _job_common(req, d: Defaults, loop, prompt: list, limit, parser, endpoint) -> Job:
+def _job_common(req, d: Defaults, loop, prompt: list, limit, parser) -> Job:
     if req.speculative and not d.speculative:
         raise ApiError(400, "speculative = true, but the server was started without "
                             "--speculative 1; leave the field out", "speculative")
@@ -82,7 +82,7 @@ def _job_common(req, d: Defaults, loop, prompt: list, limit, parser, endpoint) -
             raise ApiError(400, f"force_ids: give 1+ ids in 0..{d.vocab_size - 1}", "force_ids")
         limit = len(req.force_ids)
     return Job(prompt=prompt, max_tokens=_limits(len(prompt), limit, d),
-               sampling=_sampling(req, d), parser=parser, loop=loop, endpoint=endpoint,
+               sampling=_sampling(req, d), parser=parser, loop=loop,
                use_cache=req.use_cache, speculative=req.speculative, force_ids=req.force_ids,
                skip_special=req.skip_special_tokens, ignore_eos=req.ignore_eos)
 
@@ -97,7 +97,7 @@ def chat_job(req: ChatRequest, tok, d: Defaults, loop) -> Job:
     except UserInputError as e:
         raise ApiError(400, f"messages: {e}", "messages") from None
     parser = ReplyParser(thinking=req.thinking, stop=tuple(req.stop), tools=True)
-    job = _job_common(req, d, loop, ids, req.limit, parser, "chat")
+    job = _job_common(req, d, loop, ids, req.limit, parser)
     # a thinking-mode follow-up re-encodes this turn with "</think>" where the prompt ends with
     # "<think>": keep a snapshot before that last token
     job.save_before_last = (d.prefix_snapshots > 0 and req.thinking and
@@ -109,7 +109,10 @@ def completion_job(req: CompletionRequest, tok, d: Defaults, loop) -> Job:
     check_model(req.model, d)
     p = req.prompt
     if isinstance(p, str):
-        ids = build_prompt_ids(tok, prompt=p, raw=True)
+        try:
+            ids = build_prompt_ids(tok, prompt=p, raw=True)
+        except UserInputError as e:
+            raise ApiError(400, f"prompt: {e}", "prompt") from None
     else:
         ids = list(p)
         bad = [t for t in ids if not 0 <= t < d.vocab_size]
@@ -117,7 +120,7 @@ def completion_job(req: CompletionRequest, tok, d: Defaults, loop) -> Job:
             raise ApiError(400, f"prompt token id {bad[0]} is out of range: the vocabulary has "
                                 f"{d.vocab_size} ids (0..{d.vocab_size - 1})", "prompt")
     parser = ReplyParser(thinking=False, stop=tuple(req.stop), tools=False)
-    return _job_common(req, d, loop, ids, req.max_tokens, parser, "completions")
+    return _job_common(req, d, loop, ids, req.max_tokens, parser)
 
 
 # ---- responses -------------------------------------------------------------------------------
