@@ -91,18 +91,22 @@ def test_per_request_sampling_session_equals_fixed_sessions(ckpt, speculative, o
             prompt, 2, sampling=SamplingParams(1.0))
 
 
-def test_knob_decode_step_has_no_host_sync(ckpt, monkeypatch):
-    s = Session(_model(ckpt), SamplingParams(), per_request_sampling=True)
-    s.knobs.on_host = False                      # the path graph mode captures
-    s.generate(list(range(10, 20)), 2, sampling=SamplingParams(0.9, 0.8, 4, seed=1))
+@pytest.mark.parametrize("speculative", [0, 1])
+def test_knob_steps_have_no_host_sync(ckpt, monkeypatch, speculative):
+    """Capture-readiness on the CPU: the plain and the speculative steps with knobs (the path
+    graph mode captures) read no tensor value on the host."""
+    s = Session(_model(ckpt, mtp=bool(speculative)), SamplingParams(), speculative=speculative,
+                per_request_sampling=True)
+    s.knobs.on_host = False
+    s.generate(list(range(10, 20)), 3, sampling=SamplingParams(0.9, 0.8, 4, seed=1))
 
     def boom(*a, **k):
-        raise AssertionError("host sync in a knob decode step")
+        raise AssertionError("host sync in a knob step")
     for name in ("item", "tolist", "nonzero", "__bool__", "__int__", "__float__", "cpu", "numpy"):
         monkeypatch.setattr(torch.Tensor, name, boom)
     monkeypatch.setattr(torch, "nonzero", boom)
     for _ in range(3):
-        s.decoder.step()
+        (s.spec.decoder if speculative else s.decoder).step()
 
 
 @pytest.mark.cuda
