@@ -116,7 +116,7 @@ def create_app(engine: Engine, tokenizer, defaults: Defaults) -> FastAPI:
             include_usage = False
         if stream:
             writer = ChunkWriter(job, rid, defaults.model, endpoint == "chat", include_usage)
-            return StreamingResponse(_stream(job, writer, endpoint),
+            return StreamingResponse(_stream(request, job, writer, endpoint),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         watcher = asyncio.create_task(_watch_disconnect(request, job))
@@ -137,8 +137,11 @@ def create_app(engine: Engine, tokenizer, defaults: Defaults) -> FastAPI:
         metrics.request(endpoint, "cancelled" if job.finish == "cancelled" else "ok")
         return respond(job, deltas, rid, defaults.model, req.return_token_ids)
 
-    async def _stream(job: Job, writer: ChunkWriter, endpoint: str):
+    async def _stream(request: Request, job: Job, writer: ChunkWriter, endpoint: str):
         outcome = "cancelled"
+        # a stream that waits in the queue sends nothing, so a failed send cannot tell that its
+        # client left: watch the connection too
+        watcher = asyncio.create_task(_watch_disconnect(request, job))
         try:
             yield writer.start()
             while True:
@@ -154,6 +157,7 @@ def create_app(engine: Engine, tokenizer, defaults: Defaults) -> FastAPI:
                     yield writer.end()
                     return
         finally:
+            watcher.cancel()
             job.cancel.set()                  # the client went away: stop at the next token
             metrics.request(endpoint, outcome)
 
