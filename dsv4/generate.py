@@ -199,8 +199,8 @@ class Session:
         changes: a bad request loses nothing. An empty result: go on from the held logits."""
         cfg = self.model.cfg
         ids = list(ids)
-        if not ids and not (continue_sequence and (self.pending is not None
-                                                   or self._logits is not None)):
+        if not ids and not (continue_sequence and self.pending is None and
+                            self._logits is not None):
             raise InputError("empty prompt: give at least one token")
         check_token_ids(ids, cfg.vocab_size)
         if not continue_sequence:

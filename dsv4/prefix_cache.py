@@ -123,8 +123,9 @@ class PrefixCache:
             self.ids = list(plan.slot.ids)
             self._touch(plan.slot)
         at = plan.cached                          # the state holds prompt[:at]
-        if s.pending is not None and not plan.feeds_pending:
-            s.pending = None                      # the prompt goes on with another id
+        # the held pending token is fed (as prompt[at]) only if the prompt goes on with it: feed
+        # prompt[at:] itself either way
+        s.pending = None
         self._drop_beyond(at)
         if at == 0:
             s.reset()
@@ -140,9 +141,7 @@ class PrefixCache:
         return res
 
     def _prefill(self, prompt, at: int, end: int) -> None:
-        s = self.session
-        ids = prompt[at + 1:end] if s.pending is not None else prompt[at:end]
-        s.prefill(ids, continue_sequence=at > 0)
+        self.session.prefill(prompt[at:end], continue_sequence=at > 0)
         self.ids = prompt[:end]
 
     def _save(self, ids: list) -> None:

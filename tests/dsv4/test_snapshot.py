@@ -81,7 +81,8 @@ def test_restore_then_continue_equals_a_fresh_run(ckpt, dtype, S):
 def test_restore_with_held_logits_and_with_a_pending_token(ckpt):
     """A save right after a prefill keeps the prompt's logits: generate([]) after the restore
     samples from them (== prompt and generate in one call). A save after a generate keeps the
-    pending token: the continuation feeds it first."""
+    pending token: the continuation feeds it first (an empty one is refused: nothing to
+    sample from)."""
     s = _session(ckpt, torch.float32)
     prompt = _ids(1, 21)
     one_call = s.generate(prompt, 5, keep_logits=True)
@@ -94,10 +95,12 @@ def test_restore_with_held_logits_and_with_a_pending_token(ckpt):
     assert again.output_ids == one_call.output_ids and torch.equal(again.logits, one_call.logits)
     s.save(snap2)                                       # pending token, no logits
     assert snap2.pending == again.output_ids[-1] and not snap2.has_logits
-    direct = s.generate([], 4, continue_sequence=True, keep_logits=True)
+    with pytest.raises(ValueError, match="empty prompt"):
+        s.generate([], 2, continue_sequence=True)
+    direct = s.generate([7], 4, continue_sequence=True, keep_logits=True)
     s.generate(_ids(3, 9), 2, continue_sequence=True)
     s.restore(snap2)
-    resumed = s.generate([], 4, continue_sequence=True, keep_logits=True)
+    resumed = s.generate([7], 4, continue_sequence=True, keep_logits=True)
     assert resumed.output_ids == direct.output_ids and torch.equal(resumed.logits, direct.logits)
 
 
