@@ -110,11 +110,8 @@ def create_app(engine: Engine, tokenizer, defaults: Defaults) -> FastAPI:
             metrics.request(endpoint, "error")
             raise
         rid = new_id("chatcmpl" if endpoint == "chat" else "cmpl")
-        stream = req.stream
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        if req.stream_options is not None and not stream:
-            include_usage = False
-        if stream:
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
             writer = ChunkWriter(job, rid, defaults.model, endpoint == "chat", include_usage)
             return StreamingResponse(_stream(request, job, writer, endpoint),
                                      media_type="text/event-stream",

@@ -9,6 +9,7 @@ requests with flat memory; /v1/models, /health, /metrics; SIGTERM mid-stream exi
 """
 import json
 import threading
+import time
 
 import pytest
 
@@ -235,6 +236,12 @@ def test_a_full_queue_answers_503_with_retry_after(server, client):
     finally:
         for cm in streams[::2]:
             cm.__exit__(None, None, None)
+    # the clients left: their requests stop counting against the queue as soon as the server
+    # sees the connections close, whether they were decoding or waiting
+    deadline = time.monotonic() + 30
+    while httpx.get(server.url + "/health").json()["waiting"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert httpx.get(server.url + "/health").json()["waiting"] == 0
     assert _chat(client, [{"role": "user", "content": "Still there?"}], n=2).choices
 
 
