@@ -311,6 +311,22 @@ def attach_tools(messages: list[dict], tools: list[dict] | None) -> list[dict]:
     return messages
 
 
+TOOL_CALLS_OPEN, TOOL_CALLS_CLOSE, INVOKE_CLOSE = _TOOL_CALLS_OPEN, _TOOL_CALLS_CLOSE, f"</{DSML}invoke>"
+
+
+def parse_tool_calls(text: str) -> list[dict]:
+    """OpenAI-style tool calls [{type, function: {name, arguments}}] of every complete
+    `<｜DSML｜invoke name=...>...</｜DSML｜invoke>` in text (string parameters as JSON strings,
+    the others as written)."""
+    calls = []
+    for name, params in _INVOKE_RE.findall(text):
+        args = [f"{_json(k)}: {_json(v) if is_str == 'true' else v}"
+                for k, is_str, v in _PARAM_RE.findall(params)]
+        calls.append({"type": "function",
+                      "function": {"name": name, "arguments": "{" + ", ".join(args) + "}"}})
+    return calls
+
+
 def parse_completion(text: str, thinking_mode: str = "chat") -> dict:
     """Assistant message {role, content, reasoning_content, tool_calls} from generated text.
 
@@ -330,11 +346,7 @@ def parse_completion(text: str, thinking_mode: str = "chat") -> dict:
     if sep:
         if not calls_text.rstrip().endswith(_TOOL_CALLS_CLOSE):
             raise ValueError(f"tool-call block is not closed with {_TOOL_CALLS_CLOSE}")
-        for name, params in _INVOKE_RE.findall(calls_text):
-            args = [f"{_json(k)}: {_json(v) if is_str == 'true' else v}"
-                    for k, is_str, v in _PARAM_RE.findall(params)]
-            tool_calls.append({"type": "function",
-                               "function": {"name": name, "arguments": "{" + ", ".join(args) + "}"}})
+        tool_calls = parse_tool_calls(calls_text)
     for token in (BOS, EOS, THINK_START, THINK_END, DSML):
         if token in content or token in reasoning:
             raise ValueError(f"unexpected special token {token!r} in the completion text")

@@ -50,10 +50,14 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                           "when no --ckpt is given)")
 
 
-def add_sampling_args(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
-    g = p.add_argument_group("generation")
-    g.add_argument("--max-new-tokens", type=int, default=max_new_tokens,
-                   help="most tokens to generate (stops earlier at EOS)")
+def add_sampling_args(p, max_new_tokens: int | None = None,
+                      title: str = "generation") -> None:
+    """--max-new-tokens (when a default is given: the server takes it per request), --temperature,
+    --top-p, --top-k, --seed; p: a parser (the flags go in a group named `title`) or a group."""
+    g = p.add_argument_group(title) if isinstance(p, argparse.ArgumentParser) else p
+    if max_new_tokens is not None:
+        g.add_argument("--max-new-tokens", type=int, default=max_new_tokens,
+                       help="most tokens to generate (stops earlier at EOS)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (1 = off)")
     g.add_argument("--top-k", type=int, default=0, help="keep the k likeliest tokens (0 = off)")
@@ -97,12 +101,14 @@ def add_runtime_args(p: argparse.ArgumentParser, max_seq_len: int | None = None,
 # ---- checks --------------------------------------------------------------------------------
 
 def check_runtime_args(args) -> tuple[list[str], str]:
-    """Every runtime-flag check that needs no checkpoint; -> (devices, resolved mode)."""
+    """Every runtime-flag check that needs no checkpoint (and --ckpt / --demo, --max-new-tokens
+    where the parser has them); -> (devices, resolved mode)."""
     from .generate import resolve_devices, resolve_mode
-    if args.ckpt and args.demo:
+    if getattr(args, "ckpt", None) and getattr(args, "demo", False):
         raise InputError("give either --ckpt DIR or --demo, not both")
-    if args.max_new_tokens < 1:
-        raise InputError(f"--max-new-tokens {args.max_new_tokens}: must be >= 1")
+    n = getattr(args, "max_new_tokens", None)     # absent: taken per request (the server)
+    if n is not None and n < 1:
+        raise InputError(f"--max-new-tokens {n}: must be >= 1")
     if args.prefill_chunk < 1:
         raise InputError(f"--prefill-chunk {args.prefill_chunk}: must be >= 1 (tokens per "
                          f"prefill pass; default {PREFILL_CHUNK})")

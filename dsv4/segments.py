@@ -14,7 +14,7 @@ from graphs import Segment
 
 from . import overlap
 from .model import Transformer
-from .sampling import SamplingParams, sample
+from .sampling import SamplingKnobs, SamplingParams, sample
 
 
 @dataclass
@@ -44,8 +44,10 @@ class DecodeBuffers:
         return b
 
 
-def build_segments(model: Transformer, bufs: DecodeBuffers, params: SamplingParams) -> list[Segment]:
-    """The per-layer segments of one decode step (plus `embed` and `head` on the head device)."""
+def build_segments(model: Transformer, bufs: DecodeBuffers,
+                   params: SamplingParams | SamplingKnobs) -> list[Segment]:
+    """The per-layer segments of one decode step (plus `embed` and `head` on the head device);
+    knobs: the sample segment reads the parameters from their device tensors."""
     hd = model.head_device
     for dev in {hd, *model.placement}:
         overlap.prepare(dev)        # side streams of the captured parallel branches

@@ -24,7 +24,7 @@ from graphs import CUDAGraphDecoder, Segment
 from . import overlap
 from .errors import ConfigError
 from .model import Transformer
-from .sampling import SamplingParams
+from .sampling import SamplingKnobs, SamplingParams, fixed
 from .segments import DecodeBuffers
 from .spec_policy import DEFAULT_MIN_ACCEPTANCE, SpecPolicy
 from .speculative import Journal, accept, draft, oracle_draft
@@ -86,7 +86,8 @@ class SpecBuffers:
         self.q.zero_()
 
 
-def build_spec_segments(model: Transformer, bufs: SpecBuffers, params: SamplingParams,
+def build_spec_segments(model: Transformer, bufs: SpecBuffers,
+                        params: SamplingParams | SamplingKnobs,
                         journals: list[Journal], mtp_journal: Journal | None) -> list[Segment]:
     """The segments of one step; without mtp_journal, the verify alone (no `mtp` segment: the
     benchmark's verify pass of T rows)."""
@@ -150,7 +151,9 @@ def _lm_head_fn(model, bufs):
 
 def _accept_fn(bufs, params):
     def fn():
-        y, keep = accept(bufs.logits, bufs.drafts, None if params.greedy else bufs.q, bufs.pos,
+        p = fixed(params)
+        q = bufs.q if isinstance(p, SamplingKnobs) or not p.greedy else None
+        y, keep = accept(bufs.logits, bufs.drafts, q, bufs.pos,
                          params, bufs.limit, bufs.eos)
         bufs.y.copy_(y)
         bufs.keep.copy_(keep)
@@ -256,7 +259,7 @@ class SpecStep:
     plain with the MTP block following (two one-segment decoders of plain_segments), so drafts
     that are seldom accepted cost little; without it every step speculates."""
 
-    def __init__(self, model: Transformer, params: SamplingParams, k: int = 1, *,
+    def __init__(self, model: Transformer, params: SamplingParams | SamplingKnobs, k: int = 1, *,
                  plain: tuple[CUDAGraphDecoder, DecodeBuffers] | None = None,
                  min_acceptance: float = DEFAULT_MIN_ACCEPTANCE,
                  mode: str = "eager", granularity: str = "segment", reset_fn=None,

@@ -20,7 +20,8 @@ from typing import Sequence
 import torch
 
 from .errors import ConfigError
-from .sampling import SamplingParams, filtered_probs, race, sample, uniform_noise
+from .sampling import (SamplingKnobs, SamplingParams, filtered_probs, fixed, race, sample,
+                       uniform_noise)
 from .state import LayerState
 
 STREAM = {"draft": 1, "accept": 2, "residual": 3, "oracle": 4}
@@ -31,10 +32,15 @@ def stream_seed(seed: int, stream: str) -> int:
     return seed + (STREAM[stream] << 40)
 
 
-def draft(logits: torch.Tensor, pos: torch.Tensor, params: SamplingParams):
+def draft(logits: torch.Tensor, pos: torch.Tensor, params: SamplingParams | SamplingKnobs):
     """MTP logits [V] f32 of the row at `pos` ([1] int64: the position of the pending token) ->
     (the draft of the token at pos + 1 [1] int64, its distribution q [V] f32, or None when
-    greedy). Capture-safe."""
+    greedy; with knobs always q, unused where greedy). Capture-safe."""
+    params = fixed(params)
+    if isinstance(params, SamplingKnobs):
+        q = filtered_probs(logits, params)
+        d = race(q, stream_seed(params.seed, "draft"), pos)
+        return torch.where(params.greedy, logits.argmax(dim=-1, keepdim=True), d), q
     if params.greedy:
         return logits.argmax(dim=-1, keepdim=True), None
     q = filtered_probs(logits, params)
@@ -55,21 +61,23 @@ def oracle_draft(d: torch.Tensor, pos: torch.Tensor, seq: torch.Tensor, a: torch
 
 
 def accept(logits: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor | None, pos: torch.Tensor,
-           params: SamplingParams, limit: torch.Tensor, eos: torch.Tensor
+           params: SamplingParams | SamplingKnobs, limit: torch.Tensor, eos: torch.Tensor
            ) -> tuple[torch.Tensor, torch.Tensor]:
     """Verify: logits [T, V] f32 of the rows at pos ([1] int64) .. pos+T-1 (row i follows draft
-    i), drafts [T-1] int64, q [T-1, V] their distributions (None: greedy) -> (y [T] int64, keep
-    [1] int64): the step outputs y[:keep+1], the first `keep` drafts and then the main model's own
+    i), drafts [T-1] int64, q [T-1, V] their distributions (None: greedy; with knobs always
+    given, unused where greedy) -> (y [T] int64, keep [1] int64): the step outputs y[:keep+1], the first `keep` drafts and then the main model's own
     choice (a correction after a rejection, a bonus token after full acceptance); its state keeps
     rows 0..keep. keep is also capped so that the output holds at most limit[0] (>= 1) tokens and
     ends at the first eos (eos[0] < 0: none). Each output token follows plain sampling given the
     tokens before it. Capture-safe."""
     T, dev = logits.shape[0], logits.device
     rows = torch.arange(T, device=dev)
-    if params.greedy:
-        y = logits.argmax(dim=-1)                                                   # [T]
-        ok = y[:-1] == drafts
-    else:
+    params = fixed(params)
+    knobs = isinstance(params, SamplingKnobs)
+    if knobs or params.greedy:
+        y_greedy = logits.argmax(dim=-1)                                            # [T]
+        ok_greedy = y_greedy[:-1] == drafts
+    if knobs or not params.greedy:
         p = torch.stack([filtered_probs(logits[i], params) for i in range(T - 1)])  # [T-1, V]
         u = torch.cat([uniform_noise(stream_seed(params.seed, "accept"), pos + i, 1)
                        for i in range(T - 1)])
@@ -81,6 +89,10 @@ def accept(logits: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor | None, p
                           for i in range(T - 1)])
         bonus = sample(logits[T - 1], pos + T - 1, params)
         y = torch.cat((torch.where(ok, drafts, corr), bonus))
+    if knobs:
+        y, ok = torch.where(params.greedy, y_greedy, y), torch.where(params.greedy, ok_greedy, ok)
+    elif params.greedy:
+        y, ok = y_greedy, ok_greedy
     n = ok.to(torch.int64).cumprod(dim=0).sum().reshape(1)            # leading accepted drafts
     first_eos = torch.where((y == eos) & (eos >= 0), rows, T).min().reshape(1)
     keep = torch.minimum(torch.minimum(n, limit - 1), first_eos)

@@ -56,6 +56,12 @@ class Tokenizer:
     def id_to_token(self, tid: int) -> str | None:
         return self._tok.id_to_token(tid)
 
+    def special_ids(self) -> frozenset[int]:
+        """Ids of the tokens the tokenizer marks special (BOS, EOS, placeholders): what an API
+        reply leaves out of its text by default. The chat markup ("<think>", "｜DSML｜"...) is
+        not among them."""
+        return frozenset(i for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
+
     def __repr__(self) -> str:
         return f"Tokenizer(path={str(self.path)!r}, vocab_size={self.vocab_size})"
 

@@ -141,13 +141,8 @@ def near_ties(monkeypatch):
 def no_fake_quant(monkeypatch):
     """Fake-quant off: a 1e-7 difference can flip one e4m3/e2m1 rounding, which moves logits by
     ~1e-4; with it off, differently batched computations must agree to float32 noise."""
-    import dsv4.attention as A
-    import dsv4.compressor as C
-    import dsv4.indexer as I
-    ident = lambda x, block, out_dtype=None: x  # noqa: E731
-    for mod, name in ((A, "fp8_quant_dequant"), (C, "fp8_quant_dequant"),
-                      (C, "fp4_quant_dequant"), (I, "fp4_quant_dequant")):
-        monkeypatch.setattr(mod, name, ident)
+    from helpers import disable_fake_quant
+    disable_fake_quant(monkeypatch.setattr)
 
 
 @pytest.fixture(scope="session")

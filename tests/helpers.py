@@ -19,6 +19,18 @@ def small_checkpoint(root: Path, weights: str = "fp8", cfg=SMALL, seed: int = 0)
     return out
 
 
+def disable_fake_quant(setattr_fn=setattr) -> None:
+    """The KV fake-quant off (conftest's no_fake_quant; a test server's launcher): the FP8 / FP4
+    roundings of the cached KV and index entries become identities."""
+    import dsv4.attention as A
+    import dsv4.compressor as C
+    import dsv4.indexer as I
+    ident = lambda x, block, out_dtype=None: x  # noqa: E731
+    for mod, name in ((A, "fp8_quant_dequant"), (C, "fp8_quant_dequant"),
+                      (C, "fp4_quant_dequant"), (I, "fp4_quant_dequant")):
+        setattr_fn(mod, name, ident)
+
+
 def live_state(m) -> list:
     """Every decode state buffer of m's main layers (clones), scratch rows excluded: the window
     ring, compressed / index entries and both compressors' block rows, stale rows included

@@ -33,3 +33,17 @@ def test_cpu_decode_without_triton(tmp_path):
     assert p.returncode == 0, p.stderr
     out = json.loads(p.stdout)
     assert out["mode"] == "eager" and 1 <= len(out["output_ids"]) <= 3
+
+
+def test_serve_without_its_packages_names_the_extra():
+    p = subprocess.run([sys.executable, "-c", "import sys; sys.modules['fastapi'] = None; "
+                        f"sys.path.insert(0, {str(REPO)!r}); from dsv4.serve import main; "
+                        "sys.exit(main(['--demo', '--device', 'cpu']))"],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2, p.stderr
+    line = [ln for ln in p.stderr.splitlines() if ln.startswith("error:")]
+    assert len(line) == 1 and "fastapi" in line[0] and ".[serve]" in line[0], p.stderr
+    help_ = subprocess.run([sys.executable, str(REPO / "scripts" / "serve.py"), "--help"],
+                           capture_output=True, text=True, timeout=300)
+    assert help_.returncode == 0, help_.stderr
+    assert "--max-queue" in help_.stdout and "--prefill-graphs" in help_.stdout

@@ -1,0 +1,254 @@
+"""The request bodies of the OpenAI API (pydantic), the parameters dsv4 adds, and the OpenAI error
+object every refusal answers with.
+
+Unknown fields are refused, as the OpenAI API refuses them ("Unrecognized request argument"), so
+that a misspelt parameter is never ignored silently; fields the API defines that the runtime
+cannot honour (n > 1, logprobs, penalties, constrained decoding) get a 400 naming them. dsv4's
+own fields: top_k, use_cache, speculative, chat_template_kwargs {thinking, reasoning_effort},
+return_token_ids, skip_special_tokens, ignore_eos (benchmarks); force_ids only on a server
+started with the test option --allow-force-ids.
+"""
+from __future__ import annotations
+
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+MAX_STOP = 16
+
+
+class ApiError(Exception):
+    """A refusal with the OpenAI error object: status 400 / 404 / 503 ..., message naming the
+    problem and the fix, the offending parameter."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 kind: str = "invalid_request_error", code: str | None = None,
+                 headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind = status, message, param, kind
+        self.code, self.headers = code, headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param,
+                          "code": self.code}}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ToolFunction(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: str
+    arguments: Any = "{}"
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    id: str | None = None
+    type: str = "function"
+    function: ToolFunction
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="allow")          # clients echo back what they received
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Union[str, list, None] = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+
+    def text(self, i: int) -> str | None:
+        """The content as text: a string, or a list of {"type": "text"} parts joined."""
+        if self.content is None or isinstance(self.content, str):
+            return self.content
+        parts = []
+        for part in self.content:
+            if not isinstance(part, dict) or part.get("type") != "text":
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise ApiError(400, f"messages[{i}].content has a part of type {kind!r}: this "
+                                    f"model reads text only (give {{'type': 'text', 'text': ...}} "
+                                    f"parts or a string)", f"messages[{i}].content")
+            parts.append(str(part.get("text", "")))
+        return "".join(parts)
+
+
+class TemplateKwargs(_Strict):
+    thinking: bool = False
+    reasoning_effort: Literal["high", "max"] | None = None
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _Sampling(_Strict):
+    """The fields chat and completions share."""
+    model: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = Field(None, allow_inf_nan=False)
+    top_p: float | None = Field(None, allow_inf_nan=False)
+    top_k: int | None = None
+    seed: int | None = None
+    stop: Union[str, list[str], None] = Field(None, validate_default=True)
+    n: int = 1
+    user: str | None = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: dict | None = None
+    use_cache: bool = True
+    speculative: bool | None = None
+    return_token_ids: bool = False
+    skip_special_tokens: bool = True
+    ignore_eos: bool = False
+    force_ids: list[int] | None = None
+
+    @field_validator("temperature")
+    @classmethod
+    def _temperature(cls, v):
+        if v is not None and v < 0:
+            raise ValueError(f"temperature {v}: must be >= 0 (0 = greedy)")
+        return v
+
+    @field_validator("top_p")
+    @classmethod
+    def _top_p(cls, v):
+        if v is not None and not 0 < v <= 1:
+            raise ValueError(f"top_p {v}: must be in (0, 1] (1 = off)")
+        return v
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, v):
+        if v is not None and v < -1:
+            raise ValueError(f"top_k {v}: must be >= 0 (0 or -1 = off)")
+        return None if v == -1 else v
+
+    @field_validator("seed")
+    @classmethod
+    def _seed(cls, v):
+        if v is not None and not -2 ** 63 <= v < 2 ** 63:
+            raise ValueError(f"seed {v}: must be a 64-bit integer")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v):
+        stops = [v] if isinstance(v, str) else list(v or [])
+        if len(stops) > MAX_STOP:
+            raise ValueError(f"stop has {len(stops)} strings; at most {MAX_STOP}")
+        return [s for s in stops if s]
+
+    @model_validator(mode="after")
+    def _unsupported(self):
+        if self.n != 1:
+            raise ApiError(400, f"n = {self.n}: this server decodes one sequence per request "
+                                f"(batch 1); send n = 1 and repeat the request for more choices",
+                           "n")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if getattr(self, name):
+                raise ApiError(400, f"{name} = {getattr(self, name)}: penalties are not "
+                                    f"implemented; leave it at 0", name)
+        if self.logit_bias:
+            raise ApiError(400, "logit_bias is not implemented; leave it out", "logit_bias")
+        return self
+
+
+class ChatRequest(_Sampling):
+    messages: list[Message]
+    tools: list[dict] | None = None
+    tool_choice: Union[str, dict, None] = None
+    parallel_tool_calls: bool | None = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    chat_template_kwargs: TemplateKwargs | None = None
+    reasoning_effort: Literal["high", "max"] | None = None
+    response_format: dict | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    metadata: dict | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+
+    @model_validator(mode="after")
+    def _chat(self):
+        if not self.messages:
+            raise ApiError(400, "messages is empty: give at least one user message", "messages")
+        if self.logprobs or self.top_logprobs:
+            raise ApiError(400, "logprobs are not implemented; leave logprobs / top_logprobs "
+                                "out", "logprobs")
+        if self.tool_choice not in (None, "auto", "none"):
+            raise ApiError(400, f"tool_choice {self.tool_choice!r}: only 'auto' and 'none' are "
+                                f"supported (decoding is not constrained to call a tool); use "
+                                f"'auto'", "tool_choice")
+        if self.response_format not in (None, {"type": "text"}):
+            raise ApiError(400, "response_format other than {'type': 'text'} needs constrained "
+                                "decoding, which is not implemented; describe the format in the "
+                                "prompt", "response_format")
+        for name in ("max_tokens", "max_completion_tokens"):
+            v = getattr(self, name)
+            if v is not None and v < 1:
+                raise ApiError(400, f"{name} = {v}: must be >= 1", name)
+        return self
+
+    @property
+    def limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None \
+            else self.max_tokens
+
+    @property
+    def thinking(self) -> bool:
+        return bool(self.chat_template_kwargs and self.chat_template_kwargs.thinking)
+
+    @property
+    def effort(self) -> str | None:
+        kw = self.chat_template_kwargs
+        return (kw.reasoning_effort if kw and kw.reasoning_effort else None) or \
+            self.reasoning_effort
+
+    def dsv4_messages(self) -> list[dict]:
+        """The messages as dsv4.chat takes them (text content, tool calls as name + arguments)."""
+        out = []
+        for i, m in enumerate(self.messages):
+            msg: dict = {"role": m.role, "content": m.text(i)}
+            if m.tool_calls:
+                msg["tool_calls"] = [{"id": c.id, "type": "function",
+                                      "function": {"name": c.function.name,
+                                                   "arguments": c.function.arguments}}
+                                     for c in m.tool_calls]
+            if m.tool_call_id is not None:
+                msg["tool_call_id"] = m.tool_call_id
+            if m.reasoning_content is not None:
+                msg["reasoning_content"] = m.reasoning_content
+            out.append(msg)
+        return out
+
+
+class CompletionRequest(_Sampling):
+    prompt: Union[str, list[int], list[str], list[list[int]]]
+    max_tokens: int | None = 16
+    echo: bool = False
+    logprobs: int | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+    @model_validator(mode="after")
+    def _completion(self):
+        if self.echo or self.logprobs is not None or self.suffix is not None or \
+                self.best_of not in (None, 1):
+            raise ApiError(400, "echo, logprobs, suffix and best_of > 1 are not implemented; "
+                                "leave them out", "echo")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ApiError(400, f"max_tokens = {self.max_tokens}: must be >= 1", "max_tokens")
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+            if len(p) != 1:
+                raise ApiError(400, f"prompt is a batch of {len(p)} prompts: this server takes "
+                                    f"one prompt per request (batch 1)", "prompt")
+            self.prompt = p[0]
+        if not self.prompt:
+            raise ApiError(400, "prompt is empty: give some text or token ids", "prompt")
+        return self

@@ -1,0 +1,333 @@
+"""The OpenAI-compatible server as users drive it: a real server process (scripts/serve.py) on
+127.0.0.1 over the tiny demo checkpoint, the official `openai` client and plain HTTP.
+
+Chat non-streaming and streaming; greedy output == decode.py's; thinking mode's reasoning apart
+from content; a tool call (forced, test-only --allow-force-ids) as tool_calls, streamed whole, and
+its follow-up; completions; eight concurrent clients; a client that disconnects mid-stream; a
+full queue; bad requests (4xx with the OpenAI error object, the server keeps serving); 200
+requests with flat memory; /v1/models, /health, /metrics; SIGTERM mid-stream exits 0.
+"""
+import json
+import threading
+import time
+
+import pytest
+
+from serving import ServerProcess, openai_client, require_serve_packages
+
+require_serve_packages()
+
+import httpx  # noqa: E402
+import openai  # noqa: E402
+
+from dsv4.chat import EOS, THINK_END, _render_tool_calls  # noqa: E402
+from dsv4.cli import demo_checkpoint  # noqa: E402
+from dsv4.tokenizer import load_tokenizer  # noqa: E402
+
+CAP = 512
+MESSAGES = [{"role": "system", "content": "You are terse."},
+            {"role": "user", "content": "Name a colour."}]
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}}]
+
+
+@pytest.fixture(scope="module")
+def ckpt():
+    return demo_checkpoint()
+
+
+@pytest.fixture(scope="module")
+def tok(ckpt):
+    return load_tokenizer(ckpt)
+
+
+@pytest.fixture(scope="module")
+def server(ckpt, tmp_path_factory):
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    srv = ServerProcess(["--ckpt", ckpt, "--max-seq-len", CAP, "--max-queue", 8,
+                         "--allow-force-ids", "--log-level", "warning"], log=log)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai_client(server)
+
+
+def _chat(client, messages=MESSAGES, n=6, **extra):
+    return client.chat.completions.create(model="demo-tiny-v1", messages=messages, max_tokens=n,
+                                          temperature=0, extra_body=extra or None)
+
+
+def _forced(tok, *parts):
+    """Token ids of a reply: text pieces encoded, special tokens given as their text."""
+    ids = []
+    for p in parts:
+        tid = tok.token_to_id(p)
+        ids += [tid] if tid is not None and p in (EOS, THINK_END) else tok.encode(p)
+    return ids
+
+
+def test_chat_streaming_equals_non_streaming(client):
+    full = _chat(client, use_cache=False)
+    msg = full.choices[0].message
+    assert full.object == "chat.completion" and full.choices[0].finish_reason in ("stop", "length")
+    assert full.usage.completion_tokens <= 6 and full.usage.prompt_tokens > 0
+    stream = client.chat.completions.create(model="demo-tiny-v1", messages=MESSAGES,
+                                            max_tokens=6, temperature=0, stream=True,
+                                            stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == msg.content
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == full.usage.prompt_tokens
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == \
+        full.choices[0].finish_reason
+
+
+def test_greedy_equals_decode_py(client, ckpt, tmp_path, capsys):
+    """decode.py's own entry point (dsv4.cli.main, what scripts/decode.py runs), in this process."""
+    from dsv4.cli import main
+    f = tmp_path / "m.json"
+    f.write_text(json.dumps(MESSAGES))
+    capsys.readouterr()
+    assert main(["--ckpt", str(ckpt), "--messages", str(f), "--max-new-tokens", "6", "--json",
+                 "--max-seq-len", str(CAP), "--temperature", "0"]) == 0   # the server's device
+    want = json.loads(capsys.readouterr().out)
+    got = _chat(client, use_cache=False, return_token_ids=True, skip_special_tokens=False)
+    body = got.model_dump()
+    assert body["prompt_token_ids"] == want["prompt_ids"]
+    assert body["choices"][0]["token_ids"] == want["output_ids"]
+    if not any(m in want["text"] for m in ("</think>", "｜DSML｜")):
+        assert got.choices[0].message.content == want["text"]
+
+
+def test_thinking_mode_keeps_reasoning_apart(client, tok):
+    msgs = [{"role": "user", "content": "Is water wet?"}]
+    forced = _forced(tok, "Water makes things wet", THINK_END, "Yes.", EOS)
+    r = _chat(client, msgs, chat_template_kwargs={"thinking": True}, force_ids=forced)
+    m = r.choices[0].message.model_dump()
+    assert m["reasoning_content"] == "Water makes things wet" and m["content"] == "Yes."
+    assert r.choices[0].finish_reason == "stop"
+    stream = client.chat.completions.create(
+        model="demo-tiny-v1", messages=msgs, max_tokens=len(forced), stream=True,
+        extra_body={"chat_template_kwargs": {"thinking": True}, "force_ids": forced})
+    deltas = [c.choices[0].delta.model_dump() for c in stream if c.choices]
+    assert "".join(d.get("reasoning_content") or "" for d in deltas) == "Water makes things wet"
+    assert "".join(d.get("content") or "" for d in deltas) == "Yes."
+    free = _chat(client, msgs, n=3, chat_template_kwargs={"thinking": True})   # random weights
+    assert free.choices[0].message.model_dump()["reasoning_content"]           # never closes
+
+
+def test_tool_call_and_its_follow_up(client, tok):
+    call_text = _render_tool_calls([{"function": {"name": "get_weather",
+                                                  "arguments": {"city": "Paris"}}}])
+    forced = _forced(tok, "Let me look." + call_text, EOS)   # one text: one tokenization
+    msgs = [{"role": "user", "content": "Weather in Paris?"}]
+    r = client.chat.completions.create(model="demo-tiny-v1", messages=msgs, tools=TOOLS,
+                                       max_tokens=len(forced), extra_body={"force_ids": forced})
+    m = r.choices[0].message
+    assert r.choices[0].finish_reason == "tool_calls" and m.content == "Let me look."
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in m.tool_calls] == \
+        [("get_weather", {"city": "Paris"})]
+    stream = client.chat.completions.create(model="demo-tiny-v1", messages=msgs, tools=TOOLS,
+                                            max_tokens=len(forced), stream=True,
+                                            extra_body={"force_ids": forced})
+    chunks = [c for c in stream if c.choices]
+    content = "".join(c.choices[0].delta.content or "" for c in chunks)
+    calls = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or [])]
+    assert content == "Let me look." and "DSML" not in content
+    assert len(calls) == 1 and calls[0].function.name == "get_weather"
+    assert json.loads(calls[0].function.arguments) == {"city": "Paris"}
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    follow = msgs + [m.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": m.tool_calls[0].id, "content": "Sunny"}]
+    r2 = client.chat.completions.create(model="demo-tiny-v1", messages=follow, tools=TOOLS,
+                                        max_tokens=3, temperature=0)
+    assert r2.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    # the whole first exchange is reused: only its EOS (chosen, never fed) and the new turn are read
+    assert r2.usage.prompt_tokens_details.cached_tokens == r.usage.prompt_tokens + len(forced) - 1
+
+
+def test_completions_text_and_ids(client, tok):
+    r = client.completions.create(model="demo-tiny-v1", prompt="The sea is", max_tokens=4,
+                                  temperature=0)
+    assert r.object == "text_completion" and r.usage.completion_tokens <= 4
+    ids = [tok.bos_id] + tok.encode("The sea is")
+    r2 = client.completions.create(model="demo-tiny-v1", prompt=ids, max_tokens=4, temperature=0)
+    assert r2.choices[0].text == r.choices[0].text
+    assert r2.usage.prompt_tokens_details.cached_tokens == len(ids)     # the same prompt again
+    s = client.completions.create(model="demo-tiny-v1", prompt=ids, max_tokens=4, temperature=0,
+                                  stream=True)
+    assert "".join(c.choices[0].text for c in s if c.choices) == r.choices[0].text
+    seeded = [client.completions.create(model="demo-tiny-v1", prompt=ids, max_tokens=4,
+                                        temperature=1.0, seed=7).choices[0].text
+              for _ in range(2)]
+    assert seeded[0] == seeded[1]
+
+
+def test_eight_concurrent_clients_get_their_sequential_answers(client):
+    prompts = [[{"role": "user", "content": f"Count to {i}."}] for i in range(8)]
+    sequential = [_chat(client, p, n=4).choices[0].message.content for p in prompts]
+    got = [None] * 8
+
+    def ask(i):
+        got[i] = _chat(openai_client_for(client), prompts[i], n=4).choices[0].message.content
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert got == sequential
+
+
+def openai_client_for(client):
+    return openai.OpenAI(base_url=str(client.base_url), api_key="unused", max_retries=0,
+                         timeout=300)
+
+
+def _metric(server, name, labels=""):
+    text = httpx.get(server.url + "/metrics").text
+    for line in text.splitlines():
+        if line.startswith(name + labels + " ") or line.startswith(name + labels + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_a_disconnect_mid_stream_stops_that_generation(server, client):
+    gen0 = _metric(server, "dsv4_generated_tokens_total")
+    cancelled0 = _metric(server, "dsv4_requests_total", '{endpoint="chat",outcome="cancelled"}')
+    body = {"messages": [{"role": "user", "content": "Talk a lot."}], "stream": True,
+            "force_ids": [5] * 200}                 # 200 steps, whatever the weights
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        seen = 0
+        for line in lines:
+            seen += line.startswith("data: ")
+            if seen == 3:                       # the role chunk and two tokens, then hang up
+                break
+    r2 = _chat(client, [{"role": "user", "content": "Quick."}], n=2)
+    assert r2.choices[0].message.content is not None
+    generated = _metric(server, "dsv4_generated_tokens_total") - gen0
+    assert generated - r2.usage.completion_tokens < 30, generated     # not the 200 asked for
+    assert _metric(server, "dsv4_requests_total",
+                   '{endpoint="chat",outcome="cancelled"}') == cancelled0 + 1
+
+
+def test_a_full_queue_answers_503_with_retry_after(server, client):
+    body = {"messages": [{"role": "user", "content": "Go on."}], "stream": True,
+            "force_ids": [5] * 200}                 # 200 steps, whatever the weights
+    streams = []
+    try:
+        for _ in range(9):                      # one decoding + --max-queue 8 waiting
+            cm = httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=60)
+            r = cm.__enter__()
+            streams.append(cm)
+            assert r.status_code == 200
+            lines = r.iter_lines()              # kept: a collected iterator closes the response
+            next(lines)                         # the role chunk: the request is queued
+            streams.append(lines)
+        full = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+        assert full.status_code == 503 and full.headers["retry-after"] == "1"
+        assert "--max-queue 8" in full.json()["error"]["message"]
+    finally:
+        for cm in streams[::2]:
+            cm.__exit__(None, None, None)
+    # the clients left: their requests stop counting against the queue as soon as the server
+    # sees the connections close, whether they were decoding or waiting
+    deadline = time.monotonic() + 30
+    while httpx.get(server.url + "/health").json()["waiting"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert httpx.get(server.url + "/health").json()["waiting"] == 0
+    assert _chat(client, [{"role": "user", "content": "Still there?"}], n=2).choices
+
+
+@pytest.mark.parametrize("body,status,words", [
+    ({"messages": MESSAGES, "temperature": -1}, 400, ["temperature", ">= 0"]),
+    ({"messages": MESSAGES, "n": 2}, 400, ["n = 2", "n = 1"]),
+    ({"messages": MESSAGES, "max_tokens": 600}, 400, ["max_tokens (600)", "512", "--max-seq-len"]),
+    ({"messages": [{"role": "user", "content": "x " * 600}]}, 400,
+     ["context length is 512", "--max-seq-len"]),
+    ({"messages": MESSAGES, "model": "gpt-4o"}, 404, ["gpt-4o", "demo-tiny-v1"]),
+    ({"messages": MESSAGES, "temprature": 0}, 400, ["Unrecognized", "temprature"]),
+    ({"messages": MESSAGES, "top_p": 0}, 400, ["top_p"]),
+    ({"messages": MESSAGES, "tool_choice": "required", "tools": TOOLS}, 400, ["tool_choice"]),
+    ({"messages": MESSAGES, "logprobs": True}, 400, ["logprobs"]),
+    ({"messages": []}, 400, ["messages"]),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, 400, ["messages.0.role"]),
+    ({"prompt": "hi", "messages": MESSAGES}, 400, ["Unrecognized", "prompt"]),
+    ({"messages": MESSAGES, "speculative": True}, 400, ["--speculative"]),
+])
+def test_bad_requests_get_4xx_json_and_the_server_keeps_serving(server, body, status, words):
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    for w in words:
+        assert w in err["message"], (w, err["message"])
+    assert err["type"] and "param" in err
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_malformed_json_and_unknown_routes(server, client):
+    for raw in (b"{bad", b"[1, 2]", b"\xff\xfe"):
+        r = httpx.post(server.url + "/v1/chat/completions", content=raw,
+                       headers={"content-type": "application/json"})
+        assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+    r = httpx.get(server.url + "/v1/nowhere")
+    assert r.status_code == 404 and "routes" in r.json()["error"]["message"]
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="demo-tiny-v1", messages=MESSAGES, temperature=-1)
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=MESSAGES)
+    assert _chat(client, n=1).choices[0].message is not None
+
+
+def test_models_health_metrics(server, client):
+    assert [m.id for m in client.models.list()] == ["demo-tiny-v1"]
+    assert httpx.get(server.url + "/health").json()["status"] == "ok"
+    text = httpx.get(server.url + "/metrics").text
+    for name in ("dsv4_requests_total", "dsv4_prompt_tokens_total",
+                 "dsv4_cached_prompt_tokens_total", "dsv4_generated_tokens_total",
+                 "dsv4_time_to_first_token_seconds_bucket", "dsv4_time_per_output_token_seconds",
+                 "dsv4_queue_depth", "dsv4_requests_running"):
+        assert name in text, name
+    assert _metric(server, "dsv4_time_to_first_token_seconds_count") > 0
+
+
+def test_200_sequential_requests_leave_memory_flat(server):
+    """Mostly repeats (served from the prompt's snapshot: no model pass), every tenth prompt new
+    (a prefill), streamed and not, and bad requests: RSS after 200 stays within 16 MiB of RSS
+    after a warm-up of 40."""
+    def one(i, http):
+        ids = [0, 100 + (i // 10) % 7, 5]
+        body = {"prompt": ids, "max_tokens": 1, "stream": i % 3 == 0}
+        if i % 5 == 4:
+            body["temperature"] = -1
+        http.post(server.url + "/v1/completions", json=body, timeout=60)
+
+    with httpx.Client() as http:
+        for i in range(40):
+            one(i, http)
+        before = server.rss_bytes()
+        for i in range(200):
+            one(i, http)
+        after = server.rss_bytes()
+    assert after - before < 16 * 2 ** 20, (before, after)
+
+
+def test_sigterm_mid_stream_closes_the_session_and_exits_0(server):
+    """Last in this file: it stops the module's server. The stream in flight ends with an error
+    event (the reply was cut) and [DONE]; the process closes the session and exits 0."""
+    body = {"messages": [{"role": "user", "content": "Talk."}], "stream": True,
+            "force_ids": [5] * 200}
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        next(lines)
+        server.proc.send_signal(15)
+        rest = [ln for ln in lines if ln.startswith("data: ")]
+    assert rest[-1] == "data: [DONE]" and "shutting down" in rest[-2]
+    assert server.stop() == 0
+    assert "session closed" in server.stderr_tail()

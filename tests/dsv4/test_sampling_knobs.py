@@ -1,0 +1,120 @@
+"""Sampling parameters as device tensors (dsv4.sampling.SamplingKnobs): the same bits as fixed
+SamplingParams for every kind of parameter (greedy, temperature, top-k, top-p, both, edge values),
+in the sampler, the speculative draft / accept, and a whole per-request-sampling Session; a
+knob step reads no tensor value on the host."""
+import pytest
+import torch
+
+from dsv4.generate import Session, load_model
+from dsv4.model import RuntimeConfig
+from dsv4.sampling import SamplingKnobs, SamplingParams, filtered_probs, sample
+from dsv4.speculative import accept, draft
+from helpers import small_checkpoint
+
+PARAMS = [SamplingParams(), SamplingParams(0.7, seed=3), SamplingParams(1.0, top_p=0.9, seed=4),
+          SamplingParams(0.5, top_k=5, seed=5), SamplingParams(1.3, 0.5, 20, seed=2 ** 40 + 7),
+          SamplingParams(1.0, top_p=1e-6, seed=1), SamplingParams(0.9, top_k=10 ** 6, seed=8),
+          SamplingParams(1e-30, seed=9), SamplingParams(1.0, top_p=1 - 1e-9, seed=10)]
+
+
+def _logits(seed, n=3, V=4096):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, V, generator=g) * 4
+
+
+@pytest.mark.parametrize("params", PARAMS, ids=str)
+def test_knobs_give_the_fixed_parameters_bits(params):
+    knobs = SamplingKnobs("cpu", SamplingParams(0.3, 0.2, 2, seed=99))   # overwritten by set
+    knobs.set(params)
+    for i, lg in enumerate(_logits(1)):
+        pos = torch.tensor([17 + 31 * i])
+        assert torch.equal(sample(lg, pos, knobs), sample(lg, pos, params))
+        if not params.greedy:
+            for norm in (True, False):
+                assert torch.equal(filtered_probs(lg, knobs, norm),
+                                   filtered_probs(lg, params, norm))
+
+
+@pytest.mark.parametrize("params", PARAMS, ids=str)
+def test_speculative_draft_and_accept_with_knobs(params):
+    knobs = SamplingKnobs("cpu", params)
+    lg = _logits(2, 3)
+    pos = torch.tensor([40])
+    d_fixed, q_fixed = draft(lg[0], pos, params)
+    d_knobs, q_knobs = draft(lg[0], pos, knobs)
+    assert torch.equal(d_fixed, d_knobs)
+    if q_fixed is not None:
+        assert torch.equal(q_fixed, q_knobs)
+    limit, eos = torch.tensor([3]), torch.tensor([-1])
+    for drafts in (d_fixed, lg[1].argmax().reshape(1), torch.tensor([5])):
+        q = q_knobs[None]
+        y0, k0 = accept(lg[1:], drafts, q if q_fixed is not None else None, pos, params, limit,
+                        eos)
+        y1, k1 = accept(lg[1:], drafts, q, pos, knobs, limit, eos)
+        assert torch.equal(k0, k1) and torch.equal(y0[:int(k0) + 1], y1[:int(k1) + 1])
+
+
+def test_knobs_reject_a_seed_past_int64():
+    with pytest.raises(ValueError, match="2\\*\\*63"):
+        SamplingKnobs("cpu", SamplingParams(seed=2 ** 63))
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return small_checkpoint(tmp_path_factory.mktemp("knobs"), "fp8")
+
+
+def _model(path, mtp=False):
+    m, ck = load_model(path, RuntimeConfig(max_seq_len=96, dtype=torch.float32, mtp=mtp))
+    ck.close()
+    return m
+
+
+@pytest.mark.parametrize("speculative,on_host", [(0, False), (1, False), (0, True)])
+def test_per_request_sampling_session_equals_fixed_sessions(ckpt, speculative, on_host):
+    """One knob session serves calls with different parameters; each call's tokens equal those of
+    a session built with that call's fixed parameters (plain and speculative decoding; the
+    device-tensor path that graph mode captures, and the host branches of eager mode)."""
+    m = _model(ckpt, mtp=bool(speculative))
+    knob_s = Session(m, SamplingParams(), speculative=speculative, per_request_sampling=True)
+    assert knob_s.knobs.on_host                  # an eager session branches on the host ...
+    knob_s.knobs.on_host = on_host               # ... the captured path, run eagerly here
+    prompt, n = list(range(40, 52)), 8 - 2 * speculative
+    calls = [SamplingParams(0.8, top_p=0.9, seed=11), SamplingParams(),
+             SamplingParams(1.1, top_k=7, seed=12)][:3 - speculative]
+    for params in calls:
+        got = knob_s.generate(prompt, n, sampling=params).output_ids
+        fixed = Session(m, params, speculative=speculative)
+        assert fixed.generate(prompt, n).output_ids == got, params
+    with pytest.raises(ValueError, match="per_request_sampling"):
+        Session(m, SamplingParams(), speculative=speculative).generate(
+            prompt, 2, sampling=SamplingParams(1.0))
+
+
+@pytest.mark.parametrize("speculative", [0, 1])
+def test_knob_steps_have_no_host_sync(ckpt, monkeypatch, speculative):
+    """Capture-readiness on the CPU: the plain and the speculative steps with knobs (the path
+    graph mode captures) read no tensor value on the host."""
+    s = Session(_model(ckpt, mtp=bool(speculative)), SamplingParams(), speculative=speculative,
+                per_request_sampling=True)
+    s.knobs.on_host = False
+    s.generate(list(range(10, 20)), 3, sampling=SamplingParams(0.9, 0.8, 4, seed=1))
+
+    def boom(*a, **k):
+        raise AssertionError("host sync in a knob step")
+    for name in ("item", "tolist", "nonzero", "__bool__", "__int__", "__float__", "cpu", "numpy"):
+        monkeypatch.setattr(torch.Tensor, name, boom)
+    monkeypatch.setattr(torch, "nonzero", boom)
+    for _ in range(3):
+        (s.spec.decoder if speculative else s.decoder).step()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("params", PARAMS, ids=str)
+def test_knobs_give_the_fixed_parameters_bits_on_cuda(params):
+    knobs = SamplingKnobs("cuda:0", params)
+    for i, lg in enumerate(_logits(3, V=129280).cuda()):
+        pos = torch.tensor([5 + 7 * i], device="cuda:0")
+        assert torch.equal(sample(lg, pos, knobs), sample(lg, pos, params))
+        if not params.greedy:
+            assert torch.equal(filtered_probs(lg, knobs), filtered_probs(lg, params))
