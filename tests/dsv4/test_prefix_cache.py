@@ -123,7 +123,7 @@ def test_bad_requests_change_nothing(ckpt):
     p = _ids(7, 9)
     pc.generate(p, 2)
     before = (list(pc.ids), s.length, s.pending, pc.plan(p).cached)
-    with pytest.raises(ValueError, match="max-seq-len"):
+    with pytest.raises(ValueError, match="RuntimeConfig.max_seq_len"):
         pc.generate(p, 1000)
     with pytest.raises(ValueError, match="out of range"):
         pc.generate(p + [99999], 2)
