@@ -6,6 +6,9 @@ against the torch path (DSV4_KERNELS=0) on the same forced tokens: a wrong entry
 bound past some size moves the logits by 0.3 or more (test_prefill_kernels); bf16 rounding in
 another order stays far below. And graph replay == eager bit for bit there. Skipped without
 CUDA."""
+import os
+import time
+
 import pytest
 import torch
 
@@ -33,12 +36,15 @@ def prompt():
 
 
 def _run(ckpt, prompt, mode, force=None):
+    t = time.perf_counter()
     model, ck = load_model(ckpt, RuntimeConfig(max_seq_len=CAP, devices=("cuda:0",),
                                                prefill_chunk=CHUNK))
     ck.close()
     s = Session(model, SamplingParams(), mode=mode)
     out = s.generate(prompt, NEW, keep_logits=True, force_ids=force)
     s.close()
+    print(f"[long context] {mode}, kernels {os.environ.get('DSV4_KERNELS', '1')}: "
+          f"{time.perf_counter() - t:.1f} s (prefill {out.timings['prefill_s']:.1f} s)")
     return out
 
 
