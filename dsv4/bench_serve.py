@@ -88,7 +88,8 @@ def _server(args, prompts) -> dict:
            "--mode", args.mode, "--dtype", args.dtype, "--max-seq-len", str(args.max_seq_len),
            "--prefill-chunk", str(args.prefill_chunk), "--prefill-graphs",
            str(args.prefill_graphs), "--granularity", args.granularity]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    proc = subprocess.Popen(cmd, cwd=REPO, env=dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(REPO), os.environ.get("PYTHONPATH", "")])))
     url = f"http://127.0.0.1:{args.port}"
     try:
         t0 = time.monotonic()

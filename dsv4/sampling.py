@@ -110,14 +110,17 @@ def filtered_probs(logits: torch.Tensor, params: SamplingParams | SamplingKnobs,
     params = fixed(params)
     if isinstance(params, SamplingKnobs):
         return _filtered_probs_knobs(logits, params, normalize)
-    probs = torch.softmax(logits / max(params.temperature, 1e-5), dim=-1)
+    # temperature and top_p as float32 tensors on the logits' device, as the knobs hold them: a
+    # Python scalar operand would be applied in another precision or form on CUDA (a * (1 / b),
+    # a double comparison), and the knobs must give these bits
+    probs = torch.softmax(logits / logits.new_full((1,), max(params.temperature, 1e-5)), dim=-1)
     if params.top_k or params.top_p < 1.0:
         sp, si = probs.sort(descending=True)
         keep = torch.ones_like(sp, dtype=torch.bool)
         if params.top_k:
             keep[params.top_k:] = False
         if params.top_p < 1.0:   # keep the smallest prefix whose mass reaches top_p
-            keep &= (sp.cumsum(0) - sp) < params.top_p
+            keep &= (sp.cumsum(0) - sp) < sp.new_full((1,), params.top_p)
         probs = torch.zeros_like(probs).scatter_(0, si, torch.where(keep, sp, 0.0))
         if normalize:
             probs = probs / probs.sum()
@@ -127,10 +130,7 @@ def filtered_probs(logits: torch.Tensor, params: SamplingParams | SamplingKnobs,
 def _filtered_probs_knobs(logits: torch.Tensor, k: SamplingKnobs, normalize: bool) -> torch.Tensor:
     """filtered_probs with the parameters in device tensors: every branch of the fixed version
     becomes a torch.where, with the same bits. Capture-safe."""
-    t = k.temperature.clamp_min(1e-5)
-    # CUDA divides by a Python scalar as a * (1 / b), the CPU as a / b: do the same here, so the
-    # knobs give the bits of the fixed parameters on either device
-    probs = torch.softmax(logits * t.reciprocal() if logits.is_cuda else logits / t, dim=-1)
+    probs = torch.softmax(logits / k.temperature.clamp_min(1e-5), dim=-1)
     sp, si = probs.sort(descending=True)
     rank = torch.arange(sp.shape[0], device=sp.device)
     keep = ~k.use_top_k | (rank < k.top_k)
