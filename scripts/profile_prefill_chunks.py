@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from dsv4.bench_prefill import kernel_table
+from dsv4.bench.common import kernel_table
 from dsv4.device_weights import DeviceWeights
 from dsv4.model import RuntimeConfig, Transformer
 from dsv4.prefill_graphs import _ChunkGraphs

@@ -19,7 +19,7 @@ from .common import interpreting, on_device, round_bf16
 from .compressor_decode import NEG_INF, dot_bf16, load_pos
 
 # launch configs (heads per program, KV rows per tile, warps, stages) from the H200 sweep
-# (`DSV4_BENCH_ONLY=attn python -m dsv4.kernels.bench_prefill`, 4,096 Flash queries): 64 heads
+# (`DSV4_BENCH_ONLY=attn python -m dsv4.bench.prefill_kernels`, 4,096 Flash queries): 64 heads
 # (the wgmma's M) over 64-row tiles in 8 warps, the gathered rows double-buffered, read each row
 # once per query: ratio 4 1.38 ms, ratio 128 0.69 ms, against 2.34 / 0.89 for 16 heads over
 # 32-row tiles in 4 warps (mma.sync, each row read 4 times), which serves fewer heads

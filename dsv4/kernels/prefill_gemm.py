@@ -395,7 +395,7 @@ class Tile:
 def mma_path(fmt: str, rows: int | None = None) -> str:
     """The tensor cores a weight format's GEMM over `rows` rows uses: "fp8" (act-quantized e4m3
     rows, a fresh MMA per weight-scale group) or "bf16" (the weights decoded to bf16). Measured
-    on an H200 (python -m dsv4.kernels.bench_prefill, BENCHMARKS.md): FP8 weights take the FP8
+    on an H200 (python -m dsv4.bench.prefill_kernels, BENCHMARKS.md): FP8 weights take the FP8
     tensor cores for long chunks (wq_b, 4096 rows: 0.60 ms vs 0.86) and the bf16 ones for short
     (128 rows: 0.07 vs 0.09); FP4 experts the bf16 ones (the FP8 path rescales every 32 of K: 2.2x
     slower at 4096 rows). DSV4_PREFILL_MMA overrides (benchmarks, tests)."""

@@ -99,7 +99,7 @@ def test_pick_cuda_or_triton_on_cpu():
 def test_fp8_every_cuda_config_agrees(name):
     """Every instantiated config of a shape (lanes per row, rows and chunks per lane, warps) gives
     the reference's values: the butterfly and the warp sums cover each product exactly once."""
-    from dsv4.kernels.bench import _cuda_neighbours
+    from dsv4.bench.kernels import _cuda_neighbours
     from dsv4.kernels.fp8_cuda import cuda_config
     from dsv4.kernels.fp8_linear import fp8_linear, fp8_linear_reference
     _need_lib()

@@ -489,7 +489,7 @@ def test_attention_decode_bench(ratio):
     the time of one graph replay, torch path vs fused (printed with -s). Fused launches fewer."""
     import statistics
 
-    from dsv4.bench import count_kernels, time_steps
+    from dsv4.bench.common import count_kernels, time_steps
     attn, st = _flash_layer(ratio, 65536)
     for t in st.buffers().values():
         t.normal_()

@@ -1,13 +1,13 @@
 """Decode benchmark: a preset's real shapes on device-generated weights, state filled to a context,
-eager vs CUDA graphs timed with CUDA events against the byte floor measured in the same process.
+eager vs CUDA graphs timed with CUDA events against the byte floor measured in the same process;
+with --prefill and --speculative also the prefill (dsv4.bench.prefill) and speculative
+(dsv4.bench.speculative) measurements on the same model.
 
-Method and result rows: BENCHMARKS.md. Entry point: `main(argv)` (scripts/bench.py).
+Method and result rows: BENCHMARKS.md. Entry point: `main(argv)` (`dsv4 bench`, scripts/bench.py).
 """
 from __future__ import annotations
 
 import argparse
-import datetime
-import importlib.metadata
 import json
 import os
 import shlex
@@ -17,287 +17,33 @@ import time
 
 import torch
 
-from graphs import CUDAGraphDecoder, balanced_placement
+from graphs import CUDAGraphDecoder
 
-from . import bench_prefill, bench_spec
-from .device_weights import DeviceWeights
-from .errors import DeviceError, InputError, exit_code
-from .generate import Session, resolve_devices
-from .kernels import PREFILL_SWITCH
-from .model import DTYPES, RuntimeConfig, Transformer
-from .presets import PRESETS, get_preset
-from .sampling import SamplingParams
-from .segments import build_segments
-from .synthetic import tensor_seed
+from ..device_weights import DeviceWeights
+from ..errors import DeviceError, InputError, exit_code
+from ..generate import Session, resolve_devices
+from ..kernels import PREFILL_SWITCH
+from ..model import DTYPES, RuntimeConfig, Transformer
+from ..presets import PRESETS, get_preset
+from ..sampling import SamplingParams
+from ..segments import build_segments
+from . import prefill as bench_prefill
+from . import speculative as bench_spec
+from .common import GIB, _log, _sync, _versions, copy_bandwidth, count_kernels, fill_state, \
+    time_steps
+from .memory import check_memory, token_bytes
 
-GIB = 2**30
 CAPACITY_ALIGN = 256          # capacity = max(context + steps + warmup + 1, 256), rounded up to this
 MIN_STEPS = 50                # PERFORMANCE.md: median of >= 50 steps
-COPY_BYTES = 2 * GIB          # copy-bandwidth buffer (read + write counted)
-COPY_ITERS = 20
-ATTN_LINEARS = ("wq_a", "wq_b", "wkv", "wo_a", "wo_b")
-NOT_KERNELS = ("Memcpy", "Memset", "Event Sync", "Stream Sync", "Stream Wait", "Context Sync")
 KERNELS_METHOD = ("CUDA kernel events (memcpy/memset excluded) of one profiled step, minus those of "
                   "one profiled step of an embed+head-only decoder in the same mode, / layers")
 EXTRAPOLATION = ("(step - head/embed) / layers x full_layers + head/embed; head/embed timed with an "
                  "embed+head-only decoder in the same mode; layer mix of the measured prefix")
 
 
-# ---- sizes ------------------------------------------------------------------------------------
-
 def capacity_for(context: int, steps: int, warmup: int) -> int:
     need = max(context + steps + warmup + 1, CAPACITY_ALIGN)
     return -(-need // CAPACITY_ALIGN) * CAPACITY_ALIGN
-
-
-def _nb(*tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
-def token_bytes(model: Transformer, context: int) -> dict[str, int]:
-    """Bytes one decode token at position `context` reads, by component, from the model's tensors.
-
-    Per layer: attention linears (+ scales), norms/sink, mHC, compressor, indexer, router (gate +
-    bias, or the token's tid2eid row), k/E of the expert bank, the shared expert; KV: window rows
-    min(W, L+1), compressed rows visible at L ((L+1)//r; ratio 4: min(topk, (L+1)//4) attended
-    plus all (L+1)//4 index-cache rows). Plus the LM head, one embedding row, final norm, hc_head.
-    """
-    cfg, L = model.cfg, context
-    k = cfg.n_activated_experts
-    out = dict.fromkeys(("attention", "routed_experts", "shared_expert", "compressor", "indexer",
-                         "mhc", "router", "norms", "head", "embed_row", "final_norm_hc_head",
-                         "kv_window", "kv_compressed", "index_cache"), 0)
-    for blk, st in zip(model.layers, model.states):
-        a, f, r = blk.attn, blk.ffn, blk.ratio
-        out["attention"] += sum(_nb(*getattr(a, n).tensors("").values()) for n in ATTN_LINEARS)
-        out["norms"] += _nb(blk.attn_norm, blk.ffn_norm, a.q_norm, a.kv_norm, a.attn_sink)
-        out["mhc"] += _nb(*blk.hc.values())
-        if a.compressor is not None:
-            out["compressor"] += _nb(*a.compressor.tensors("").values())
-        if a.indexer is not None:
-            out["indexer"] += _nb(*a.indexer.tensors("").values())
-        out["router"] += _nb(*f.gate.tensors("").values()) + (
-            k * f.tid2eid.element_size() if f.hash else _nb(f.bias))
-        bank = f.experts
-        stack = [getattr(bank, n) for n in ("w1", "w1_scale", "w2", "w2_scale", "w3", "w3_scale")]
-        out["routed_experts"] += _nb(*(t for t in stack if t is not None)) * k // bank.n_experts
-        out["shared_expert"] += sum(_nb(*lin.tensors("").values()) for lin in f.shared.values())
-        row = st.kv_cache.shape[1] * st.kv_cache.element_size()
-        out["kv_window"] += min(cfg.window_size, L + 1) * row
-        visible = (L + 1) // r if r else 0
-        if r == 4:
-            out["kv_compressed"] += min(cfg.index_topk, visible) * row
-            out["index_cache"] += visible * st.index_cache.shape[1] * st.index_cache.element_size()
-        elif r:
-            out["kv_compressed"] += visible * row
-    out["head"] = _nb(model.head)
-    out["embed_row"] = model.embed.shape[1] * model.embed.element_size()
-    out["final_norm_hc_head"] = _nb(model.norm, *model.hc_head.values())
-    return out
-
-
-# ---- memory -----------------------------------------------------------------------------------
-
-DEQUANT_FP4 = 21   # peak bytes per value while dequantizing FP4: uint8 + 2 x int64 codes + float32
-DEQUANT_FP8 = 10   # FP8: float32 copy, float32 product, the activation-dtype result
-
-def layer_sizes(meta: Transformer) -> dict:
-    """Per-layer weight / state bytes and largest float32 master DeviceWeights makes (FP4: two
-    values per byte), the dequantized copies a CPU run keeps (`dense`, in the activation dtype),
-    plus the globals (embed, head, norms), of a model on the meta device."""
-    def master(ts):
-        return max((t.numel() * (8 if t.dtype == torch.int8 else 4) for t in ts), default=0)
-    glob = [meta.embed, meta.head, meta.norm, *meta.hc_head.values()]
-    layers = [blk.tensors("").values() for blk in meta.layers]
-    return {"weights": [_nb(*ts) for ts in layers], "master": [master(ts) for ts in layers],
-            "dense": [dense_bytes(blk, meta.act)[0] for blk in meta.layers],
-            "dequant": [dense_bytes(blk, meta.act)[1] for blk in meta.layers],
-            "state": [st.nbytes() for st in meta.states], "global": _nb(*glob),
-            "global_master": master(glob)}
-
-
-def dense_bytes(blk, act: torch.dtype) -> tuple[int, int]:
-    """(kept, transient) bytes of the dequantized weights a CPU model caches for block `blk`
-    (Transformer keeps dense copies on the CPU, where op overhead dominates): every weight stored
-    in another dtype than `act`, at `act`'s element size (an FP4 byte holds two values); and the
-    peak temporaries of dequantizing the largest one (dsv4.formats: FP4 goes through int64 codes
-    and float32 values, ~DEQUANT_FP4 bytes per value; FP8 through float32, ~DEQUANT_FP8)."""
-    size, kept, peak = torch.empty((), dtype=act).element_size(), 0, 0
-    for w in blk.weights():
-        for name in ("w1", "w2", "w3") if hasattr(w, "w1") else ("weight",):
-            t = getattr(w, name)
-            if t.dtype == act:
-                continue
-            n = t.numel() * (2 if t.dtype == torch.int8 else 1)
-            kept += n * size
-            peak = max(peak, n * (DEQUANT_FP4 if t.dtype == torch.int8 else DEQUANT_FP8))
-    return kept, peak
-
-
-def memory_estimate(sizes: dict, n_layers: int, devices, reserve: int):
-    """(placement, {device: {weights, dense, state, reserve, total}}) for the first n_layers;
-    reserve: per-device workspace on top of the largest float32 master generated there (on the
-    CPU, or of the largest dequantization's temporaries if larger); dense: the CPU's dequantized
-    copies."""
-    placement = balanced_placement(sizes["weights"][:n_layers], devices, sizes["global"])
-    est = {str(d): {"weights": 0, "dense": 0, "state": 0, "reserve": reserve} for d in devices}
-    master = dict.fromkeys(est, 0)
-    for l, d in enumerate(map(str, placement)):
-        est[d]["weights"] += sizes["weights"][l]
-        est[d]["state"] += sizes["state"][l]
-        master[d] = max(master[d], sizes["master"][l])
-        if torch.device(d).type == "cpu":       # the CPU keeps dequantized copies as well
-            est[d]["dense"] += sizes["dense"][l]
-            master[d] = max(master[d], sizes["dequant"][l])
-    head = str(torch.device(devices[0]))
-    est[head]["weights"] += sizes["global"]
-    master[head] = max(master[head], sizes["global_master"])
-    for d, e in est.items():
-        e["reserve"] += master[d]
-        e["total"] = e["weights"] + e["dense"] + e["state"] + e["reserve"]
-    return placement, est
-
-
-def free_memory(device: torch.device) -> int | None:
-    """Free bytes on `device` (CUDA: the driver's count; CPU: MemAvailable), None if unknown."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-def check_memory(meta: Transformer, n_layers: int, devices, reserve: int, capacity: int):
-    """Placement and estimate for the run; DeviceError naming the device and the fixes when the
-    estimate exceeds the free memory of any device."""
-    sizes = layer_sizes(meta)
-    placement, est = memory_estimate(sizes, n_layers, devices, reserve)
-    free = {str(d): free_memory(torch.device(d)) for d in devices}
-    over = [d for d, e in est.items() if free[d] is not None and e["total"] > free[d]]
-    if not over:
-        return placement, est
-    fits = 0
-    for n in range(n_layers, 0, -1):
-        _, e_n = memory_estimate(sizes, n, devices, reserve)
-        if all(free[d] is None or e["total"] <= free[d] for d, e in e_n.items()):
-            fits = n
-            break
-    d, e = over[0], est[over[0]]
-    more = (f"--layers {fits} (the most that fit here)" if fits else
-            "fewer --layers (not even one layer fits)")
-    cpu = torch.device(d).type == "cpu"
-    dense = (f" + dequantized copies {e['dense'] / GIB:.1f}" if e["dense"] else "")
-    temps = "dequantization" if cpu else "weight generation"
-    raise DeviceError(
-        f"{d} needs an estimated {e['total'] / GIB:.1f} GiB (weights {e['weights'] / GIB:.1f}"
-        f"{dense} + state {e['state'] / GIB:.2f} at capacity {capacity} + reserve "
-        f"{e['reserve'] / GIB:.1f}: --reserve-gib {reserve / GIB:g} and the largest {temps}'s "
-        f"temporaries) but has {free[d] / GIB:.1f} GiB "
-        f"{'host memory available (MemAvailable)' if cpu else 'free'}. Fix: {more}, more "
-        f"--devices (e.g. cuda:0,cuda:1), or a smaller --context; escape hatch: --reserve-gib 0")
-
-
-# ---- measurement ------------------------------------------------------------------------------
-
-def _sync(devices) -> None:
-    for d in devices:
-        if d.type == "cuda":
-            torch.cuda.synchronize(d)
-
-
-def copy_bandwidth(device: torch.device, nbytes: int = COPY_BYTES, iters: int = COPY_ITERS) -> float:
-    """Device-to-device copy bandwidth in TB/s: (read + write bytes) / median time of `iters`."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_()
-    dst = torch.empty_like(src)
-    stream = torch.cuda.current_stream(device)
-    for _ in range(3):
-        dst.copy_(src)
-    evs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-           for _ in range(iters)]
-    for a, b in evs:
-        a.record(stream)
-        dst.copy_(src)
-        b.record(stream)
-    torch.cuda.synchronize(device)
-    ms = statistics.median(a.elapsed_time(b) for a, b in evs)
-    del src, dst
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats(device)   # peak_bytes then covers the model run only
-    return 2 * nbytes / (ms * 1e-3) / 1e12
-
-
-def fill_state(model: Transformer, context: int, seed: int) -> None:
-    """Every layer's state as if `context` tokens had been decoded: window ring and compressed
-    rows [0, context//r) (index cache rows [0, context//4)) ~ N(0, 1) in the activation dtype,
-    compressor states finite N(0, 1). In place; the caller sets the position to `context`."""
-    W = model.cfg.window_size
-    gens: dict = {}
-    for blk, st in zip(model.layers, model.states):
-        dev = st.kv_cache.device
-        if dev not in gens:
-            gens[dev] = torch.Generator(device=dev).manual_seed(tensor_seed(seed, "bench.state"))
-        gen = gens[dev]
-        r = blk.ratio
-        st.reset()
-        st.kv_cache[:W].normal_(generator=gen)
-        if r:
-            st.kv_cache[W:W + min(context // r, st.kv_cache.shape[0] - W - 1)].normal_(generator=gen)
-        if r == 4:
-            st.index_cache[:min(context // 4, st.index_cache.shape[0] - 1)].normal_(generator=gen)
-        for c in (st.compressor, st.index_compressor):
-            if c is not None:
-                c.kv.normal_(generator=gen)
-                c.score.normal_(generator=gen)
-
-
-def time_steps(step, n: int, devices) -> list[float]:
-    """ms of each of n calls of step(): CUDA events around each on the head device's current
-    stream (the decoder makes it wait for its work); perf_counter on the CPU."""
-    hd = devices[0]
-    if hd.type != "cuda":
-        out = []
-        for _ in range(n):
-            t = time.perf_counter()
-            step()
-            out.append(1e3 * (time.perf_counter() - t))
-        return out
-    stream = torch.cuda.current_stream(hd)
-    evs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-           for _ in range(n)]
-    _sync(devices)
-    for a, b in evs:
-        a.record(stream)
-        step()
-        b.record(stream)
-    _sync(devices)
-    return [a.elapsed_time(b) for a, b in evs]
-
-
-def count_kernels(step, devices, top: dict | None = None, trace: str | None = None) -> int:
-    """CUDA kernels launched by one step() (memcpy/memset excluded), from torch.profiler; with
-    `top`, also fills it with kernel name -> [launches, device µs] of that step; with `trace`,
-    writes that step's Chrome trace there (kernels per stream with start and duration)."""
-    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    _sync(devices)
-    with torch.profiler.profile(activities=acts) as prof:
-        step()
-        _sync(devices)
-    if trace:
-        prof.export_chrome_trace(trace)
-    n = 0
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith(NOT_KERNELS):
-            n += 1
-            if top is not None:
-                t = top.setdefault(e.name[:60], [0, 0.0])
-                t[0] += 1
-                t[1] += getattr(e, "device_time", 0.0) or getattr(e, "cuda_time", 0.0)
-    return n
 
 
 def _stats(ms: list[float]) -> dict:
@@ -362,21 +108,6 @@ def measure(model: Transformer, mode: str, granularity: str, context: int, steps
 
 
 # ---- the run ----------------------------------------------------------------------------------
-
-def _log(msg: str) -> None:
-    print(f"[bench] {msg}", file=sys.stderr, flush=True)
-
-
-def _versions(devices) -> dict:
-    try:
-        triton = importlib.metadata.version("triton")
-    except importlib.metadata.PackageNotFoundError:
-        triton = None
-    cuda = [d for d in devices if d.type == "cuda"]
-    names = ", ".join(dict.fromkeys(torch.cuda.get_device_name(d) for d in cuda)) if cuda else None
-    return {"gpu_name": names, "torch": torch.__version__, "triton": triton,
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
-
 
 def run(args, command: str = "") -> dict:
     """The whole benchmark for parsed `args`; returns the report (JSON-ready dict)."""
@@ -453,7 +184,7 @@ def run(args, command: str = "") -> dict:
         with _prefill_switch(args.prefill_kernels == "on"):
             pg = None
             if args.prefill_graphs:
-                from .prefill_graphs import PrefillGraphs
+                from ..prefill_graphs import PrefillGraphs
                 _log(f"capturing prefill chunk graphs up to {args.prefill_graphs} tokens")
                 pg = model.prefill_graphs = PrefillGraphs(model, args.prefill_graphs)
                 _log("chunk graph replay / eager ms (measured when built): " + ", ".join(
@@ -587,7 +318,7 @@ def format_table(rep: dict) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .cli_options import Parser     # defaults in --help, a usage error is one line
+    from ..cli_options import Parser     # defaults in --help, a usage error is one line
     p = Parser(prog="dsv4 bench", description="Batch-1 decode benchmark on device-generated weights "
                 "(method: BENCHMARKS.md).")
     p.add_argument("--preset", required=True, choices=sorted(PRESETS), help="the model's shapes")

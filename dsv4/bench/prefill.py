@@ -2,7 +2,7 @@
 model (device-generated weights), against two floors measured in the same process: compute (the
 prompt's FLOPs at the dense bf16 / FP8 rate of a large matmul here) and bytes (the distinct weights
 the prompt touches: attention, compressor / indexer, router, shared expert, the union of the routed
-experts it hit, head; at the copy bandwidth). Called by dsv4/bench.py (`--prefill N[,N...]`).
+experts it hit, head; at the copy bandwidth). Called by dsv4/bench/decode.py (`--prefill N[,N...]`).
 """
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import time
 
 import torch
 
-from .model import Transformer
+from ..model import Transformer
+from .common import kernel_table
 
 RATE_N = 8192          # the rate matmul: [RATE_N, RATE_N] x [RATE_N, RATE_N]
 RATE_ITERS = 10
@@ -140,18 +141,6 @@ def measure(model: Transformer, n: int, reps: int, seed: int, chunk: int | None)
             "tok_per_s": n / med * 1e3, "experts_hit": hits, "peak_bytes": peak,
             "graphs": plan is not None and any(g for _, g in plan),
             "plan": plan, "eager_ttft_ms": eager_ms}
-
-
-def kernel_table(prof, width: int = 70) -> list:
-    """The CUDA kernels of a torch.profiler run -> [name, launches, summed device ms] by time."""
-    from .bench import NOT_KERNELS
-    kern: dict = {}
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith(NOT_KERNELS):
-            k = kern.setdefault(e.name[:width], [0, 0.0])
-            k[0] += 1
-            k[1] += (getattr(e, "device_time", 0.0) or getattr(e, "cuda_time", 0.0)) / 1e3
-    return sorted(([k, c, round(ms, 3)] for k, (c, ms) in kern.items()), key=lambda r: -r[2])
 
 
 def profile(model: Transformer, n: int, seed: int, chunk: int | None, top: int = 25) -> dict:

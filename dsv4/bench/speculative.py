@@ -1,4 +1,4 @@
-"""bench.py --speculative: the mechanism of self-speculative decoding on device-generated weights.
+"""dsv4 bench --speculative: the mechanism of self-speculative decoding on device-generated weights.
 
 Random weights make the MTP block's real acceptance rate meaningless, so this measures what the
 rate is multiplied with (method: BENCHMARKS.md), in graph mode on CUDA (eager on the CPU):
@@ -20,17 +20,18 @@ import statistics
 
 import torch
 
+from ..generate import Session
+from ..sampling import SamplingParams
+from ..spec_policy import DEFAULT_MIN_ACCEPTANCE, SpecPolicy
+from ..spec_step import verify_decoder
+from .common import _sync, fill_state, time_steps
+
 ACCEPTANCE = (0.0, 0.5, 0.7, 0.8, 0.9, 1.0)
 PROMPT = 64
 
 
 def run(model, context: int, seed: int, plain_ms: float | None, log, reps: int = 20,
         n_new: int = 256) -> dict:
-    from .bench import _sync, fill_state, time_steps
-    from .generate import Session
-    from .sampling import SamplingParams
-    from .spec_policy import DEFAULT_MIN_ACCEPTANCE, SpecPolicy
-    from .spec_step import verify_decoder
     hd, V = model.head_device, model.cfg.vocab_size
     devices = [hd] + sorted({*model.placement} - {hd}, key=str)
     mode = "graph" if hd.type == "cuda" else "eager"

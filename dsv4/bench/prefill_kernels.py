@@ -3,9 +3,9 @@ chunk of T tokens (uniform random routing, k experts each), the largest FP8 line
 grouped wo_a, over tile, K-step, warp and tensor-core-path variants. CUDA events, median of REPS
 after warm-up; achieved TFLOP/s and the weight bytes read per second. The model's defaults come
 from this sweep (prefill_gemm.BK16, pick_bm, MMA; BENCHMARKS.md).
-Run: `python -m dsv4.kernels.bench_prefill [flash|pro] [T,T,...] [hot,hot,...]` (hot: see moe_rows;
+Run: `python -m dsv4.bench.prefill_kernels [flash|pro] [T,T,...] [hot,hot,...]` (hot: see moe_rows;
 DSV4_BENCH_QUICK=1: the QUICK variants only; DSV4_BENCH_ONLY=attn: the chunk's sparse attention
-instead, `attn_rows`).
+instead, `attn_rows`; both read by main only).
 """
 from __future__ import annotations
 
@@ -16,15 +16,14 @@ import sys
 import torch
 
 from ..presets import get_preset
-from . import prefill_gemm as G
-from . import prefill_moe as M
+from ..kernels import prefill_gemm as G
+from ..kernels import prefill_moe as M
 
 REPS = 10
 # DSV4_BENCH_QUICK=1: the variants (path, bm, bk, bn, warps, stages) the defaults pick between
 QUICK = [("bf16", 128, 64, 64, 4, 3), ("bf16", 128, 64, 64, 4, 2), ("bf16", 128, 64, 64, 4, 4),
          ("bf16", 128, 32, 64, 4, 3), ("bf16", 128, 64, 128, 8, 3), ("bf16", 128, 128, 128, 8, 3),
-         ("bf16", 128, 64, 32, 4, 3), ("bf16", 64, 64, 64, 4, 3)] \
-    if os.environ.get("DSV4_BENCH_QUICK") else None
+         ("bf16", 128, 64, 32, 4, 3), ("bf16", 64, 64, 64, 4, 3)]
 
 
 def _time(fn) -> float:
@@ -47,10 +46,10 @@ def _bank(E, n, k, gen, dev):
     return w, s.view(torch.float8_e8m0fnu)
 
 
-def moe_rows(cfg, T, dev, gen, hot=0):
+def moe_rows(cfg, T, dev, gen, hot=0, quick=False):
     """The routed up / down of T tokens over the tile / path variants; hot > 0: every token
     routes among the first `hot` experts only (the model bench's device-generated router
-    concentrates a 4096-token chunk on 17-68 experts per layer)."""
+    concentrates a 4096-token chunk on 17-68 experts per layer); quick: the QUICK variants only."""
     E, k, D, I = cfg.n_routed_experts, cfg.n_activated_experts, cfg.dim, cfg.moe_inter_dim
     w1, s1 = _bank(E, I, D, gen, dev)
     w3, s3 = _bank(E, I, D, gen, dev)
@@ -70,7 +69,7 @@ def moe_rows(cfg, T, dev, gen, hot=0):
     variants = [("bf16", bm, bk, bn, w, 3) for bm in (16, 32, 64, 128) for bk in (64, 128)
                 for bn in (64, 128) for w in (4, 8) if not (bm == 128 and bn == 128)]
     variants += [("fp8", bm, 32, 128, w, 3) for bm in (16, 32, 64) for w in (4, 8)]
-    if QUICK:
+    if quick:
         variants = QUICK
     rows = []
     per = T * k / (hot or E)
@@ -166,7 +165,7 @@ def attn_rows(cfg, T, dev, gen):
     from ..rope import rope_frequencies
     from ..attention import window_indices
     from ..sparse import topk_lowest
-    from .attention_prefill import sparse_attention_rows
+    from ..kernels.attention_prefill import sparse_attention_rows
     H, Dh, W = cfg.n_heads, cfg.head_dim, cfg.window_size
     freqs = rope_frequencies(cfg, 4).to(dev)
     pos0 = torch.zeros(1, dtype=torch.int64, device=dev)
@@ -217,11 +216,12 @@ def main(argv=None) -> int:
     print(f"{'case':<12}{'path':>5}{'bm':>5}{'bk/bn/st':>12}{'warps':>6}{'up ms':>9}{'down ms':>9}"
           f"{'up TF/s':>9}{'dn TF/s':>9}{'up GB/s':>9}{'dn GB/s':>9}")
     hots = [int(h) for h in argv[2].split(",")] if len(argv) > 2 else [0]
+    quick = bool(os.environ.get("DSV4_BENCH_QUICK"))
+    attn = os.environ.get("DSV4_BENCH_ONLY") == "attn"
     for T in tokens:
         for hot in hots:
-            rows, hit = ([], 0) if os.environ.get("DSV4_BENCH_ONLY") == "attn" else \
-                moe_rows(cfg, T, dev, gen, hot)
-            if os.environ.get("DSV4_BENCH_ONLY") == "attn":
+            rows, hit = ([], 0) if attn else moe_rows(cfg, T, dev, gen, hot, quick)
+            if attn:
                 rows, hit = attn_rows(cfg, T, dev, gen), 0
             elif not hot:
                 rows += linear_rows(cfg, T, dev, gen) + wo_a_rows(cfg, T, dev, gen)

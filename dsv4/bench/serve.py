@@ -25,10 +25,10 @@ from pathlib import Path
 
 import torch
 
-from .cli_options import Parser, add_runtime_args, check_runtime_args
-from .errors import InputError, exit_code
+from ..cli_options import Parser, add_runtime_args, check_runtime_args
+from ..errors import InputError, exit_code
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,9 +51,9 @@ def _prompts(n_prompt: int, repeats: int, vocab: int) -> list[list[int]]:
 
 
 def _in_process(args, devices, mode, prompts) -> dict:
-    from .generate import Session, load_model
-    from .model import DTYPES, RuntimeConfig
-    from .sampling import SamplingParams
+    from ..generate import Session, load_model
+    from ..model import DTYPES, RuntimeConfig
+    from ..sampling import SamplingParams
     rt = RuntimeConfig(max_seq_len=args.max_seq_len, dtype=DTYPES[args.dtype],
                        devices=tuple(devices), prefill_chunk=args.prefill_chunk,
                        prefill_graphs=args.prefill_graphs if mode == "graph" else 0)
@@ -149,7 +149,7 @@ def run(args) -> int:
                          f"{args.prompt_tokens + args.new_tokens} exceeds --max-seq-len "
                          f"{args.max_seq_len}")
     devices, mode = check_runtime_args(args)
-    from .config import ModelConfig
+    from ..config import ModelConfig
     cfg = ModelConfig.from_json(args.ckpt)
     prompts = _prompts(args.prompt_tokens, args.repeats, cfg.vocab_size)
     res = {"device": torch.cuda.get_device_name(0) if devices[0].startswith("cuda") else "cpu",
