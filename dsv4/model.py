@@ -8,56 +8,20 @@ for token and position). Legend: s = tokens, c = hc_mult, D = dim, V = vocab.
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
 from .block import Block, fused_mhc
 from .config import ModelConfig
-from .errors import CapacityError, ConfigError, DeviceError
+from .errors import CapacityError, ConfigError
 from .mhc import hc_head, rms_norm
 from .quant import hadamard_matrix
+from .runtime import RuntimeConfig
 from .state import LayerState
 
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 HEAD_CHUNK = 16384  # vocab rows per float32 head matmul (bounds the transient of the fp32 copy)
-PREFILL_CHUNK = 4096  # default prompt tokens per prefill pass: activations scale with it
 PROGRESS_CHUNKS = 4   # a prefill of at least this many chunks shows a progress bar (if asked)
-
-
-@dataclass(frozen=True)
-class RuntimeConfig:
-    """Runtime knobs, apart from the model hyper-parameters."""
-    max_seq_len: int = 4096
-    dtype: torch.dtype = torch.bfloat16          # activation dtype: bfloat16 or float32
-    devices: tuple = ("cpu",)                    # layer devices in pipeline order; head on [0]
-    cache_dense: bool | None = None              # keep dequantized weights (default: CPU only)
-    prefill_chunk: int = PREFILL_CHUNK           # prompt tokens per prefill pass (bounds memory)
-    mtp: bool = False                            # hold the MTP block (speculative decoding)
-    prefill_graphs: int = 0                      # graph mode: largest captured prefill chunk
-    # (a power of two; 0 = off): prompts up to it replay chunk graphs (dsv4.prefill_graphs)
-
-    def __post_init__(self):
-        if self.dtype not in (torch.bfloat16, torch.float32):
-            raise ConfigError(f"dtype = {self.dtype}; allowed: bfloat16, float32")
-        g = self.prefill_graphs
-        if isinstance(g, bool) or not isinstance(g, int) or g < 0 or g & (g - 1):
-            raise ConfigError(f"prefill_graphs = {g!r}; expected 0 (off) or a power of two")
-        for name in ("max_seq_len", "prefill_chunk"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ConfigError(f"{name} = {v!r}; expected a positive integer")
-        object.__setattr__(self, "devices", tuple(torch.device(d) for d in self.devices))
-        cuda = [d for d in self.devices if d.type == "cuda"]
-        if cuda and not torch.cuda.is_available():   # else torch raises a bare AssertionError
-            raise DeviceError(f"devices = {tuple(map(str, self.devices))}: this torch build has "
-                              f"no CUDA ({torch.__version__}; torch.cuda.is_available() is False); "
-                              f"use devices=('cpu',), or install a CUDA build of torch")
-        for d in cuda:
-            if (d.index or 0) >= torch.cuda.device_count():
-                raise DeviceError(f"devices: {d} does not exist; this machine has "
-                                  f"{torch.cuda.device_count()} CUDA device(s)")
 
 
 class Transformer:

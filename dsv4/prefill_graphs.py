@@ -25,6 +25,7 @@ import torch
 from graphs import CUDAGraphDecoder, Segment
 
 from .errors import ConfigError
+from .runtime import PREFILL_GRAPHS_EXPECTED, prefill_graphs_ok
 
 FIX_HINTS = ("lower RuntimeConfig.prefill_graphs (fewer and smaller chunk graphs)",
              "RuntimeConfig.prefill_graphs = 0")
@@ -32,9 +33,8 @@ FIX_HINTS = ("lower RuntimeConfig.prefill_graphs (fewer and smaller chunk graphs
 
 def chunk_sizes(max_rows: int) -> list[int]:
     """The graph chunk sizes for max_rows (a power of two): 1, 2, 4, ..., max_rows."""
-    if isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1 \
-            or max_rows & (max_rows - 1):
-        raise ConfigError(f"prefill_graphs = {max_rows!r}; expected 0 (off) or a power of two")
+    if not prefill_graphs_ok(max_rows) or max_rows < 1:
+        raise ConfigError(f"prefill_graphs = {max_rows!r}; {PREFILL_GRAPHS_EXPECTED}")
     return [1 << i for i in range(max_rows.bit_length())]
 
 

@@ -21,12 +21,14 @@ from graphs import CUDAGraphDecoder
 
 from ..device_weights import DeviceWeights
 from ..errors import DeviceError, InputError, exit_code
-from ..generate import Session, resolve_devices
 from ..kernels import PREFILL_SWITCH
-from ..model import DTYPES, RuntimeConfig, Transformer
+from ..model import Transformer
 from ..presets import PRESETS, get_preset
+from ..runtime import (DTYPES, PREFILL_GRAPHS_EXPECTED, RuntimeConfig, prefill_graphs_ok,
+                       resolve_devices)
 from ..sampling import SamplingParams
 from ..segments import build_segments
+from ..session import Session
 from . import prefill as bench_prefill
 from . import speculative as bench_spec
 from .common import GIB, _log, _sync, _versions, copy_bandwidth, count_kernels, fill_state, \
@@ -133,8 +135,8 @@ def run(args, command: str = "") -> dict:
     if args.prefill_reps < 1 or (args.prefill_chunk is not None and args.prefill_chunk < 1):
         raise InputError("--prefill-reps and --prefill-chunk must be >= 1")
     g = args.prefill_graphs
-    if g < 0 or g & (g - 1) or (g and not lengths):
-        raise InputError(f"--prefill-graphs {g}: expected 0 or a power of two, with --prefill")
+    if not prefill_graphs_ok(g) or (g and not lengths):
+        raise InputError(f"--prefill-graphs {g}: {PREFILL_GRAPHS_EXPECTED}, with --prefill")
     full = get_preset(args.preset)
     cfg = get_preset(args.preset, args.layers)
     spec_len = [bench_spec.PROMPT + args.spec_tokens + 2] if args.speculative else []

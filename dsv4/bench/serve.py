@@ -51,8 +51,8 @@ def _prompts(n_prompt: int, repeats: int, vocab: int) -> list[list[int]]:
 
 
 def _in_process(args, devices, mode, prompts) -> dict:
-    from ..generate import Session, load_model
-    from ..model import DTYPES, RuntimeConfig
+    from ..session import Session, load_model
+    from ..runtime import DTYPES, RuntimeConfig
     from ..sampling import SamplingParams
     rt = RuntimeConfig(max_seq_len=args.max_seq_len, dtype=DTYPES[args.dtype],
                        devices=tuple(devices), prefill_chunk=args.prefill_chunk,

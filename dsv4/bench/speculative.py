@@ -20,7 +20,7 @@ import statistics
 
 import torch
 
-from ..generate import Session
+from ..session import Session
 from ..sampling import SamplingParams
 from ..spec_policy import DEFAULT_MIN_ACCEPTANCE, SpecPolicy
 from ..spec_step import verify_decoder

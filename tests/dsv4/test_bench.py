@@ -12,7 +12,8 @@ from dsv4.bench import memory
 from dsv4.checkpoint import open_checkpoint
 from dsv4.device_weights import DeviceWeights
 from dsv4.errors import TensorMismatchError
-from dsv4.model import RuntimeConfig, Transformer
+from dsv4.model import Transformer
+from dsv4.runtime import RuntimeConfig
 from dsv4.presets import TINY, get_preset
 from dsv4.synthetic import write_checkpoint
 

@@ -402,8 +402,8 @@ def check_layers(dev, tmp, seed):
     several offsets."""
     sys.path.insert(0, str(REPO / "tests"))
     from helpers import small_checkpoint
-    from dsv4.generate import load_model
-    from dsv4.model import RuntimeConfig
+    from dsv4.session import load_model
+    from dsv4.runtime import RuntimeConfig
     m, ck = load_model(small_checkpoint(tmp, "fp8"), RuntimeConfig(max_seq_len=256,
                                                                   dtype=torch.bfloat16,
                                                                   devices=(dev,)))
@@ -454,8 +454,8 @@ def check_parity_bf16(dev):
     if not (SHARED / "data" / "parity").is_dir() and not os.environ.get("DSV4_PARITY_DIR"):
         return
     from test_parity import check_logits, load_case
-    from dsv4.generate import Session, load_model
-    from dsv4.model import RuntimeConfig
+    from dsv4.session import Session, load_model
+    from dsv4.runtime import RuntimeConfig
     from dsv4.sampling import SamplingParams
     for name in ("p1-bf16-3layer", "p2-fp8-2layer"):
         d, case, golden, gtokens = load_case(name, "bf16")

@@ -7,8 +7,8 @@ decode steps bit for bit, outputs and state, and warm-up, capture and replay mak
 import pytest
 import torch
 
-from dsv4.generate import Session, load_model
-from dsv4.model import RuntimeConfig
+from dsv4.session import Session, load_model
+from dsv4.runtime import RuntimeConfig
 from dsv4.sampling import SamplingParams
 from dsv4.speculative import Journal
 from dsv4.state import LayerState

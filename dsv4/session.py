@@ -1,5 +1,5 @@
-"""A decode session: build and load the model, prefill, then the decode loop (eager or CUDA graphs)
-with streaming text, stop checks and timings.
+"""A decode session: load the model, prefill, then the decode loop (eager or CUDA graphs) with
+streaming tokens, stop checks and timings; plain or speculative steps, snapshots of a point.
 
 The decode loop always goes through `graphs.CUDAGraphDecoder` (eager mode on the CPU), so the
 graph and eager paths run the same segment functions. Token ids reach the host one step late
@@ -13,12 +13,13 @@ from typing import Callable, Sequence
 
 import torch
 
-from graphs import CUDAGraphDecoder, balanced_placement
+from graphs import CUDAGraphDecoder
 
 from .checkpoint import open_checkpoint
-from .errors import DeviceError, InputError
+from .errors import InputError
+from .model import Transformer
 from .profiling import nvtx_range
-from .model import RuntimeConfig, Transformer
+from .runtime import RuntimeConfig, layer_placement, resolve_mode
 from .sampling import SamplingKnobs, SamplingParams, sample
 from .segments import DecodeBuffers, build_segments
 from .snapshot import StateSnapshot
@@ -44,57 +45,10 @@ def check_token_ids(ids: Sequence[int], vocab_size: int) -> None:
                              f"(0..{vocab_size - 1})")
 
 
-def resolve_devices(device: str) -> list[str]:
-    """--device auto|cpu|cuda|cuda:0,cuda:1 -> device names; never touches CUDA for 'cpu'."""
-    if device == "cpu":
-        return ["cpu"]
-    if device == "auto":
-        return ["cuda:0"] if torch.cuda.is_available() else ["cpu"]
-    devs = [d.strip() for d in device.split(",") if d.strip()]
-    if not devs:
-        raise InputError(f"--device {device!r}: expected auto, cpu, cuda or cuda:0,cuda:1,...")
-    for d in devs:
-        if d.startswith("cuda"):
-            if not torch.cuda.is_available():
-                raise DeviceError(f"--device {device}: CUDA is not available on this machine; use "
-                                  f"--device cpu (or auto)")
-            try:
-                idx = torch.device(d).index or 0
-            except RuntimeError:
-                raise InputError(f"--device {d!r}: not a device name") from None
-            if idx >= torch.cuda.device_count():
-                raise DeviceError(f"--device {d}: only {torch.cuda.device_count()} CUDA device(s)")
-        elif d != "cpu":
-            raise InputError(f"--device {d!r}: expected cpu or cuda[:i]")
-    if "cpu" in devs and len(devs) > 1:
-        raise InputError(f"--device {device}: cannot mix cpu with CUDA devices")
-    return ["cuda:0" if d == "cuda" else d for d in devs]
-
-
-def resolve_mode(mode: str, devices: Sequence[str]) -> str:
-    """'auto' -> 'graph' on CUDA, 'eager' on the CPU; 'graph' without CUDA is a DeviceError."""
-    on_cuda = str(devices[0]).startswith("cuda")
-    if mode == "auto":
-        return "graph" if on_cuda else "eager"
-    if mode == "graph" and not on_cuda:
-        raise DeviceError("mode='graph' needs CUDA (no CUDA device in use); use mode='eager' or "
-                          "mode='auto'")
-    if mode not in ("graph", "eager"):
-        raise InputError(f"mode={mode!r}: allowed 'auto', 'graph', 'eager'")
-    return mode
-
-
 def load_model(ckpt_dir, rt: RuntimeConfig, progress: bool | None = None):
     """Open + validate a checkpoint, place layers over rt.devices by weight bytes, load weights."""
     ckpt = open_checkpoint(ckpt_dir)
-    cfg = ckpt.config
-    devices = list(rt.devices)
-    placement = None
-    if len(devices) > 1:
-        per_layer = [ckpt.nbytes(ckpt.prefix_names(f"layers.{l}.")) for l in range(cfg.n_layers)]
-        head = ckpt.nbytes([n for n in ckpt.global_names() if not n.startswith("mtp.")])
-        placement = balanced_placement(per_layer, devices, head)
-    model = Transformer(cfg, rt, placement)
+    model = Transformer(ckpt.config, rt, layer_placement(ckpt, rt.devices))
     model.load(ckpt, progress=progress)
     return model, ckpt
 
