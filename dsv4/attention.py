@@ -78,12 +78,12 @@ class Attention:
         if rows and not gemv:   # each row as decode's one-row path (not the prefill GEMM)
             return torch.cat([self._project_out(o[t:t + 1]) for t in range(o.shape[0])])
         if gemv and (o.shape[0] == 1 or rows):
-            from .kernels.fp8_linear import fp8_linear
+            from .kernels.decode.fp8_linear import fp8_linear
             z = fp8_linear(o, self.wo_a.weight, self.wo_a.scale, quant_act=False,
                            group_k=o.shape[-1] // G)
         elif o.shape[0] > 1 and kernels.prefill_ok(o) and self.wo_a.fmt in ("fp8", "bf16") \
                 and cfg.o_lora_rank % 128 == 0 and (o.shape[-1] // G) % 128 == 0:
-            from .kernels.prefill_gemm import linear
+            from .kernels.prefill.gemm import linear
             z = linear(o, self.wo_a.weight, self.wo_a.scale, self.wo_a.fmt, out_dtype=act,
                        quant_act=False, group_k=o.shape[-1] // G)
         else:
@@ -113,7 +113,7 @@ class Attention:
         cs = None if rows else cos_sin(pos, self.freqs)
         pos0 = pos[:1]
         if rows:
-            from .kernels import attention_prep as P
+            from .kernels.decode import attention_prep as P
             qr = P.rms_norm_rows(self.wq_a(x, x.dtype), self.q_norm, cfg.norm_eps)
             q, kv = P.attention_prep_rows(self.wq_b(qr, x.dtype), self.wkv(x, x.dtype),
                                           self.kv_norm, pos0, self.freqs, cfg.norm_eps,
@@ -140,7 +140,7 @@ class Attention:
         st.kv_cache[pos[s - keep:] % W] = kv[s - keep:]
         scale = cfg.head_dim ** -0.5
         if rows:                                      # inverse RoPE in the kernel's epilogue
-            from .kernels.attention_prefill import sparse_attention_rows
+            from .kernels.prefill.attention import sparse_attention_rows
             return self._project_out(sparse_attention_rows(q, kv_all, idx, self.attn_sink, scale,
                                                            self.freqs, pos0))
         o = torch.cat([sparse_attention(q[i:i + QUERY_BLOCK], kv_all, idx[i:i + QUERY_BLOCK],
@@ -181,7 +181,7 @@ class Attention:
         -> [T, D] (T = 1: decode's fused path; T > 1: the speculative verify rows, row t with the
         bits of decode(x[t:t+1], pos + t) after the rows before it). Same math and state updates
         as the torch path (bf16 activations), everything between the GEMVs in Triton kernels
-        (dsv4/kernels/attention_prep.py, attention_decode.py, compressor_decode.py,
+        (dsv4/kernels/decode/attention_prep.py, attention_decode.py, compressor_decode.py,
         indexer_decode.py); the projections of x, qr and o read each weight once for all rows.
         Capture-safe.
         When captured, the compressors and the indexer (state: their own buffers and
@@ -196,8 +196,8 @@ class Attention:
         the ring is written after every row's attention (row t + 1's slot holds a position that
         row t's window reads): until then a row reads the slots of rows <= t from their prepped
         kv (attention_decode.sparse_attention_decode_rows)."""
-        from .kernels import attention_decode as K
-        from .kernels import attention_prep as P
+        from .kernels.decode import attention as K
+        from .kernels.decode import attention_prep as P
         cfg, act, H, T = self.cfg, x.dtype, self.cfg.n_heads, x.shape[0]
         W, r, eps = cfg.window_size, self.ratio, cfg.norm_eps
         ps = pos if T == 1 else pos + torch.arange(T, device=x.device)   # the rows' positions
@@ -249,7 +249,7 @@ class Attention:
         """wq_a(x), wkv(x) of bf16 decode rows: one FP8 launch when both are FP8 on CUDA, else
         two."""
         if self.wq_a.fmt == "fp8" and self.wkv.fmt == "fp8" and x.is_cuda:
-            from .kernels.fp8_linear import fp8_linear2
+            from .kernels.decode.fp8_linear import fp8_linear2
             return fp8_linear2(x, self.wq_a.weight, self.wq_a.scale, self.wkv.weight,
                                self.wkv.scale)
         return self.wq_a.rows(x, x.dtype), self.wkv.rows(x, x.dtype)
@@ -258,7 +258,7 @@ class Attention:
         """The bf16 projections of x besides attention's own, in one launch: compressor wkv, wgate
         (float32), then for ratio 4 the indexer compressor's wkv, wgate (float32) and the indexer
         weights_proj (activation dtype)."""
-        from .kernels.bf16_linear import bf16_linear_multi
+        from .kernels.decode.bf16_linear import bf16_linear_multi
         c = self.compressor
         lins, dts = [c.wkv, c.wgate], [torch.float32, torch.float32]
         if self.indexer is not None:

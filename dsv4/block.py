@@ -64,7 +64,7 @@ class Block:
         layers of one chunk compute once (Attention.prefill)."""
         mix, post_fn = self._mix, hc_post
         if kernels.prefill_ok(h) and (h.shape[1] * h.shape[2]) % 64 == 0:
-            from .kernels import mhc as K
+            from .kernels.prefill import mhc as K
             mix, post_fn = self._mix_rows, K.hc_post_rows
         x, post, comb = mix(h, "attn", self.attn_norm)
         h = post_fn(self.attn.prefill(x, st, start, shared), h, post, comb)
@@ -72,7 +72,7 @@ class Block:
         return post_fn(self.ffn.prefill(x, ids), h, post, comb)
 
     def _mix_rows(self, h: torch.Tensor, kind: str, norm: torch.Tensor):
-        from .kernels.mhc import hc_pre_norm_rows
+        from .kernels.prefill.mhc import hc_pre_norm_rows
         cfg = self.cfg
         return hc_pre_norm_rows(h, self.hc[f"hc_{kind}_fn"], self.hc[f"hc_{kind}_scale"],
                                 self.hc[f"hc_{kind}_base"], norm, cfg.norm_eps, cfg.hc_eps,
@@ -80,7 +80,7 @@ class Block:
 
     def _mix_decode(self, h: torch.Tensor, kind: str, norm: torch.Tensor, branch=None):
         """The fused hc_pre + RMSNorm of decode rows h [T, c, D] (dsv4.kernels.mhc.hc_pre_norm)."""
-        from .kernels.mhc import hc_pre_norm
+        from .kernels.decode.mhc import hc_pre_norm
         cfg = self.cfg
         return hc_pre_norm(h, self.hc[f"hc_{kind}_fn"], self.hc[f"hc_{kind}_scale"],
                            self.hc[f"hc_{kind}_base"], norm, cfg.norm_eps, cfg.hc_eps,
@@ -114,7 +114,7 @@ class Block:
             for t in range(h.shape[0]):
                 self.decode(h[t:t + 1], ids[t:t + 1], pos + t, st, out=out[t:t + 1])
             return out
-        from .kernels import mhc as K
+        from .kernels.decode import mhc as K
         sk = overlap.Branch(h, "mhc", lane=2, fork=False)
         x, post, comb = self._mix_decode(h, "attn", self.attn_norm, sk)
         a = self.attn.decode_rows(x, pos, st)

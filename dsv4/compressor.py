@@ -111,7 +111,7 @@ class Compressor:
         roll = cur + (j + o) % r
         ext_kv = torch.cat((st.kv.index_select(0, roll), kv))         # [r + s, c*dc]
         ext_sc = torch.cat((st.score.index_select(0, roll), sc))
-        from .kernels.compressor_prefill import compress_rows
+        from .kernels.prefill.compressor import compress_rows
         compress_rows(ext_kv, ext_sc, st.kv, st.score, pos0, self.norm, freqs, cache,
                       self.cfg.norm_eps, r, self.rotate, self.dc - self.cfg.rope_head_dim)
         if self.overlap:                              # the last complete block -> "previous"
@@ -133,14 +133,14 @@ class Compressor:
         """One token at `pos` ([1] int64): update state; when (pos+1) % r == 0 write entry pos//r,
         else write the same computation to the scratch row (cache[-1]). Capture-safe.
         fused (default: bf16, one token, dsv4.kernels.available): one Triton launch after the
-        projections (dsv4/kernels/compressor_decode.py); it leaves the scratch row alone.
+        projections (dsv4/kernels/decode/compressor.py); it leaves the scratch row alone.
         proj: (wkv(x), wgate(x)) float32 when the caller computed them already."""
         r, dc = self.ratio, self.dc
         kv, sc = self._project(x) if proj is None else proj             # [1, c*dc]
         if fused is None:
             fused = x.dtype == torch.bfloat16 and x.shape[0] == 1 and kernels.available(x.device)
         if fused:
-            from .kernels.compressor_decode import compressor_decode
+            from .kernels.decode.compressor import compressor_decode
             compressor_decode(kv, sc, self.ape, st.kv, st.score, self.norm, freqs, pos, cache,
                               self.cfg.norm_eps, r, self.rotate, dc - self.cfg.rope_head_dim)
             return

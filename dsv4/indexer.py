@@ -52,7 +52,7 @@ class Indexer:
         s, act = x.shape[0], x.dtype
         rows = kernels.prefill_ok(x)
         if rows:                           # RoPE, Hadamard, FP4 fake-quant in one launch
-            from .kernels.indexer_decode import index_query
+            from .kernels.decode.indexer import index_query
             pos0 = start if isinstance(start, torch.Tensor) else torch.full(
                 (1,), start, dtype=torch.int64, device=x.device)
             q = index_query(self.wq_b(qr, act), pos0, freqs, self.n_heads).view(
@@ -70,7 +70,7 @@ class Indexer:
         keys = st.index_cache[:t]
         visible = (start + 1 + torch.arange(s, device=x.device)).unsqueeze(1) // 4
         if rows:                           # one launch, the masked scores [s, t]
-            from .kernels.indexer_prefill import index_scores_rows
+            from .kernels.prefill.indexer import index_scores_rows
             scores = index_scores_rows(q, w, keys, pos0)
         else:
             cols = torch.arange(t, device=x.device)
@@ -127,14 +127,14 @@ class Indexer:
     def decode_query(self, qr, pos, freqs, q: torch.Tensor | None = None) -> torch.Tensor:
         """Fused decode, part 2 (qr only): the index query [1, h, di] from qr (wq_b, RoPE,
         Hadamard, FP4 fake-quant); q: wq_b(qr) when the caller computed it (decode rows)."""
-        from .kernels.indexer_decode import index_query
+        from .kernels.decode.indexer import index_query
         return index_query(self.wq_b(qr, qr.dtype) if q is None else q, pos, freqs, self.n_heads)
 
     def decode_select(self, q, pos, st: LayerState, w: torch.Tensor) -> torch.Tensor:
         """Fused decode, part 3 (after decode_compress and decode_query): scores of the query q
         against the index cache with head weights w = weights_proj(x), and the top-k entry
         numbers [1, k] (unsorted; valid iff < (pos+1)//4)."""
-        from .kernels.indexer_decode import index_scores, index_topk
+        from .kernels.decode.indexer import index_scores, index_topk
         keys = st.index_cache[:-1]
         sc = index_scores(q, w, keys, pos, self.head_dim ** -0.5 * self.n_heads ** -0.5)
         return index_topk(sc, min(self.cfg.index_topk, keys.shape[0]))

@@ -61,7 +61,7 @@ class Linear:
             if y is not None:
                 return y.view(*x.shape[:-1], self.out_features)
         elif x.numel() > self.in_features and kernels.prefill_ok(x) and self._gemm_fits(act_dtype):
-            from .kernels.prefill_gemm import linear
+            from .kernels.prefill.gemm import linear
             y = linear(x.reshape(-1, self.in_features), self.weight, self.scale, self.fmt,
                        out_dtype=act_dtype)
             return y.view(*x.shape[:-1], self.out_features)
@@ -82,8 +82,8 @@ class Linear:
         return torch.cat([self(x[t:t + 1], act_dtype) for t in range(x.shape[0])])
 
     def _gemm_fits(self, act_dtype: torch.dtype) -> bool:
-        """The prefill GEMM (dsv4.kernels.prefill_gemm) serves this weight for bf16 rows."""
-        from .kernels.prefill_gemm import BK
+        """The prefill GEMM (dsv4.kernels.prefill.gemm) serves this weight for bf16 rows."""
+        from .kernels.prefill.gemm import BK
         return (self.fmt in ("bf16", "fp8", "fp4") and act_dtype in (torch.bfloat16, torch.float32)
                 and self.in_features % (128 if self.quantized else BK) == 0)
 
@@ -93,11 +93,11 @@ class Linear:
         if (self.fmt == "fp8" and act_dtype == torch.bfloat16 and x.dtype in (torch.bfloat16,
                                                                               torch.float32)
                 and self.out_features % FP8_BLOCK == 0 and self.in_features % FP8_BLOCK == 0):
-            from .kernels.fp8_linear import fp8_linear
+            from .kernels.decode.fp8_linear import fp8_linear
             return fp8_linear(x, self.weight, self.scale)
         if self.fmt == "bf16" and x.dtype == torch.bfloat16 and act_dtype in (torch.bfloat16,
                                                                               torch.float32):
-            from .kernels.bf16_linear import bf16_linear
+            from .kernels.decode.bf16_linear import bf16_linear
             return bf16_linear(x, self.weight, out_dtype=act_dtype)
         return None
 

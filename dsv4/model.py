@@ -122,7 +122,7 @@ class Transformer:
         hc_t, norm = head if head is not None else (self.hc_head, self.norm)
         hc = (hc_t["hc_head_fn"], hc_t["hc_head_scale"], hc_t["hc_head_base"])
         if fused_mhc(h[:1]):
-            from .kernels.mhc import hc_head_norm
+            from .kernels.decode.mhc import hc_head_norm
             return hc_head_norm(h, *hc, norm, cfg.norm_eps, cfg.hc_eps).to(torch.float32)
         x = hc_head(h, *hc, cfg.norm_eps, cfg.hc_eps)
         return rms_norm(x, norm, cfg.norm_eps).to(torch.float32)
@@ -134,7 +134,7 @@ class Transformer:
         x = self._head_in(h, head)[0]                                          # [D]
         from . import kernels
         if kernels.available(x.device):     # one float32-accumulating GEMV over the bf16 head
-            from .kernels.bf16_linear import bf16_linear
+            from .kernels.decode.bf16_linear import bf16_linear
             return bf16_linear(x[None], self.head, out_dtype=torch.float32)[0]
         return torch.cat([self.head[i:i + HEAD_CHUNK].to(torch.float32) @ x
                           for i in range(0, cfg.vocab_size, HEAD_CHUNK)])
@@ -149,7 +149,7 @@ class Transformer:
             for t in range(T):
                 out[t].copy_(self.logits(h[t:t + 1]))
             return out
-        from .kernels.bf16_linear import bf16_linear
+        from .kernels.decode.bf16_linear import bf16_linear
         return bf16_linear(self._head_in(h), self.head, out_dtype=torch.float32, out=out)
 
     def reset(self) -> None:

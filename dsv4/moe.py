@@ -102,9 +102,9 @@ class MoE:
 
     def route_decode(self, x: torch.Tensor, ids: torch.Tensor):
         """decode's routing of rows x [T, D] (T = 1, or the speculative verify rows) as two
-        launches (gate GEMV, dsv4.kernels.route: the CUDA or Triton routing kernel): -> (weights
+        launches (gate GEMV, dsv4.kernels.decode.route: the CUDA or Triton routing kernel): -> (weights
         [T * k] f32, experts [T * k] int64, ascending per row), as route + sort."""
-        from .kernels.route import route_decode
+        from .kernels.decode.route import route_decode
         cfg = self.cfg
         return route_decode(self.gate.rows(x, torch.float32), cfg.n_activated_experts,
                             cfg.score_func, cfg.route_scale, bias=self.bias, tid2eid=self.tid2eid,
@@ -129,8 +129,8 @@ class MoE:
         captured (dsv4.overlap), forked after the routing (so the routing's small kernels find
         free SMs; the shared expert then streams beside up). Same math as the loop: bf16(routed
         sum in f32 + bf16 shared); row t has the bits of a one-row call. Capture-safe."""
-        from .kernels.fp4_experts import fp4_experts_down, fp4_experts_up
-        from .kernels.fp8_linear import fp8_linear, fp8_swiglu
+        from .kernels.decode.fp4_experts import fp4_experts_down, fp4_experts_up
+        from .kernels.decode.fp8_linear import fp8_linear, fp8_swiglu
         bank, lim, sh = self.experts, self.cfg.swiglu_limit, self.shared
         T, fp8 = x.shape[0], sh["w1"].fmt == "fp8"
         w, idx = self.route_decode(x, ids)                  # [T * k]: row t's experts, sorted
@@ -153,7 +153,7 @@ class MoE:
         """The down kernel's workspace for k experts per row, decided once: this layer's own (no
         two layers share one); the launches of one layer run in order on one stream, so its rows
         share it."""
-        from .kernels.expert_cuda import down_needs_workspace, down_workspace
+        from .kernels.cuda.experts import down_needs_workspace, down_workspace
         if self._down_ws is None:
             D = x.shape[-1]
             self._down_ws = (down_workspace(k, D, x.device, shared=False)
@@ -176,19 +176,19 @@ class MoE:
         return (y + self._shared(x)).to(x.dtype)
 
     def _grouped_fits(self, dim: int) -> bool:
-        from .kernels.prefill_gemm import BK, BN
+        from .kernels.prefill.gemm import BK, BN
         I, fmts = self.cfg.moe_inter_dim, (self.experts.fmt, self.shared["w1"].fmt)
         return (all(f in ("bf16", "fp8", "fp4") for f in fmts) and dim % 128 == 0
                 and I % BN == 0 and I % BK == 0 and (dim % 1024 == 0 or dim & (dim - 1) == 0))
 
     def _prefill_grouped(self, x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor
                          ) -> torch.Tensor:
-        """prefill over dsv4.kernels.prefill_moe: x act-quantized (once where routed and shared
+        """prefill over dsv4.kernels.prefill.moe: x act-quantized (once where routed and shared
         use one tensor-core path), routed up (w1, w3, SwiGLU, route weight, act quant) and down
         per expert tile,
         the shared expert, then each token's sum in ascending expert order plus the shared
         output, as the reference's loop."""
-        from .kernels import prefill_moe as G
+        from .kernels.prefill import moe as G
         bank, sh, lim = self.experts, self.shared, self.cfg.swiglu_limit
         idx, order = idx.sort(dim=1)              # the reference adds experts in ascending id
         plan = G.expert_plan(idx, w.gather(1, order), bank.n_experts, bank.fmt)

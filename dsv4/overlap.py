@@ -4,7 +4,7 @@ CUDA graph: the shared expert beside routing and the routed experts, the compres
 indexer beside wq_b and attention prep (lanes 0 and 1), each mHC Sinkhorn beside its sublayer
 (lane 2). Only while a graph is being captured: replay pays nothing for it on the host, while an
 eager step would pay stream switches and event records per branch, so eager runs keep one stream
-(the same kernels, the same bits; tests/dsv4/test_kernels.py::test_pdl_and_branches_change_no_bit).
+(the same kernels, the same bits; tests/dsv4/kernels/test_decode_kernels.py::test_pdl_and_branches_change_no_bit).
 `DSV4_OVERLAP=0` captures without branches; `DSV4_OVERLAP=moe` keeps only the named ones
 (moe, attn, mhc). Streams are made before capture (`prepare`): LANES side streams per device. (Side
 streams at the highest priority, which the graph's kernel nodes keep, measured no faster: the

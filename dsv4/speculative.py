@@ -110,7 +110,7 @@ class Journal:
     o + ((q // a) % b) + [0, n) of the tensor for q = pos + i, written only when (q + 1) % r == 0
     if r > 0 (a compressor block completes: its entry, and in overlap mode the block becoming the
     "previous" one). Where kernels are available one launch saves / rewinds them all
-    (dsv4.kernels.journal); else the torch loop below (the reference)."""
+    (dsv4.kernels.decode.journal); else the torch loop below (the reference)."""
 
     def __init__(self, states: Sequence[tuple[LayerState, int]], window: int, T: int):
         if T > window:
@@ -139,7 +139,7 @@ class Journal:
         if self.entries and self.entries[0][1].device.type == "cuda":
             from . import kernels
             if kernels.available(self.entries[0][1].device):
-                from .kernels.journal import JournalKernel
+                from .kernels.decode.journal import JournalKernel
                 self.fast = JournalKernel(self.entries)
 
     def _add(self, i, t, n, o, a, b, r):

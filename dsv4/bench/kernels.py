@@ -15,14 +15,14 @@ import torch.nn.functional as F
 from ..formats import dequantize_fp4_weight, dequantize_fp8_weight
 from ..presets import get_preset
 from ..quant import fp8_quant_dequant
-from ..kernels.bf16_linear import bf16_config, bf16_linear
+from ..kernels.decode.bf16_linear import bf16_config, bf16_linear
 from ..kernels.common import Config, CudaConfig
-from ..kernels.expert_cuda import (CUDA_DOWN_VARIANTS, CUDA_UP_VARIANTS, TUNED_CUDA_UP,
+from ..kernels.cuda.experts import (CUDA_DOWN_VARIANTS, CUDA_UP_VARIANTS, TUNED_CUDA_UP,
                           ExpertCudaConfig, cuda_down_config, cuda_expert_config, cuda_spw_fits,
                           down_all_variants, up_stream_variants)
-from ..kernels.fp4_experts import down_config, fp4_experts_down, fp4_experts_up, up_config
-from ..kernels.fp8_cuda import cuda_config, mma_config, mma_configs
-from ..kernels.fp8_linear import fp8_config, fp8_linear, fp8_swiglu
+from ..kernels.decode.fp4_experts import down_config, fp4_experts_down, fp4_experts_up, up_config
+from ..kernels.cuda.fp8 import cuda_config, mma_config, mma_configs
+from ..kernels.decode.fp8_linear import fp8_config, fp8_linear, fp8_swiglu
 
 L2_SAFE_BYTES = 128 << 20    # below this, rotate weight copies (H100/H200 L2 is 50-60 MB)
 ROTATE_BYTES = 256 << 20     # the copies of one case span at least this much

@@ -16,8 +16,8 @@ import sys
 import torch
 
 from ..presets import get_preset
-from ..kernels import prefill_gemm as G
-from ..kernels import prefill_moe as M
+from ..kernels.prefill import gemm as G
+from ..kernels.prefill import moe as M
 
 REPS = 10
 # DSV4_BENCH_QUICK=1: the variants (path, bm, bk, bn, warps, stages) the defaults pick between
@@ -165,7 +165,7 @@ def attn_rows(cfg, T, dev, gen):
     from ..rope import rope_frequencies
     from ..attention import window_indices
     from ..sparse import topk_lowest
-    from ..kernels.attention_prefill import sparse_attention_rows
+    from ..kernels.prefill.attention import sparse_attention_rows
     H, Dh, W = cfg.n_heads, cfg.head_dim, cfg.window_size
     freqs = rope_frequencies(cfg, 4).to(dev)
     pos0 = torch.zeros(1, dtype=torch.int64, device=dev)

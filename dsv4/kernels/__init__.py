@@ -1,8 +1,22 @@
-"""Kernels of the decode step (FP8 / bf16 GEMV, routed FP4 experts, mHC, attention, compressor,
-indexer) and of a prefill chunk (stored-format GEMMs, grouped experts, sparse attention rows, mHC
-rows); each file holds its kernels, a plain-torch `*_reference` and how to test/bench it. Triton
-is imported lazily, so `import dsv4` works without it; `available(device)` / `prefill_ok(t)` say
-whether the kernel paths may be used.
+"""The kernels, by phase and family; each file holds its kernels, a plain-torch `*_reference` (or
+names the torch code it replaces) and how to test it:
+
+  decode/   the decode step's Triton kernels: mHC, attention prep and sparse attention, the
+            compressor and indexer steps, FP8 / bf16 GEMVs, routed FP4 experts, routing, the
+            speculative journal (FP8 GEMV, experts, routing and top-k launch the CUDA C++ kernels
+            where they serve)
+  prefill/  a prefill chunk's: stored-format GEMMs (gemm, gemm_kernels), grouped experts (moe),
+            sparse attention rows, compressor entries, indexer scores, mHC rows
+  cuda/     the CUDA C++ kernels of csrc/: the library build and loader (lib) and the launch
+            configs of the FP8 GEMVs (fp8) and the routed experts (experts)
+  common    what the Triton kernels share: exact act_quant, e4m3 / e2m1 decodes, bf16 rounding,
+            in-kernel RoPE / fake-quant / Hadamard, launch configs, PDL
+  aot       the sm_90 compile of every decode launch config without a GPU
+
+Kernel modules never import the model's modules (dsv4.attention, dsv4.block, ...): only the
+numerics they reference (dsv4.formats, quant, rope, sparse, mhc). Triton is imported lazily, so
+`import dsv4` works without it; `available(device)` / `prefill_ok(t)` say whether the kernel
+paths may be used.
 """
 from __future__ import annotations
 

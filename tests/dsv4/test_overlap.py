@@ -1,5 +1,5 @@
 """dsv4.overlap on the CPU: the switch, and that branches are no-ops off CUDA and never touch
-torch.cuda (the graph-replay bits with branches on and off: tests/dsv4/test_kernels.py, CUDA)."""
+torch.cuda (the graph-replay bits with branches on and off: tests/dsv4/kernels/test_decode_kernels.py, CUDA)."""
 from __future__ import annotations
 
 import pytest
