@@ -177,6 +177,7 @@ def run(args) -> int:
                               "interrupted": interrupted, "device": ",".join(devices),
                               "mode": mode, "dtype": args.dtype, "seed": seed, "timings": timings,
                               "memory": mem, "profile": prof.summary_path,
+                              "backend": session.model.backend_table(),
                               **({k: timings[k] for k in ("speculative", "acceptance_rate",
                                                           "tokens_per_step") if k in timings})}))
         else:

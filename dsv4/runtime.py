@@ -1,7 +1,7 @@
 """Runtime knobs, apart from the model's hyper-parameters: `RuntimeConfig` (capacity, activation
-dtype, devices, prefill chunk and graphs, the MTP block), the activation dtype table, the
-resolution of --device / --mode, and the placement of the layers over the devices (contiguous
-ranges balanced by the checkpoint's bytes).
+dtype, devices, prefill chunk and graphs, the MTP block, the backend's switches), the activation
+dtype table, the resolution of --device / --mode, and the placement of the layers over the
+devices (contiguous ranges balanced by the checkpoint's bytes).
 """
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import torch
 
 from graphs import balanced_placement
 
+from .backend import Options
 from .errors import ConfigError, DeviceError, InputError
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -35,6 +36,8 @@ class RuntimeConfig:
     mtp: bool = False                            # hold the MTP block (speculative decoding)
     prefill_graphs: int = 0                      # graph mode: largest captured prefill chunk
     # (a power of two; 0 = off): prompts up to it replay chunk graphs (dsv4.prefill_graphs)
+    options: Options | None = None               # the backend's runtime switches
+    # (dsv4.backend.Options); None: the DSV4_* environment variables, read once by Transformer
 
     def __post_init__(self):
         if self.dtype not in (torch.bfloat16, torch.float32):
@@ -42,6 +45,8 @@ class RuntimeConfig:
         if not prefill_graphs_ok(self.prefill_graphs):
             raise ConfigError(f"prefill_graphs = {self.prefill_graphs!r}; "
                               f"{PREFILL_GRAPHS_EXPECTED}")
+        if self.options is not None and not isinstance(self.options, Options):
+            raise ConfigError(f"options = {self.options!r}; expected a dsv4.backend.Options")
         for name in ("max_seq_len", "prefill_chunk"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:

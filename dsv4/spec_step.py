@@ -215,7 +215,7 @@ def plain_segments(model: Transformer, bufs: SpecBuffers, plain: DecodeBuffers, 
 
 def layer_journals(model: Transformer, T: int) -> list[Journal]:
     """One journal per main layer for a pass of T rows (on the layer's device)."""
-    return [Journal([(st, blk.ratio)], model.cfg.window_size, T)
+    return [Journal([(st, blk.ratio)], model.cfg.window_size, T, blk.ops)
             for blk, st in zip(model.layers, model.states)]
 
 
@@ -261,7 +261,7 @@ class SpecStep:
         self.bufs = SpecBuffers.allocate(model, k)
         self.journals = layer_journals(model, T)
         self.mtp_journal = Journal([(model.mtp.state, model.mtp.block.ratio)],
-                                   model.cfg.window_size, T)
+                                   model.cfg.window_size, T, model.mtp.block.ops)
         b = self.bufs
         segs = build_spec_segments(model, b, params, self.journals, self.mtp_journal)
         kw = dict(mode=mode, granularity=granularity, reset_fn=reset_fn or model.reset,

@@ -8,8 +8,8 @@ Method and result rows: BENCHMARKS.md. Entry point: `main(argv)` (`dsv4 bench`, 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
-import os
 import shlex
 import statistics
 import sys
@@ -21,7 +21,6 @@ from graphs import CUDAGraphDecoder
 
 from ..device_weights import DeviceWeights
 from ..errors import DeviceError, InputError, exit_code
-from ..kernels import PREFILL_SWITCH
 from ..model import Transformer
 from ..presets import PRESETS, get_preset
 from ..runtime import (DTYPES, PREFILL_GRAPHS_EXPECTED, RuntimeConfig, prefill_graphs_ok,
@@ -183,7 +182,7 @@ def run(args, command: str = "") -> dict:
     prefill = None
     if lengths:
         graph = next((r for r in runs if r["mode"] == "graph"), None)
-        with _prefill_switch(args.prefill_kernels == "on"):
+        with _prefill_kernels(model, args.prefill_kernels == "on"):
             pg = None
             if args.prefill_graphs:
                 from ..prefill_graphs import PrefillGraphs
@@ -231,22 +230,16 @@ def run(args, command: str = "") -> dict:
     return report
 
 
-def _prefill_switch(on: bool):
-    """Set DSV4_PREFILL_KERNELS for the run; restores the caller's value afterwards."""
-    import contextlib
-
-    @contextlib.contextmanager
-    def ctx():
-        prior = os.environ.get(PREFILL_SWITCH)
-        os.environ[PREFILL_SWITCH] = "1" if on else "0"
-        try:
-            yield
-        finally:
-            if prior is None:
-                os.environ.pop(PREFILL_SWITCH, None)
-            else:
-                os.environ[PREFILL_SWITCH] = prior
-    return ctx()
+@contextlib.contextmanager
+def _prefill_kernels(model: Transformer, on: bool):
+    """The prefill measurement with the prefill kernels on or off (--prefill-kernels: the model's
+    backend with DSV4_PREFILL_KERNELS so set); the model's own backend again afterwards."""
+    prior = model.options
+    model.use_options(prior.replace(prefill_kernels=on))
+    try:
+        yield
+    finally:
+        model.use_options(prior)
 
 
 def _lengths(text: str | None) -> list[int]:

@@ -14,44 +14,19 @@ names the torch code it replaces) and how to test it:
   aot       the sm_90 compile of every decode launch config without a GPU
 
 Kernel modules never import the model's modules (dsv4.attention, dsv4.block, ...): only the
-numerics they reference (dsv4.formats, quant, rope, sparse, mhc). Triton is imported lazily, so
-`import dsv4` works without it; `available(device)` / `prefill_ok(t)` say whether the kernel
-paths may be used.
+numerics they reference (dsv4.formats, quant, rope, sparse, mhc). Which kernel serves which op is
+decided once per device by dsv4.backend, and called through dsv4.ops (the one importer of these
+modules on the model's path), so `import dsv4` and the torch path work without Triton.
 """
 from __future__ import annotations
 
 import importlib.util
-import os
 import sys
-
-import torch
-
-ENV_SWITCH = "DSV4_KERNELS"   # "0" turns the kernel path off (the torch path is the escape hatch);
-#                               "interpret": the prefill kernels on the CPU under TRITON_INTERPRET=1
-PREFILL_SWITCH = "DSV4_PREFILL_KERNELS"   # "0": a prefill chunk on the torch path (decode unchanged)
 
 
 def triton_importable() -> bool:
+    """Whether triton can be imported here (the backend's first question)."""
     if "triton" in sys.modules:             # None there means an import of it is blocked
         return sys.modules["triton"] is not None
     return importlib.util.find_spec("triton") is not None
 
-
-def available(device) -> bool:
-    """True when the kernels may run on `device`: CUDA, triton importable, DSV4_KERNELS != "0"."""
-    if os.environ.get(ENV_SWITCH, "1") == "0":
-        return False
-    return (torch.device(device).type == "cuda" and torch.cuda.is_available()
-            and triton_importable())
-
-
-def prefill_ok(t: torch.Tensor) -> bool:
-    """Use the multi-row kernels of a prefill chunk for t: bf16 activations on a device where the
-    kernels are available, or on the CPU under the Triton interpreter (TRITON_INTERPRET=1) when
-    DSV4_KERNELS=interpret (how the tests run them without a GPU). DSV4_PREFILL_KERNELS=0: never."""
-    if t.dtype != torch.bfloat16 or os.environ.get(PREFILL_SWITCH, "1") == "0":
-        return False
-    if t.device.type == "cpu":
-        return (os.environ.get(ENV_SWITCH) == "interpret" and triton_importable()
-                and os.environ.get("TRITON_INTERPRET") == "1")
-    return available(t.device)

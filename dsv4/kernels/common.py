@@ -32,28 +32,27 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-PDL_SWITCH = "DSV4_PDL"  # "0" launches every kernel without programmatic dependent launch
-
-
 @functools.lru_cache(maxsize=None)
 def _capability(index: int) -> tuple:
     return torch.cuda.get_device_capability(index)
 
 
-def pdl(t: torch.Tensor) -> bool:
-    """Launch with programmatic dependent launch (PDL) on t's device: CUDA sm_90+, not under the
-    interpreter, DSV4_PDL != "0". The kernel may then start while the previous one finishes; every
-    kernel calls `pdl_wait` before it touches data another kernel writes (see there)."""
-    if not t.is_cuda or interpreting() or os.environ.get(PDL_SWITCH, "1") == "0":
+def pdl(t: torch.Tensor, on: bool = True) -> bool:
+    """Launch with programmatic dependent launch (PDL) on t's device: asked for (`on`: the
+    backend's switch, DSV4_PDL), CUDA sm_90+, not under the interpreter. The kernel may then start
+    while the previous one finishes; every kernel calls `pdl_wait` before it touches data another
+    kernel writes (see there)."""
+    if not on or not t.is_cuda or interpreting():
         return False
     return _capability(t.device.index if t.device.index is not None
                        else torch.cuda.current_device()) >= (9, 0)
 
 
-def launch_args(t: torch.Tensor) -> dict:
-    """Keyword arguments of a launch on t's device: the kernel's PDL constexpr and, when on,
-    Triton's `launch_pdl` (the launch attribute; stream capture turns it into a graph edge)."""
-    return {"PDL": True, "launch_pdl": True} if pdl(t) else {"PDL": False}
+def launch_args(t: torch.Tensor, on: bool = True) -> dict:
+    """Keyword arguments of a launch on t's device: the kernel's PDL constexpr and, when PDL is on
+    (pdl(t, on)), Triton's `launch_pdl` (the launch attribute; stream capture turns it into a
+    graph edge)."""
+    return {"PDL": True, "launch_pdl": True} if pdl(t, on) else {"PDL": False}
 
 
 def on_device(t: torch.Tensor):

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from conftest import parity_case_dir
-from dsv4.session import Session, load_model
 from dsv4.runtime import RuntimeConfig
 from dsv4.sampling import SamplingParams, filtered_probs
+from dsv4.session import Session, load_model
 from dsv4.spec_policy import DEFAULT_MIN_ACCEPTANCE
 from dsv4.speculative import accept, draft
 

@@ -177,8 +177,8 @@ def test_prefill_mixes_replayed_and_eager_pieces_as_planned(ckpt):
 
 @pytest.mark.cuda
 def test_session_with_prefill_graphs_decodes_as_without(ckpt):
-    from dsv4.session import Session
     from dsv4.sampling import SamplingParams
+    from dsv4.session import Session
     prompt = list(range(200, 212))                  # 8 + 4 rows through the chunk graphs
     a = Session(_model(ckpt, graphs=16), SamplingParams(), mode="graph")
     assert a.model.prefill_graphs is not None and a.model.prefill_graphs.covers(12)

@@ -130,8 +130,9 @@ def _operands(x, w, s, w3, s3, out, quant, second):
 
 
 def launch_cuda(x, w, s, w3, s3, out, limit, quant, ng, rows, K, cfg: CudaConfig, second,
-                T: int = 1):
-    """The CUDA-core kernel (dsv4_fp8_gemv) for the launch, T activation rows."""
+                T: int = 1, pdl_on: bool = True):
+    """The CUDA-core kernel (dsv4_fp8_gemv) for the launch, T activation rows; pdl_on: the
+    backend's PDL switch."""
     n0 = w.shape[0]
     if (rows % cfg.rows or n0 % cfg.rows or 128 % cfg.rows or (ng and ng % cfg.rows)
             or cfg.warps * cfg.lc * cfg.cpl * 16 != K):   # one scale block and x group per CTA
@@ -141,13 +142,15 @@ def launch_cuda(x, w, s, w3, s3, out, limit, quant, ng, rows, K, cfg: CudaConfig
     with on_device(out):
         cuda_lib.fp8_gemv(cuda_lib.lib_for(out.device), x, w.view(u8), s.view(u8), out, w1, s1, y1,
                           n0=n0, rows=rows, K=K, ng=ng, limit=float(limit), flags=flags,
-                          swiglu=w3 is not None, cfg=cfg, pdl=pdl(out), nx=T,
+                          swiglu=w3 is not None, cfg=cfg, pdl=pdl(out, pdl_on), nx=T,
                           xs=x.numel() // T, ys0=out.numel() // T, ys1=y1.numel() // T)
 
 
-def launch_mma(x, w, s, w3, s3, out, limit, quant, ng, rows, K, cfg: MmaConfig, second, T: int):
+def launch_mma(x, w, s, w3, s3, out, limit, quant, ng, rows, K, cfg: MmaConfig, second, T: int,
+               pdl_on: bool = True):
     """The tensor-core kernel (dsv4_fp8_gemv_mma) for the launch: T activation rows in launches
-    of at most MMA_MAX_X rows (a row's bits do not depend on the others)."""
+    of at most MMA_MAX_X rows (a row's bits do not depend on the others); pdl_on: the backend's
+    PDL switch."""
     n0 = w.shape[0]
     if (rows % 16 or n0 % 16 or ng % 16 or (w3 is not None and second is not None)
             or cfg.warps * 128 * cfg.spw != K or (cfg.spw, w3 is not None) not in MMA_VARIANTS
@@ -164,5 +167,6 @@ def launch_mma(x, w, s, w3, s3, out, limit, quant, ng, rows, K, cfg: MmaConfig, 
             cuda_lib.fp8_gemv_mma(lib, x.view(-1)[t0 * xs:], w.view(u8), s.view(u8),
                                   out.view(-1)[t0 * ys0:], w1, s1, y1.view(-1)[t0 * ys1:], n0=n0,
                                   rows=rows, K=K, ng=ng, limit=float(limit), flags=flags,
-                                  swiglu=w3 is not None, cfg=cfg, pdl=pdl(out), nx=nx, xs=xs,
+                                  swiglu=w3 is not None, cfg=cfg, pdl=pdl(out, pdl_on), nx=nx,
+                                  xs=xs,
                                   ys0=ys0, ys1=ys1)

@@ -22,8 +22,6 @@ from pathlib import Path
 
 import torch
 
-SWITCH = "DSV4_CUDA_KERNELS"   # "0": never use the CUDA C++ kernels (Triton only)
-LIB_ENV = "DSV4_CUDA_LIB"      # path of a prebuilt library: no build
 ABI = 5
 CSRC = Path(__file__).resolve().parents[3] / "csrc"
 # the kernel families and the C interface, compiled into one library (the headers are in the key)
@@ -134,9 +132,6 @@ def lib_for(device: torch.device):
 def _get(device: torch.device, path: str | None = None):
     """The library of device's architecture (loaded on first use: from `path`, a prebuilt .so,
     or built), or why not (str). Later calls return the first load's result."""
-    if os.environ.get(SWITCH, "1") == "0":
-        return f"{SWITCH}=0"
-    path = path or os.environ.get(LIB_ENV)
     if device.type != "cuda" or not torch.cuda.is_available():
         return "not a CUDA device"
     cap = torch.cuda.get_device_capability(device)

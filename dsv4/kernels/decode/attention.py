@@ -202,8 +202,8 @@ def plan_attention(n_heads: int, head_dim: int, window: int, n_comp: int,
 def sparse_attention_decode(q: torch.Tensor, kv_cache: torch.Tensor, sink: torch.Tensor,
                             pos: torch.Tensor, freqs: torch.Tensor, scale: float, n_heads: int,
                             window: int, ratio: int, n_comp: int, idx: torch.Tensor | None = None,
-                            config: AttnConfig | None = None, out: torch.Tensor | None = None
-                            ) -> torch.Tensor:
+                            config: AttnConfig | None = None, out: torch.Tensor | None = None,
+                            pdl: bool = True) -> torch.Tensor:
     """Attention of q [1, h*d] (prepped) over the window ring and the compressed entries of
     kv_cache, with the sink, then inverse RoPE at pos: -> [1, h*d] bf16.
 
@@ -225,12 +225,12 @@ def sparse_attention_decode(q: torch.Tensor, kv_cache: torch.Tensor, sink: torch
     pl = plan_attention(n_heads, DH, window, n_comp if ratio else 0, config)
     out = torch.empty_like(q) if out is None else out
     _attention_launches(q, kv_cache, sink, pos, freqs, scale, n_heads, window, ratio, n_comp, idx,
-                        pl, out, None)
+                        pl, out, None, pdl)
     return out
 
 
 def _attention_launches(q, kv_cache, sink, pos, freqs, scale, n_heads, window, ratio, n_comp,
-                        idx, pl, out, new):
+                        idx, pl, out, new, pdl=True):
     """The split pass (+ combine) of sparse_attention_decode (new None) or of
     sparse_attention_decode_rows (new: the rows' prepped kv; then the ring write at the end)."""
     DH = kv_cache.shape[-1]
@@ -249,15 +249,16 @@ def _attention_launches(q, kv_cache, sink, pos, freqs, scale, n_heads, window, r
             new if rows else out, scale, H=n_heads, DH=DH, W=window, R=ratio,
             KC=n_comp if ratio else 0, MODE=mode, HB=pl["hb"], BN=pl["bn"], BPS=pl["bps"],
             NSPLIT=ns, NOPE=nope, ROWS=rows, F32=interpreting(), num_warps=pl["num_warps"],
-            **launch_args(out))
+            **launch_args(out, pdl))
         if ns > 1:
             _combine_kernel[pl["combine_grid"] + ((T,) if rows else ())](
                 pm, pls, pacc, sink, freqs, pos, out, new if rows else out,
                 kv_cache if rows else out, H=n_heads, DH=DH, HC=pl["hc"], BD=pl["bd"],
-                NSPLIT=ns, NOPE=nope, W=window, ROWS=rows, num_warps=4, **launch_args(out))
+                NSPLIT=ns, NOPE=nope, W=window, ROWS=rows, num_warps=4,
+                **launch_args(out, pdl))
         elif rows:
             _ring_write_kernel[(T,)](new, kv_cache, pos, W=window, DH=DH, num_warps=4,
-                                     **launch_args(out))
+                                     **launch_args(out, pdl))
 
 
 @triton.jit
@@ -274,7 +275,8 @@ def sparse_attention_decode_rows(q: torch.Tensor, kv: torch.Tensor, kv_cache: to
                                  sink: torch.Tensor, pos: torch.Tensor, freqs: torch.Tensor,
                                  scale: float, n_heads: int, window: int, ratio: int, n_comp: int,
                                  idx: torch.Tensor | None = None, config: AttnConfig | None = None,
-                                 out: torch.Tensor | None = None) -> torch.Tensor:
+                                 out: torch.Tensor | None = None, pdl: bool = True
+                                 ) -> torch.Tensor:
     """sparse_attention_decode of T decode rows at positions pos .. pos+T-1 (the speculative
     verify rows), row t seeing rows <= t: q [T, h*d] prepped, kv [T, d] their prepped kv
     (attention_prep_rows; the ring is not written yet), idx [T, n_comp] (ratio 4) -> [T, h*d];
@@ -294,7 +296,7 @@ def sparse_attention_decode_rows(q: torch.Tensor, kv: torch.Tensor, kv_cache: to
     pl = plan_attention(n_heads, DH, window, n_comp if ratio else 0, config)
     out = torch.empty_like(q) if out is None else out
     _attention_launches(q, kv_cache, sink, pos, freqs, scale, n_heads, window, ratio, n_comp,
-                        None if idx is None else idx.contiguous(), pl, out, kv.contiguous())
+                        None if idx is None else idx.contiguous(), pl, out, kv.contiguous(), pdl)
     return out
 
 

@@ -46,15 +46,15 @@ def rms_norm_rows(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return y
 
 
-def rms_norm_row(x: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor | None = None
-                 ) -> torch.Tensor:
+def rms_norm_row(x: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor | None = None,
+                 pdl: bool = True) -> torch.Tensor:
     """dsv4.mhc.rms_norm for decode rows x [T, D] bf16 (one, or the speculative verify rows; f32
     weight) -> [T, D] bf16, one program per row. Capture-safe."""
     y = torch.empty_like(x) if out is None else out
     D = x.shape[-1]
     with on_device(x):
         _rms_norm_kernel[(x.shape[0],)](x, w, y, eps, D=D, BD=triton.next_power_of_2(D),
-                                        num_warps=4, **launch_args(y))
+                                        num_warps=4, **launch_args(y, pdl))
     return y
 
 
@@ -117,7 +117,8 @@ def _prep_kernel(q_ptr, qo_ptr, kv_ptr, kvw_ptr, cache_ptr, freqs_ptr, pos_ptr, 
 
 def attention_prep(q: torch.Tensor, kv: torch.Tensor, kv_norm: torch.Tensor,
                    kv_cache: torch.Tensor, pos: torch.Tensor, freqs: torch.Tensor, eps: float,
-                   n_heads: int, window: int, out: torch.Tensor | None = None) -> torch.Tensor:
+                   n_heads: int, window: int, out: torch.Tensor | None = None,
+                   pdl: bool = True) -> torch.Tensor:
     """q [1, h*d] bf16 (wq_b output) -> q [1, h*d] bf16 (per-head RMS, RoPE); kv [1, d] bf16 (wkv
     output) -> RMSNorm(kv_norm), RoPE, FP8 fake-quant -> kv_cache[pos % window]. One launch.
     Capture-safe, deterministic. As Attention._q_kv after the GEMVs, plus the ring write."""
@@ -134,13 +135,13 @@ def attention_prep(q: torch.Tensor, kv: torch.Tensor, kv_norm: torch.Tensor,
     with on_device(q):
         _prep_kernel[(n_heads // hb + 1,)](q, qo, kv, kv_norm, kv_cache, freqs, pos, eps,
                                            H=n_heads, DH=DH, HB=hb, W=window, NOPE=nope,
-                                           ROWS=False, num_warps=4, **launch_args(qo))
+                                           ROWS=False, num_warps=4, **launch_args(qo, pdl))
     return qo
 
 
 def attention_prep_rows(q: torch.Tensor, kv: torch.Tensor, kv_norm: torch.Tensor,
                         pos0: torch.Tensor, freqs: torch.Tensor, eps: float, n_heads: int,
-                        decode: bool = False):
+                        decode: bool = False, pdl: bool = True):
     """attention_prep for the rows of a prefill chunk at positions pos0 + i (pos0 [1] int64):
     q [s, h*d] -> [s, h, d] (per-head RMS, RoPE), kv [s, d] -> [s, d] (RMSNorm, RoPE, FP8
     fake-quant), as Attention._q_kv after the GEMMs. One launch; the ring is not touched. Each row
@@ -158,7 +159,8 @@ def attention_prep_rows(q: torch.Tensor, kv: torch.Tensor, kv_norm: torch.Tensor
         _prep_kernel[(n_heads // hb + 1, S)](q, qo, kv, kv_norm, kvo, freqs, pos0, eps,
                                              H=n_heads, DH=DH, HB=hb, W=1, NOPE=nope, ROWS=True,
                                              num_warps=4,
-                                             **(launch_args(qo) if decode else {"PDL": False}))
+                                             **(launch_args(qo, pdl) if decode else
+                                                {"PDL": False}))
     return qo.view(S, n_heads, DH), kvo
 
 

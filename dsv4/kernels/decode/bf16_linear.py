@@ -122,7 +122,7 @@ def _rows(x: torch.Tensor, K: int) -> int:
 
 
 def bf16_linear_multi(x: torch.Tensor, weights: list, out_dtypes: list, *,
-                      config: Config | None = None) -> list:
+                      config: Config | None = None, pdl: bool = True) -> list:
     """[x @ w^T for w in weights] in one launch (the bf16 projections of one activation row:
     compressor wkv/wgate, the indexer's compressor and weights_proj). Each like bf16_linear with
     its out dtype; the config is that of the concatenated rows."""
@@ -149,15 +149,17 @@ def bf16_linear_multi(x: torch.Tensor, weights: list, out_dtypes: list, *,
         _bf16_gemv_kernel[grid](
             x.contiguous(), ws[0], ys[0], ws[1], ys[1], ws[2], ys[2], ws[3], ys[3], ws[4], ys[4],
             N0=nz[0], N1=nz[1], N2=nz[2], N3=nz[3], N4=nz[4], NSEG=len(weights), K=K, BN=cfg.bn,
-            BK=bk, EVEN_K=K % bk == 0, num_warps=cfg.num_warps, **launch_args(outs[0]))
+            BK=bk, EVEN_K=K % bk == 0, num_warps=cfg.num_warps, **launch_args(outs[0], pdl))
     return outs
 
 
 def bf16_linear(x: torch.Tensor, w: torch.Tensor, *, out_dtype: torch.dtype = torch.float32,
-                out: torch.Tensor | None = None, config: Config | None = None) -> torch.Tensor:
+                out: torch.Tensor | None = None, config: Config | None = None,
+                pdl: bool = True) -> torch.Tensor:
     """y [T, N] = x [T, K] @ w^T, float32 accumulation of the exact products, rounded to
     out_dtype (T = 1 in decoding; each row of a T-row launch has the bits of a one-row launch). x
-    is used at its own precision (bf16 or float32). Capture-safe, deterministic."""
+    is used at its own precision (bf16 or float32). pdl: launch with PDL where the device has it
+    (the backend's switch). Capture-safe, deterministic."""
     N, K = w.shape
     if w.dtype != torch.bfloat16:
         raise ValueError(f"bf16_linear: weight {tuple(w.shape)} {w.dtype}, x {tuple(x.shape)}; "
@@ -175,7 +177,7 @@ def bf16_linear(x: torch.Tensor, w: torch.Tensor, *, out_dtype: torch.dtype = to
         _bf16_gemv_kernel[_grid(T, triton.cdiv(N, cfg.bn))](
             x.contiguous(), w, out, w, out, w, out, w, out, w, out, N0=N, N1=0, N2=0, N3=0, N4=0,
             NSEG=1, K=K, BN=cfg.bn, BK=bk, EVEN_K=K % bk == 0, num_warps=cfg.num_warps,
-            **launch_args(out))
+            **launch_args(out, pdl))
     return out
 
 

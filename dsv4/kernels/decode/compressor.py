@@ -79,7 +79,7 @@ def _compressor_kernel(kv_ptr, sc_ptr, ape_ptr, skv_ptr, ssc_ptr, norm_ptr, freq
 def compressor_decode(kv: torch.Tensor, sc: torch.Tensor, ape: torch.Tensor, state_kv: torch.Tensor,
                       state_score: torch.Tensor, norm: torch.Tensor, freqs: torch.Tensor,
                       pos: torch.Tensor, cache: torch.Tensor, eps: float, ratio: int, rotate: bool,
-                      nope: int) -> None:
+                      nope: int, pdl: bool = True) -> None:
     """One decode step of a compressor after its projections: kv, sc [1, c*dc] f32 (c = 2 for
     ratio 4). Updates state_kv/state_score [c*r, c*dc] in place; when (pos+1) % ratio == 0 writes
     the finished entry (bf16) to cache[pos // ratio] (cache [n+1, dc]). Unlike the torch path,
@@ -98,7 +98,7 @@ def compressor_decode(kv: torch.Tensor, sc: torch.Tensor, ape: torch.Tensor, sta
     with on_device(cache):
         _compressor_kernel[(1,)](kv, sc, ape, state_kv, state_score, norm, freqs, pos, cache, eps,
                                  R=ratio, DC=dc, OVERLAP=overlap, ROTATE=rotate, NOPE=nope, RB=rb,
-                                 num_warps=4 if dc <= 128 else 8, **launch_args(cache))
+                                 num_warps=4 if dc <= 128 else 8, **launch_args(cache, pdl))
 
 
 def compressor_decode_reference(comp, x: torch.Tensor, pos: torch.Tensor, st, cache: torch.Tensor,

@@ -21,7 +21,8 @@ from ...formats import FP4_BLOCK, dequantize_fp4_weight
 from ...quant import fp8_quant_dequant
 from ..cuda import lib as cuda_lib
 from ..common import (Config, block_exponent, e2m1_word_to_f32, e8m0_to_f32, interpreting,
-                     launch_args, on_device, pdl, pdl_wait, pick_config, quant_dequant, round_bf16)
+                     launch_args, on_device, pdl_wait, pick_config, quant_dequant, round_bf16)
+from ..common import pdl as pdl_on
 from ..cuda.experts import (TUNED_CUDA_UP, UP_STREAM_MAX_K, UP_STREAM_ROWS, ExpertCudaConfig,
                           cuda_down_config, cuda_expert_config, down_workspace)
 
@@ -209,7 +210,7 @@ def fp4_experts_up(x: torch.Tensor, idx: torch.Tensor, route_w: torch.Tensor, w1
                    s1: torch.Tensor, w3: torch.Tensor, s3: torch.Tensor, limit: float, *,
                    out: torch.Tensor | None = None,
                    config: Config | ExpertCudaConfig | None = None,
-                   backend: str | None = None) -> torch.Tensor:
+                   backend: str | None = None, pdl: bool = True) -> torch.Tensor:
     """x [1, D] bf16, idx [k] int64 (device), route_w [k] f32 -> a [k, I] bf16 with
     a[j] = bf16(silu(g) * u * route_w[j]), g/u = bf16(W8A8 w1/w3 of expert idx[j] at x), u clamped
     to +-limit and g from above (limit 0: none). Capture-safe (experts read on device).
@@ -239,7 +240,7 @@ def fp4_experts_up(x: torch.Tensor, idx: torch.Tensor, route_w: torch.Tensor, w1
             with on_device(out):
                 cuda_lib.fp4_up(cuda_lib.lib_for(out.device), xc, idx.contiguous(), rw,
                                 w1, s1.view(torch.uint8), w3, s3.view(torch.uint8), out,
-                                float(limit), I, D, k, ccfg, pdl(out), kpr=k // T)
+                                float(limit), I, D, k, ccfg, pdl_on(out, pdl), kpr=k // T)
             return out
         if backend == "cuda" or isinstance(config, ExpertCudaConfig):
             raise ValueError(f"fp4_experts_up: no CUDA config for D = {D}")
@@ -258,7 +259,7 @@ def fp4_experts_up(x: torch.Tensor, idx: torch.Tensor, route_w: torch.Tensor, w1
             I=I, D=D,
             HAS_LIMIT=limit > 0, BN=cfg.bn, NB=cfg.nb, EVEN_K=D % (cfg.nb * 128) == 0,
             NATIVE=_native(out),
-            num_warps=cfg.num_warps, **launch_args(out))
+            num_warps=cfg.num_warps, **launch_args(out, pdl))
     return out
 
 
@@ -267,7 +268,7 @@ def fp4_experts_down(a: torch.Tensor, idx: torch.Tensor, w2: torch.Tensor, s2: t
                      out: torch.Tensor | None = None,
                      config: Config | ExpertCudaConfig | None = None,
                      backend: str | None = None, workspace: tuple | None = None,
-                     rows: int = 1) -> torch.Tensor:
+                     rows: int = 1, pdl: bool = True) -> torch.Tensor:
     """a [k, I] bf16, idx [k] int64 -> y [1, D] = sum_j bf16(W8A8 w2[idx[j]] @ a[j]), summed in fp32
     in slot order j = 0..k-1 (pass idx sorted to match the reference), plus `add` ([1, D], e.g. the
     shared expert's bf16 output) in fp32, rounded to out_dtype (float32 or bfloat16).
@@ -305,7 +306,7 @@ def fp4_experts_down(a: torch.Tensor, idx: torch.Tensor, w2: torch.Tensor, s2: t
             with on_device(out):
                 cuda_lib.fp4_down(cuda_lib.lib_for(out.device), ac, idx.contiguous(), w2,
                                   s2.view(torch.uint8), addc, out, ws, cnt, D, I, k // rows,
-                                  out.dtype == torch.float32, ccfg, pdl(out), rows=rows)
+                                  out.dtype == torch.float32, ccfg, pdl_on(out, pdl), rows=rows)
             return out
     if rows > 1:   # one launch per row
         n = k // rows
@@ -313,7 +314,7 @@ def fp4_experts_down(a: torch.Tensor, idx: torch.Tensor, w2: torch.Tensor, s2: t
             fp4_experts_down(ac[t * n:(t + 1) * n], idx[t * n:(t + 1) * n], w2, s2,
                              add=None if addc is None else addc.view(rows, D)[t:t + 1],
                              out_dtype=out_dtype, out=out.view(rows, D)[t:t + 1], config=config,
-                             backend=backend, workspace=workspace)
+                             backend=backend, workspace=workspace, pdl=pdl)
         return out
     cfg = config or down_config(k, I, D)
     with on_device(out):
@@ -322,7 +323,7 @@ def fp4_experts_down(a: torch.Tensor, idx: torch.Tensor, w2: torch.Tensor, s2: t
             out if addc is None else addc, out, D=D, I=I, TOPK=k, BN=cfg.bn, NB=cfg.nb,
             EVEN_K=I % (cfg.nb * 128) == 0, HAS_ADD=add is not None, NATIVE=_native(out),
             num_warps=cfg.num_warps,
-            **launch_args(out))
+            **launch_args(out, pdl))
     return out
 
 

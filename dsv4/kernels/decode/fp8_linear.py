@@ -171,7 +171,7 @@ def _check(w, s, what="fp8 GEMV"):
 
 
 def _launch(x, w, s, w3, s3, out, limit, quant, group_k, out_dtype, config, native, second=None,
-            add=None, backend=None):
+            add=None, backend=None, pdl=True):
     """One launch: y = x @ w (+ w3 SwiGLU, + add); second = (wb, sb, outb): programs past the
     first matrix's compute wb on the same x into outb. x [T, G*K]: T activation rows (T > 1: the
     CUDA kernel reads each weight once for all rows; Triton launches once per row)."""
@@ -213,11 +213,11 @@ def _launch(x, w, s, w3, s3, out, limit, quant, group_k, out_dtype, config, nati
             or cuda_config(nb_rows, K, seg, ng if G > 1 else 0, nm))
         if isinstance(ccfg, MmaConfig):
             launch_mma(xc, w, s, w3, s3, out, limit, quant, ng if G > 1 else 0, nb_rows, K, ccfg,
-                       second, T)
+                       second, T, pdl)
             return out
         if ccfg is not None:
             launch_cuda(xc, w, s, w3, s3, out, limit, quant, ng if G > 1 else 0, nb_rows, K,
-                        ccfg, second, T)
+                        ccfg, second, T, pdl)
             return out
         if cuda_cfg or backend == "cuda":
             raise ValueError(f"fp8 GEMV: no CUDA config for {nb_rows} rows, K = {K}")
@@ -227,7 +227,7 @@ def _launch(x, w, s, w3, s3, out, limit, quant, group_k, out_dtype, config, nati
             sec = None if second is None else (second[0], second[1], second[2].view(T, -1)[t:t + 1])
             _launch(xr[t:t + 1], w, s, w3, s3, o2[t:t + 1], limit, quant, group_k, out_dtype,
                     config, native, sec, None if add is None else add.view(T, N)[t:t + 1],
-                    "triton")
+                    "triton", pdl)
         return out
     cfg = config or fp8_config(nb_rows, K, nb_rows if second is not None else ng,
                                dual=w3 is not None)
@@ -245,7 +245,7 @@ def _launch(x, w, s, w3, s3, out, limit, quant, group_k, out_dtype, config, nati
             QUANT=quant, SWIGLU=w3 is not w, HAS_LIMIT=limit > 0, TWO=second is not None,
             HAS_ADD=add is not None, NATIVE=native, BN=cfg.bn,
             NB=cfg.nb, EVEN_K=K % (cfg.nb * 128) == 0, PREFETCH=cfg.prefetch and cfg.nb * 128 < K,
-            num_warps=cfg.num_warps, **launch_args(out))
+            num_warps=cfg.num_warps, **launch_args(out, pdl))
     return out
 
 
@@ -253,7 +253,7 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, *, quant_act: 
                out_dtype: torch.dtype = torch.bfloat16, group_k: int | None = None,
                out: torch.Tensor | None = None, config: Config | CudaConfig | None = None,
                native: bool | None = None, add: torch.Tensor | None = None,
-               backend: str | None = None) -> torch.Tensor:
+               backend: str | None = None, pdl: bool = True) -> torch.Tensor:
     """y [T, N] = x [T, K] @ dequant(w)^T with float32 accumulation, rounded to out_dtype (T
     activation rows, each with the bits of a one-row call: the speculative step's verify rows).
 
@@ -261,35 +261,36 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, *, quant_act: 
     group_k: rows [g*N/G, (g+1)*N/G) read x[g*group_k, (g+1)*group_k) (x [1, G*group_k], w
     [N, group_k]): the grouped wo_a in one launch. x bf16 or float32. Capture-safe, deterministic.
     add ([1, N] float32): y = out_dtype(add + bf16(x @ w^T)) (Triton only).
-    backend: None (the CUDA kernel where available, else Triton), "cuda" or "triton".
+    backend: None (the CUDA kernel where available, else Triton), "cuda" or "triton". pdl: launch
+    with PDL where the device has it (the backend's switch).
     """
     return _launch(x, w, s, None, None, out, 0.0, quant_act, group_k, out_dtype, config, native,
-                   add=add, backend=backend)
+                   add=add, backend=backend, pdl=pdl)
 
 
 def fp8_linear2(x: torch.Tensor, wa: torch.Tensor, sa: torch.Tensor, wb: torch.Tensor,
                 sb: torch.Tensor, *, config: Config | CudaConfig | None = None,
-                native: bool | None = None, backend: str | None = None
+                native: bool | None = None, backend: str | None = None, pdl: bool = True
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(x @ wa^T, x @ wb^T), both W8A8 bf16 [T, N], in one launch (wq_a and wkv read the same x).
     Equal to two fp8_linear calls with the same config."""
     yb = torch.empty(x.numel() // x.shape[-1], wb.shape[0], dtype=torch.bfloat16,
                      device=x.device)
     ya = _launch(x, wa, sa, None, None, None, 0.0, True, None, torch.bfloat16, config, native,
-                 second=(wb, sb, yb), backend=backend)
+                 second=(wb, sb, yb), backend=backend, pdl=pdl)
     return ya, yb
 
 
 def fp8_swiglu(x: torch.Tensor, w1: torch.Tensor, s1: torch.Tensor, w3: torch.Tensor,
                s3: torch.Tensor, limit: float, *, out: torch.Tensor | None = None,
                config: Config | CudaConfig | None = None, native: bool | None = None,
-               backend: str | None = None) -> torch.Tensor:
+               backend: str | None = None, pdl: bool = True) -> torch.Tensor:
     """a [T, I] bf16 (x [T, K]) = bf16(silu(g) * u), g = bf16(w1 x), u = bf16(w3 x) (W8A8), clamped as the
     shared expert (u to +-limit, g from above; limit 0 = none). One launch. Capture-safe."""
     if w3.shape != w1.shape or s3.shape != s1.shape:
         raise ValueError(f"fp8_swiglu: w1 {tuple(w1.shape)} / w3 {tuple(w3.shape)} differ")
     return _launch(x, w1, s1, w3, s3, out, limit, True, None, torch.bfloat16, config, native,
-                   backend=backend)
+                   backend=backend, pdl=pdl)
 
 
 # ---- plain-torch references ---------------------------------------------------------------------

@@ -12,8 +12,10 @@ from ...quant import fp4_quant_dequant, hadamard, hadamard_matrix
 from ...rope import apply_rope, cos_sin
 from ... import sparse
 from ..common import (NEG_INF, dot_bf16, fp4_fake_quant_rows, from_pairs, interpreting,
-                      launch_args, load_pos, on_device, pdl, pdl_wait, rope_cos_sin, rope_pairs,
+                      launch_args, load_pos, on_device, pdl_wait, rope_cos_sin, rope_pairs,
                       round_bf16, sylvester, to_pairs)
+from ..common import pdl as pdl_on
+from ..cuda import lib as cuda_lib
 
 BT = 64     # cache entries per program of the score kernel
 HATCH = "DSV4_KERNELS=0 runs the torch path"
@@ -71,7 +73,7 @@ def _scores_kernel(q_ptr, w_ptr, k_ptr, pos_ptr, out_ptr, wscale, N, H: tl.const
 
 
 def index_query(q: torch.Tensor, pos: torch.Tensor, freqs: torch.Tensor, n_heads: int,
-                out: torch.Tensor | None = None) -> torch.Tensor:
+                out: torch.Tensor | None = None, pdl: bool = True) -> torch.Tensor:
     """q [s, h*di] bf16 (indexer.wq_b output; decode: one row) -> RoPE at pos + row, Hadamard,
     FP4 fake-quant: [s, h*di] bf16 (Indexer._query's q). One launch. Capture-safe,
     deterministic."""
@@ -86,12 +88,13 @@ def index_query(q: torch.Tensor, pos: torch.Tensor, freqs: torch.Tensor, n_heads
     with on_device(q):
         _query_kernel[(triton.cdiv(n_heads, hq), S)](q, out, freqs, pos, H=n_heads, DI=DI,
                                                      HQ=hq, NOPE=nope, F32=interpreting(),
-                                                     num_warps=4, **launch_args(out))
+                                                     num_warps=4, **launch_args(out, pdl))
     return out
 
 
 def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, pos: torch.Tensor,
-                 wscale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+                 wscale: float, out: torch.Tensor | None = None, pdl: bool = True
+                 ) -> torch.Tensor:
     """Index scores [T, n] bf16 of the prepped q [T, h*di] against keys [n, di] (the index cache
     without its scratch row) with head weights w [T, h] * wscale; -inf for entries not yet visible
     (t >= (pos+r+1)//4 for row r: one decode row, or the speculative verify rows at pos + r). As
@@ -110,25 +113,26 @@ def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, pos: torc
         _scores_kernel[(triton.cdiv(n, BT), T)](q, w, keys, pos, out, wscale, n, H=H,
                                               HP=max(16, triton.next_power_of_2(H)), DI=DI, BT=BT,
                                               F32=interpreting(), num_warps=4,
-                                              **launch_args(out))
+                                              **launch_args(out, pdl))
     return out
 
 
-def index_topk(scores: torch.Tensor, k: int, out: torch.Tensor | None = None) -> torch.Tensor:
+def index_topk(scores: torch.Tensor, k: int, out: torch.Tensor | None = None,
+               backend: str | None = None, pdl: bool = True) -> torch.Tensor:
     """The k best entries of each row of index scores [T, n] bf16 -> [T, k] int64, unsorted (the
     set matters; among equal scores at the threshold the lowest entries). One CUDA launch (a radix
-    select per row in csrc/topk.cu) where the CUDA kernels serve the device, else
-    dsv4.sparse.topk_lowest (the same tie rule). Capture-safe, deterministic."""
-    from ..cuda import lib as cuda_lib
+    select per row in csrc/topk.cu) where the CUDA kernels serve the device (backend "triton":
+    not asked for), else dsv4.sparse.topk_lowest (the same tie rule). Capture-safe,
+    deterministic."""
     n = scores.shape[-1]
     if not 1 <= k <= n:
         raise ValueError(f"index_topk: k = {k} for {n} scores")
-    if scores.dtype == torch.bfloat16 and scores.dim() == 2 and scores.is_contiguous() \
-            and cuda_lib.usable(scores):
+    if backend != "triton" and scores.dtype == torch.bfloat16 and scores.dim() == 2 \
+            and scores.is_contiguous() and cuda_lib.usable(scores):
         out = torch.empty(scores.shape[0], k, dtype=torch.int64, device=scores.device) \
             if out is None else out
         with on_device(out):
-            cuda_lib.topk_bf16(cuda_lib.lib_for(out.device), scores, k, out, pdl(out))
+            cuda_lib.topk_bf16(cuda_lib.lib_for(out.device), scores, k, out, pdl_on(out, pdl))
         return out
     return sparse.topk_lowest(scores, k)
 

@@ -125,7 +125,7 @@ def _post_kernel(x_ptr, res_ptr, post_ptr, comb_ptr, out_ptr, D: tl.constexpr, C
     tl.store(out_ptr + kc[:, None] * D + d[None, :], y.to(out_ptr.dtype.element_ty), mask=dm[None, :])
 
 
-def _mix(h2, fn):
+def _mix(h2, fn, pdl=True):
     """h2 [T, c*D] (decode rows) -> the partial mixes [T, nch, MP + 1]."""
     T, K = h2.shape
     M = fn.shape[0]
@@ -133,28 +133,29 @@ def _mix(h2, fn):
     nch = K // BK
     part = torch.empty(T, nch, MP + 1, dtype=torch.float32, device=h2.device)
     _mix_partial_kernel[(nch, T)](h2, fn, part, K=K, M=M, MP=MP, BK=BK, num_warps=4,
-                                  **launch_args(part))
+                                  **launch_args(part, pdl))
     return part, nch, MP
 
 
-def hc_pre_norm(h, fn, scale, base, norm_w, norm_eps, hc_eps, iters, branch=None):
+def hc_pre_norm(h, fn, scale, base, norm_w, norm_eps, hc_eps, iters, branch=None, pdl=True):
     """h [T, c, D] -> (RMSNorm(hc_pre(h)) [T, D] in h's dtype, post [T, c], comb [T, c, c] f32).
     T = 1 in decoding; T decode rows (the speculative verify rows) run one binary per row, so
     row t has the bits of a one-row call. branch: an overlap.Branch made with fork=False; when it
     is on (capturing), it forks after the mix and the Sinkhorn (post, comb) runs as a launch of its
     own on its side stream, so the main chain waits for x only; join it before post / comb are
-    read. Otherwise both in one launch (the same bits)."""
+    read. Otherwise both in one launch (the same bits). pdl: launch with PDL where the device has
+    it (the backend's switch; as every decode kernel's `pdl`)."""
     T, C, D = h.shape
     if (C * D) % BK:
         raise ValueError(f"hc_pre_norm: c*D = {C * D} must be a multiple of {BK}")
     h2 = h.reshape(T, C * D).contiguous()
-    part, nch, MP = _mix(h2, fn)
+    part, nch, MP = _mix(h2, fn, pdl)
     x = torch.empty(T, D, dtype=h.dtype, device=h.device)
     post = torch.empty(T, C, dtype=torch.float32, device=h.device)
     comb = torch.empty(T, C, C, dtype=torch.float32, device=h.device)
     kw = dict(D=D, C=C, NCH=nch, NCHP=triton.next_power_of_2(nch), MP=MP,
               BD=triton.next_power_of_2(D), ITERS=iters, norm_eps=norm_eps, hc_eps=hc_eps,
-              ROUND=h.dtype == torch.bfloat16, num_warps=FINISH_WARPS, **launch_args(x))
+              ROUND=h.dtype == torch.bfloat16, num_warps=FINISH_WARPS, **launch_args(x, pdl))
     args = (h2, part, scale, base, norm_w, x, post, comb)
     if branch is None or not branch.on:
         _pre_finish_kernel[(2, T)](*args, 0, **kw)
@@ -167,22 +168,22 @@ def hc_pre_norm(h, fn, scale, base, norm_w, norm_eps, hc_eps, iters, branch=None
     return x, post, comb
 
 
-def hc_head_norm(h, fn, scale, base, norm_w, norm_eps, hc_eps):
+def hc_head_norm(h, fn, scale, base, norm_w, norm_eps, hc_eps, pdl=True):
     """h [T, c, D] -> RMSNorm(hc_head(h)) [T, D] in h's dtype (the head's sigmoid mix, no
     Sinkhorn); row t with the bits of a one-row call."""
     T, C, D = h.shape
     h2 = h.reshape(T, C * D).contiguous()
-    part, nch, MP = _mix(h2, fn)
+    part, nch, MP = _mix(h2, fn, pdl)
     x = torch.empty(T, D, dtype=h.dtype, device=h.device)
     _pre_finish_kernel[(1, T)](h2, part, scale, base, norm_w, x, x, x, 0, D=D, C=C, NCH=nch,
                              NCHP=triton.next_power_of_2(nch), MP=MP,
                              BD=triton.next_power_of_2(D), ITERS=1, norm_eps=norm_eps,
                              hc_eps=hc_eps, ROUND=h.dtype == torch.bfloat16,
-                             num_warps=8, **launch_args(x))
+                             num_warps=8, **launch_args(x, pdl))
     return x
 
 
-def hc_post(x, res, post, comb, out=None):
+def hc_post(x, res, post, comb, out=None, pdl=True):
     """x [T, D], res [T, c, D], post [T, c], comb [T, c, c] -> [T, c, D] in x's dtype (into `out`
     when given: contiguous, res's shape and dtype, not overlapping res); T = 1 in decoding, each
     of T rows with the bits of a one-row call."""
@@ -196,7 +197,7 @@ def hc_post(x, res, post, comb, out=None):
     bd = 256
     _post_kernel[(triton.cdiv(D, bd), T)](x, res.contiguous(), post, comb, out, D=D, C=C, BD=bd,
                                            ROUND=x.dtype == torch.bfloat16, num_warps=4,
-                                           **launch_args(out))
+                                           **launch_args(out, pdl))
     return out
 
 

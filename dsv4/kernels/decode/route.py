@@ -13,7 +13,8 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from ..cuda import lib as cuda_lib
-from ..common import interpreting, launch_args, on_device, pdl, pdl_wait
+from ..common import interpreting, launch_args, on_device, pdl_wait
+from ..common import pdl as pdl_on
 
 SCORE_FUNCS = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}
 
@@ -77,7 +78,7 @@ def _route_kernel(logits_ptr, bias_ptr, tid2eid_ptr, ids_ptr, w_ptr, idx_ptr, ro
 def route_decode(logits: torch.Tensor, k: int, score_func: str, route_scale: float, *,
                  bias: torch.Tensor | None = None, tid2eid: torch.Tensor | None = None,
                  ids: torch.Tensor | None = None, backend: str | None = None,
-                 out: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 out: tuple | None = None, pdl: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [1, E] float32 (the gate's output) -> (weights [k] f32, experts [k] int64 ascending).
     Score routing (bias [E] f32) or hash routing (tid2eid [V, k] int64 and ids [1]: the token).
     Capture-safe, deterministic; expert ids are clamped into [0, E) (no out-of-range reads).
@@ -111,13 +112,15 @@ def route_decode(logits: torch.Tensor, k: int, score_func: str, route_scale: flo
     if cuda_lib.pick("route_decode", backend, *tensors, fits=fits):
         with on_device(w):
             cuda_lib.route(cuda_lib.lib_for(w.device), logits, bias, tid2eid, ids, k,
-                           SCORE_FUNCS[score_func], float(route_scale), idx, w, pdl(w), rows=T)
+                           SCORE_FUNCS[score_func], float(route_scale), idx, w, pdl_on(w, pdl),
+                           rows=T)
         return w, idx
     if T > 1:   # Triton: one launch per token
         for t in range(T):
             route_decode(logits.reshape(T, E)[t:t + 1], k, score_func, route_scale, bias=bias,
                          tid2eid=tid2eid, ids=None if ids is None else ids.reshape(-1)[t:t + 1],
-                         backend="triton", out=(w[t * k:(t + 1) * k], idx[t * k:(t + 1) * k]))
+                         backend="triton", out=(w[t * k:(t + 1) * k], idx[t * k:(t + 1) * k]),
+                         pdl=pdl)
         return w, idx
     with on_device(w):
         _route_kernel[(1,)](logits, logits if hashed else bias, tid2eid if hashed else idx,
@@ -125,7 +128,7 @@ def route_decode(logits: torch.Tensor, k: int, score_func: str, route_scale: flo
                             EP=triton.next_power_of_2(E), K=k, KP=max(2, triton.next_power_of_2(k)),
                             SCORE=SCORE_FUNCS[score_func], HASH=hashed, ACC=not interpreting(),
                             num_warps=4,
-                            **launch_args(w))
+                            **launch_args(w, pdl))
     return w, idx
 
 

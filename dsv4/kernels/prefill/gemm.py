@@ -21,7 +21,6 @@ Test: tests/dsv4/kernels/test_prefill_kernels.py.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -42,14 +41,27 @@ QROWS = 16                        # rows per act_quant8 program
 
 # ---- host side ----------------------------------------------------------------------------------
 
-MMA_SWITCH = "DSV4_PREFILL_MMA"   # e.g. "fp4=fp8,fp8=bf16": the tensor-core path per format
 FP8_MMA_MIN_ROWS = 256   # FP8 weights: FP8 tensor cores from this many rows, bf16 below
-SPLIT_PROGRAMS = int(os.environ.get("DSV4_SPLIT_PROGRAMS", 264))  # k_split: programs to aim
-# for (two per SM of an H100 / H200; the variable: benchmarks)
+SPLIT_PROGRAMS = 264     # k_split: programs to aim for (two per SM of an H100 / H200;
+# DSV4_SPLIT_PROGRAMS, through Tuning: benchmarks)
 SPLIT_MIN_STEPS = 4      # k_split: K steps per program at least
 SPLIT_BM = 16            # rows per program of the split-K sum
 GROUPED_DENSE_MIN_ROWS = 1024   # the grouped wo_a: dequantized weights + cuBLAS from this many
 # rows (Flash, 4,096 rows on an H200: 0.63 ms against 0.95 for the registers-decoded GEMM)
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """The prefill GEMMs' runtime switches (the backend's, dsv4.backend.Options): `mma` ((format,
+    "fp8" | "bf16"), ...) overrides mma_path's choice (DSV4_PREFILL_MMA: benchmarks, tests);
+    `cublas`: an FP8 weight over plain rows may take torch._scaled_mm (DSV4_PREFILL_CUBLAS);
+    `split_programs`: k_split's target (DSV4_SPLIT_PROGRAMS)."""
+    mma: tuple = ()
+    cublas: bool = True
+    split_programs: int = SPLIT_PROGRAMS
+
+
+DEFAULT = Tuning()
 
 
 @dataclass(frozen=True)
@@ -61,19 +73,18 @@ class Tile:
     warps: int
 
 
-def mma_path(fmt: str, rows: int | None = None) -> str:
+def mma_path(fmt: str, rows: int | None = None, tuning: Tuning = DEFAULT) -> str:
     """The tensor cores a weight format's GEMM over `rows` rows uses: "fp8" (act-quantized e4m3
     rows, a fresh MMA per weight-scale group) or "bf16" (the weights decoded to bf16). Measured
     on an H200 (python -m dsv4.bench.prefill_kernels, BENCHMARKS.md): FP8 weights take the FP8
     tensor cores for long chunks (wq_b, 4096 rows: 0.60 ms vs 0.86) and the bf16 ones for short
     (128 rows: 0.07 vs 0.09); FP4 experts the bf16 ones (the FP8 path rescales every 32 of K: 2.2x
-    slower at 4096 rows). DSV4_PREFILL_MMA overrides (benchmarks, tests)."""
+    slower at 4096 rows). tuning.mma overrides (DSV4_PREFILL_MMA: benchmarks, tests)."""
     if fmt == "bf16":
         return "bf16"
-    for item in os.environ.get(MMA_SWITCH, "").split(","):
-        f, _, path = item.partition("=")
-        if f.strip() == fmt and path.strip() in ("fp8", "bf16"):
-            return path.strip()
+    for f, path in tuning.mma:
+        if f == fmt:
+            return path
     if fmt == "fp8":
         return "fp8" if rows is None or rows >= FP8_MMA_MIN_ROWS else "bf16"
     return "bf16"
@@ -143,7 +154,6 @@ def _grid(out, bm, grid_m, N, bn=BN):
     return (grid_m or triton.cdiv(out.shape[0], bm), triton.cdiv(N, bn))
 
 
-CUBLAS_SWITCH = "DSV4_PREFILL_CUBLAS"   # "0": the FP8 linears stay on the Triton GEMM
 SCALED_MM_K_BLOCKS = 4   # cuBLASLt reads 128x128 weight scales as if K/128 were padded to this
 _SCALED_MM_OK: dict = {}  # (device index, n, k) -> the probe's verdict
 
@@ -151,14 +161,14 @@ _SCALED_MM_OK: dict = {}  # (device index, n, k) -> the probe's verdict
 def scaled_mm_ok(x8: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> bool:
     """Whether torch._scaled_mm's DeepSeek recipe (1x128 activation, 128x128 weight scales;
     cuBLAS >= 12.9, sm_90 only) serves rows x8 [m, k] times the FP8 weight w [n, k] here: CUDA,
-    m a multiple of 4 (cuBLASLt), k / 128 a multiple of SCALED_MM_K_BLOCKS, not switched off, and
-    a probe of this weight shape on this device gave gemm8's bits on poisoned output (once per
+    m a multiple of 4 (cuBLASLt), k / 128 a multiple of SCALED_MM_K_BLOCKS, and a probe of this
+    weight shape on this device gave gemm8's bits on poisoned output (once per
     shape and device). cuBLASLt's layout for 128x128 scales pads K/128 to a multiple of 4 (cuBLAS
     docs, "scaling factors layouts"): with k = 128 or 256 it read past the scales and left parts
     of `out` unwritten, so the same prompt gave different tokens (issue 33)."""
     M, K = x8.shape
     if (x8.device.type != "cuda" or interpreting() or M % 4 or (K // 128) % SCALED_MM_K_BLOCKS
-            or os.environ.get(CUBLAS_SWITCH, "1") == "0" or not hasattr(torch, "_scaled_mm")):
+            or not hasattr(torch, "_scaled_mm")):
         return False
     key = (x8.device.index, w.shape[-2], K)
     if key not in _SCALED_MM_OK:
@@ -253,13 +263,13 @@ def _words(w: torch.Tensor | None, fmt: str):
     return w.view(torch.int32)
 
 
-def k_split(programs: int, steps: int) -> int:
+def k_split(programs: int, steps: int, target: int = SPLIT_PROGRAMS) -> int:
     """K splits for a plain GEMM of `programs` (row tile, n tile) programs and `steps` K steps
     each: a few rows leave most SMs idle while each program walks all of K, one weight tile at a
-    time, so split K (a power of two dividing steps) until ~SPLIT_PROGRAMS programs run, each
-    keeping >= SPLIT_MIN_STEPS steps."""
+    time, so split K (a power of two dividing steps) until ~target programs run, each keeping
+    >= SPLIT_MIN_STEPS steps."""
     split = 1
-    while (programs * split * 2 <= SPLIT_PROGRAMS and steps % (split * 2) == 0
+    while (programs * split * 2 <= target and steps % (split * 2) == 0
            and steps // (split * 2) >= SPLIT_MIN_STEPS):
         split *= 2
     return split
@@ -268,14 +278,16 @@ def k_split(programs: int, steps: int) -> int:
 def gemm16(a, w, s, fmt: str, out: torch.Tensor, *, bm: int = BM, rows=None, tiles=None,
            grid_m=None, w3=None, s3=None, rw=None, limit: float = 0.0, quant: bool = False,
            group_k: int = 0, bk: int | None = None, bn: int = BN, warps: int = WARPS,
-           split: int | None = None, stages: int = STAGES) -> torch.Tensor:
+           split: int | None = None, stages: int = STAGES,
+           split_programs: int = SPLIT_PROGRAMS) -> torch.Tensor:
     """bf16 tensor cores: out = A @ W^T over bf16 rows a [m_a, k] (already act-quantized for
     quantized weights, or not: wo_a) and a bf16 / FP8 / FP4 weight decoded to bf16 in registers;
     rows / tiles / w3 as gemm8; quant: act-quantize the SwiGLU output (exact bf16 values; needs
     bn = 128, the quant block). bk, bn, warps: the K step, output-feature tile and warps.
     group_k: the grouped wo_a (output group g = rows [g*n/G, (g+1)*n/G) reads
     a[:, g*group_k:(g+1)*group_k]). split: K splits (None: k_split's choice over the grid's
-    programs), their float32 partials added in split order by a second launch."""
+    programs, aiming for split_programs), their float32 partials added in split order by a second
+    launch."""
     K = group_k or a.shape[1]
     N = w.shape[-2]
     bk = bk or BK16.get(fmt, BK)
@@ -291,7 +303,7 @@ def gemm16(a, w, s, fmt: str, out: torch.Tensor, *, bm: int = BM, rows=None, til
     tile_e, tile_r = tiles if tiles is not None else (dummy, dummy)
     grid = _grid(out, bm, grid_m, N, bn)
     if split is None:
-        split = k_split(grid[0] * grid[1], K // bk)
+        split = k_split(grid[0] * grid[1], K // bk, split_programs)
     if K % (split * bk):
         raise ValueError(f"bf16 GEMM: {split} K splits need k = {K} a multiple of {split} x {bk}")
     M = out.shape[0]
@@ -318,25 +330,26 @@ def gemm16(a, w, s, fmt: str, out: torch.Tensor, *, bm: int = BM, rows=None, til
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, fmt: str, *,
-           out_dtype: torch.dtype, quant_act: bool | None = None, group_k: int = 0
-           ) -> torch.Tensor:
+           out_dtype: torch.dtype, quant_act: bool | None = None, group_k: int = 0,
+           tuning: Tuning = DEFAULT) -> torch.Tensor:
     """y = x @ W^T for rows x [m, k] bf16 and a weight in its stored format (bf16 [n, k]; fp8
     [n, k] + [n/128, k/128]; fp4 [n, k/2] + [n, k/32]) -> [m, n] in out_dtype (bf16 or float32).
     quant_act (default: for quantized weights): act-quantize x first (W8A8), on the tensor-core
-    path mma_path picks; group_k: the grouped wo_a (see gemm16)."""
+    path mma_path picks; group_k: the grouped wo_a (see gemm16); tuning: the backend's switches."""
     if quant_act is None:
         quant_act = fmt != "bf16"
     M = x.shape[0]
     out = torch.empty(M, w.shape[0], dtype=out_dtype, device=x.device)
-    if quant_act and mma_path(fmt, M) == "fp8":
+    if quant_act and mma_path(fmt, M, tuning) == "fp8":
         x8, xs = act_quant8(x)
-        return gemm8(x8, xs, w, scale, fmt, out, bm=pick_bm(M), warps=4)
+        return gemm8(x8, xs, w, scale, fmt, out, bm=pick_bm(M), warps=4, cublas=tuning.cublas)
     if (group_k and not quant_act and M >= GROUPED_DENSE_MIN_ROWS and out_dtype == torch.bfloat16
             and not interpreting()):
         return grouped_dense(x, w, scale, fmt, group_k, out)
     t = tile16(M)
     return gemm16(act_quant(x) if quant_act else x.contiguous(), w, scale, fmt, out, bm=t.bm,
-                  bn=BN if group_k else t.bn, bk=t.bk, warps=t.warps, group_k=group_k)
+                  bn=BN if group_k else t.bn, bk=t.bk, warps=t.warps, group_k=group_k,
+                  split_programs=tuning.split_programs)
 
 
 def grouped_dense(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, fmt: str,

@@ -21,8 +21,8 @@ import triton.language as tl
 from ...formats import FP8_BLOCK
 from ...quant import fp8_quant_dequant
 from ..common import on_device, round_bf16
-from .gemm import (Tile, act_quant, act_quant8, dequantize, gemm8, gemm16, mma_path,
-                           pick_bm, tile16)
+from .gemm import (DEFAULT, Tile, Tuning, act_quant, act_quant8, dequantize, gemm8, gemm16,
+                   mma_path, pick_bm, tile16)
 
 
 @dataclass
@@ -36,6 +36,7 @@ class ExpertPlan:
     tile_e: torch.Tensor    # [tiles] int32: expert of each row tile, -1 = unused
     tile_r: torch.Tensor    # [tiles, 2] int32: sorted pairs [r0, r1) of the tile's expert
     tile: Tile              # the launch config the tiles are cut for
+    tuning: Tuning = DEFAULT   # the backend's switches of the GEMMs over the plan
 
     @property
     def n_tiles(self) -> int:
@@ -46,22 +47,22 @@ class ExpertPlan:
         return dict(tiles=(self.tile_e, self.tile_r), grid_m=self.n_tiles)
 
 
-def group_tile(fmt: str, rows: int, per_group: float) -> Tile:
+def group_tile(fmt: str, rows: int, per_group: float, tuning: Tuning = DEFAULT) -> Tile:
     """The launch config of a format's GEMMs over `rows` rows, ~per_group rows per weight
     matrix: tile16 on the bf16 path; on the FP8 path up to 64-row tiles (more spill)."""
-    if mma_path(fmt, rows) == "bf16":
+    if mma_path(fmt, rows, tuning) == "bf16":
         return tile16(per_group)
     return Tile(pick_bm(per_group), 128, 32, 4)
 
 
 def expert_plan(idx: torch.Tensor, w: torch.Tensor, n_experts: int, fmt: str = "fp4",
-                bm: int | None = None) -> ExpertPlan:
+                bm: int | None = None, tuning: Tuning = DEFAULT) -> ExpertPlan:
     """idx [t, k] int64 experts (ascending in each row), w [t, k] f32 -> ExpertPlan, with row
     tiles sized for the average pairs per expert (group_tile; bm overrides the height). Device
     ops only (no host sync); the tile grid has the fixed bound p/bm + min(e, p) tiles."""
     T, k = idx.shape
     P, dev = T * k, idx.device
-    tile = group_tile(fmt, T, P / n_experts)
+    tile = group_tile(fmt, T, P / n_experts, tuning)
     if bm:
         tile = replace(tile, bm=bm)
     bm = tile.bm
@@ -83,7 +84,7 @@ def expert_plan(idx: torch.Tensor, w: torch.Tensor, n_experts: int, fmt: str = "
     return ExpertPlan(token=(order // k).to(torch.int32), weight=w.reshape(-1)[order].float(),
                       inv=inv.view(T, k), tile_e=torch.where(ok, te, -1).to(torch.int32),
                       tile_r=torch.stack((r0, ends[tec]), 1).to(torch.int32).contiguous(),
-                      tile=tile)
+                      tile=tile, tuning=tuning)
 
 
 @dataclass
@@ -95,14 +96,15 @@ class Rows:
     xs: torch.Tensor | None = None
 
     @staticmethod
-    def kind(fmt: str, rows: int) -> str:
+    def kind(fmt: str, rows: int, tuning: Tuning = DEFAULT) -> str:
         """Which A operand a weight format's GEMMs over `rows` rows take: "bf16" (unquantized),
         "fp8" (e4m3 bytes + scales) or "bf16q" (act-quantized, exact bf16 values)."""
-        return "bf16" if fmt == "bf16" else "fp8" if mma_path(fmt, rows) == "fp8" else "bf16q"
+        return "bf16" if fmt == "bf16" else "fp8" if mma_path(fmt, rows, tuning) == "fp8" else \
+            "bf16q"
 
     @classmethod
-    def of(cls, x: torch.Tensor, fmt: str) -> "Rows":
-        k = cls.kind(fmt, x.shape[0])
+    def of(cls, x: torch.Tensor, fmt: str, tuning: Tuning = DEFAULT) -> "Rows":
+        k = cls.kind(fmt, x.shape[0], tuning)
         return cls(x) if k == "bf16" else cls(None, *act_quant8(x)) if k == "fp8" else \
             cls(act_quant(x))
 
@@ -115,7 +117,7 @@ class Rows:
         return (self.x if self.x is not None else self.x8).device
 
 
-def _up(r: Rows, w1, s1, w3, s3, fmt, limit, n_rows, tile: Tile, **kw) -> Rows:
+def _up(r: Rows, w1, s1, w3, s3, fmt, limit, n_rows, tile: Tile, tuning: Tuning, **kw) -> Rows:
     """bf16(route_w * SwiGLU(w1 x, w3 x)) of n_rows rows, act-quantized for a quantized down: in
     the epilogue (128-feature tiles) or in a launch after it."""
     I = w1.shape[-2]
@@ -123,42 +125,46 @@ def _up(r: Rows, w1, s1, w3, s3, fmt, limit, n_rows, tile: Tile, **kw) -> Rows:
         out = torch.empty(n_rows, I, dtype=torch.bfloat16, device=r.device)
         q = fmt != "bf16"
         gemm16(r.x, w1, s1, fmt, out, w3=w3, s3=s3, limit=limit, quant=q and tile.bn == 128,
-               bm=tile.bm, bn=tile.bn, bk=tile.bk, warps=tile.warps, **kw)
+               bm=tile.bm, bn=tile.bn, bk=tile.bk, warps=tile.warps,
+               split_programs=tuning.split_programs, **kw)
         return Rows(act_quant(out) if q and tile.bn != 128 else out)
     a8 = torch.empty(n_rows, I, dtype=torch.uint8, device=r.device)
     a_s = torch.empty(n_rows, I // 128, dtype=torch.float32, device=r.device)
     # 64-row tiles of the two matrices: 8 warps (the Flash shared expert's up over 4,096 rows on
     # an H200: 0.50 -> 0.32 ms; its down stays faster on 4)
     gemm8(r.x8, r.xs, w1, s1, fmt, a8, w3=w3, s3=s3, limit=limit, out_scale=a_s, bm=tile.bm,
-          warps=8 if tile.bm == 64 else tile.warps, **kw)
+          warps=8 if tile.bm == 64 else tile.warps, cublas=tuning.cublas, **kw)
     return Rows(None, a8, a_s)
 
 
-def _down(a: Rows, w2, s2, fmt, tile: Tile, **kw) -> torch.Tensor:
+def _down(a: Rows, w2, s2, fmt, tile: Tile, tuning: Tuning, **kw) -> torch.Tensor:
     out = torch.empty(a.n, w2.shape[-2], dtype=torch.bfloat16, device=a.device)
     if a.x8 is None:
         return gemm16(a.x, w2, s2, fmt, out, bm=tile.bm, bn=tile.bn, bk=tile.bk,
-                      warps=tile.warps, **kw)
-    return gemm8(a.x8, a.xs, w2, s2, fmt, out, bm=tile.bm, warps=tile.warps, **kw)
+                      warps=tile.warps, split_programs=tuning.split_programs, **kw)
+    return gemm8(a.x8, a.xs, w2, s2, fmt, out, bm=tile.bm, warps=tile.warps,
+                 cublas=tuning.cublas, **kw)
 
 
 def moe_up(x: Rows, plan: ExpertPlan, w1, s1, w3, s3, fmt: str, limit: float) -> Rows:
     """Routed up of every sorted pair: bf16(route_w * SwiGLU(w1 x, w3 x)) [p, I], act-quantized
     for down when the weights are (x: the chunk's rows, Rows.of(x, fmt))."""
-    return _up(x, w1, s1, w3, s3, fmt, limit, plan.token.shape[0], plan.tile, rows=plan.token,
-               rw=plan.weight, **plan.launch())
+    return _up(x, w1, s1, w3, s3, fmt, limit, plan.token.shape[0], plan.tile, plan.tuning,
+               rows=plan.token, rw=plan.weight, **plan.launch())
 
 
 def moe_down(a: Rows, plan: ExpertPlan, w2, s2, fmt: str) -> torch.Tensor:
     """Routed down of every sorted pair: its up output a [p, I] -> [p, D] bf16."""
-    return _down(a, w2, s2, fmt, plan.tile, **plan.launch())
+    return _down(a, w2, s2, fmt, plan.tile, plan.tuning, **plan.launch())
 
 
-def shared_expert(x: Rows, w1, s1, w3, s3, w2, s2, fmt: str, limit: float) -> torch.Tensor:
-    """The shared expert of the rows x (Rows.of(x, fmt)): w2(bf16(SwiGLU(w1 x, w3 x))) -> [t, D]
-    bf16."""
-    tile = group_tile(fmt, x.n, x.n)
-    return _down(_up(x, w1, s1, w3, s3, fmt, limit, x.n, tile), w2, s2, fmt, tile)
+def shared_expert(x: Rows, w1, s1, w3, s3, w2, s2, fmt: str, limit: float,
+                  tuning: Tuning = DEFAULT) -> torch.Tensor:
+    """The shared expert of the rows x (Rows.of(x, fmt, tuning)): w2(bf16(SwiGLU(w1 x, w3 x)))
+    -> [t, D] bf16."""
+    tile = group_tile(fmt, x.n, x.n, tuning)
+    return _down(_up(x, w1, s1, w3, s3, fmt, limit, x.n, tile, tuning), w2, s2, fmt, tile,
+                 tuning)
 
 
 @triton.jit

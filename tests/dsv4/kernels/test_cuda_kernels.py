@@ -57,8 +57,16 @@ def test_expert_config_and_cpu_fallback():
 
 
 def test_switch_turns_the_library_off(monkeypatch):
-    monkeypatch.setenv(cuda_lib.SWITCH, "0")
-    assert cuda_lib.status("cuda") == f"{cuda_lib.SWITCH}=0"
+    """DSV4_CUDA_KERNELS=0: the backend of a CUDA device takes the Triton kernels and says why
+    (the library is not even loaded); resolved here as on a GPU machine."""
+    from dsv4 import backend
+    opts = backend.Options.from_env({"DSV4_CUDA_KERNELS": "0"})
+    assert opts.cuda_kernels is False and backend.Options().cuda_kernels is True
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(backend, "_triton_importable", lambda: True)
+    monkeypatch.setattr(backend, "_cuda_status", lambda *a: pytest.fail("library loaded"))
+    be = backend.resolve(torch.device("cuda", 0), options=opts)
+    assert be.kernels and be.cuda == "DSV4_CUDA_KERNELS=0" and be.gemv == "triton"
 
 
 def test_pick_cuda_or_triton_on_cpu():
@@ -366,9 +374,9 @@ def test_fp4_experts_cuda_kernels(which):
 
 
 @pytest.mark.cuda
-def test_cuda_kernels_capture_and_pdl(monkeypatch):
+def test_cuda_kernels_capture_and_pdl():
     """Captured in a CUDA graph (under sync debug 'error'), replayed on new inputs: the same bits as
-    eager calls; and the same bits with DSV4_PDL=0."""
+    eager calls; and the same bits without PDL (pdl=False: the backend's DSV4_PDL=0)."""
     from dsv4.kernels.decode.fp4_experts import fp4_experts_down, fp4_experts_up
     from dsv4.kernels.decode.fp8_linear import fp8_linear, fp8_linear2, fp8_swiglu
     _need_lib()
@@ -384,12 +392,12 @@ def test_cuda_kernels_capture_and_pdl(monkeypatch):
     idx = torch.tensor([1, 4, 5, 9, 12, 15], device=dev)
     rw = torch.rand(6, generator=gen, device=dev)
 
-    def step():
-        q, kv = fp8_linear2(x, w, s, wk, sk)
-        a = fp4_experts_up(x, idx, rw, w1, s1, w3, s3, 10.0)
-        sh = fp8_swiglu(x, sw1, ss1, sw3, ss3, 10.0)
-        return (q, kv, fp8_linear(q, wo, so), sh,
-                fp4_experts_down(a, idx, w2, s2, add=x, out_dtype=torch.bfloat16))
+    def step(pdl=True):
+        q, kv = fp8_linear2(x, w, s, wk, sk, pdl=pdl)
+        a = fp4_experts_up(x, idx, rw, w1, s1, w3, s3, 10.0, pdl=pdl)
+        sh = fp8_swiglu(x, sw1, ss1, sw3, ss3, 10.0, pdl=pdl)
+        return (q, kv, fp8_linear(q, wo, so, pdl=pdl), sh,
+                fp4_experts_down(a, idx, w2, s2, add=x, out_dtype=torch.bfloat16, pdl=pdl))
     g, outs = capture_step(step)
     x.copy_(spiky_x(4096, gen, torch.bfloat16, dev))
     idx.copy_(torch.tensor([0, 2, 3, 7, 8, 11], device=dev))
@@ -398,8 +406,7 @@ def test_cuda_kernels_capture_and_pdl(monkeypatch):
     for got, ref in zip(outs, want):
         assert torch.equal(got, ref)
     if common.pdl(x):
-        monkeypatch.setenv(common.PDL_SWITCH, "0")
-        for got, ref in zip(step(), want):
+        for got, ref in zip(step(pdl=False), want):
             assert torch.equal(got, ref)
 
 

@@ -141,9 +141,15 @@ def assert_close_f32(y, ref, x, w, s, quant, group_k=None):
 # ---- CPU ----------------------------------------------------------------------------------------
 
 def test_available_needs_cuda_and_the_switch(monkeypatch):
-    assert not kernels.available("cpu")
-    monkeypatch.setenv(kernels.ENV_SWITCH, "0")
-    assert not kernels.available("cuda")
+    """The kernels serve a CUDA device with triton, unless DSV4_KERNELS=0 (read by the backend)."""
+    from dsv4 import backend
+    assert not backend.resolve("cpu").kernels
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)    # as on a GPU machine
+    monkeypatch.setattr(backend, "_triton_importable", lambda: True)
+    monkeypatch.setattr(backend, "_cuda_status", lambda *a: "ok")
+    assert backend.resolve("cuda:0", options=backend.Options()).kernels
+    off = backend.resolve("cuda:0", options=backend.Options.from_env({"DSV4_KERNELS": "0"}))
+    assert not off.kernels and off.prefill == "torch" and off.cuda == "DSV4_KERNELS=0"
 
 
 @pytest.mark.skipif(not kernels.triton_importable(), reason="triton is not installed")
@@ -380,10 +386,10 @@ def test_kernels_capture_in_a_cuda_graph():
         assert torch.equal(got, want)
 
 
-def _fill_moe(cfg, layer_id, dev):
+def _fill_moe(cfg, layer_id, dev, ops=None):
     from dsv4.device_weights import DeviceWeights
     from dsv4.moe import MoE
-    moe = MoE(cfg, layer_id, "fp8", cfg.expert_format, dev)
+    moe = MoE(cfg, layer_id, "fp8", cfg.expert_format, dev, ops)
     src = DeviceWeights(cfg, seed=SEED)
     for name, t in moe.tensors(f"layers.{layer_id}.ffn").items():
         src.load_into(name, t)
@@ -391,28 +397,35 @@ def _fill_moe(cfg, layer_id, dev):
 
 
 @pytest.mark.cuda
-def test_linear_and_moe_dispatch_match_the_torch_path(monkeypatch):
+def test_linear_and_moe_dispatch_match_the_torch_path():
+    """The same weights with the backend's kernels and with DSV4_KERNELS=0 (the torch path):
+    Linear and MoE.decode agree within rounding."""
+    from dsv4.backend import Options
     from dsv4.kernels.decode.fp8_linear import fp8_linear
     from dsv4.linear import Linear
+    from dsv4.ops import Ops
     from dsv4.presets import get_preset
     dev, gen = torch.device("cuda"), fresh_gen("cuda")
     cfg = get_preset("flash", n_layers=4)
-    lin = Linear(1024, 4096, "fp8", dev)
+    on = Ops.for_device(dev, cfg=cfg, options=Options())
+    off = Ops.for_device(dev, cfg=cfg, options=Options.from_env({"DSV4_KERNELS": "0"}))
+    lin = Linear(1024, 4096, "fp8", dev, on)
     lin.weight, lin.scale = fp8_weight(1024, 4096, gen, device=dev)
-    gate = Linear(256, 4096, "bf16", dev)
+    gate = Linear(256, 4096, "bf16", dev, on)
     gate.weight = (torch.randn(256, 4096, generator=gen, device=dev) / 64).to(torch.bfloat16)
     x = torch.randn(1, 4096, generator=gen, device=dev).to(torch.bfloat16)
     y = lin(x, torch.bfloat16)
     assert torch.equal(y, fp8_linear(x, lin.weight, lin.scale)), "Linear did not use the kernel"
     g = gate(x, torch.float32)
-    moes = [_fill_moe(cfg, layer, dev) for layer in (0, 3)]      # a hash layer and a scored one
+    moes = [_fill_moe(cfg, layer, dev, on) for layer in (0, 3)]   # a hash layer and a scored one
     ids = torch.tensor([1234], device=dev)
     got = [m.decode(x, ids) for m in moes]
-    monkeypatch.setenv(kernels.ENV_SWITCH, "0")
+    lin.ops = gate.ops = off                     # the same weights, the torch path
     assert_close_bf16(y, lin(x, torch.bfloat16), x, lin.weight, lin.scale, True, min_equal=0.9)
     gt = gate(x, torch.float32)
     assert ((g - gt).abs() <= 1e-5 * (gate.weight.float().abs() @ x.float().abs()[0])).all()
     for m, k in zip(moes, got):
+        m.set_ops(off)
         t = m.decode(x, ids)
         assert k.dtype == t.dtype == torch.bfloat16 and not k.isnan().any()
         rel = ((k.float() - t.float()).norm() / t.float().norm()).item()
@@ -478,12 +491,15 @@ def test_multi_matrix_launches_equal_separate_calls_cuda():
 
 
 @pytest.mark.cuda
-def test_pdl_and_branches_change_no_bit(monkeypatch):
+def test_pdl_and_branches_change_no_bit():
     """Programmatic dependent launch and the captured parallel branches (dsv4.overlap) only
     reorder launches: a Flash-shaped layer's decode steps (eager and replayed from a CUDA graph)
-    give the same bits with PDL and branches on, and with DSV4_PDL=0 / DSV4_OVERLAP=0."""
+    give the same bits with PDL and branches on, and with DSV4_PDL=0 / DSV4_OVERLAP=0 (the
+    layer's backend resolved with those switches)."""
     from dsv4 import overlap
+    from dsv4.backend import Options
     from dsv4.block import Block
+    from dsv4.ops import Ops
     from dsv4.device_weights import DeviceWeights
     from dsv4.kernels import common
     from dsv4.presets import get_preset
@@ -501,7 +517,8 @@ def test_pdl_and_branches_change_no_bit(monkeypatch):
     hs = [torch.randn(1, cfg.hc_mult, cfg.dim, generator=gen, device=dev).to(torch.bfloat16)
           for _ in range(12)]
 
-    def run(graph: bool):
+    def run(graph: bool, **switches):
+        blk.set_ops(Ops.for_device(dev, cfg=cfg, options=Options.from_env(switches)))
         st = LayerState.allocate(cfg, cfg.ratio(layer), 256, torch.bfloat16, dev)
         h_in = hs[0].clone()
         pos, ids = torch.zeros(1, dtype=torch.int64, device=dev), torch.tensor([7], device=dev)
@@ -529,10 +546,8 @@ def test_pdl_and_branches_change_no_bit(monkeypatch):
     overlap.prepare(dev)
     with torch.inference_mode():
         on = [run(False), run(True)]
-        monkeypatch.setenv(overlap.SWITCH, "0")
-        no_branch = run(True)
-        monkeypatch.setenv(common.PDL_SWITCH, "0")
-        off = [run(False), run(True)]
+        no_branch = run(True, DSV4_OVERLAP="0")
+        off = [run(graph, DSV4_OVERLAP="0", DSV4_PDL="0") for graph in (False, True)]
     names = ["eager", "graph", "graph without branches"]
     for name, a, b in zip(names, on + [no_branch], off + [off[1]]):
         for what, u, v in zip(("outputs", "kv cache"), a, b):

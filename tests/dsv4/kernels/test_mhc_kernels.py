@@ -81,11 +81,14 @@ def test_mhc_kernels_cuda_real_shapes():
 
 @pytest.mark.cuda
 def test_block_decode_fused_vs_torch_mhc():
-    """The fused path in Block.decode stays within bf16 rounding of the torch mHC path."""
-    from dsv4 import block as B
-    h = torch.randn(1, 4, 256, device="cuda").bfloat16()
-    assert B.fused_mhc(h)
-    assert not B.fused_mhc(h.float()) and not B.fused_mhc(torch.zeros(2, 4, 256, device="cuda"))
+    """Block.decode takes the fused mHC kernels where the backend has them: bf16 activations,
+    hc_mult * dim a multiple of 256 (and one row per call: Block.decode); not float32 ones."""
+    from dsv4.backend import resolve
+    from dsv4.presets import TINY
+    assert TINY.hc_mult * TINY.dim % 256 == 0
+    assert resolve("cuda", torch.bfloat16, TINY).mhc_decode
+    assert not resolve("cuda", torch.float32, TINY).mhc_decode
+    assert not resolve("cuda", torch.bfloat16, TINY.replace(hc_mult=1)).mhc_decode   # 128
 
 
 def _compiled(fn) -> int:
@@ -99,6 +102,7 @@ def test_sinkhorn_branch_in_capture(monkeypatch):
     Sinkhorn on the branch's side stream): the same bits as the eager two-program launch, and no
     binary compiled during capture (the eager warm-up compiled the one binary all launches use)."""
     from dsv4 import overlap
+    from dsv4.backend import BRANCHES
     from dsv4.kernels.decode import mhc as K
     dev, g = torch.device("cuda"), torch.Generator(device="cuda").manual_seed(3)
     D = 4096
@@ -107,11 +111,10 @@ def test_sinkhorn_branch_in_capture(monkeypatch):
     scale = 0.5 + 0.1 * torch.randn(3, generator=g, device=dev)
     base = 0.5 * torch.randn(24, generator=g, device=dev)
     w = 1 + 0.1 * torch.randn(D, generator=g, device=dev)
-    monkeypatch.delenv(overlap.SWITCH, raising=False)
     overlap.prepare(dev)
 
     def step():
-        br = overlap.Branch(h, "mhc", lane=2, fork=False)
+        br = overlap.Branch(h, "mhc", frozenset(BRANCHES), lane=2, fork=False)
         out = K.hc_pre_norm(h, fn, scale, base, w, 1e-6, 1e-6, 20, br)
         on = br.on
         br.join()

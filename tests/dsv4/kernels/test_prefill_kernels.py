@@ -46,35 +46,30 @@ def _absdot(x, w, fmt, s, group_k=0):
     return (xa @ wd.t()).cpu()
 
 
-def _tol(fmt, rows=None):
+def _tol(fmt, rows=None, tuning=None):
     """Summation error bound relative to |x| @ |W|: float32 (the interpreter: 1e-5); the bf16
     tensor cores, whose float32 accumulation aligns products first (2^-14 measured at K = 8192 on
     an H200: 1.6e-5); the FP8 tensor cores, which align a group's products to ~14 bits before
     adding them (as the official fp8_gemm), 2^-11."""
-    from dsv4.kernels.prefill.gemm import interpreting, mma_path
+    from dsv4.kernels.prefill.gemm import DEFAULT, interpreting, mma_path
     if interpreting():
         return 1e-5
-    return 2 ** -11 if mma_path(fmt, rows) == "fp8" else 2 ** -14
+    return 2 ** -11 if mma_path(fmt, rows, tuning or DEFAULT) == "fp8" else 2 ** -14
 
 
 def _both_paths(fn):
-    """Run fn under the default tensor-core path of each format and under the other one."""
-    from dsv4.kernels.prefill.gemm import MMA_SWITCH
-    prior = os.environ.get(MMA_SWITCH)
-    try:
-        for setting in ("", "fp4=fp8,fp8=bf16"):
-            os.environ[MMA_SWITCH] = setting
-            fn()
-    finally:
-        if prior is None:
-            os.environ.pop(MMA_SWITCH, None)
-        else:
-            os.environ[MMA_SWITCH] = prior
+    """Run fn(tuning) under the default tensor-core path of each format and under the other one
+    (the GEMMs' switches as the backend passes them: DSV4_PREFILL_MMA="fp4=fp8,fp8=bf16")."""
+    from dsv4.backend import Options
+    from dsv4.kernels.prefill.gemm import Tuning
+    for setting in ("", "fp4=fp8,fp8=bf16"):
+        fn(Tuning(mma=Options.from_env({"DSV4_PREFILL_MMA": setting}).prefill_mma))
 
 
-def check_linear(dev, gen, M=70, N=384, K=256):
+def check_linear(dev, gen, M=70, N=384, K=256, tuning=None):
     from dsv4.kernels.prefill import gemm as P
     from dsv4.quant import fp8_quant_dequant
+    tuning = tuning or P.DEFAULT
     x = torch.randn(M, K, generator=gen).bfloat16().to(dev)
     x[3, :128] *= 50                                        # blocks of very different scales
     x[5, 128:] *= 1e-6                                      # e4m3 subnormals
@@ -83,9 +78,9 @@ def check_linear(dev, gen, M=70, N=384, K=256):
     for fmt in ("bf16", "fp8", "fp4"):
         w, s = _fmt_weight(fmt, N, K, gen, dev)
         xq = fp8_quant_dequant(x, 128) if fmt != "bf16" else x
-        bound = _tol(fmt, M) * _absdot(xq, w, fmt, s)
+        bound = _tol(fmt, M, tuning) * _absdot(xq, w, fmt, s)
         for od in (torch.float32, torch.bfloat16):
-            out = P.linear(x, w, s, fmt, out_dtype=od)
+            out = P.linear(x, w, s, fmt, out_dtype=od, tuning=tuning)
             ref = P.linear_reference(x, w, s, fmt, out_dtype=torch.float64).cpu()
             err = (out.cpu().double() - ref).abs()
             lim = bound + (ref.abs() * 2 ** -8 if od == torch.bfloat16 else 0)
@@ -93,18 +88,20 @@ def check_linear(dev, gen, M=70, N=384, K=256):
     # the grouped wo_a: no act quant, group g reads its own K columns
     o = torch.randn(M, 2 * K, generator=gen).bfloat16().to(dev)
     w, s = _fmt_weight("fp8", 256, K, gen, dev)
-    out = P.linear(o, w, s, "fp8", out_dtype=torch.float32, quant_act=False, group_k=K)
+    out = P.linear(o, w, s, "fp8", out_dtype=torch.float32, quant_act=False, group_k=K,
+                   tuning=tuning)
     ref = P.linear_reference(o, w, s, "fp8", out_dtype=torch.float64, quant_act=False,
                              group_k=K).cpu()
     assert ((out.cpu().double() - ref).abs() <= _tol("bf16") * _absdot(o, w, "fp8", s, K)).all(), \
         "wo_a"
 
 
-def check_linear_exact(dev, gen, M=40, N=256, K=256):
+def check_linear_exact(dev, gen, M=40, N=256, K=256, tuning=None):
     """Exactly representable partial sums (small-integer activations, e2m1 / e4m3 weights with
     unit scales): every summation order gives the same float32, so kernel == reference bit for
     bit (bf16 output included)."""
     from dsv4.kernels.prefill import gemm as P
+    tuning = tuning or P.DEFAULT
     x = (torch.randint(-8, 9, (M, K), generator=gen).float() / 16).bfloat16().to(dev)
     from dsv4.formats import quantize_fp4_weight, quantize_fp8_weight
     grid = torch.tensor([0, .5, 1, 1.5, 2, 3, 4, 6])
@@ -113,10 +110,10 @@ def check_linear_exact(dev, gen, M=40, N=256, K=256):
         m = grid[torch.randint(0, 8, (N, K), generator=gen)] * sign
         w, s = (quantize_fp8_weight if fmt == "fp8" else quantize_fp4_weight)(m)
         w, s = w.to(dev), s.to(dev)
-        if P.mma_path(fmt) == "fp8" and not P.interpreting():
+        if P.mma_path(fmt, tuning=tuning) == "fp8" and not P.interpreting():
             continue                     # the FP8 tensor cores' alignment: check_linear's bound
         for od in (torch.float32, torch.bfloat16):
-            out = P.linear(x, w, s, fmt, out_dtype=od).cpu()
+            out = P.linear(x, w, s, fmt, out_dtype=od, tuning=tuning).cpu()
             assert torch.equal(out, P.linear_reference(x.cpu(), w.cpu(), s.cpu(), fmt,
                                                        out_dtype=od)), f"exact {fmt} {od}"
 
@@ -228,15 +225,16 @@ def check_split_k(dev, gen, M=3, N=256, K=512):
         assert outs[0].abs().sum() > 0
 
 
-def check_moe(dev, gen, T=50, D=256, I=128, E=8, k=3):
+def check_moe(dev, gen, T=50, D=256, I=128, E=8, k=3, tuning=None):
     """expert_plan's invariants; the grouped up / down / combine against the reference loop."""
     from dsv4.kernels.prefill import moe as P
+    tuning = tuning or P.DEFAULT
     x = torch.randn(T, D, generator=gen).bfloat16().to(dev)
     idx = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)]).sort(1).values
     idx[:5] = torch.arange(k)                                 # one expert gets most pairs
     wt = torch.rand(T, k, generator=gen).to(dev)
     idx = idx.to(dev)
-    plan = P.expert_plan(idx, wt, E)
+    plan = P.expert_plan(idx, wt, E, tuning=tuning)
     tile_e, tile_r = plan.tile_e.cpu(), plan.tile_r.cpu()
     token, inv = plan.token.cpu(), plan.inv.cpu()
     flat = idx.cpu().reshape(-1)
@@ -253,11 +251,11 @@ def check_moe(dev, gen, T=50, D=256, I=128, E=8, k=3):
         assert (flat[srt[rows]] == e).all(), f"tile of expert {e} holds other pairs"
     assert (covered == 1).all(), "every sorted pair in exactly one tile"
     for fmt in ("fp4", "fp8", "bf16"):
-        plan = P.expert_plan(idx, wt, E, fmt)
+        plan = P.expert_plan(idx, wt, E, fmt, tuning=tuning)
         w1, s1 = _fmt_weight(fmt, I, D, gen, dev, (E,), 0.1)
         w3, s3 = _fmt_weight(fmt, I, D, gen, dev, (E,), 0.1)
         w2, s2 = _fmt_weight(fmt, D, I, gen, dev, (E,), 0.1)
-        rows = P.Rows.of(x, fmt)
+        rows = P.Rows.of(x, fmt, tuning)
         a = P.moe_up(rows, plan, w1, s1, w3, s3, fmt, 10.0)
         o = P.moe_down(a, plan, w2, s2, fmt)
         sh = torch.randn(T, D, generator=gen).bfloat16().to(dev)
@@ -272,7 +270,8 @@ def check_moe(dev, gen, T=50, D=256, I=128, E=8, k=3):
         ws1, ss1 = _fmt_weight(fmt, I, D, gen, dev, spread=0.1)
         ws3, ss3 = _fmt_weight(fmt, I, D, gen, dev, spread=0.1)
         ws2, ss2 = _fmt_weight(fmt, D, I, gen, dev, spread=0.1)
-        got = P.shared_expert(rows, ws1, ss1, ws3, ss3, ws2, ss2, fmt, 10.0).float()
+        got = P.shared_expert(rows, ws1, ss1, ws3, ss3, ws2, ss2, fmt, 10.0,
+                              tuning=tuning).float()
         one = torch.zeros(T, 1, dtype=torch.int64, device=dev)
         sb = tuple(t.unsqueeze(0) if t is not None else None
                    for t in (ws1, ss1, ws3, ss3, ws2, ss2))
@@ -337,12 +336,18 @@ def check_compressor_rows(dev, gen):
     """Compressor.prefill with the entry kernel == the torch path (same inputs and state): cache
     rows within bf16 rounding (plus an e4m3 / e2m1 step where a rounding flips), state within
     float32 noise."""
+    from dsv4.backend import Options
     from dsv4.compressor import Compressor
+    from dsv4.ops import Ops
     from dsv4.presets import TINY
     from dsv4.quant import hadamard_matrix
     from dsv4.rope import rope_frequencies
     from dsv4.state import CompressorState
-    prior = os.environ.get("DSV4_KERNELS")
+    env = Options.from_env()              # TRITON_INTERPRET as this process runs
+    ops = {"torch": Ops.for_device(dev, cfg=TINY, options=env.replace(kernels="0")),
+           "kernel": Ops.for_device(dev, cfg=TINY, options=env.replace(
+               kernels="interpret" if dev == "cpu" else "1"))}
+    assert ops["kernel"].backend.rows and not ops["torch"].backend.rows
     for ratio, dc, rotate in ((4, 128, False), (4, 128, True), (16, 128, False)):
         comp = Compressor(TINY, ratio, dc, rotate, dev)
         for lin in (comp.wkv, comp.wgate):
@@ -358,8 +363,7 @@ def check_compressor_rows(dev, gen):
             st0.score.normal_()
             out = {}
             for mode in ("torch", "kernel"):
-                os.environ["DSV4_KERNELS"] = ("interpret" if dev == "cpu" else "1") \
-                    if mode == "kernel" else ("1" if dev == "cpu" else "0")
+                comp.set_ops(ops[mode])
                 st = CompressorState(st0.kv.clone(), st0.score.clone())
                 cache = torch.zeros(64, dc, dtype=torch.bfloat16, device=dev)
                 comp.prefill(x, st, cache, freqs, start)
@@ -372,10 +376,6 @@ def check_compressor_rows(dev, gen):
             assert err <= (0.5 if rotate else 0.13), (ratio, rotate, start, err)   # one step
             close = ((ck - ct).abs() <= 2 ** -7 * ct.abs() + 1e-6).float().mean()
             assert close > 0.97, (ratio, rotate, start, close)
-    if prior is None:
-        os.environ.pop("DSV4_KERNELS", None)
-    else:
-        os.environ["DSV4_KERNELS"] = prior
 
 
 def check_mhc_rows(dev, gen, S=33, D=128):
@@ -403,25 +403,29 @@ def check_layers(dev, tmp, seed):
     several offsets."""
     sys.path.insert(0, str(REPO / "tests"))
     from helpers import small_checkpoint
-    from dsv4.session import load_model
     from dsv4.runtime import RuntimeConfig
+    from dsv4.session import load_model
     m, ck = load_model(small_checkpoint(tmp, "fp8"), RuntimeConfig(max_seq_len=256,
                                                                   dtype=torch.bfloat16,
                                                                   devices=(dev,)))
     ck.close()
+    from dsv4.backend import Options
+    env = Options.from_env()              # TRITON_INTERPRET as this process runs
+    torch_path = env.replace(kernels="0")
+    kernel_path = env.replace(kernels="interpret" if dev == "cpu" else "1")
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, m.cfg.vocab_size, (120,), generator=gen).to(dev)
-    prior = os.environ.get("DSV4_KERNELS")
     for start, s in ((0, 70), (70, 50)):
         hin = (torch.randn(s, m.cfg.hc_mult, m.cfg.dim, generator=gen) * 0.5).bfloat16().to(dev)
         for blk, st in zip(m.layers, m.states):
             saved = {k: v.clone() for k, v in st.buffers().items()}
-            os.environ["DSV4_KERNELS"] = "0" if dev == "cuda" else "1"
+            m.use_options(torch_path)           # the same weights on the torch path
             ref = blk.prefill(hin, ids[start:start + s], st, start).float()
             ref_state = {k: v.clone() for k, v in st.buffers().items()}
             for k, v in saved.items():
                 st.buffers()[k].copy_(v)
-            os.environ["DSV4_KERNELS"] = "interpret" if dev == "cpu" else "1"
+            m.use_options(kernel_path)
+            assert blk.ops.backend.rows
             got = blk.prefill(hin, ids[start:start + s], st, start).float()
             # the capture-safe form (start on the device: every cache entry a masked candidate)
             # computes the same bits
@@ -441,10 +445,6 @@ def check_layers(dev, tmp, seed):
                 fin = torch.isfinite(ref_state[k])
                 d = (v.float()[fin] - ref_state[k].float()[fin]).norm()
                 assert d <= 2e-2 * ref_state[k].float()[fin].norm() + 1e-6, (blk.layer_id, k)
-    if prior is None:
-        os.environ.pop("DSV4_KERNELS", None)
-    else:
-        os.environ["DSV4_KERNELS"] = prior
 
 
 def check_parity_bf16(dev):
@@ -455,9 +455,9 @@ def check_parity_bf16(dev):
     if not (SHARED / "data" / "parity").is_dir() and not os.environ.get("DSV4_PARITY_DIR"):
         return
     from test_parity import check_logits, load_case
-    from dsv4.session import Session, load_model
     from dsv4.runtime import RuntimeConfig
     from dsv4.sampling import SamplingParams
+    from dsv4.session import Session, load_model
     for name in ("p1-bf16-3layer", "p2-fp8-2layer"):
         d, case, golden, gtokens = load_case(name, "bf16")
         model, ck = load_model(d, RuntimeConfig(max_seq_len=256, dtype=torch.bfloat16,
@@ -473,8 +473,9 @@ def check_all(dev, seed, tmp):
     gen = torch.Generator().manual_seed(seed)
     check_split_k(dev, gen)
     check_swiglu_split(dev, gen)
-    _both_paths(lambda: (check_linear(dev, gen), check_linear_exact(dev, gen),
-                         check_moe(dev, gen), check_moe(dev, gen, T=150, E=2, k=2)))
+    _both_paths(lambda t: (check_linear(dev, gen, tuning=t),
+                           check_linear_exact(dev, gen, tuning=t), check_moe(dev, gen, tuning=t),
+                           check_moe(dev, gen, T=150, E=2, k=2, tuning=t)))
     check_attention_rows(dev, gen)
     check_index_scores_rows(dev, gen)
     check_compressor_rows(dev, gen)
@@ -680,12 +681,12 @@ def test_fp8_gemm_writes_every_output():
 def test_prefill_gemm_flash_shapes():
     """The Flash linears of a 300-token chunk (odd tile counts) against float64 references."""
     gen = torch.Generator().manual_seed(input_seed(3))
-    def run():
+    def run(t):
         for n, k in ((1024, 4096), (32768, 1024), (512, 4096), (4096, 8192)):
-            check_linear("cuda", gen, M=300, N=n, K=k)
+            check_linear("cuda", gen, M=300, N=n, K=k, tuning=t)
         # 64 experts, not 256: the float64 references of a whole Flash bank take minutes
         check_wo_a("cuda", gen, M=1100)                                  # the dense path
-        check_moe("cuda", gen, T=300, D=4096, I=2048, E=64, k=6)          # ~28 rows each
-        check_moe("cuda", gen, T=20, D=4096, I=2048, E=64, k=6)           # 16-row tiles
-        check_moe("cuda", gen, T=600, D=4096, I=2048, E=16, k=6)          # 128-row tiles
+        check_moe("cuda", gen, T=300, D=4096, I=2048, E=64, k=6, tuning=t)   # ~28 rows each
+        check_moe("cuda", gen, T=20, D=4096, I=2048, E=64, k=6, tuning=t)    # 16-row tiles
+        check_moe("cuda", gen, T=600, D=4096, I=2048, E=16, k=6, tuning=t)   # 128-row tiles
     _both_paths(run)
