@@ -2,18 +2,21 @@
 attention sink, inverse RoPE and the grouped low-rank output projection (DSV4_SPEC §3.3).
 
 Legend: s = queries, h = heads, d = head_dim, k = attended entries, g = output groups,
-W = window, r = compress ratio. Prefill works on fresh tensors; `decode` is capture-safe.
+W = window, r = compress ratio. Prefill works on fresh tensors; `decode` is capture-safe. The fused
+kernels (q/kv prep, sparse attention, the compressor and indexer steps, the GEMVs) serve where the
+device's backend says so (self.ops); the torch math is the reference and the escape hatch.
 """
 from __future__ import annotations
 
 import torch
 
-from . import kernels, overlap
+from . import overlap
 from .compressor import Compressor
 from .config import ModelConfig
 from .indexer import Indexer
 from .linear import Linear
 from .mhc import rms_norm
+from .ops import Ops
 from .quant import fp8_quant_dequant
 from .rope import apply_rope, cos_sin, rope_frequencies
 from .sparse import sparse_attention, visible_bound
@@ -24,20 +27,30 @@ QUERY_BLOCK = 64  # prefill queries per torch sparse-attention call (bounds the 
 
 class Attention:
     def __init__(self, cfg: ModelConfig, ratio: int, fmt: str, device,
-                 hadamard_matrix: torch.Tensor | None = None):
+                 hadamard_matrix: torch.Tensor | None = None, ops: Ops | None = None):
         self.cfg, self.ratio = cfg, ratio
+        self.ops = ops = ops or Ops.for_device(device, cfg=cfg)
         H, Dh, G = cfg.n_heads, cfg.head_dim, cfg.o_groups
         self.attn_sink = torch.empty(H, dtype=torch.float32, device=device)
-        self.wq_a = Linear(cfg.q_lora_rank, cfg.dim, fmt, device)
+        self.wq_a = Linear(cfg.q_lora_rank, cfg.dim, fmt, device, ops)
         self.q_norm = torch.empty(cfg.q_lora_rank, dtype=torch.float32, device=device)
-        self.wq_b = Linear(H * Dh, cfg.q_lora_rank, fmt, device)
-        self.wkv = Linear(Dh, cfg.dim, fmt, device)
+        self.wq_b = Linear(H * Dh, cfg.q_lora_rank, fmt, device, ops)
+        self.wkv = Linear(Dh, cfg.dim, fmt, device, ops)
         self.kv_norm = torch.empty(Dh, dtype=torch.float32, device=device)
-        self.wo_a = Linear(G * cfg.o_lora_rank, H * Dh // G, fmt, device)
-        self.wo_b = Linear(cfg.dim, G * cfg.o_lora_rank, fmt, device)
-        self.compressor = Compressor(cfg, ratio, Dh, rotate=False, device=device) if ratio else None
-        self.indexer = Indexer(cfg, fmt, device, hadamard_matrix) if ratio == 4 else None
+        self.wo_a = Linear(G * cfg.o_lora_rank, H * Dh // G, fmt, device, ops)
+        self.wo_b = Linear(cfg.dim, G * cfg.o_lora_rank, fmt, device, ops)
+        self.compressor = (Compressor(cfg, ratio, Dh, rotate=False, device=device, ops=ops)
+                           if ratio else None)
+        self.indexer = Indexer(cfg, fmt, device, hadamard_matrix, ops) if ratio == 4 else None
         self.freqs = rope_frequencies(cfg, ratio, device)
+
+    def set_ops(self, ops: Ops) -> None:
+        self.ops = ops
+        for lin in (self.wq_a, self.wq_b, self.wkv, self.wo_a, self.wo_b):
+            lin.ops = ops
+        for part in (self.compressor, self.indexer):
+            if part is not None:
+                part.set_ops(ops)
 
     def tensors(self, prefix: str) -> dict[str, torch.Tensor]:
         d = {f"{prefix}.attn_sink": self.attn_sink, f"{prefix}.q_norm.weight": self.q_norm,
@@ -70,22 +83,19 @@ class Attention:
 
     def _project_out(self, o: torch.Tensor, rows: bool = False) -> torch.Tensor:
         """Grouped low-rank output projection of the de-rotated o ([s, h, d] or [s, h*d]): wo_a per
-        group on the unquantized activation (one Triton launch for a bf16 token), then wo_b.
+        group on the unquantized activation (one GEMV launch for a bf16 token, the prefill GEMM for
+        a chunk's rows, where the backend has them), then wo_b.
         rows: o holds decode rows (decode_rows): the GEMV kernels, each row as a one-row call."""
-        cfg, act, G = self.cfg, o.dtype, self.cfg.o_groups
+        cfg, act, G, be = self.cfg, o.dtype, self.cfg.o_groups, self.ops.backend
         o = o.reshape(o.shape[0], -1)                                           # [s, h*d]
-        gemv = self.wo_a.fmt == "fp8" and act == torch.bfloat16 and kernels.available(o.device)
-        if rows and not gemv:   # each row as decode's one-row path (not the prefill GEMM)
+        if rows and not be.wo_a_gemv:   # each row as decode's one-row path (not the prefill GEMM)
             return torch.cat([self._project_out(o[t:t + 1]) for t in range(o.shape[0])])
-        if gemv and (o.shape[0] == 1 or rows):
-            from .kernels.fp8_linear import fp8_linear
-            z = fp8_linear(o, self.wo_a.weight, self.wo_a.scale, quant_act=False,
-                           group_k=o.shape[-1] // G)
-        elif o.shape[0] > 1 and kernels.prefill_ok(o) and self.wo_a.fmt in ("fp8", "bf16") \
-                and cfg.o_lora_rank % 128 == 0 and (o.shape[-1] // G) % 128 == 0:
-            from .kernels.prefill_gemm import linear
-            z = linear(o, self.wo_a.weight, self.wo_a.scale, self.wo_a.fmt, out_dtype=act,
-                       quant_act=False, group_k=o.shape[-1] // G)
+        if be.wo_a_gemv and (o.shape[0] == 1 or rows):
+            z = self.ops.fp8_linear(o, self.wo_a.weight, self.wo_a.scale, quant_act=False,
+                                    group_k=o.shape[-1] // G)
+        elif o.shape[0] > 1 and be.wo_a_prefill:
+            z = self.ops.prefill_linear(o, self.wo_a.weight, self.wo_a.scale, self.wo_a.fmt,
+                                        out_dtype=act, quant_act=False, group_k=o.shape[-1] // G)
         else:
             wo_a = self.wo_a.dense(act).view(G, cfg.o_lora_rank, -1)           # [g, R, h/g*d]
             z = torch.einsum("sgd,grd->sgr", o.view(o.shape[0], G, -1), wo_a).flatten(1)
@@ -103,7 +113,8 @@ class Attention:
         cfg, s, dev = self.cfg, x.shape[0], x.device
         W, r = cfg.window_size, self.ratio
         shared = {} if shared is None else shared
-        rows = kernels.prefill_ok(x)         # the chunk's kernels (bf16 rows on the GPU)
+        ops = self.ops
+        rows = ops.backend.rows              # the chunk's kernels (bf16 rows on the GPU)
         if not rows and isinstance(start, torch.Tensor):
             start = int(start)                # the torch path: host shapes (never captured)
         if ("pos", dev) not in shared:
@@ -113,11 +124,10 @@ class Attention:
         cs = None if rows else cos_sin(pos, self.freqs)
         pos0 = pos[:1]
         if rows:
-            from .kernels import attention_prep as P
-            qr = P.rms_norm_rows(self.wq_a(x, x.dtype), self.q_norm, cfg.norm_eps)
-            q, kv = P.attention_prep_rows(self.wq_b(qr, x.dtype), self.wkv(x, x.dtype),
-                                          self.kv_norm, pos0, self.freqs, cfg.norm_eps,
-                                          cfg.n_heads)
+            qr = ops.rms_norm_rows(self.wq_a(x, x.dtype), self.q_norm, cfg.norm_eps)
+            q, kv = ops.attention_prep_rows(self.wq_b(qr, x.dtype), self.wkv(x, x.dtype),
+                                            self.kv_norm, pos0, self.freqs, cfg.norm_eps,
+                                            cfg.n_heads)
         else:
             qr, q, kv = self._q_kv(x, cs)
         # attended rows: [0, W) the ring as it was (positions < start), [W, W+s) this chunk's kv,
@@ -140,9 +150,8 @@ class Attention:
         st.kv_cache[pos[s - keep:] % W] = kv[s - keep:]
         scale = cfg.head_dim ** -0.5
         if rows:                                      # inverse RoPE in the kernel's epilogue
-            from .kernels.attention_prefill import sparse_attention_rows
-            return self._project_out(sparse_attention_rows(q, kv_all, idx, self.attn_sink, scale,
-                                                           self.freqs, pos0))
+            return self._project_out(ops.sparse_attention_rows(q, kv_all, idx, self.attn_sink,
+                                                               scale, self.freqs, pos0))
         o = torch.cat([sparse_attention(q[i:i + QUERY_BLOCK], kv_all, idx[i:i + QUERY_BLOCK],
                                         self.attn_sink, scale)
                        for i in range(0, s, QUERY_BLOCK)], dim=0)
@@ -152,12 +161,12 @@ class Attention:
     def decode(self, x: torch.Tensor, pos: torch.Tensor, st: LayerState, fused: bool | None = None
                ) -> torch.Tensor:
         """One token at device position `pos` ([1] int64): x [1, D] -> [1, D]. Capture-safe.
-        fused (default: bf16, one token, dsv4.kernels.available): decode_rows (everything between
-        the GEMVs in Triton kernels)."""
+        fused (default: one token where the backend has the fused decode): decode_rows
+        (everything between the GEMVs in Triton kernels)."""
         cfg, dev = self.cfg, x.device
         W, r = cfg.window_size, self.ratio
         if fused is None:
-            fused = x.dtype == torch.bfloat16 and x.shape[0] == 1 and kernels.available(dev)
+            fused = self.ops.backend.fused_decode and x.shape[0] == 1
         if fused:
             return self.decode_rows(x, pos, st)
         cs = cos_sin(pos, self.freqs)
@@ -181,8 +190,8 @@ class Attention:
         -> [T, D] (T = 1: decode's fused path; T > 1: the speculative verify rows, row t with the
         bits of decode(x[t:t+1], pos + t) after the rows before it). Same math and state updates
         as the torch path (bf16 activations), everything between the GEMVs in Triton kernels
-        (dsv4/kernels/attention_prep.py, attention_decode.py, compressor_decode.py,
-        indexer_decode.py); the projections of x, qr and o read each weight once for all rows.
+        (dsv4/kernels/decode/attention_prep.py, attention.py, compressor.py,
+        indexer.py); the projections of x, qr and o read each weight once for all rows.
         Capture-safe.
         When captured, the compressors and the indexer (state: their own buffers and
         kv_cache[W:]) are parallel branches (dsv4.overlap) beside wq_a + wkv, q_norm, wq_b and
@@ -196,13 +205,12 @@ class Attention:
         the ring is written after every row's attention (row t + 1's slot holds a position that
         row t's window reads): until then a row reads the slots of rows <= t from their prepped
         kv (attention_decode.sparse_attention_decode_rows)."""
-        from .kernels import attention_decode as K
-        from .kernels import attention_prep as P
+        ops = self.ops
         cfg, act, H, T = self.cfg, x.dtype, self.cfg.n_heads, x.shape[0]
         W, r, eps = cfg.window_size, self.ratio, cfg.norm_eps
         ps = pos if T == 1 else pos + torch.arange(T, device=x.device)   # the rows' positions
         rows = [slice(t, t + 1) for t in range(T)]
-        br = overlap.Branch(x, "attn", when=bool(r))
+        br = overlap.Branch(x, "attn", ops.backend.branches, when=bool(r))
         idx, n, proj = None, (st.kv_cache.shape[0] - W - 1 if r else 0), None  # n: compressed
         with br.side():
             if r:
@@ -214,10 +222,10 @@ class Attention:
                     self.compressor.decode(x[row], ps[row], st.compressor, st.kv_cache[W:],
                                            self.freqs, fused=True, proj=[proj[0][row], proj[1][row]])
         qr, kv = self._q_kv_rows(x)
-        qr = P.rms_norm_row(qr, self.q_norm, eps)
+        qr = ops.rms_norm_row(qr, self.q_norm, eps)
         bq = None
         if r == 4:
-            bq = overlap.Branch(qr, "attn", lane=1)
+            bq = overlap.Branch(qr, "attn", ops.backend.branches, lane=1)
             with bq.side():
                 iq = self.indexer.decode_query(qr, pos, self.freqs,
                                                q=self.indexer.wq_b.rows(qr, act))   # all rows
@@ -229,45 +237,43 @@ class Attention:
         o = torch.empty(T, H * cfg.head_dim, dtype=act, device=x.device)
         scale = cfg.head_dim ** -0.5
         if T == 1:
-            q = P.attention_prep(qb, kv, self.kv_norm, st.kv_cache, pos, self.freqs, eps, H,
-                                 W)                                    # also kv -> ring slot
+            q = ops.attention_prep(qb, kv, self.kv_norm, st.kv_cache, pos, self.freqs, eps, H,
+                                   W)                                  # also kv -> ring slot
         else:   # every row's q and kv; the ring is written after every row's attention
-            q, kv = P.attention_prep_rows(qb, kv, self.kv_norm, pos, self.freqs, eps, H,
-                                          decode=True)
+            q, kv = ops.attention_prep_rows(qb, kv, self.kv_norm, pos, self.freqs, eps, H,
+                                            decode=True)
         if bq is not None:
             bq.join()
         br.join()
         if T == 1:
-            K.sparse_attention_decode(q, st.kv_cache, self.attn_sink, pos, self.freqs, scale, H,
-                                      W, r, n, idx, out=o)             # inverse RoPE done
+            ops.sparse_attention_decode(q, st.kv_cache, self.attn_sink, pos, self.freqs, scale,
+                                        H, W, r, n, idx, out=o)        # inverse RoPE done
         else:
-            K.sparse_attention_decode_rows(q.view(T, -1), kv, st.kv_cache, self.attn_sink, pos,
-                                           self.freqs, scale, H, W, r, n, idx, out=o)
+            ops.sparse_attention_decode_rows(q.view(T, -1), kv, st.kv_cache, self.attn_sink, pos,
+                                             self.freqs, scale, H, W, r, n, idx, out=o)
         return self._project_out(o, rows=T > 1)
 
     def _q_kv_rows(self, x: torch.Tensor):
-        """wq_a(x), wkv(x) of bf16 decode rows: one FP8 launch when both are FP8 on CUDA, else
-        two."""
-        if self.wq_a.fmt == "fp8" and self.wkv.fmt == "fp8" and x.is_cuda:
-            from .kernels.fp8_linear import fp8_linear2
-            return fp8_linear2(x, self.wq_a.weight, self.wq_a.scale, self.wkv.weight,
-                               self.wkv.scale)
+        """wq_a(x), wkv(x) of bf16 decode rows: one FP8 launch when both are FP8 and the device
+        has the kernels, else two."""
+        if self.wq_a.fmt == "fp8" and self.wkv.fmt == "fp8" and self.ops.backend.kernels:
+            return self.ops.fp8_linear2(x, self.wq_a.weight, self.wq_a.scale, self.wkv.weight,
+                                        self.wkv.scale)
         return self.wq_a.rows(x, x.dtype), self.wkv.rows(x, x.dtype)
 
     def _side_projections(self, x: torch.Tensor) -> list:
         """The bf16 projections of x besides attention's own, in one launch: compressor wkv, wgate
         (float32), then for ratio 4 the indexer compressor's wkv, wgate (float32) and the indexer
         weights_proj (activation dtype)."""
-        from .kernels.bf16_linear import bf16_linear_multi
         c = self.compressor
         lins, dts = [c.wkv, c.wgate], [torch.float32, torch.float32]
         if self.indexer is not None:
             ic = self.indexer.compressor
             lins += [ic.wkv, ic.wgate, self.indexer.weights_proj]
             dts += [torch.float32, torch.float32, x.dtype]
-        if not x.is_cuda:   # the interpreter tests of the fused path: torch linears
+        if not self.ops.backend.kernels:   # the interpreter tests of the fused path: torch
             return [lin.rows(x, dt) for lin, dt in zip(lins, dts)]
-        return bf16_linear_multi(x, [lin.weight for lin in lins], dts)
+        return self.ops.bf16_linear_multi(x, [lin.weight for lin in lins], dts)
 
 
 def window_indices(start, s: int, window: int, device) -> torch.Tensor:

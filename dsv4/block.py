@@ -2,26 +2,31 @@
 
 Legend: s = tokens, c = hc_mult copies, D = dim. The residual stream h [s, c, D] is in the
 activation dtype. `decode` is capture-safe; `prefill` runs a chunk of positions at any offset.
+The mixes run as the fused mHC kernels where the device's backend says so (self.ops), else the
+torch math of dsv4.mhc.
 """
 from __future__ import annotations
 
 import torch
 
-from . import kernels, overlap
+from . import overlap
 from .attention import Attention
 from .config import ModelConfig
 from .mhc import hc_post, hc_pre, rms_norm
 from .moe import MoE
+from .ops import Ops
 from .state import LayerState
 
 
 class Block:
-    def __init__(self, cfg: ModelConfig, layer_id: int, device, hadamard_matrix=None):
+    def __init__(self, cfg: ModelConfig, layer_id: int, device, hadamard_matrix=None,
+                 ops: Ops | None = None):
         self.cfg, self.layer_id, self.device = cfg, layer_id, torch.device(device)
         self.ratio = cfg.ratio(layer_id)
+        self.ops = ops or Ops.for_device(device, cfg=cfg)     # the model passes its device's
         fmt = "fp8" if cfg.quantized else "bf16"
-        self.attn = Attention(cfg, self.ratio, fmt, device, hadamard_matrix)
-        self.ffn = MoE(cfg, layer_id, fmt, cfg.expert_format, device)
+        self.attn = Attention(cfg, self.ratio, fmt, device, hadamard_matrix, ops=self.ops)
+        self.ffn = MoE(cfg, layer_id, fmt, cfg.expert_format, device, ops=self.ops)
         D, mix = cfg.dim, cfg.mix_hc
         f32 = dict(dtype=torch.float32, device=device)
         self.attn_norm = torch.empty(D, **f32)
@@ -37,6 +42,12 @@ class Block:
         d.update(self.ffn.tensors(f"{prefix}.ffn"))
         return d
 
+    def set_ops(self, ops: Ops) -> None:
+        """Another backend for the block and everything in it (Transformer.use_options)."""
+        self.ops = ops
+        self.attn.set_ops(ops)
+        self.ffn.set_ops(ops)
+
     def weights(self) -> list:
         """Every Linear / ExpertBank of the block (for per-weight settings such as dense caching)."""
         a = self.attn
@@ -49,10 +60,13 @@ class Block:
             out += [a.indexer.wq_b, a.indexer.weights_proj]
         return out
 
+    def _hc(self, kind: str) -> tuple:
+        """The mix weights of sublayer `kind` ("attn" / "ffn"): (fn, scale, base)."""
+        return self.hc[f"hc_{kind}_fn"], self.hc[f"hc_{kind}_scale"], self.hc[f"hc_{kind}_base"]
+
     def _mix(self, h: torch.Tensor, kind: str, norm: torch.Tensor):
         cfg = self.cfg
-        x, post, comb = hc_pre(h, self.hc[f"hc_{kind}_fn"], self.hc[f"hc_{kind}_scale"],
-                               self.hc[f"hc_{kind}_base"], cfg.norm_eps, cfg.hc_eps,
+        x, post, comb = hc_pre(h, *self._hc(kind), cfg.norm_eps, cfg.hc_eps,
                                cfg.hc_sinkhorn_iters)
         return rms_norm(x, norm, cfg.norm_eps), post, comb
 
@@ -63,28 +77,19 @@ class Block:
         tensor (with the kernels: capture-safe, see Attention.prefill). shared: values the
         layers of one chunk compute once (Attention.prefill)."""
         mix, post_fn = self._mix, hc_post
-        if kernels.prefill_ok(h) and (h.shape[1] * h.shape[2]) % 64 == 0:
-            from .kernels import mhc as K
-            mix, post_fn = self._mix_rows, K.hc_post_rows
+        if self.ops.backend.mhc_prefill:       # the chunk's rows on the mHC rows kernels
+            mix, post_fn = self._mix_rows, self.ops.hc_post_rows
         x, post, comb = mix(h, "attn", self.attn_norm)
         h = post_fn(self.attn.prefill(x, st, start, shared), h, post, comb)
         x, post, comb = mix(h, "ffn", self.ffn_norm)
         return post_fn(self.ffn.prefill(x, ids), h, post, comb)
 
     def _mix_rows(self, h: torch.Tensor, kind: str, norm: torch.Tensor):
-        from .kernels.mhc import hc_pre_norm_rows
-        cfg = self.cfg
-        return hc_pre_norm_rows(h, self.hc[f"hc_{kind}_fn"], self.hc[f"hc_{kind}_scale"],
-                                self.hc[f"hc_{kind}_base"], norm, cfg.norm_eps, cfg.hc_eps,
-                                cfg.hc_sinkhorn_iters)
+        return self.ops.hc_pre_norm_rows(h, *self._hc(kind), norm, self.cfg)
 
     def _mix_decode(self, h: torch.Tensor, kind: str, norm: torch.Tensor, branch=None):
-        """The fused hc_pre + RMSNorm of decode rows h [T, c, D] (dsv4.kernels.mhc.hc_pre_norm)."""
-        from .kernels.mhc import hc_pre_norm
-        cfg = self.cfg
-        return hc_pre_norm(h, self.hc[f"hc_{kind}_fn"], self.hc[f"hc_{kind}_scale"],
-                           self.hc[f"hc_{kind}_base"], norm, cfg.norm_eps, cfg.hc_eps,
-                           cfg.hc_sinkhorn_iters, branch)
+        """The fused hc_pre + RMSNorm of decode rows h [T, c, D] (Ops.hc_pre_norm)."""
+        return self.ops.hc_pre_norm(h, *self._hc(kind), norm, self.cfg, branch)
 
     def decode(self, h: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor, st: LayerState,
                out: torch.Tensor | None = None) -> torch.Tensor:
@@ -92,7 +97,7 @@ class Block:
         the result goes (may be h itself: the layer reads h only before its last kernel, which
         reads the attention sublayer's output instead; a decode step's static buffer then needs
         no copy); default a new tensor. With the fused mHC kernels: decode_rows of one row."""
-        if fused_mhc(h):
+        if self.ops.backend.mhc_decode and h.shape[0] == 1:
             return self.decode_rows(h, ids, pos, st, out=out)
         x, post, comb = self._mix(h, "attn", self.attn_norm)
         h = hc_post(self.attn.decode(x, pos, st), h, post, comb)
@@ -109,26 +114,20 @@ class Block:
         (one binary per row: the same bits; the linears read each weight once), Attention /
         MoE.decode_rows; each Sinkhorn runs beside its sublayer (hc_pre_norm's branch forks after
         its mix). Otherwise T decode calls. Capture-safe."""
-        if not fused_mhc(h[:1]):
+        ops = self.ops
+        if not ops.backend.mhc_decode:
             out = torch.empty_like(h) if out is None else out
             for t in range(h.shape[0]):
                 self.decode(h[t:t + 1], ids[t:t + 1], pos + t, st, out=out[t:t + 1])
             return out
-        from .kernels import mhc as K
-        sk = overlap.Branch(h, "mhc", lane=2, fork=False)
+        sk = overlap.Branch(h, "mhc", ops.backend.branches, lane=2, fork=False)
         x, post, comb = self._mix_decode(h, "attn", self.attn_norm, sk)
         a = self.attn.decode_rows(x, pos, st)
         sk.join()
-        h = K.hc_post(a, h, post, comb)
-        sk = overlap.Branch(h, "mhc", lane=2, fork=False)
+        h = ops.hc_post(a, h, post, comb)
+        sk = overlap.Branch(h, "mhc", ops.backend.branches, lane=2, fork=False)
         x, post, comb = self._mix_decode(h, "ffn", self.ffn_norm, sk)
         f = self.ffn.decode_rows(x, ids)
         sk.join()
-        return K.hc_post(f, h, post, comb, out=out)
+        return ops.hc_post(f, h, post, comb, out=out)
 
-
-def fused_mhc(h: torch.Tensor) -> bool:
-    """Use the fused Triton mHC kernels: one bf16 token on a device where kernels are available."""
-    from . import kernels
-    return h.dtype == torch.bfloat16 and h.shape[0] == 1 and kernels.available(h.device) \
-        and (h.shape[1] * h.shape[2]) % 256 == 0

@@ -108,13 +108,13 @@ class Stream:
 
     def timings(self, n_prompt: int) -> dict:
         """generate()'s timings, measured from the tokens as they arrived (for a cut run)."""
-        from .generate import _timings
+        from .session import _timings
         return _timings(n_prompt, max(len(self.ids) - 1, 0), self.t0, self.t_first, self.t_last)
 
 
 def run(args) -> int:
     from .config import ModelConfig
-    from .generate import GenerationResult
+    from .session import GenerationResult
     from .profiling import Profiler, parse_steps
     from .tokenizer import load_tokenizer
 
@@ -177,6 +177,7 @@ def run(args) -> int:
                               "interrupted": interrupted, "device": ",".join(devices),
                               "mode": mode, "dtype": args.dtype, "seed": seed, "timings": timings,
                               "memory": mem, "profile": prof.summary_path,
+                              "backend": session.model.backend_table(),
                               **({k: timings[k] for k in ("speculative", "acceptance_rate",
                                                           "tokens_per_step") if k in timings})}))
         else:

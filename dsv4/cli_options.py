@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from .errors import InputError, MissingFileError
-from .model import PREFILL_CHUNK
+from .runtime import PREFILL_CHUNK
 from .spec_policy import DEFAULT_MIN_ACCEPTANCE, check_min_acceptance
 
 
@@ -103,7 +103,7 @@ def add_runtime_args(p: argparse.ArgumentParser, max_seq_len: int | None = None,
 def check_runtime_args(args) -> tuple[list[str], str]:
     """Every runtime-flag check that needs no checkpoint (and --ckpt / --demo, --max-new-tokens
     where the parser has them); -> (devices, resolved mode)."""
-    from .generate import resolve_devices, resolve_mode
+    from .runtime import check_prefill_graphs, resolve_devices, resolve_mode
     if getattr(args, "ckpt", None) and getattr(args, "demo", False):
         raise InputError("give either --ckpt DIR or --demo, not both")
     n = getattr(args, "max_new_tokens", None)     # absent: taken per request (the server)
@@ -112,22 +112,14 @@ def check_runtime_args(args) -> tuple[list[str], str]:
     if args.prefill_chunk < 1:
         raise InputError(f"--prefill-chunk {args.prefill_chunk}: must be >= 1 (tokens per "
                          f"prefill pass; default {PREFILL_CHUNK})")
-    g = args.prefill_graphs
-    if g < 0 or g & (g - 1):
-        raise InputError(f"--prefill-graphs {g}: expected 0 (off) or a power of two (the "
-                         f"largest captured chunk, e.g. 256)")
+    check_prefill_graphs(args.prefill_graphs)        # its value, before any device is touched
     if args.speculative not in (0, 1):
         raise InputError(f"--speculative {args.speculative}: allowed 0 (off) or 1 (one drafted "
                          f"token per step; more is not implemented)")
     check_min_acceptance(args.speculative_min_acceptance)
     devices = resolve_devices(args.device)
     mode = resolve_mode(args.mode, devices)
-    if g and mode != "graph":
-        raise InputError(f"--prefill-graphs {g} needs graph mode (CUDA, --mode graph or auto); use "
-                         f"--prefill-graphs 0")
-    if g and args.speculative:
-        raise InputError(f"--prefill-graphs {g}: a prefill that the MTP block follows "
-                         f"(--speculative) does not replay chunk graphs; use --prefill-graphs 0")
+    check_prefill_graphs(args.prefill_graphs, mode, bool(args.speculative))
     return devices, mode
 
 
@@ -190,8 +182,8 @@ def demo_checkpoint() -> Path:
 def load_session(args, ckpt: Path, cap: int, devices: list[str], mode: str, sampling):
     """Load the checkpoint for a command and build its Session; prints the checkpoint's notice
     (a DSpark draft module left out) on stderr. -> (session, load seconds)."""
-    from .generate import Session, load_model
-    from .model import DTYPES, RuntimeConfig
+    from .session import Session, load_model
+    from .runtime import DTYPES, RuntimeConfig
     rt = RuntimeConfig(max_seq_len=cap, dtype=DTYPES[args.dtype], devices=tuple(devices),
                        prefill_chunk=args.prefill_chunk, mtp=bool(args.speculative),
                        prefill_graphs=args.prefill_graphs if mode == "graph" else 0)

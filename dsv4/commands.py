@@ -11,7 +11,7 @@ SUBCOMMANDS = {
     "decode": ("dsv4.cli", "decode one prompt: streamed text, a summary or one JSON object"),
     "chat": ("dsv4.chat_repl", "multi-turn chat in the terminal (or through a pipe)"),
     "serve": ("dsv4.serve", "the OpenAI-compatible HTTP server"),
-    "bench": ("dsv4.bench", "decode benchmark on device-generated weights (BENCHMARKS.md)"),
+    "bench": ("dsv4.bench.decode", "decode benchmark on device-generated weights (BENCHMARKS.md)"),
     "make-checkpoint": ("dsv4.commands", "write a random-weight checkpoint in the released format"),
 }
 

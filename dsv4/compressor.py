@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import torch
 
-from . import kernels
 from .config import ModelConfig
 from .linear import Linear
 from .mhc import rms_norm
+from .ops import Ops
 from .quant import fp4_quant_dequant, fp8_quant_dequant, hadamard
 from .rope import apply_rope, cos_sin
 from .state import CompressorState
@@ -20,16 +20,21 @@ from .state import CompressorState
 class Compressor:
     """Weights of one compressor; prefill (batched) and a capture-safe decode step."""
 
-    def __init__(self, cfg: ModelConfig, ratio: int, dc: int, rotate: bool, device):
+    def __init__(self, cfg: ModelConfig, ratio: int, dc: int, rotate: bool, device,
+                 ops: Ops | None = None):
         self.cfg, self.ratio, self.dc, self.rotate = cfg, ratio, dc, rotate
+        self.ops = ops = ops or Ops.for_device(device, cfg=cfg)
         self.overlap = ratio == 4
         c = 2 if self.overlap else 1
         # stored bf16, applied in float32 (the reference holds them as float32)
-        self.wkv = Linear(c * dc, cfg.dim, "bf16", device)
-        self.wgate = Linear(c * dc, cfg.dim, "bf16", device)
+        self.wkv = Linear(c * dc, cfg.dim, "bf16", device, ops)
+        self.wgate = Linear(c * dc, cfg.dim, "bf16", device, ops)
         self.ape = torch.empty(ratio, c * dc, dtype=torch.float32, device=device)
         self.norm = torch.empty(dc, dtype=torch.float32, device=device)
         self.hadamard = None  # set by the owner when rotate (shared matrix)
+
+    def set_ops(self, ops: Ops) -> None:
+        self.ops = self.wkv.ops = self.wgate.ops = ops
 
     def tensors(self, prefix: str) -> dict[str, torch.Tensor]:
         d = {**self.wkv.tensors(f"{prefix}.wkv"), **self.wgate.tensors(f"{prefix}.wgate")}
@@ -60,7 +65,7 @@ class Compressor:
         start: an int, or a [1] int64 device tensor (the kernel path is then capture-safe; the
         torch path reads it on the host)."""
         kv, sc = self._project(x)                                     # [s, c*dc] f32
-        if kernels.prefill_ok(x):
+        if self.ops.backend.rows:
             pos0 = start if isinstance(start, torch.Tensor) else torch.full(
                 (1,), start, dtype=torch.int64, device=x.device)
             return self._prefill_rows(kv, sc, st, cache, freqs, pos0)
@@ -111,9 +116,8 @@ class Compressor:
         roll = cur + (j + o) % r
         ext_kv = torch.cat((st.kv.index_select(0, roll), kv))         # [r + s, c*dc]
         ext_sc = torch.cat((st.score.index_select(0, roll), sc))
-        from .kernels.compressor_prefill import compress_rows
-        compress_rows(ext_kv, ext_sc, st.kv, st.score, pos0, self.norm, freqs, cache,
-                      self.cfg.norm_eps, r, self.rotate, self.dc - self.cfg.rope_head_dim)
+        self.ops.compress_rows(ext_kv, ext_sc, st.kv, st.score, pos0, self.norm, freqs, cache,
+                               self.cfg.norm_eps, r, self.rotate, self.dc - self.cfg.rope_head_dim)
         if self.overlap:                              # the last complete block -> "previous"
             nb = (o + s) // r                                           # [1] blocks completed
             last = (r - o + (nb - 1) * r).clamp_min(0) + j              # its ext rows
@@ -132,17 +136,17 @@ class Compressor:
                freqs: torch.Tensor, fused: bool | None = None, proj: list | None = None) -> None:
         """One token at `pos` ([1] int64): update state; when (pos+1) % r == 0 write entry pos//r,
         else write the same computation to the scratch row (cache[-1]). Capture-safe.
-        fused (default: bf16, one token, dsv4.kernels.available): one Triton launch after the
-        projections (dsv4/kernels/compressor_decode.py); it leaves the scratch row alone.
+        fused (default: one token where the backend has the fused decode): one Triton launch after
+        the projections (dsv4/kernels/decode/compressor.py); it leaves the scratch row alone.
         proj: (wkv(x), wgate(x)) float32 when the caller computed them already."""
         r, dc = self.ratio, self.dc
         kv, sc = self._project(x) if proj is None else proj             # [1, c*dc]
         if fused is None:
-            fused = x.dtype == torch.bfloat16 and x.shape[0] == 1 and kernels.available(x.device)
+            fused = self.ops.backend.fused_decode and x.shape[0] == 1
         if fused:
-            from .kernels.compressor_decode import compressor_decode
-            compressor_decode(kv, sc, self.ape, st.kv, st.score, self.norm, freqs, pos, cache,
-                              self.cfg.norm_eps, r, self.rotate, dc - self.cfg.rope_head_dim)
+            self.ops.compressor_decode(kv, sc, self.ape, st.kv, st.score, self.norm, freqs, pos,
+                                       cache, self.cfg.norm_eps, r, self.rotate,
+                                       dc - self.cfg.rope_head_dim)
             return
         slot = pos % r
         sc = sc + self.ape.index_select(0, slot)

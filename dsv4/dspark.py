@@ -89,28 +89,6 @@ def to_hf(ds: DSparkConfig) -> dict:
     return d
 
 
-def draft_tensor_table(cfg) -> dict:
-    """name -> (shape, dtype name) of the draft module of DSpark config `cfg`, per the vLLM loader:
-    what synthetic DSpark checkpoints write. The loader does not check these (it skips them)."""
-    from .checkpoint import _block, _hc_head, _linear
-    ds = cfg.dspark
-    ratios = ds.compress_ratios or (0,) * ds.n_blocks
-    full = cfg.replace(dspark=None, n_mtp_layers=ds.n_blocks,
-                       compress_ratios=tuple(cfg.compress_ratios) + tuple(ratios))
-    D, t = cfg.dim, {}
-    for i in range(ds.n_blocks):
-        _block(t, full, f"mtp.{i}.", cfg.n_layers + i)
-    _linear(t, cfg, "mtp.0.main_proj", D, D * len(ds.target_layer_ids))
-    t["mtp.0.main_norm.weight"] = ((D,), "BF16")
-    last = f"mtp.{ds.n_blocks - 1}."
-    t[last + "norm.weight"] = ((D,), "BF16")
-    _hc_head(t, cfg, last)
-    t[last + "markov_head.markov_w1.weight"] = ((cfg.vocab_size, ds.markov_rank), "BF16")
-    t[last + "markov_head.markov_w2.weight"] = ((cfg.vocab_size, ds.markov_rank), "BF16")
-    t[last + "confidence_head.proj.weight"] = ((1, D + ds.markov_rank), "F32")
-    return t
-
-
 def skipped_notice(cfg, skipped: Mapping[str, Any]) -> str:
     """The one line that says what a DSpark checkpoint's plain decode leaves out.
     `skipped`: name -> TensorInfo of the tensors not loaded."""

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import torch
 
-from . import kernels
 from .compressor import Compressor
 from .config import ModelConfig
 from .linear import Linear
+from .ops import Ops
 from .quant import fp4_quant_dequant, hadamard
 from .rope import apply_rope
 from .sparse import index_scores, topk_lowest, visible_bound
@@ -21,14 +21,20 @@ TOPK_ELEMS = 1 << 24   # prefill kernels: bound on the [queries, entries] int64 
 
 
 class Indexer:
-    def __init__(self, cfg: ModelConfig, fmt: str, device, hadamard_matrix: torch.Tensor):
+    def __init__(self, cfg: ModelConfig, fmt: str, device, hadamard_matrix: torch.Tensor,
+                 ops: Ops | None = None):
         self.cfg = cfg
+        self.ops = ops = ops or Ops.for_device(device, cfg=cfg)
         self.n_heads, self.head_dim = cfg.index_n_heads, cfg.index_head_dim
-        self.wq_b = Linear(self.n_heads * self.head_dim, cfg.q_lora_rank, fmt, device)
-        self.weights_proj = Linear(self.n_heads, cfg.dim, "bf16", device)
-        self.compressor = Compressor(cfg, 4, self.head_dim, rotate=True, device=device)
+        self.wq_b = Linear(self.n_heads * self.head_dim, cfg.q_lora_rank, fmt, device, ops)
+        self.weights_proj = Linear(self.n_heads, cfg.dim, "bf16", device, ops)
+        self.compressor = Compressor(cfg, 4, self.head_dim, rotate=True, device=device, ops=ops)
         self.compressor.hadamard = hadamard_matrix
         self.hadamard = hadamard_matrix
+
+    def set_ops(self, ops: Ops) -> None:
+        self.ops = self.wq_b.ops = self.weights_proj.ops = ops
+        self.compressor.set_ops(ops)
 
     def tensors(self, prefix: str) -> dict[str, torch.Tensor]:
         return {**self.wq_b.tensors(f"{prefix}.wq_b"),
@@ -50,12 +56,11 @@ class Indexer:
         start: an int, or a [1] int64 device tensor (kernel path: t is then the whole cache,
         masked by position, and nothing syncs with the host)."""
         s, act = x.shape[0], x.dtype
-        rows = kernels.prefill_ok(x)
+        rows = self.ops.backend.rows
         if rows:                           # RoPE, Hadamard, FP4 fake-quant in one launch
-            from .kernels.indexer_decode import index_query
             pos0 = start if isinstance(start, torch.Tensor) else torch.full(
                 (1,), start, dtype=torch.int64, device=x.device)
-            q = index_query(self.wq_b(qr, act), pos0, freqs, self.n_heads).view(
+            q = self.ops.index_query(self.wq_b(qr, act), pos0, freqs, self.n_heads).view(
                 s, self.n_heads, self.head_dim)
             w = self.weights_proj(x, act) * (self.head_dim ** -0.5 * self.n_heads ** -0.5)
         else:
@@ -70,8 +75,7 @@ class Indexer:
         keys = st.index_cache[:t]
         visible = (start + 1 + torch.arange(s, device=x.device)).unsqueeze(1) // 4
         if rows:                           # one launch, the masked scores [s, t]
-            from .kernels.indexer_prefill import index_scores_rows
-            scores = index_scores_rows(q, w, keys, pos0)
+            scores = self.ops.index_scores_rows(q, w, keys, pos0)
         else:
             cols = torch.arange(t, device=x.device)
         # chunk the queries so the [c, h, t] score tensor (torch) and top-k's int64 keys stay
@@ -91,14 +95,14 @@ class Indexer:
     def decode(self, x, qr, cs, pos, st: LayerState, freqs, offset: int, fused: bool | None = None,
                raw: bool = False, proj: list | None = None) -> torch.Tensor:
         """One query at `pos` -> [1, min(k, n)] indices over the whole fixed-size cache. Capture-safe.
-        fused (default: bf16, one token, dsv4.kernels.available): the fused parts below
+        fused (default: one token where the backend has the fused decode): the fused parts below
         (decode_compress, decode_query, decode_select; cs unused). raw: the top-k entry numbers
         themselves (unsorted; valid iff < (pos+1)//4), without the offset and the -1 mask (the
         fused attention takes those).
         proj (fused): [compressor wkv(x), wgate(x), weights_proj(x)] computed by the caller."""
         act = x.dtype
         if fused is None:
-            fused = act == torch.bfloat16 and x.shape[0] == 1 and kernels.available(x.device)
+            fused = self.ops.backend.fused_decode and x.shape[0] == 1
         keys = st.index_cache[:-1]                                    # [n, di], scratch row excluded
         visible = (pos + 1) // 4                                      # [1]
         if fused:
@@ -127,14 +131,13 @@ class Indexer:
     def decode_query(self, qr, pos, freqs, q: torch.Tensor | None = None) -> torch.Tensor:
         """Fused decode, part 2 (qr only): the index query [1, h, di] from qr (wq_b, RoPE,
         Hadamard, FP4 fake-quant); q: wq_b(qr) when the caller computed it (decode rows)."""
-        from .kernels.indexer_decode import index_query
-        return index_query(self.wq_b(qr, qr.dtype) if q is None else q, pos, freqs, self.n_heads)
+        return self.ops.index_query(self.wq_b(qr, qr.dtype) if q is None else q, pos, freqs,
+                                    self.n_heads)
 
     def decode_select(self, q, pos, st: LayerState, w: torch.Tensor) -> torch.Tensor:
         """Fused decode, part 3 (after decode_compress and decode_query): scores of the query q
         against the index cache with head weights w = weights_proj(x), and the top-k entry
         numbers [1, k] (unsorted; valid iff < (pos+1)//4)."""
-        from .kernels.indexer_decode import index_scores, index_topk
         keys = st.index_cache[:-1]
-        sc = index_scores(q, w, keys, pos, self.head_dim ** -0.5 * self.n_heads ** -0.5)
-        return index_topk(sc, min(self.cfg.index_topk, keys.shape[0]))
+        sc = self.ops.index_scores(q, w, keys, pos, self.head_dim ** -0.5 * self.n_heads ** -0.5)
+        return self.ops.index_topk(sc, min(self.cfg.index_topk, keys.shape[0]))

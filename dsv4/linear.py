@@ -3,15 +3,17 @@
 Semantics follow the official `linear()`: FP8/FP4 weights get W8A8 — the input is quantized to
 e4m3 per 128 with ue8m0 scales, then multiplied with the (exactly) dequantized weight with float32
 accumulation, output in the activation dtype. bf16 weights are a plain matmul in the activation
-dtype. Dequantization happens per call (weights stay in their stored format in memory).
+dtype. Dequantization happens per call (weights stay in their stored format in memory). Where the
+device's backend has them (self.ops), a decode row goes to the GEMV kernels and a prefill chunk's
+rows to the stored-format GEMM; the dtypes of the call decide the rest.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from . import kernels
 from .formats import FP4_BLOCK, FP8_BLOCK, dequantize_fp4_weight, dequantize_fp8_weight
+from .ops import Ops
 from .quant import fp8_quant_dequant
 
 FORMATS = ("bf16", "fp8", "fp4", "f32")
@@ -25,10 +27,12 @@ class Linear:
     fmt "bf16"/"f32": weight [out, in] in that dtype, no scale (bf16 checkpoints, gate, compressor)
     """
 
-    def __init__(self, out_features: int, in_features: int, fmt: str, device):
+    def __init__(self, out_features: int, in_features: int, fmt: str, device,
+                 ops: Ops | None = None):
         if fmt not in FORMATS:
             raise ValueError(f"unknown weight format {fmt!r}; allowed {FORMATS}")
         self.out_features, self.in_features, self.fmt = out_features, in_features, fmt
+        self.ops = ops or Ops.for_device(device)      # the model passes its device's
         self.weight, self.scale = _alloc(fmt, (), out_features, in_features, device)
         self.dense_cache: dict | None = None   # dtype -> dense weight; set to {} to enable
 
@@ -54,16 +58,18 @@ class Linear:
 
     def __call__(self, x: torch.Tensor, act_dtype: torch.dtype) -> torch.Tensor:
         """y = x @ W^T with official semantics; x [..., in] -> [..., out] in act_dtype. Capture-safe.
-        One bf16 decode row on CUDA goes to the GEMV kernels, bf16 rows of a prefill chunk to the
-        prefill GEMM over the stored format (dsv4.kernels; DSV4_KERNELS=0: off)."""
-        if x.device.type == "cuda" and x.numel() == self.in_features and kernels.available(x.device):
+        One decode row goes to the GEMV kernels, the bf16 rows of a prefill chunk to the prefill
+        GEMM over the stored format, where the backend has them (DSV4_KERNELS=0: never)."""
+        be = self.ops.backend
+        if be.kernels and x.numel() == self.in_features:
             y = self._kernel(x, act_dtype)
             if y is not None:
                 return y.view(*x.shape[:-1], self.out_features)
-        elif x.numel() > self.in_features and kernels.prefill_ok(x) and self._gemm_fits(act_dtype):
-            from .kernels.prefill_gemm import linear
-            y = linear(x.reshape(-1, self.in_features), self.weight, self.scale, self.fmt,
-                       out_dtype=act_dtype)
+        elif (x.numel() > self.in_features and x.dtype == torch.bfloat16
+              and act_dtype in (torch.bfloat16, torch.float32)
+              and be.gemm_fits(self.fmt, self.in_features)):
+            y = self.ops.prefill_linear(x.reshape(-1, self.in_features), self.weight, self.scale,
+                                        self.fmt, out_dtype=act_dtype)
             return y.view(*x.shape[:-1], self.out_features)
         if self.quantized:
             x = fp8_quant_dequant(x, FP8_BLOCK, out_dtype=act_dtype)
@@ -72,20 +78,14 @@ class Linear:
         return F.linear(x, self.dense(act_dtype))
 
     def rows(self, x: torch.Tensor, act_dtype: torch.dtype) -> torch.Tensor:
-        """A few decode rows x [T, in] (the speculative verify rows): on CUDA the GEMV kernel reads
+        """A few decode rows x [T, in] (the speculative verify rows): with the kernels the GEMV reads
         the weight once for all rows, row t with the bits of self(x[t:t+1]); elsewhere, one call
         per row."""
-        if x.is_cuda and kernels.available(x.device):
+        if self.ops.backend.kernels:
             y = self._kernel(x, act_dtype)
             if y is not None:
                 return y
         return torch.cat([self(x[t:t + 1], act_dtype) for t in range(x.shape[0])])
-
-    def _gemm_fits(self, act_dtype: torch.dtype) -> bool:
-        """The prefill GEMM (dsv4.kernels.prefill_gemm) serves this weight for bf16 rows."""
-        from .kernels.prefill_gemm import BK
-        return (self.fmt in ("bf16", "fp8", "fp4") and act_dtype in (torch.bfloat16, torch.float32)
-                and self.in_features % (128 if self.quantized else BK) == 0)
 
     def _kernel(self, x: torch.Tensor, act_dtype: torch.dtype) -> torch.Tensor | None:
         """The GEMV kernel for one row (or a few: rows) in bf16 mode, or None (torch path). float32 mode (x and
@@ -93,12 +93,10 @@ class Linear:
         if (self.fmt == "fp8" and act_dtype == torch.bfloat16 and x.dtype in (torch.bfloat16,
                                                                               torch.float32)
                 and self.out_features % FP8_BLOCK == 0 and self.in_features % FP8_BLOCK == 0):
-            from .kernels.fp8_linear import fp8_linear
-            return fp8_linear(x, self.weight, self.scale)
+            return self.ops.fp8_linear(x, self.weight, self.scale)
         if self.fmt == "bf16" and x.dtype == torch.bfloat16 and act_dtype in (torch.bfloat16,
                                                                               torch.float32):
-            from .kernels.bf16_linear import bf16_linear
-            return bf16_linear(x, self.weight, out_dtype=act_dtype)
+            return self.ops.bf16_linear(x, self.weight, out_dtype=act_dtype)
         return None
 
 

@@ -3,61 +3,29 @@
 Weights stay in their stored formats on the device that owns their layer; all decode state is
 preallocated at the cache capacity. `prefill` feeds a prompt (or the next tokens of a sequence) in
 chunks at any position; `decode_step` is the eager, capture-safe one-token step (device tensors
-for token and position). Legend: s = tokens, c = hc_mult, D = dim, V = vocab.
+for token and position). The backend of each device (dsv4.backend: which kernels serve which op)
+is resolved here, once, and handed to every layer as its `ops`.
+Legend: s = tokens, c = hc_mult, D = dim, V = vocab.
 """
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
-from .block import Block, fused_mhc
+from .backend import Options, resolve
+from .block import Block
 from .config import ModelConfig
-from .errors import CapacityError, ConfigError, DeviceError
+from .errors import CapacityError, ConfigError
 from .mhc import hc_head, rms_norm
+from .ops import Ops
 from .quant import hadamard_matrix
+from .runtime import RuntimeConfig
 from .state import LayerState
 
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 HEAD_CHUNK = 16384  # vocab rows per float32 head matmul (bounds the transient of the fp32 copy)
-PREFILL_CHUNK = 4096  # default prompt tokens per prefill pass: activations scale with it
 PROGRESS_CHUNKS = 4   # a prefill of at least this many chunks shows a progress bar (if asked)
-
-
-@dataclass(frozen=True)
-class RuntimeConfig:
-    """Runtime knobs, apart from the model hyper-parameters."""
-    max_seq_len: int = 4096
-    dtype: torch.dtype = torch.bfloat16          # activation dtype: bfloat16 or float32
-    devices: tuple = ("cpu",)                    # layer devices in pipeline order; head on [0]
-    cache_dense: bool | None = None              # keep dequantized weights (default: CPU only)
-    prefill_chunk: int = PREFILL_CHUNK           # prompt tokens per prefill pass (bounds memory)
-    mtp: bool = False                            # hold the MTP block (speculative decoding)
-    prefill_graphs: int = 0                      # graph mode: largest captured prefill chunk
-    # (a power of two; 0 = off): prompts up to it replay chunk graphs (dsv4.prefill_graphs)
-
-    def __post_init__(self):
-        if self.dtype not in (torch.bfloat16, torch.float32):
-            raise ConfigError(f"dtype = {self.dtype}; allowed: bfloat16, float32")
-        g = self.prefill_graphs
-        if isinstance(g, bool) or not isinstance(g, int) or g < 0 or g & (g - 1):
-            raise ConfigError(f"prefill_graphs = {g!r}; expected 0 (off) or a power of two")
-        for name in ("max_seq_len", "prefill_chunk"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ConfigError(f"{name} = {v!r}; expected a positive integer")
-        object.__setattr__(self, "devices", tuple(torch.device(d) for d in self.devices))
-        cuda = [d for d in self.devices if d.type == "cuda"]
-        if cuda and not torch.cuda.is_available():   # else torch raises a bare AssertionError
-            raise DeviceError(f"devices = {tuple(map(str, self.devices))}: this torch build has "
-                              f"no CUDA ({torch.__version__}; torch.cuda.is_available() is False); "
-                              f"use devices=('cpu',), or install a CUDA build of torch")
-        for d in cuda:
-            if (d.index or 0) >= torch.cuda.device_count():
-                raise DeviceError(f"devices: {d} does not exist; this machine has "
-                                  f"{torch.cuda.device_count()} CUDA device(s)")
 
 
 class Transformer:
@@ -71,6 +39,11 @@ class Transformer:
         if len(self.placement) != cfg.n_layers:
             raise ConfigError(f"placement has {len(self.placement)} entries; expected n_layers = "
                               f"{cfg.n_layers}")
+        # the runtime switches, read once (the environment unless rt.options), and each device's
+        # backend: the one decision of which implementation serves each op
+        self.options = rt.options if rt.options is not None else Options.from_env()
+        self.ops_on = self._resolve(self.options)
+        self.ops = self.ops_on[self.head_device]
         hdev = self.head_device
         D, V = cfg.dim, cfg.vocab_size
         self.embed = torch.empty(V, D, dtype=torch.bfloat16, device=hdev)
@@ -86,7 +59,7 @@ class Transformer:
         for l, dev in enumerate(self.placement):
             if dev not in had:
                 had[dev] = hadamard_matrix(cfg.index_head_dim, dev)
-            self.layers.append(Block(cfg, l, dev, had[dev]))
+            self.layers.append(Block(cfg, l, dev, had[dev], self.ops_on[dev]))
             self.states.append(LayerState.allocate(cfg, cfg.ratio(l), rt.max_seq_len, self.act, dev))
         self.mtp = None                    # the MTP block on the head device (rt.mtp)
         if rt.mtp:
@@ -99,11 +72,40 @@ class Transformer:
                                   "(num_nextn_predict_layers = 0); use mtp=False")
             from .mtp import MTPBlock
             had.setdefault(hdev, hadamard_matrix(cfg.index_head_dim, hdev))
-            self.mtp = MTPBlock(cfg, 0, hdev, rt.max_seq_len, self.act, had[hdev])
+            self.mtp = MTPBlock(cfg, 0, hdev, rt.max_seq_len, self.act, had[hdev], self.ops)
         # the MTP block's rows follow the main model's by one (row t needs token t+1): it has read
         # positions < mtp_len; h_last = the main hidden stream of position mtp_len when pending
         self.mtp_len, self.h_last = 0, None
         self.prefill_graphs = None         # dsv4.prefill_graphs.PrefillGraphs, when captured
+
+    # ---- the backend ---------------------------------------------------------------------------
+    def _resolve(self, options: Options) -> dict:
+        """device -> Ops of its Backend, for the head device and every layer device."""
+        return {dev: Ops(resolve(dev, self.act, self.cfg, options))
+                for dev in dict.fromkeys([self.head_device, *self.placement])}
+
+    def backends(self) -> dict:
+        """device name -> its Backend."""
+        return {str(dev): ops.backend for dev, ops in self.ops_on.items()}
+
+    def backend_table(self) -> dict:
+        """op -> implementation, for the head device (the table of each device where they
+        differ: {device: table}); the CLI's --json `backend`."""
+        tables = {dev: be.table() for dev, be in self.backends().items()}
+        first = next(iter(tables.values()))
+        return first if all(t == first for t in tables.values()) else tables
+
+    def use_options(self, options: Options) -> None:
+        """Resolve the backends again for other runtime switches and hand them to every layer
+        (tests, benchmarks: the torch path beside the kernels on one loaded model). Build
+        sessions and graphs after it: captured steps keep the ops they were captured with."""
+        self.options = options
+        self.ops_on = self._resolve(options)
+        self.ops = self.ops_on[self.head_device]
+        for blk in self.layers:
+            blk.set_ops(self.ops_on[blk.device])
+        if self.mtp is not None:
+            self.mtp.set_ops(self.ops)
 
     # ---- weights -----------------------------------------------------------------------------
     def tensors(self) -> dict[str, torch.Tensor]:
@@ -152,14 +154,13 @@ class Transformer:
 
     def _head_in(self, h: torch.Tensor, head: tuple | None = None) -> torch.Tensor:
         """h [T, c, D] -> the head's input [T, D] float32 (hc_head, final norm): the fused kernels
-        for bf16 rows where they serve, else torch. head: (hc_head_* tensors, norm) other than
-        the model's (the MTP block's)."""
+        where the backend has the fused mHC, else torch. head: (hc_head_* tensors, norm) other
+        than the model's (the MTP block's)."""
         cfg = self.cfg
         hc_t, norm = head if head is not None else (self.hc_head, self.norm)
         hc = (hc_t["hc_head_fn"], hc_t["hc_head_scale"], hc_t["hc_head_base"])
-        if fused_mhc(h[:1]):
-            from .kernels.mhc import hc_head_norm
-            return hc_head_norm(h, *hc, norm, cfg.norm_eps, cfg.hc_eps).to(torch.float32)
+        if self.ops.backend.mhc_decode:
+            return self.ops.hc_head_norm(h, *hc, norm, cfg.norm_eps, cfg.hc_eps).to(torch.float32)
         x = hc_head(h, *hc, cfg.norm_eps, cfg.hc_eps)
         return rms_norm(x, norm, cfg.norm_eps).to(torch.float32)
 
@@ -168,10 +169,8 @@ class Transformer:
         head: (hc_head_* tensors, norm) other than the model's (the MTP block's)."""
         cfg = self.cfg
         x = self._head_in(h, head)[0]                                          # [D]
-        from . import kernels
-        if kernels.available(x.device):     # one float32-accumulating GEMV over the bf16 head
-            from .kernels.bf16_linear import bf16_linear
-            return bf16_linear(x[None], self.head, out_dtype=torch.float32)[0]
+        if self.ops.backend.kernels:   # one float32-accumulating GEMV over the bf16 head
+            return self.ops.bf16_linear(x[None], self.head, out_dtype=torch.float32)[0]
         return torch.cat([self.head[i:i + HEAD_CHUNK].to(torch.float32) @ x
                           for i in range(0, cfg.vocab_size, HEAD_CHUNK)])
 
@@ -181,12 +180,11 @@ class Transformer:
         T = h.shape[0]
         if out is None:
             out = torch.empty(T, self.cfg.vocab_size, dtype=torch.float32, device=h.device)
-        if not fused_mhc(h[:1]):
+        if not self.ops.backend.mhc_decode:
             for t in range(T):
                 out[t].copy_(self.logits(h[t:t + 1]))
             return out
-        from .kernels.bf16_linear import bf16_linear
-        return bf16_linear(self._head_in(h), self.head, out_dtype=torch.float32, out=out)
+        return self.ops.bf16_linear(self._head_in(h), self.head, out_dtype=torch.float32, out=out)
 
     def reset(self) -> None:
         """Start a new sequence (all layer state back to its fill values, in place)."""

@@ -1,25 +1,29 @@
 """MoE of one layer: the gate (score / hash routing), routed experts (clamped SwiGLU) and the shared
 expert (DSV4_SPEC §3.6). Legend: t = tokens, e = routed experts, k = activated per token,
 D = dim, I = moe_inter_dim. `decode` never syncs with the host; `prefill` may (it is not captured),
-though its kernel path does not.
+though its kernel path does not. The routing, routed experts and shared expert run on the kernels
+where the device's backend says so (self.ops), else as the torch loop over the experts.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from . import kernels, overlap
+from . import overlap
 from .config import ModelConfig
 from .linear import ExpertBank, Linear
+from .ops import Ops
 from .quant import fp8_quant_dequant
 
 
 class MoE:
-    def __init__(self, cfg: ModelConfig, layer_id: int, fmt: str, expert_fmt: str, device):
+    def __init__(self, cfg: ModelConfig, layer_id: int, fmt: str, expert_fmt: str, device,
+                 ops: Ops | None = None):
         self.cfg = cfg
+        self.ops = ops = ops or Ops.for_device(device, cfg=cfg)
         self.hash = layer_id < cfg.n_hash_layers
         E, D, I = cfg.n_routed_experts, cfg.dim, cfg.moe_inter_dim
-        self.gate = Linear(E, D, "bf16", device)
+        self.gate = Linear(E, D, "bf16", device, ops)
         # the file stores tid2eid as int64; the gate only gathers from it
         self.tid2eid = (torch.empty(cfg.vocab_size, cfg.n_activated_experts, dtype=torch.int64,
                                     device=device) if self.hash else None)
@@ -27,8 +31,13 @@ class MoE:
         self.experts = ExpertBank(E, D, I, expert_fmt, device)
         self._down_ws = None      # the CUDA down kernel's workspace, lazily; (): none needed
         self.hits: torch.Tensor | None = None   # [e] bool: set, prefill marks experts routed to
-        self.shared = {w: Linear(*((D, I) if w == "w2" else (I, D)), fmt, device)
+        self.shared = {w: Linear(*((D, I) if w == "w2" else (I, D)), fmt, device, ops)
                        for w in ("w1", "w2", "w3")}
+
+    def set_ops(self, ops: Ops) -> None:
+        self.ops = self.gate.ops = ops
+        for lin in self.shared.values():
+            lin.ops = ops
 
     def tensors(self, prefix: str) -> dict[str, torch.Tensor]:
         d = dict(self.gate.tensors(f"{prefix}.gate"))
@@ -90,7 +99,7 @@ class MoE:
 
     def decode(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """One token: x [1, D], ids [1] -> [1, D]. Fixed shapes, no host sync (capture-safe)."""
-        if self._kernels_serve(x):
+        if self.ops.backend.moe_decode:
             return self._decode_kernels(x, ids)
         w, idx = self.route(x, ids)
         idx, order = idx[0].sort()              # the reference adds experts in ascending id order
@@ -102,25 +111,20 @@ class MoE:
 
     def route_decode(self, x: torch.Tensor, ids: torch.Tensor):
         """decode's routing of rows x [T, D] (T = 1, or the speculative verify rows) as two
-        launches (gate GEMV, dsv4.kernels.route: the CUDA or Triton routing kernel): -> (weights
-        [T * k] f32, experts [T * k] int64, ascending per row), as route + sort."""
-        from .kernels.route import route_decode
+        launches (gate GEMV, the CUDA or Triton routing kernel: dsv4.kernels.decode.route): ->
+        (weights [T * k] f32, experts [T * k] int64, ascending per row), as route + sort."""
         cfg = self.cfg
-        return route_decode(self.gate.rows(x, torch.float32), cfg.n_activated_experts,
-                            cfg.score_func, cfg.route_scale, bias=self.bias, tid2eid=self.tid2eid,
-                            ids=ids if self.hash else None)
+        return self.ops.route_decode(self.gate.rows(x, torch.float32), cfg.n_activated_experts,
+                                     cfg.score_func, cfg.route_scale, bias=self.bias,
+                                     tid2eid=self.tid2eid, ids=ids if self.hash else None)
 
     def decode_rows(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """T decode rows (the speculative verify rows): x [T, D], ids [T] -> [T, D], row t with
         the bits of decode(x[t:t+1], ids[t:t+1]): the kernels' path for all rows at once, else
         decode row by row. Capture-safe."""
-        if self._kernels_serve(x):
+        if self.ops.backend.moe_decode:
             return self._decode_kernels(x, ids)
         return torch.cat([self.decode(x[t:t + 1], ids[t:t + 1]) for t in range(x.shape[0])])
-
-    def _kernels_serve(self, x: torch.Tensor) -> bool:
-        return (x.device.type == "cuda" and x.dtype == torch.bfloat16 and self.experts.fmt == "fp4"
-                and kernels.available(x.device))
 
     def _decode_kernels(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """decode of rows x [T, D] as kernel launches, each taking every row: the gate GEMV and
@@ -129,35 +133,25 @@ class MoE:
         captured (dsv4.overlap), forked after the routing (so the routing's small kernels find
         free SMs; the shared expert then streams beside up). Same math as the loop: bf16(routed
         sum in f32 + bf16 shared); row t has the bits of a one-row call. Capture-safe."""
-        from .kernels.fp4_experts import fp4_experts_down, fp4_experts_up
-        from .kernels.fp8_linear import fp8_linear, fp8_swiglu
-        bank, lim, sh = self.experts, self.cfg.swiglu_limit, self.shared
+        ops, bank, lim, sh = self.ops, self.experts, self.cfg.swiglu_limit, self.shared
         T, fp8 = x.shape[0], sh["w1"].fmt == "fp8"
         w, idx = self.route_decode(x, ids)                  # [T * k]: row t's experts, sorted
-        br = overlap.Branch(x, "moe", when=fp8)
+        br = overlap.Branch(x, "moe", ops.backend.branches, when=fp8)
         with br.side():
             if fp8:
-                a_sh = fp8_swiglu(x, sh["w1"].weight, sh["w1"].scale, sh["w3"].weight,
-                                  sh["w3"].scale, lim)
-                y_sh = fp8_linear(a_sh, sh["w2"].weight, sh["w2"].scale, out_dtype=x.dtype)
+                a_sh = ops.fp8_swiglu(x, sh["w1"].weight, sh["w1"].scale, sh["w3"].weight,
+                                      sh["w3"].scale, lim)
+                y_sh = ops.fp8_linear(a_sh, sh["w2"].weight, sh["w2"].scale, out_dtype=x.dtype)
             else:
                 y_sh = (self._shared(x) if T == 1 else
                         torch.cat([self._shared(x[t:t + 1]) for t in range(T)]))   # [T, D] act
-        a = fp4_experts_up(x, idx, w, bank.w1, bank.w1_scale, bank.w3, bank.w3_scale, lim)
+        a = ops.fp4_experts_up(x, idx, w, bank.w1, bank.w1_scale, bank.w3, bank.w3_scale, lim)
         br.join()
-        self._decode_workspace(idx.numel() // T, x, a)
-        return fp4_experts_down(a, idx, bank.w2, bank.w2_scale, add=y_sh, out_dtype=x.dtype,
-                                workspace=self._down_ws or None, rows=T)
-
-    def _decode_workspace(self, k: int, x: torch.Tensor, a: torch.Tensor) -> None:
-        """The down kernel's workspace for k experts per row, decided once: this layer's own (no
-        two layers share one); the launches of one layer run in order on one stream, so its rows
-        share it."""
-        from .kernels.expert_cuda import down_needs_workspace, down_workspace
-        if self._down_ws is None:
-            D = x.shape[-1]
-            self._down_ws = (down_workspace(k, D, x.device, shared=False)
-                             if down_needs_workspace(k, a.shape[-1], D) else ())
+        if self._down_ws is None:   # decided once: this layer's own (no two layers share one);
+            # the launches of one layer run in order on one stream, so its rows share it
+            self._down_ws = ops.down_workspace(idx.numel() // T, a.shape[-1], x)
+        return ops.fp4_experts_down(a, idx, bank.w2, bank.w2_scale, add=y_sh, out_dtype=x.dtype,
+                                    workspace=self._down_ws or None, rows=T)
 
     def prefill(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [t, D], ids [t] -> [t, D]. bf16 rows where the kernels serve: the (token, expert)
@@ -166,7 +160,7 @@ class MoE:
         w, idx = self.route(x, ids)
         if self.hits is not None:                    # the prefill benchmark's byte count
             self.hits.index_fill_(0, idx.reshape(-1), True)
-        if kernels.prefill_ok(x) and self._grouped_fits(x.shape[-1]):
+        if self.ops.backend.moe_prefill:
             return self._prefill_grouped(x, w, idx)
         y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         for e in torch.unique(idx).tolist():
@@ -175,29 +169,24 @@ class MoE:
             y[rows] += self._routed(x[rows], e_t, w[rows, slot]).float()
         return (y + self._shared(x)).to(x.dtype)
 
-    def _grouped_fits(self, dim: int) -> bool:
-        from .kernels.prefill_gemm import BK, BN
-        I, fmts = self.cfg.moe_inter_dim, (self.experts.fmt, self.shared["w1"].fmt)
-        return (all(f in ("bf16", "fp8", "fp4") for f in fmts) and dim % 128 == 0
-                and I % BN == 0 and I % BK == 0 and (dim % 1024 == 0 or dim & (dim - 1) == 0))
-
     def _prefill_grouped(self, x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor
                          ) -> torch.Tensor:
-        """prefill over dsv4.kernels.prefill_moe: x act-quantized (once where routed and shared
+        """prefill over dsv4.kernels.prefill.moe: x act-quantized (once where routed and shared
         use one tensor-core path), routed up (w1, w3, SwiGLU, route weight, act quant) and down
         per expert tile,
         the shared expert, then each token's sum in ascending expert order plus the shared
         output, as the reference's loop."""
-        from .kernels import prefill_moe as G
+        G, tn = self.ops.prefill_moe, self.ops.tuning
         bank, sh, lim = self.experts, self.shared, self.cfg.swiglu_limit
         idx, order = idx.sort(dim=1)              # the reference adds experts in ascending id
-        plan = G.expert_plan(idx, w.gather(1, order), bank.n_experts, bank.fmt)
-        xr = G.Rows.of(x, bank.fmt)
+        plan = G.expert_plan(idx, w.gather(1, order), bank.n_experts, bank.fmt, tuning=tn)
+        xr = G.Rows.of(x, bank.fmt, tn)
         n = x.shape[0]
-        same = G.Rows.kind(sh["w1"].fmt, n) == G.Rows.kind(bank.fmt, n)
-        xs = xr if same else G.Rows.of(x, sh["w1"].fmt)
+        same = G.Rows.kind(sh["w1"].fmt, n, tn) == G.Rows.kind(bank.fmt, n, tn)
+        xs = xr if same else G.Rows.of(x, sh["w1"].fmt, tn)
         a = G.moe_up(xr, plan, bank.w1, bank.w1_scale, bank.w3, bank.w3_scale, bank.fmt, lim)
         o = G.moe_down(a, plan, bank.w2, bank.w2_scale, bank.fmt)
         y_sh = G.shared_expert(xs, sh["w1"].weight, sh["w1"].scale, sh["w3"].weight,
-                               sh["w3"].scale, sh["w2"].weight, sh["w2"].scale, sh["w1"].fmt, lim)
+                               sh["w3"].scale, sh["w2"].weight, sh["w2"].scale, sh["w1"].fmt, lim,
+                               tuning=tn)
         return G.moe_combine(o, plan, y_sh)

@@ -15,6 +15,7 @@ from .block import Block
 from .config import ModelConfig
 from .linear import Linear
 from .mhc import rms_norm
+from .ops import Ops
 from .state import LayerState
 
 
@@ -22,15 +23,16 @@ class MTPBlock:
     """Weights and decode state of one MTP block; eager prefill over rows and a one-row decode."""
 
     def __init__(self, cfg: ModelConfig, index: int, device, capacity: int, act: torch.dtype,
-                 hadamard_matrix: torch.Tensor | None = None):
+                 hadamard_matrix: torch.Tensor | None = None, ops: Ops | None = None):
         self.cfg, self.index, self.device, self.act = cfg, index, torch.device(device), act
         layer_id = cfg.n_layers + index
         fmt = "fp8" if cfg.quantized else "bf16"
         D = cfg.dim
         f32 = dict(dtype=torch.float32, device=device)
-        self.block = Block(cfg, layer_id, device, hadamard_matrix)
-        self.e_proj = Linear(D, D, fmt, device)
-        self.h_proj = Linear(D, D, fmt, device)
+        ops = ops or Ops.for_device(device, act, cfg)
+        self.block = Block(cfg, layer_id, device, hadamard_matrix, ops)
+        self.e_proj = Linear(D, D, fmt, device, ops)
+        self.h_proj = Linear(D, D, fmt, device, ops)
         self.enorm, self.hnorm, self.norm = (torch.empty(D, **f32) for _ in range(3))
         self.hc_head = {"hc_head_fn": torch.empty(cfg.hc_mult, cfg.hc_mult * D, **f32),
                         "hc_head_base": torch.empty(cfg.hc_mult, **f32),
@@ -49,6 +51,10 @@ class MTPBlock:
 
     def weights(self) -> list:
         return [self.e_proj, self.h_proj, *self.block.weights()]
+
+    def set_ops(self, ops: Ops) -> None:
+        self.e_proj.ops = self.h_proj.ops = ops
+        self.block.set_ops(ops)
 
     def head(self) -> tuple[dict, torch.Tensor]:
         """(hc_head_* tensors, final norm) for Transformer.logits."""

@@ -4,19 +4,18 @@ CUDA graph: the shared expert beside routing and the routed experts, the compres
 indexer beside wq_b and attention prep (lanes 0 and 1), each mHC Sinkhorn beside its sublayer
 (lane 2). Only while a graph is being captured: replay pays nothing for it on the host, while an
 eager step would pay stream switches and event records per branch, so eager runs keep one stream
-(the same kernels, the same bits; tests/dsv4/test_kernels.py::test_pdl_and_branches_change_no_bit).
-`DSV4_OVERLAP=0` captures without branches; `DSV4_OVERLAP=moe` keeps only the named ones
-(moe, attn, mhc). Streams are made before capture (`prepare`): LANES side streams per device. (Side
+(the same kernels, the same bits; tests/dsv4/kernels/test_decode_kernels.py::
+test_pdl_and_branches_change_no_bit). Which branches are on is the backend's decision
+(dsv4.backend: DSV4_OVERLAP=0 none, =moe only the named ones of attn, mhc, moe); each Branch gets
+that set. Streams are made before capture (`prepare`): LANES side streams per device. (Side
 streams at the highest priority, which the graph's kernel nodes keep, measured no faster: the
 shared expert then streams inside up's window and up slows down by as much, BENCHMARKS.md.)"""
 from __future__ import annotations
 
 import contextlib
-import os
 
 import torch
 
-SWITCH = "DSV4_OVERLAP"
 LANES = 3
 _side: dict[torch.device, list] = {}
 
@@ -32,16 +31,10 @@ def prepare(device) -> None:
         _side[device] = [torch.cuda.Stream(device=device) for _ in range(LANES)]
 
 
-def enabled(name: str) -> bool:
-    """Whether branch `name` is on under DSV4_OVERLAP (unset or "1": all, "0": none, or a
-    comma-separated list of names)."""
-    v = os.environ.get(SWITCH, "1").strip()
-    return v == "1" or (v != "0" and name in {n.strip() for n in v.split(",")})
-
-
 class Branch:
-    """Fork at construction (or, with fork=False, where `b.fork()` is called: the side branch sees
-    the main stream's work up to there), run the block under `with b.side():` on side stream
+    """Branch `name` (on when it is in `branches`: Backend.branches) forks at construction (or,
+    with fork=False, where `b.fork()` is called: the side branch sees the main stream's work up
+    to there), run the block under `with b.side():` on side stream
     `lane`, `b.join()` before anything consumes its results (join one branch before the next one
     on the same lane forks). Outside capture (or unprepared, or switched off) all are no-ops and
     the block runs in order on the current stream. Tensors the side branch reads or writes must
@@ -49,10 +42,10 @@ class Branch:
     kernel the branch races with; `hold` them), and the main branch must not touch what the side
     branch writes before the join."""
 
-    def __init__(self, t: torch.Tensor, name: str, when: bool = True, lane: int = 0,
-                 fork: bool = True):
+    def __init__(self, t: torch.Tensor, name: str, branches: frozenset, when: bool = True,
+                 lane: int = 0, fork: bool = True):
         dev = t.device
-        self.on = (when and t.is_cuda and dev in _side and enabled(name)
+        self.on = (when and name in branches and t.is_cuda and dev in _side
                    and torch.cuda.is_current_stream_capturing())
         self._held, self.forked = [], False
         if self.on:

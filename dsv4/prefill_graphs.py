@@ -22,9 +22,11 @@ import time
 
 import torch
 
-from graphs import CUDAGraphDecoder, Segment
+from graphs import BufferSpec, CUDAGraphDecoder
 
 from .errors import ConfigError
+from .runtime import PREFILL_GRAPHS_EXPECTED, prefill_graphs_ok
+from .segments import DeviceBuffers, pass_segments
 
 FIX_HINTS = ("lower RuntimeConfig.prefill_graphs (fewer and smaller chunk graphs)",
              "RuntimeConfig.prefill_graphs = 0")
@@ -32,9 +34,8 @@ FIX_HINTS = ("lower RuntimeConfig.prefill_graphs (fewer and smaller chunk graphs
 
 def chunk_sizes(max_rows: int) -> list[int]:
     """The graph chunk sizes for max_rows (a power of two): 1, 2, 4, ..., max_rows."""
-    if isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1 \
-            or max_rows & (max_rows - 1):
-        raise ConfigError(f"prefill_graphs = {max_rows!r}; expected 0 (off) or a power of two")
+    if not prefill_graphs_ok(max_rows) or max_rows < 1:
+        raise ConfigError(f"prefill_graphs = {max_rows!r}; {PREFILL_GRAPHS_EXPECTED}")
     return [1 << i for i in range(max_rows.bit_length())]
 
 
@@ -85,26 +86,25 @@ class _ChunkGraphs:
     def __init__(self, model, S: int, nvtx_domain: str):
         cfg, hd = model.cfg, model.head_device
         self.S = S
-        self.ids = torch.zeros(S, dtype=torch.int64, device=hd)
-        self.start = torch.zeros(1, dtype=torch.int64, device=hd)
-        self.logits = torch.zeros(cfg.vocab_size, dtype=torch.float32, device=hd)
-        h, ids_on, start_on = {}, {}, {}
-        for dev in [hd] + model.placement:
-            if dev not in h:
-                h[dev] = torch.zeros(S, cfg.hc_mult, cfg.dim, dtype=model.act, device=dev)
-                ids_on[dev] = self.ids if dev == hd else torch.zeros_like(self.ids, device=dev)
-                start_on[dev] = self.start if dev == hd else torch.zeros_like(self.start,
-                                                                              device=dev)
-        segs = [Segment("embed", hd, _embed_fn(model, self.ids, h[hd]),
-                        reads={"ids": self.ids}, writes={"h": h[hd]})]
-        for l, (blk, st) in enumerate(zip(model.layers, model.states)):
-            dev = blk.device
-            segs.append(Segment(f"layer{l}", dev,
-                                _layer_fn(blk, st, h[dev], ids_on[dev], start_on[dev]),
-                                reads={"h": h[dev], "ids": ids_on[dev], "start": start_on[dev]},
-                                writes={"h": h[dev]}))
-        segs.append(Segment("lm_head", hd, _head_fn(model, h[hd], self.logits),
-                            reads={"h": h[hd]}, writes={"logits": self.logits}))
+        bufs = DeviceBuffers.allocate(model, S, [BufferSpec("ids", (S,), torch.int64, hd, 0),
+                                                 BufferSpec("start", (1,), torch.int64, hd, 0)])
+        self.ids, self.start = bufs.head("ids"), bufs.head("start")
+        self.logits = BufferSpec("logits", (cfg.vocab_size,), torch.float32, hd).allocate()
+        h = bufs.h[hd]
+
+        def embed():
+            h.copy_(model.embed_tokens(self.ids))
+
+        def layer(l, blk, st, h, ids, start):
+            def fn():
+                h.copy_(blk.prefill(h, ids, st, start))
+            return fn
+
+        def lm_head():
+            self.logits.copy_(model.logits(h[-1:]))
+
+        segs = pass_segments(model, bufs, embed, ({"ids": self.ids}, {}), layer, ("ids", "start"),
+                             lm_head, {"logits": self.logits})
         self.decoder = CUDAGraphDecoder(segs, inputs={"ids": self.ids, "start": self.start},
                                         outputs={"logits": self.logits}, mode="graph",
                                         warmup_iters=1, reset_fn=model.reset,
@@ -219,20 +219,3 @@ class PrefillGraphs:
             pos += S
         return out.clone()
 
-
-def _embed_fn(model, ids, h):
-    def fn():
-        h.copy_(model.embed_tokens(ids))
-    return fn
-
-
-def _layer_fn(blk, st, h, ids, start):
-    def fn():
-        h.copy_(blk.prefill(h, ids, st, start))
-    return fn
-
-
-def _head_fn(model, h, logits):
-    def fn():
-        logits.copy_(model.logits(h[-1:]))
-    return fn

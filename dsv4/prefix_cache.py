@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from .errors import InputError
-from .generate import GenerationResult, Session, check_token_ids
+from .session import GenerationResult, Session, check_token_ids
 from .snapshot import StateSnapshot
 
 

@@ -1,21 +1,81 @@
-"""Glue between the model and the graphs/ runtime: static decode buffers and one segment per layer.
+"""Glue between the model and the graphs/ runtime: the static buffers of a pass through the
+layers on each device and its segments, built once for the three passes that replay from graphs
+(the plain decode step below, the speculative step in dsv4.spec_step, the prefill chunks in
+dsv4.prefill_graphs).
 
-A decode step is: `embed` (head device) -> `layer{l}` (each on its device, hidden state handed
-off at device boundaries) -> `lm_head` (hc_head, norm, logits) -> `sample` (writes the next token
-and position back into the static inputs), both on the head device. Every fn is capture-safe.
+A pass is: `embed` (head device) -> `layer{l}` (each on its device, the hidden rows handed off at
+device boundaries) -> `lm_head` (head device), plus what the caller adds. The plain decode step
+appends `sample` (writes the next token and position back into the static inputs). Every fn is
+capture-safe.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Callable, Sequence
 
 import torch
 
-from graphs import Segment
+from graphs import BufferSpec, Segment
 
 from . import overlap
 from .model import Transformer
 from .sampling import SamplingKnobs, SamplingParams, sample
 
+
+def pass_devices(model: Transformer) -> list[torch.device]:
+    """The devices of a pass: the head device first, then each other layer device in order."""
+    return list(dict.fromkeys([model.head_device, *model.placement]))
+
+
+@dataclass
+class DeviceBuffers:
+    """The per-device static buffers of a pass of `rows` rows: the hidden rows h[dev]
+    [rows, c, D] (activation dtype, fill 0) on every device of the pass, and each named input of
+    the layers on every device: on the head device the input itself, elsewhere a copy of its
+    spec there (same fill), which the graphs/ plan keeps in step by a hand-off copy."""
+    h: dict = field(default_factory=dict)        # device -> [rows, c, D]
+    on: dict = field(default_factory=dict)       # input name -> {device -> tensor}
+
+    @classmethod
+    def allocate(cls, model: Transformer, rows: int, inputs: Sequence[BufferSpec]
+                 ) -> "DeviceBuffers":
+        """inputs: specs of the layers' inputs on the head device (allocated here)."""
+        cfg, b = model.cfg, cls()
+        for dev in pass_devices(model):
+            b.h[dev] = BufferSpec("h", (rows, cfg.hc_mult, cfg.dim), model.act, dev).allocate()
+            for spec in inputs:
+                b.on.setdefault(spec.name, {})[dev] = replace(spec, device=dev).allocate()
+        return b
+
+    def head(self, name: str) -> torch.Tensor:
+        """Input `name` on the head device (the pass's first device)."""
+        return next(iter(self.on[name].values()))
+
+
+def pass_segments(model: Transformer, bufs: DeviceBuffers, embed: Callable, embed_io: tuple,
+                  layer: Callable, layer_inputs: Sequence[str], head: Callable, head_writes: dict,
+                  branches: bool = False) -> list[Segment]:
+    """embed -> layer{l} -> lm_head over `bufs`: embed() writes bufs.h on the head device
+    (embed_io: its (reads, writes) besides that); layer(l, blk, st, h, **inputs) -> the callable
+    of layer l, reading h and the named layer_inputs on its device and writing h; head() reads
+    the head device's h and writes head_writes. branches: prepare the side streams of the
+    captured parallel branches (dsv4.overlap) on every device first (decode passes)."""
+    hd = model.head_device
+    if branches:
+        for dev in pass_devices(model):
+            overlap.prepare(dev)
+    reads, writes = embed_io
+    segs = [Segment("embed", hd, embed, reads=reads, writes={**writes, "h": bufs.h[hd]})]
+    for l, (blk, st) in enumerate(zip(model.layers, model.states)):
+        dev = blk.device
+        h, inputs = bufs.h[dev], {n: bufs.on[n][dev] for n in layer_inputs}
+        segs.append(Segment(f"layer{l}", dev, layer(l, blk, st, h, **inputs),
+                            reads={"h": h, **inputs}, writes={"h": h}))
+    segs.append(Segment("lm_head", hd, head, reads={"h": bufs.h[hd]}, writes=head_writes))
+    return segs
+
+
+# ---- the plain decode step ---------------------------------------------------------------------
 
 @dataclass
 class DecodeBuffers:
@@ -32,16 +92,16 @@ class DecodeBuffers:
     def allocate(cls, model: Transformer) -> "DecodeBuffers":
         cfg, hd = model.cfg, model.head_device
         # realistic dummies for warm-up/capture: a valid token id and a position >= 1
-        b = cls(token=torch.zeros(1, dtype=torch.int64, device=hd),
-                pos=torch.ones(1, dtype=torch.int64, device=hd),
-                logits=torch.zeros(cfg.vocab_size, dtype=torch.float32, device=hd),
-                out_ids=torch.full((model.rt.max_seq_len + 1,), -1, dtype=torch.int64, device=hd))
-        for dev in [hd] + model.placement:
-            if dev not in b.h:
-                b.h[dev] = torch.zeros(1, cfg.hc_mult, cfg.dim, dtype=model.act, device=dev)
-                b.token_on[dev] = b.token if dev == hd else torch.zeros_like(b.token, device=dev)
-                b.pos_on[dev] = b.pos if dev == hd else torch.ones_like(b.pos, device=dev)
-        return b
+        rows = DeviceBuffers.allocate(model, 1, [BufferSpec("token", (1,), torch.int64, hd, 0),
+                                                 BufferSpec("pos", (1,), torch.int64, hd, 1)])
+        return cls(token=rows.head("token"), pos=rows.head("pos"),
+                   logits=BufferSpec("logits", (cfg.vocab_size,), torch.float32, hd).allocate(),
+                   out_ids=BufferSpec("out_ids", (model.rt.max_seq_len + 1,), torch.int64, hd,
+                                      -1).allocate(),
+                   h=rows.h, token_on=rows.on["token"], pos_on=rows.on["pos"])
+
+    def device_buffers(self) -> DeviceBuffers:
+        return DeviceBuffers(self.h, {"token": self.token_on, "pos": self.pos_on})
 
 
 def build_segments(model: Transformer, bufs: DecodeBuffers,
@@ -49,43 +109,26 @@ def build_segments(model: Transformer, bufs: DecodeBuffers,
     """The per-layer segments of one decode step (plus `embed` and `head` on the head device);
     knobs: the sample segment reads the parameters from their device tensors."""
     hd = model.head_device
-    for dev in {hd, *model.placement}:
-        overlap.prepare(dev)        # side streams of the captured parallel branches
-    segs = [Segment("embed", hd, _embed_fn(model, bufs),
-                    reads={"token": bufs.token}, writes={"h": bufs.h[hd]})]
-    for l, (blk, st) in enumerate(zip(model.layers, model.states)):
-        dev = blk.device
-        h, tok, pos = bufs.h[dev], bufs.token_on[dev], bufs.pos_on[dev]
-        segs.append(Segment(f"layer{l}", dev, _layer_fn(blk, st, h, tok, pos),
-                            reads={"h": h, "token": tok, "pos": pos}, writes={"h": h}))
-    segs.append(Segment("lm_head", hd, _lm_head_fn(model, bufs),
-                        reads={"h": bufs.h[hd]}, writes={"logits": bufs.logits}))
+    h = bufs.h[hd]
+
+    def embed():
+        h.copy_(model.embed_tokens(bufs.token))
+
+    def layer(l, blk, st, h, token, pos):
+        def fn():
+            blk.decode(h, token, pos, st, out=h)
+        return fn
+
+    def lm_head():
+        bufs.logits.copy_(model.logits(h))
+
+    segs = pass_segments(model, bufs.device_buffers(), embed, ({"token": bufs.token}, {}),
+                         layer, ("token", "pos"), lm_head, {"logits": bufs.logits},
+                         branches=True)
     segs.append(Segment("sample", hd, _sample_fn(bufs, params),
                         reads={"logits": bufs.logits, "pos": bufs.pos},
                         writes={"token": bufs.token, "pos": bufs.pos, "out_ids": bufs.out_ids}))
     return segs
-
-
-def _embed_fn(model, bufs):
-    h, token = bufs.h[model.head_device], bufs.token
-
-    def fn():
-        h.copy_(model.embed_tokens(token))
-    return fn
-
-
-def _layer_fn(blk, st, h, tok, pos):
-    def fn():
-        blk.decode(h, tok, pos, st, out=h)
-    return fn
-
-
-def _lm_head_fn(model, bufs):
-    h = bufs.h[model.head_device]
-
-    def fn():
-        bufs.logits.copy_(model.logits(h))
-    return fn
 
 
 def _sample_fn(bufs, params):

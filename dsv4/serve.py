@@ -83,8 +83,8 @@ def run(args) -> int:
 
 def _build(args, ckpt, cfg, tok, devices, mode, sampling):
     """Load, capture, warm up -> (Engine, Defaults), before any port opens."""
-    from .generate import Session, load_model
-    from .model import DTYPES, RuntimeConfig
+    from .session import Session, load_model
+    from .runtime import DTYPES, RuntimeConfig
     from .server.engine import Engine
     from .server.openai_api import Defaults
     t0 = time.perf_counter()

@@ -1,6 +1,6 @@
 """Sparse attention over selected KV rows with an attention sink, and the lightning indexer's scores
 and top-k that select those rows: the plain-torch math that the model (attention.py, indexer.py) and the
-kernels' references (kernels/attention_decode.py, kernels/indexer_decode.py) share.
+kernels' references (kernels/decode/attention.py, kernels/decode/indexer.py) share.
 
 Legend: s = queries, h = heads, d = head_dim, k = selected entries, t = index-cache entries.
 """

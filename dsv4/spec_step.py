@@ -19,13 +19,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from graphs import CUDAGraphDecoder, Segment
+from graphs import BufferSpec, CUDAGraphDecoder, Segment
 
-from . import overlap
 from .errors import ConfigError
 from .model import Transformer
 from .sampling import SamplingKnobs, SamplingParams, fixed
-from .segments import DecodeBuffers
+from .segments import DecodeBuffers, DeviceBuffers, pass_segments
 from .spec_policy import DEFAULT_MIN_ACCEPTANCE, SpecPolicy
 from .speculative import Journal, accept, draft, oracle_draft
 
@@ -58,25 +57,26 @@ class SpecBuffers:
         cfg, hd, T = model.cfg, model.head_device, k + 1
         i64 = dict(dtype=torch.int64, device=hd)
         V, c, D = cfg.vocab_size, cfg.hc_mult, cfg.dim
-        b = cls(pending=torch.zeros(1, **i64), pos=torch.ones(1, **i64),
-                drafts=torch.zeros(k, **i64),
-                q=torch.zeros(k, V, dtype=torch.float32, device=hd),
-                limit=torch.full((1,), T, **i64), eos=torch.full((1,), -1, **i64),
-                ids=torch.zeros(T, **i64),
-                logits=torch.zeros(T, V, dtype=torch.float32, device=hd),
-                y=torch.zeros(T, **i64), keep=torch.zeros(1, **i64),
-                record=torch.zeros(1 + T, **i64),
-                hm=torch.zeros(T, c, D, dtype=model.act, device=hd),
-                oracle_seq=torch.zeros(model.rt.max_seq_len + 2, **i64),
-                oracle_a=torch.full((1,), -1.0, dtype=torch.float32, device=hd))
-        for dev in [hd] + model.placement:
-            if dev not in b.h:
-                b.h[dev] = torch.zeros(T, c, D, dtype=model.act, device=dev)
-                on_hd = dev == hd
-                b.ids_on[dev] = b.ids if on_hd else torch.zeros_like(b.ids, device=dev)
-                b.pos_on[dev] = b.pos if on_hd else torch.ones_like(b.pos, device=dev)
-                b.keep_on[dev] = b.keep if on_hd else torch.zeros_like(b.keep, device=dev)
-        return b
+        rows = DeviceBuffers.allocate(model, T, [BufferSpec("ids", (T,), torch.int64, hd, 0),
+                                                 BufferSpec("pos", (1,), torch.int64, hd, 1),
+                                                 BufferSpec("keep", (1,), torch.int64, hd, 0)])
+        return cls(pending=torch.zeros(1, **i64), pos=rows.head("pos"),
+                   drafts=torch.zeros(k, **i64),
+                   q=torch.zeros(k, V, dtype=torch.float32, device=hd),
+                   limit=torch.full((1,), T, **i64), eos=torch.full((1,), -1, **i64),
+                   ids=rows.head("ids"),
+                   logits=torch.zeros(T, V, dtype=torch.float32, device=hd),
+                   y=torch.zeros(T, **i64), keep=rows.head("keep"),
+                   record=torch.zeros(1 + T, **i64),
+                   hm=torch.zeros(T, c, D, dtype=model.act, device=hd),
+                   oracle_seq=torch.zeros(model.rt.max_seq_len + 2, **i64),
+                   oracle_a=torch.full((1,), -1.0, dtype=torch.float32, device=hd),
+                   h=rows.h, ids_on=rows.on["ids"], pos_on=rows.on["pos"],
+                   keep_on=rows.on["keep"])
+
+    def device_buffers(self) -> DeviceBuffers:
+        return DeviceBuffers(self.h, {"ids": self.ids_on, "pos": self.pos_on,
+                                      "keep": self.keep_on})
 
     def reset(self) -> None:
         """A new sequence: the step's carried inputs back to their fill values (in place)."""
@@ -92,18 +92,27 @@ def build_spec_segments(model: Transformer, bufs: SpecBuffers,
     """The segments of one step; without mtp_journal, the verify alone (no `mtp` segment: the
     benchmark's verify pass of T rows)."""
     hd = model.head_device
-    for dev in {hd, *model.placement}:
-        overlap.prepare(dev)
-    segs = [Segment("embed", hd, _embed_fn(model, bufs),
-                    reads={"pending": bufs.pending, "drafts": bufs.drafts},
-                    writes={"ids": bufs.ids, "h": bufs.h[hd]})]
-    for l, (blk, st) in enumerate(zip(model.layers, model.states)):
-        dev = blk.device
-        h, ids, pos = bufs.h[dev], bufs.ids_on[dev], bufs.pos_on[dev]
-        segs.append(Segment(f"layer{l}", dev, _layer_fn(blk, st, journals[l], h, ids, pos),
-                            reads={"h": h, "ids": ids, "pos": pos}, writes={"h": h}))
-    segs.append(Segment("lm_head", hd, _lm_head_fn(model, bufs),
-                        reads={"h": bufs.h[hd]}, writes={"logits": bufs.logits}))
+    h = bufs.h[hd]
+
+    def embed():
+        bufs.ids[:1].copy_(bufs.pending)
+        bufs.ids[1:].copy_(bufs.drafts)
+        h.copy_(model.embed_tokens(bufs.ids))
+
+    def layer(l, blk, st, h, ids, pos):
+        journal = journals[l]
+
+        def fn():
+            journal.save(pos)
+            blk.decode_rows(h, ids, pos, st, out=h)     # row i sees rows < i in the state: causal
+        return fn
+
+    def lm_head():
+        model.logits_rows(h, out=bufs.logits)
+
+    segs = pass_segments(model, bufs.device_buffers(), embed,
+                         ({"pending": bufs.pending, "drafts": bufs.drafts}, {"ids": bufs.ids}),
+                         layer, ("ids", "pos"), lm_head, {"logits": bufs.logits}, branches=True)
     segs.append(Segment("accept", hd, _accept_fn(bufs, params),
                         reads={"logits": bufs.logits, "drafts": bufs.drafts, "q": bufs.q,
                                "pos": bufs.pos, "limit": bufs.limit, "eos": bufs.eos},
@@ -122,31 +131,6 @@ def build_spec_segments(model: Transformer, bufs: SpecBuffers,
                         writes={"drafts": bufs.drafts, "q": bufs.q, "pending": bufs.pending,
                                 "pos": bufs.pos}))
     return segs
-
-
-def _embed_fn(model, bufs):
-    h = bufs.h[model.head_device]
-
-    def fn():
-        bufs.ids[:1].copy_(bufs.pending)
-        bufs.ids[1:].copy_(bufs.drafts)
-        h.copy_(model.embed_tokens(bufs.ids))
-    return fn
-
-
-def _layer_fn(blk, st, journal, h, ids, pos):
-    def fn():
-        journal.save(pos)
-        blk.decode_rows(h, ids, pos, st, out=h)     # row i sees rows < i in the state: causal
-    return fn
-
-
-def _lm_head_fn(model, bufs):
-    h = bufs.h[model.head_device]
-
-    def fn():
-        model.logits_rows(h, out=bufs.logits)
-    return fn
 
 
 def _accept_fn(bufs, params):
@@ -231,7 +215,7 @@ def plain_segments(model: Transformer, bufs: SpecBuffers, plain: DecodeBuffers, 
 
 def layer_journals(model: Transformer, T: int) -> list[Journal]:
     """One journal per main layer for a pass of T rows (on the layer's device)."""
-    return [Journal([(st, blk.ratio)], model.cfg.window_size, T)
+    return [Journal([(st, blk.ratio)], model.cfg.window_size, T, blk.ops)
             for blk, st in zip(model.layers, model.states)]
 
 
@@ -277,7 +261,7 @@ class SpecStep:
         self.bufs = SpecBuffers.allocate(model, k)
         self.journals = layer_journals(model, T)
         self.mtp_journal = Journal([(model.mtp.state, model.mtp.block.ratio)],
-                                   model.cfg.window_size, T)
+                                   model.cfg.window_size, T, model.mtp.block.ops)
         b = self.bufs
         segs = build_spec_segments(model, b, params, self.journals, self.mtp_journal)
         kw = dict(mode=mode, granularity=granularity, reset_fn=reset_fn or model.reset,

@@ -109,10 +109,12 @@ class Journal:
     Entry (row i, tensor, rows n, offset o, divisor a, modulus b, cond r): the rows
     o + ((q // a) % b) + [0, n) of the tensor for q = pos + i, written only when (q + 1) % r == 0
     if r > 0 (a compressor block completes: its entry, and in overlap mode the block becoming the
-    "previous" one). Where kernels are available one launch saves / rewinds them all
-    (dsv4.kernels.journal); else the torch loop below (the reference)."""
+    "previous" one). Where the states' backend (ops: dsv4.ops.Ops of their device) has the
+    kernels, one launch saves / rewinds them all (dsv4.kernels.decode.journal); else the torch
+    loop below (the reference)."""
 
-    def __init__(self, states: Sequence[tuple[LayerState, int]], window: int, T: int):
+    def __init__(self, states: Sequence[tuple[LayerState, int]], window: int, T: int,
+                 ops=None):
         if T > window:
             raise ConfigError(f"a verify pass of {T} rows needs window_size >= {T}")
         self.T = T
@@ -135,12 +137,9 @@ class Journal:
                     if r == 4:
                         for t in (comp.kv, comp.score):
                             self._add(i, t, r, 0, 1, 1, r)                  # -> "previous"
-        self.fast = None
-        if self.entries and self.entries[0][1].device.type == "cuda":
-            from . import kernels
-            if kernels.available(self.entries[0][1].device):
-                from .kernels.journal import JournalKernel
-                self.fast = JournalKernel(self.entries)
+        self.fast = None        # one launch where the states' device has the kernels
+        if self.entries and ops is not None and ops.backend.kernels:
+            self.fast = ops.journal(self.entries)
 
     def _add(self, i, t, n, o, a, b, r):
         self.entries.append((i, t, n, o, a, b, r, torch.empty(n, *t.shape[1:], dtype=t.dtype,

@@ -19,7 +19,7 @@ import torch
 from tqdm import tqdm
 
 from .checkpoint import (INDEX_NAME, ITEMSIZE, PROGRESS_MIN_BYTES, SINGLE_NAME, TORCH_DTYPES,
-                         expected_tensor_table)
+                         _block, _hc_head, _linear, expected_tensor_table)
 from .config import ModelConfig
 from .errors import CheckpointError, ConfigError
 from .formats import quantize_fp4_weight, quantize_fp8_weight
@@ -136,7 +136,6 @@ def write_checkpoint(cfg: ModelConfig, out_dir, *, weights: str = "fp8", seed: i
 
     table = expected_tensor_table(wcfg)
     if wcfg.dspark is not None:         # the draft module, as a released DSpark checkpoint has it
-        from .dspark import draft_tensor_table
         table.update(draft_tensor_table(wcfg))
     units = _units(table)
     plan = _assign_shards(units, table, max(shards, 1))
@@ -260,3 +259,24 @@ def _copy_tokenizer(out: Path) -> bool:
             shutil.copyfile(src / fname, out / fname)
             copied = True
     return copied
+
+
+def draft_tensor_table(cfg) -> dict:
+    """name -> (shape, dtype name) of the draft module of DSpark config `cfg`, per the vLLM loader:
+    what synthetic DSpark checkpoints write. The loader does not check these (it skips them)."""
+    ds = cfg.dspark
+    ratios = ds.compress_ratios or (0,) * ds.n_blocks
+    full = cfg.replace(dspark=None, n_mtp_layers=ds.n_blocks,
+                       compress_ratios=tuple(cfg.compress_ratios) + tuple(ratios))
+    D, t = cfg.dim, {}
+    for i in range(ds.n_blocks):
+        _block(t, full, f"mtp.{i}.", cfg.n_layers + i)
+    _linear(t, cfg, "mtp.0.main_proj", D, D * len(ds.target_layer_ids))
+    t["mtp.0.main_norm.weight"] = ((D,), "BF16")
+    last = f"mtp.{ds.n_blocks - 1}."
+    t[last + "norm.weight"] = ((D,), "BF16")
+    _hc_head(t, cfg, last)
+    t[last + "markov_head.markov_w1.weight"] = ((cfg.vocab_size, ds.markov_rank), "BF16")
+    t[last + "markov_head.markov_w2.weight"] = ((cfg.vocab_size, ds.markov_rank), "BF16")
+    t[last + "confidence_head.proj.weight"] = ((1, D + ds.markov_rank), "F32")
+    return t

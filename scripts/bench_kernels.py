@@ -34,7 +34,7 @@ def main() -> int:
         return 2
     import triton
 
-    from dsv4.kernels import bench
+    from dsv4.bench import kernels as bench
     dev = torch.device(args.device)
     bw = bench.copy_bandwidth(dev)
     name = torch.cuda.get_device_name(dev)

@@ -13,9 +13,10 @@ import time
 
 import torch
 
-from dsv4.bench_prefill import kernel_table
+from dsv4.bench.common import kernel_table
 from dsv4.device_weights import DeviceWeights
-from dsv4.model import RuntimeConfig, Transformer
+from dsv4.model import Transformer
+from dsv4.runtime import RuntimeConfig
 from dsv4.prefill_graphs import _ChunkGraphs
 from dsv4.presets import get_preset
 

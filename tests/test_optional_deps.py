@@ -18,7 +18,7 @@ def _run(code: str, *args):
 
 def test_imports_and_help_without_triton():
     p = _run("import importlib, pkgutil, dsv4, graphs\n"
-             "for m in ('dsv4.cli', 'dsv4.generate', 'dsv4.model', 'dsv4.bench', 'dsv4.kernels',"
+             "for m in ('dsv4.cli', 'dsv4.session', 'dsv4.runtime', 'dsv4.model', 'dsv4.bench', 'dsv4.kernels',"
              " 'graphs.decoder'):\n    importlib.import_module(m)\n"
              "from dsv4 import kernels; assert not kernels.triton_importable()\n"
              "from dsv4.cli import main; sys.exit(main(['--help']))")

@@ -1,6 +1,6 @@
 """Ahead-of-time compile of the kernels for sm_90 with no GPU (Triton's bundled ptxas): catches compile
 errors and register spills of the launch configs the real Flash / Pro shapes use, on any machine.
-Run: `python -m dsv4.kernels.aot` (prints registers / spills per variant); tested in test_kernels.py.
+Run: `python -m dsv4.kernels.aot` (prints registers / spills per variant); tested in test_decode_kernels.py.
 """
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from ..presets import get_preset
-from .bf16_linear import _bf16_gemv_kernel, bf16_config
-from .fp4_experts import _fp4_down_kernel, _fp4_up_kernel, down_config, up_config
-from .fp8_linear import _fp8_gemv_kernel, fp8_config
-from .route import SCORE_FUNCS, _route_kernel
+from .decode.bf16_linear import _bf16_gemv_kernel, bf16_config
+from .decode.fp4_experts import _fp4_down_kernel, _fp4_up_kernel, down_config, up_config
+from .decode.fp8_linear import _fp8_gemv_kernel, fp8_config
+from .decode.route import SCORE_FUNCS, _route_kernel
 
 FP8_SIG = {"x_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*u8", "w3_ptr": "*u8", "s3_ptr": "*u8",
            "y_ptr": "*bf16", "wb_ptr": "*u8", "sb_ptr": "*u8", "yb_ptr": "*bf16", "add_ptr": "*fp32",

@@ -1,6 +1,8 @@
 """Triton helpers shared by the kernels: bit-exact act_quant (ue8m0, e4m3 RNE), bf16 rounding, e8m0 /
-e4m3 / e2m1 decoding with integer ops (identical in the interpreter and on sm_90), launch configs.
-Tested through the kernels: `TRITON_INTERPRET=1 python -m pytest tests/dsv4/test_kernels_interp.py`.
+e4m3 / e2m1 decoding with integer ops (identical in the interpreter and on sm_90), launch configs
+and options (PDL), and the attention-side jit helpers (in-kernel RoPE, FP8 / FP4 fake-quant rows,
+Hadamard, bf16 dots) of the decode and prefill kernels.
+Tested through the kernels: `TRITON_INTERPRET=1 python -m pytest tests/dsv4/kernels/test_decode_kernels_interp.py`.
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import triton.language as tl
 
 from triton.language.extra import cuda as tl_cuda
 
-from ..formats import ACT_AMAX_FLOOR, FP8_MAX, FP8_MAX_INV
+from ..formats import ACT_AMAX_FLOOR, FP4_AMAX_FLOOR, FP4_MAX, FP4_MAX_INV, FP8_MAX, FP8_MAX_INV
 
 # jit code may only read constexpr globals
 RNE_MAGIC = tl.constexpr(12582912.0)   # 1.5 * 2^23: (y + M) - M rounds |y| < 2^22 to nearest-even
@@ -30,28 +32,27 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-PDL_SWITCH = "DSV4_PDL"  # "0" launches every kernel without programmatic dependent launch
-
-
 @functools.lru_cache(maxsize=None)
 def _capability(index: int) -> tuple:
     return torch.cuda.get_device_capability(index)
 
 
-def pdl(t: torch.Tensor) -> bool:
-    """Launch with programmatic dependent launch (PDL) on t's device: CUDA sm_90+, not under the
-    interpreter, DSV4_PDL != "0". The kernel may then start while the previous one finishes; every
-    kernel calls `pdl_wait` before it touches data another kernel writes (see there)."""
-    if not t.is_cuda or interpreting() or os.environ.get(PDL_SWITCH, "1") == "0":
+def pdl(t: torch.Tensor, on: bool = True) -> bool:
+    """Launch with programmatic dependent launch (PDL) on t's device: asked for (`on`: the
+    backend's switch, DSV4_PDL), CUDA sm_90+, not under the interpreter. The kernel may then start
+    while the previous one finishes; every kernel calls `pdl_wait` before it touches data another
+    kernel writes (see there)."""
+    if not on or not t.is_cuda or interpreting():
         return False
     return _capability(t.device.index if t.device.index is not None
                        else torch.cuda.current_device()) >= (9, 0)
 
 
-def launch_args(t: torch.Tensor) -> dict:
-    """Keyword arguments of a launch on t's device: the kernel's PDL constexpr and, when on,
-    Triton's `launch_pdl` (the launch attribute; stream capture turns it into a graph edge)."""
-    return {"PDL": True, "launch_pdl": True} if pdl(t) else {"PDL": False}
+def launch_args(t: torch.Tensor, on: bool = True) -> dict:
+    """Keyword arguments of a launch on t's device: the kernel's PDL constexpr and, when PDL is on
+    (pdl(t, on)), Triton's `launch_pdl` (the launch attribute; stream capture turns it into a
+    graph edge)."""
+    return {"PDL": True, "launch_pdl": True} if pdl(t, on) else {"PDL": False}
 
 
 def on_device(t: torch.Tensor):
@@ -71,7 +72,7 @@ class Config:
 
 @dataclass(frozen=True)
 class CudaConfig:
-    """A launch config of the CUDA C++ FP8 GEMV (csrc/dsv4_kernels.cu): lc lanes split a row's
+    """A launch config of the CUDA C++ FP8 GEMV (csrc/fp8_gemv.cu): lc lanes split a row's
     16-byte chunks, each lane reads rpl rows x cpl chunks, `warps` warps split K; a CTA computes
     (32 // lc) * rpl rows."""
     lc: int
@@ -86,7 +87,7 @@ class CudaConfig:
 
 @dataclass(frozen=True)
 class MmaConfig:
-    """A launch config of the tensor-core FP8 GEMV (csrc fp8_mma_kernel): CTAs of 16 rows, `warps`
+    """A launch config of the tensor-core FP8 GEMV (csrc/fp8_mma.cu): CTAs of 16 rows, `warps`
     warps splitting K into spw 128-blocks each (K == warps * 128 * spw)."""
     spw: int
     warps: int
@@ -245,3 +246,113 @@ def e2m1_word_to_f32(w, NATIVE: tl.constexpr):
     else:
         return (_e2m1_bits(w, 0), _e2m1_bits(w, 1), _e2m1_bits(w, 2), _e2m1_bits(w, 3),
                 _e2m1_bits(w, 4), _e2m1_bits(w, 5), _e2m1_bits(w, 6), _e2m1_bits(w, 7))
+
+
+E2M1_MAX = tl.constexpr(FP4_MAX)
+E2M1_MAX_INV = tl.constexpr(FP4_MAX_INV)
+E2M1_AMAX_FLOOR = tl.constexpr(FP4_AMAX_FLOOR)
+NEG_INF = tl.constexpr(float("-inf"))
+
+
+# ---- attention-side jit helpers (float32 in, float32 out; "pairs" = the (even, odd) dims of
+# RoPE): in-kernel RoPE, FP8 (block 64) / FP4 (block 32) fake-quant, Hadamard, bf16 dots ---------
+
+@triton.jit
+def load_pos(pos_ptr):
+    """The decode position (int64 [1] on the device) as an int32 scalar."""
+    return tl.load(pos_ptr).to(tl.int32)
+
+
+@triton.jit
+def rope_cos_sin(pos_f, freqs_ptr, pair, NOPE_PAIRS: tl.constexpr):
+    """cos/sin of fp32(pos) * freqs[pair - NOPE_PAIRS] (as dsv4.rope.cos_sin); 1/0 on nope pairs."""
+    f = tl.load(freqs_ptr + (pair - NOPE_PAIRS), mask=pair >= NOPE_PAIRS, other=0.0)
+    ang = pos_f * f
+    return tl.cos(ang), tl.sin(ang)
+
+
+@triton.jit
+def rope_pairs(a, b, cos, sin, is_rope, INVERSE: tl.constexpr):
+    """Rotate the pairs (a, b) = (x[2i], x[2i+1]) where is_rope, in fp32, result rounded to bf16
+    (dsv4.rope.apply_rope on bf16 tensors). a, b [..., P]; cos, sin, is_rope broadcast to them."""
+    if INVERSE:
+        sin = -sin
+    ra = round_bf16(a * cos - b * sin)
+    rb = round_bf16(a * sin + b * cos)
+    return tl.where(is_rope, ra, a), tl.where(is_rope, rb, b)
+
+
+@triton.jit
+def to_pairs(x, SHAPE0: tl.constexpr, P: tl.constexpr):
+    """[SHAPE0, 2P] -> (even, odd) [SHAPE0, P]."""
+    return tl.split(tl.reshape(x, [SHAPE0, P, 2]))
+
+
+@triton.jit
+def from_pairs(a, b, SHAPE0: tl.constexpr, P: tl.constexpr):
+    """(even, odd) [SHAPE0, P] -> [SHAPE0, 2P] interleaved."""
+    return tl.reshape(tl.join(a, b), [SHAPE0, 2 * P])
+
+
+@triton.jit
+def fp8_fake_quant_rows(x, ROWS: tl.constexpr, D: tl.constexpr, NOPE: tl.constexpr):
+    """x [ROWS, D] (bf16 values) -> e4m3 fake-quant per 64-block of the first NOPE dims (ue8m0,
+    dsv4.quant.fp8_quant_dequant(x, 64)); the other dims unchanged."""
+    xb = tl.reshape(x, [ROWS * (D // 64), 64])
+    q = quant_dequant(xb, block_exponent(xb)[:, None])
+    blk = (tl.arange(0, ROWS * (D // 64)) % (D // 64))[:, None]
+    return tl.reshape(tl.where(blk < NOPE // 64, q, xb), [ROWS, D])
+
+
+@triton.jit
+def round_e2m1(v):
+    """Round float32 |v| <= 6 onto the e2m1 grid {0, .5, 1, 1.5, 2, 3, 4, 6}, nearest-even."""
+    a = tl.abs(v)
+    e = ((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127          # floor(log2|v|)
+    e = tl.maximum(e, 0) - 1                                           # log2 of the quantum
+    r = ((a * pow2(-e) + RNE_MAGIC) - RNE_MAGIC) * pow2(e)
+    return tl.where(v < 0, -r, r)
+
+
+@triton.jit
+def fp4_fake_quant_rows(x, ROWS: tl.constexpr, D: tl.constexpr):
+    """x [ROWS, D] -> e2m1 fake-quant per 32-block, ue8m0 scales (dsv4.quant.fp4_quant_dequant)."""
+    xb = tl.reshape(x, [ROWS * (D // 32), 32])
+    amax = tl.maximum(tl.max(tl.abs(xb), axis=1), E2M1_AMAX_FLOOR)
+    bits = (amax * E2M1_MAX_INV).to(tl.int32, bitcast=True)
+    e = (((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32))[:, None]
+    v = tl.minimum(tl.maximum(xb * pow2(-e), -E2M1_MAX), E2M1_MAX)
+    return tl.reshape(round_e2m1(v) * pow2(e), [ROWS, D])
+
+
+@triton.jit
+def sylvester(i, j):
+    """Entries (-1)^popcount(i & j) of the Sylvester Hadamard matrix (indices < 2^10), float32."""
+    v = i & j
+    v = v ^ (v >> 8)
+    v = v ^ (v >> 4)
+    v = v ^ (v >> 2)
+    v = v ^ (v >> 1)
+    return 1.0 - 2.0 * (v & 1).to(tl.float32)
+
+
+@triton.jit
+def hadamard_pairs_row(a, b, P: tl.constexpr):
+    """Normalized Hadamard of one row x [2P] given as pairs (a, b) [P]: H_2P[2p+u, 2q+v] =
+    H_P[p, q] (-1)^(uv), so y[2q] = H_P(a+b)[q], y[2q+1] = H_P(a-b)[q]; scale (2P)^-1/2, bf16."""
+    p = tl.arange(0, P)
+    h = sylvester(p[:, None], p[None, :])
+    scale = (2 * P) ** -0.5
+    ya = tl.sum((a + b)[:, None] * h, axis=0) * scale
+    yb = tl.sum((a - b)[:, None] * h, axis=0) * scale
+    return round_bf16(ya), round_bf16(yb)
+
+
+@triton.jit
+def dot_bf16(a, b, F32: tl.constexpr):
+    """tl.dot of bf16-valued operands with fp32 accumulation; F32 (the interpreter, whose bf16
+    dot is wrong) multiplies the same values as float32 (exact products either way)."""
+    if F32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))

@@ -7,11 +7,13 @@ import json
 import pytest
 import torch
 
-from dsv4 import bench
+from dsv4.bench import decode as bench
+from dsv4.bench import memory
 from dsv4.checkpoint import open_checkpoint
 from dsv4.device_weights import DeviceWeights
 from dsv4.errors import TensorMismatchError
-from dsv4.model import RuntimeConfig, Transformer
+from dsv4.model import Transformer
+from dsv4.runtime import RuntimeConfig
 from dsv4.presets import TINY, get_preset
 from dsv4.synthetic import write_checkpoint
 
@@ -143,8 +145,8 @@ def test_partial_layers_labelled_and_extrapolated(capsys):
 
 def test_memory_check_names_device_and_fixes(capsys, monkeypatch):
     meta = Transformer(TINY, RuntimeConfig(max_seq_len=256, devices=("meta",)))
-    _, est = bench.memory_estimate(bench.layer_sizes(meta), 2, [torch.device("cpu")], 0)
-    monkeypatch.setattr(bench, "free_memory", lambda d: est["cpu"]["total"] + 1)
+    _, est = memory.memory_estimate(memory.layer_sizes(meta), 2, [torch.device("cpu")], 0)
+    monkeypatch.setattr(memory, "free_memory", lambda d: est["cpu"]["total"] + 1)
     rc = bench.main(["--preset", "tiny", "--reserve-gib", "0", *FAST])
     out, err = capsys.readouterr()
     assert rc == 2 and out == "" and len(err.strip().splitlines()) == 1
@@ -187,7 +189,7 @@ def test_prefill_bench_on_cpu(capsys):
     # one layer by hand: 2 x weights per token + window attention (+ the head once)
     one = get_preset("tiny", 1)
     m1 = Transformer(one, RuntimeConfig(max_seq_len=256, devices=("meta",)))
-    from dsv4.bench_prefill import prefill_flops
+    from dsv4.bench.prefill import prefill_flops
     D, I, k, H, Dh = one.dim, one.moe_inter_dim, one.n_activated_experts, one.n_heads, one.head_dim
     w = (one.q_lora_rank * D + H * Dh * one.q_lora_rank + Dh * D + one.o_groups * one.o_lora_rank
          * H * Dh // one.o_groups + D * one.o_groups * one.o_lora_rank + one.n_routed_experts * D
@@ -238,13 +240,13 @@ def test_cpu_memory_check_counts_dequantized_copies(capsys, monkeypatch):
     """A CPU run keeps dequantized weights (and dequantizing a Flash expert bank needs tens of GB
     of temporaries): the check counts both and refuses before generating anything."""
     meta = Transformer(get_preset("flash"), RuntimeConfig(max_seq_len=4352, devices=("meta",)))
-    sizes = bench.layer_sizes(meta)
-    _, cpu = bench.memory_estimate(sizes, 1, [torch.device("cpu")], 0)
-    _, gpu = bench.memory_estimate(sizes, 1, [torch.device("cuda:0")], 0)
+    sizes = memory.layer_sizes(meta)
+    _, cpu = memory.memory_estimate(sizes, 1, [torch.device("cpu")], 0)
+    _, gpu = memory.memory_estimate(sizes, 1, [torch.device("cuda:0")], 0)
     bank = 256 * 2048 * 4096                                      # one Flash expert matrix
     assert cpu["cpu"]["dense"] >= 3 * bank * 2 and gpu["cuda:0"]["dense"] == 0
-    assert cpu["cpu"]["reserve"] >= bank * bench.DEQUANT_FP4 > gpu["cuda:0"]["reserve"]
-    monkeypatch.setattr(bench, "free_memory", lambda d: 24 * 2**30)   # the 24 GB machine
+    assert cpu["cpu"]["reserve"] >= bank * memory.DEQUANT_FP4 > gpu["cuda:0"]["reserve"]
+    monkeypatch.setattr(memory, "free_memory", lambda d: 24 * 2**30)   # the 24 GB machine
     generated = []
     monkeypatch.setattr(bench, "DeviceWeights", lambda *a: generated.append(a))
     rc = bench.main(["--preset", "flash", "--devices", "cpu", "--layers", "1", "--steps", "2"])

@@ -62,9 +62,9 @@ def test_reply_stream_keeps_reasoning_apart(tok, tty):
 
 
 def test_conversation_continues_the_sequence(tok, demo):
-    from dsv4.generate import Session, load_model
-    from dsv4.model import RuntimeConfig
+    from dsv4.runtime import RuntimeConfig
     from dsv4.sampling import SamplingParams
+    from dsv4.session import Session, load_model
     model, ck = load_model(demo[0], RuntimeConfig(max_seq_len=64, dtype=torch.float32))
     ck.close()
     session = Session(model, SamplingParams())

@@ -447,7 +447,7 @@ def test_load_to_cuda(written):
 def test_dspark_checkpoint_opens_its_backbone(tmp_path):
     """A DSpark checkpoint (0731 layout: dspark_* keys, compress_ratios past the main layers,
     draft module under mtp.*) opens as its backbone; the draft tensors are set aside and named."""
-    from dsv4.dspark import draft_tensor_table
+    from dsv4.synthetic import draft_tensor_table
     from dsv4.presets import TINY_DSPARK
     cfg = TINY_DSPARK.replace(vocab_size=1024)
     d = write_checkpoint(cfg, tmp_path / "dspark", weights="fp8", seed=1)

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from conftest import parity_case_dir
-from dsv4.generate import Session, load_model
-from dsv4.model import RuntimeConfig
+from dsv4.runtime import RuntimeConfig
 from dsv4.sampling import SamplingParams, filtered_probs
+from dsv4.session import Session, load_model
 from dsv4.spec_policy import DEFAULT_MIN_ACCEPTANCE
 from dsv4.speculative import accept, draft
 
@@ -249,7 +249,7 @@ def test_rejection_sampling_keeps_the_distribution(params):
 def test_speculative_sampling_matches_plain_on_a_model(small):
     """A small-vocabulary model: the second generated token (the first a speculative step
     emits) has the same distribution with and without speculation over many seeds."""
-    from dsv4.generate import Session as S
+    from dsv4.session import Session as S
     from dsv4.synthetic import write_checkpoint
     from helpers import SMALL
     import tempfile

@@ -1,11 +1,13 @@
-"""dsv4.overlap on the CPU: the switch, and that branches are no-ops off CUDA and never touch
-torch.cuda (the graph-replay bits with branches on and off: tests/dsv4/test_kernels.py, CUDA)."""
+"""dsv4.overlap on the CPU: the switch (DSV4_OVERLAP, read by dsv4.backend.Options), and that
+branches are no-ops off CUDA and never touch torch.cuda (the graph-replay bits with branches on
+and off: tests/dsv4/kernels/test_decode_kernels.py, CUDA)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from dsv4 import overlap
+from dsv4.backend import BRANCHES, Options
 
 
 ALL = {"moe", "attn", "mhc"}
@@ -14,12 +16,10 @@ ALL = {"moe", "attn", "mhc"}
 @pytest.mark.parametrize("value,on", [(None, ALL), ("1", ALL), ("0", set()), ("moe", {"moe"}),
                                       ("mhc", {"mhc"}), ("sinkhorn", set()),
                                       (" attn , moe ", {"moe", "attn"})])
-def test_switch(monkeypatch, value, on):
-    if value is None:
-        monkeypatch.delenv(overlap.SWITCH, raising=False)
-    else:
-        monkeypatch.setenv(overlap.SWITCH, value)
-    assert {n for n in ALL if overlap.enabled(n)} == on
+def test_switch(value, on):
+    env = {} if value is None else {"DSV4_OVERLAP": value}
+    assert set(Options.from_env(env).overlap) == on
+    assert set(Options().overlap) == ALL == set(BRANCHES)       # unset: every branch
 
 
 def test_branch_is_a_no_op_off_cuda(monkeypatch):
@@ -30,7 +30,7 @@ def test_branch_is_a_no_op_off_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_stream", boom)
     overlap.prepare("cpu")
     x = torch.ones(3)
-    br = overlap.Branch(x, "moe")
+    br = overlap.Branch(x, "moe", frozenset(BRANCHES))
     assert not br.on
     with br.side():
         y = x * 2                     # runs in order, on the current (CPU) stream

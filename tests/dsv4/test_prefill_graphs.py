@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from dsv4.errors import ConfigError
-from dsv4.model import RuntimeConfig
+from dsv4.runtime import RuntimeConfig
 from dsv4.prefill_graphs import chunk_sizes, eager_time, pieces
 from helpers import live_state, small_checkpoint
 
@@ -84,7 +84,7 @@ def test_prefill_graphs_knob_is_zero_or_a_power_of_two(bad):
 
 
 def test_prefill_graphs_refuse_the_cpu(tmp_path):
-    from dsv4.generate import load_model
+    from dsv4.session import load_model
     from dsv4.prefill_graphs import PrefillGraphs
     m, ck = load_model(small_checkpoint(tmp_path, "fp8"), RuntimeConfig(max_seq_len=64))
     ck.close()
@@ -100,7 +100,7 @@ def ckpt(tmp_path_factory):
 
 
 def _model(ckpt, cap=512, graphs=0):
-    from dsv4.generate import load_model
+    from dsv4.session import load_model
     m, ck = load_model(ckpt, RuntimeConfig(max_seq_len=cap, devices=("cuda:0",),
                                            prefill_graphs=graphs))
     ck.close()
@@ -177,8 +177,8 @@ def test_prefill_mixes_replayed_and_eager_pieces_as_planned(ckpt):
 
 @pytest.mark.cuda
 def test_session_with_prefill_graphs_decodes_as_without(ckpt):
-    from dsv4.generate import Session
     from dsv4.sampling import SamplingParams
+    from dsv4.session import Session
     prompt = list(range(200, 212))                  # 8 + 4 rows through the chunk graphs
     a = Session(_model(ckpt, graphs=16), SamplingParams(), mode="graph")
     assert a.model.prefill_graphs is not None and a.model.prefill_graphs.covers(12)

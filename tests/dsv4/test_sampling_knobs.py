@@ -5,9 +5,9 @@ knob step reads no tensor value on the host."""
 import pytest
 import torch
 
-from dsv4.generate import Session, load_model
-from dsv4.model import RuntimeConfig
+from dsv4.runtime import RuntimeConfig
 from dsv4.sampling import SamplingKnobs, SamplingParams, filtered_probs, sample
+from dsv4.session import Session, load_model
 from dsv4.speculative import accept, draft
 from helpers import small_checkpoint
 

@@ -6,9 +6,9 @@ and off the compressors' block boundaries and across window wraps."""
 import pytest
 import torch
 
-from dsv4.generate import Session, load_model
-from dsv4.model import RuntimeConfig
+from dsv4.runtime import RuntimeConfig
 from dsv4.sampling import SamplingParams
+from dsv4.session import Session, load_model
 from dsv4.snapshot import StateSnapshot
 from helpers import small_checkpoint
 

@@ -7,9 +7,10 @@ decode steps bit for bit, outputs and state, and warm-up, capture and replay mak
 import pytest
 import torch
 
-from dsv4.generate import Session, load_model
-from dsv4.model import RuntimeConfig
+from dsv4.ops import Ops
+from dsv4.runtime import RuntimeConfig
 from dsv4.sampling import SamplingParams
+from dsv4.session import Session, load_model
 from dsv4.speculative import Journal
 from dsv4.state import LayerState
 from helpers import SMALL, small_checkpoint
@@ -65,10 +66,10 @@ def _states(cfg, device, cap=64):
 
 def _run_journal(states, T, pos, keep, torch_only):
     """save at pos, overwrite every state tensor, rewind(keep) -> the state tensors."""
-    j = Journal(states, SMALL.window_size, T)
+    dev = states[0][0].kv_cache.device
+    j = Journal(states, SMALL.window_size, T, Ops.for_device(dev))
     if torch_only:
         j.fast = None
-    dev = states[0][0].kv_cache.device
     p, k = torch.tensor([pos], device=dev), torch.tensor([keep], device=dev)
     j.save(p)
     g = torch.Generator().manual_seed(10007 + pos * 7 + keep)     # not the states' seed
@@ -126,7 +127,7 @@ def test_journal_kernel_equals_torch():
                 a = _run_journal(_states(cfg, "cuda"), T, pos, keep, True)
                 torch.manual_seed(pos)
                 states = _states(cfg, "cuda")
-                j = Journal(states, cfg.window_size, T)
+                j = Journal(states, cfg.window_size, T, Ops.for_device("cuda"))
                 assert j.fast is not None
                 b = _run_journal(states, T, pos, keep, False)
                 for x, y in zip(a, b):
@@ -174,14 +175,13 @@ def test_decode_rows_equal_decode_steps(tmp_path_factory, T, weights):
     decode calls at pos .. pos+T-1, outputs and every state tensor bit for bit, on the fused path
     (the T-row GEMV kernels), for the released format and a bf16 checkpoint. Positions cross
     compressor emissions."""
-    from dsv4.block import fused_mhc
     m = _model(small_checkpoint(tmp_path_factory.mktemp("rows"), weights), torch.bfloat16, "cuda")
     m.prefill(torch.arange(3, 40, device="cuda"))
     c, D = m.cfg.hc_mult, m.cfg.dim
     g = torch.Generator(device="cuda").manual_seed(T)
     h = torch.randn(T, c, D, generator=g, device="cuda").to(torch.bfloat16)
     ids = torch.randint(0, m.cfg.vocab_size, (T,), generator=g, device="cuda")
-    assert fused_mhc(h[:1])
+    assert all(blk.ops.backend.mhc_decode for blk in m.layers)     # the fused path
     blocks = [(blk, st) for blk, st in zip(m.layers, m.states)] + [(m.mtp.block, m.mtp.state)]
     for p0 in (37, 38, 39):
         pos = torch.tensor([p0], device="cuda")

@@ -12,9 +12,10 @@ import time
 import pytest
 import torch
 
-from dsv4.generate import Session, load_model
-from dsv4.model import RuntimeConfig
+from dsv4.backend import Options
+from dsv4.runtime import RuntimeConfig
 from dsv4.sampling import SamplingParams
+from dsv4.session import Session, load_model
 from helpers import small_checkpoint
 
 pytestmark = pytest.mark.cuda
@@ -35,10 +36,10 @@ def prompt():
     return torch.randint(3, 2000, (CAP - NEW,), generator=g).tolist()
 
 
-def _run(ckpt, prompt, mode, force=None):
+def _run(ckpt, prompt, mode, force=None, options=None):
     t = time.perf_counter()
     model, ck = load_model(ckpt, RuntimeConfig(max_seq_len=CAP, devices=("cuda:0",),
-                                               prefill_chunk=CHUNK))
+                                               prefill_chunk=CHUNK, options=options))
     ck.close()
     s = Session(model, SamplingParams(), mode=mode)
     out = s.generate(prompt, NEW, keep_logits=True, force_ids=force)
@@ -48,11 +49,11 @@ def _run(ckpt, prompt, mode, force=None):
     return out
 
 
-def test_long_context_kernels_follow_the_torch_path(ckpt, prompt, monkeypatch):
+def test_long_context_kernels_follow_the_torch_path(ckpt, prompt):
     got = _run(ckpt, prompt, "eager")
     assert torch.isfinite(got.logits).all()
-    monkeypatch.setenv("DSV4_KERNELS", "0")
-    ref = _run(ckpt, prompt, "eager", force=got.output_ids)   # the same tokens, torch path
+    ref = _run(ckpt, prompt, "eager", force=got.output_ids,    # the same tokens, torch path
+               options=Options.from_env().replace(kernels="0"))
     err = (got.logits - ref.logits).norm(dim=1) / ref.logits.norm(dim=1)
     assert err.max() < 0.1, err                  # prefill row and every decode row to CAP - 1
 

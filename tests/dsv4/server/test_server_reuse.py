@@ -17,8 +17,8 @@ from serving import REPO, ServerProcess, openai_client, require_serve_packages
 require_serve_packages()
 
 from dsv4.chat import EOS, THINK_END  # noqa: E402
-from dsv4.generate import Session, load_model  # noqa: E402
-from dsv4.model import RuntimeConfig  # noqa: E402
+from dsv4.runtime import RuntimeConfig  # noqa: E402
+from dsv4.session import Session, load_model  # noqa: E402
 from dsv4.presets import TINY  # noqa: E402
 from dsv4.sampling import SamplingParams  # noqa: E402
 from dsv4.tokenizer import build_prompt_ids, load_tokenizer  # noqa: E402

@@ -1,0 +1,67 @@
+// The C interface of the dsv4 CUDA C++ library (ctypes: dsv4/kernels/cuda/lib.py): plain
+// pointers, sizes, the CUDA stream and a PDL switch. Every launcher returns 0, a cudaError_t, or
+// -1 when no kernel is instantiated for the asked config. One file per kernel family implements
+// its launchers (fp8_gemv.cu, fp8_mma.cu, route.cu, fp4_experts.cu, topk.cu); dsv4_api.cu the
+// version and the error strings.
+#pragma once
+
+extern "C" {
+
+// Version of this ABI (checked by the loader).
+int dsv4_abi_version();
+
+const char* dsv4_error_string(int code);
+
+
+// Returns 0 or a cudaError_t; -1: no such config. Grid: blocks CTAs of 32 * warps threads, each
+// ROWS = (32 / lc) * rpl rows; K == warps * lc * cpl * 16. nx activation rows (x row t at x + t * xs
+// elements, its outputs at y0 / y1 + t * ys0 / ys1).
+int dsv4_fp8_gemv(const void* w0, const void* s0, void* y0, const void* w1, const void* s1, void* y1,
+                  const void* x, int n0, int K, int ng, float limit, int flags, int swiglu, int lc,
+                  int rpl, int cpl, int warps, int blocks, int nx, int xs, int ys0, int ys1,
+                  void* stream, int pdl);
+
+
+// The same GEMV on tensor cores (fp8_mma_kernel): 1 <= nx <= 8 activation rows, act-quantized
+// (FLAG_QUANT) or bf16 x (grouped or not); blocks CTAs of 16 rows, 32 * warps threads;
+// K == warps * 128 * spw.
+int dsv4_fp8_gemv_mma(const void* w0, const void* s0, void* y0, const void* w1, const void* s1,
+                      void* y1, const void* x, int n0, int K, int ng, float limit, int flags,
+                      int swiglu, int spw, int warps, int blocks, int nx, int xs, int ys0, int ys1,
+                      void* stream, int pdl);
+
+
+// a [k, I] bf16 from x [D] bf16 and the routing idx [k] int64 / rw [k] float32; grid (I / 16, k),
+// D / (128 * spw) warps; dec: the e2m1 decode (0: through e4m3 and cvt, 1: integer ops); depth:
+// steps of weights in flight per warp (0: all). ctas > 0: fp4_up_stream_kernel on min(ctas, tiles)
+// CTAs instead (dec 0, spw 1 or 2 (4 spills), k <= 64 and at most 4 rows; depth unused). kpr:
+// pairs per activation row (pair j reads x row j / kpr).
+int dsv4_fp4_up(const void* x, const void* idx, const void* rw, const void* w1, const void* s1,
+                const void* w3, const void* s3, void* out, float limit, int I, int D, int k,
+                int spw, int dec, int depth, int ctas, int kpr, void* stream, int pdl);
+
+
+// y [D] (float32 or bf16) from a [k, I] bf16; ws [k, D] float32 and cnt [D / 16] int32 (zeros,
+// left zero) are the caller's workspace; add [D] bf16 or null. Grid (D / 16, k). all_experts:
+// fp4_down_all_kernel instead (grid D / 16, no workspace; k 6 (Flash, Pro), dec 0, the (spw, depth)
+// instantiated below). rows > 1 (all_experts only): rows activation rows, a [rows * k, I], idx
+// [rows * k], add / y [rows, D].
+int dsv4_fp4_down(const void* act, const void* idx, const void* w2, const void* s2, const void* add,
+                  void* y, void* ws, void* cnt, int D, int I, int k, int y_f32, int spw, int dec,
+                  int depth, int all_experts, int rows, void* stream, int pdl);
+
+
+// The MoE routing of one token (kernels/route.py semantics): logits [E] float32 with bias [E]
+// float32 (score routing) or tid2eid [V, k] int64 + ids [1] int64 (hash routing); score 0 softmax,
+// 1 sigmoid, 2 sqrt-softplus -> idx [k] int64 ascending, w [k] float32. One CTA per token: rows
+// tokens (logits [rows, E], ids [rows], idx / w [rows, k]).
+int dsv4_route(const void* logits, const void* bias, const void* tid2eid, const void* ids, int E,
+               int k, int score, float route_scale, void* idx, void* w, int rows, void* stream,
+               int pdl);
+
+
+// out [rows, k] int64 = per row, the indices of the k largest of scores [rows, n] bf16
+// (1 <= k <= n), see topk_bf16_kernel. One CTA per row.
+int dsv4_topk_bf16(const void* scores, int n, int k, void* out, int rows, void* stream, int pdl);
+
+}  // extern "C"

@@ -1,0 +1,7 @@
+"""Benchmarks, apart from the runtime (nothing in dsv4 imports them): `decode` (`dsv4 bench`,
+scripts/bench.py) with its `prefill` and `speculative` parts, `memory` (bytes per token, the
+memory check), `common` (timing and kernel-count helpers), the kernel microbenchmarks `kernels`
+(scripts/bench_kernels.py) and `prefill_kernels` (`python -m dsv4.bench.prefill_kernels`), and
+`serve` (scripts/bench_serve.py). Imports point one way: decode -> prefill / speculative ->
+common / memory -> the runtime.
+"""

@@ -1,0 +1,142 @@
+"""What the benchmarks share: device syncs, copy bandwidth, CUDA-event timing of a step, kernel
+counts from torch.profiler, the decode state filled to a context, logging and version stamps.
+"""
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import statistics
+import sys
+import time
+
+import torch
+
+from ..model import Transformer
+from ..synthetic import tensor_seed
+
+GIB = 2**30
+COPY_BYTES = 2 * GIB          # copy-bandwidth buffer (read + write counted)
+COPY_ITERS = 20
+NOT_KERNELS = ("Memcpy", "Memset", "Event Sync", "Stream Sync", "Stream Wait", "Context Sync")
+
+
+def _sync(devices) -> None:
+    for d in devices:
+        if d.type == "cuda":
+            torch.cuda.synchronize(d)
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = COPY_BYTES, iters: int = COPY_ITERS) -> float:
+    """Device-to-device copy bandwidth in TB/s: (read + write bytes) / median time of `iters`."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_()
+    dst = torch.empty_like(src)
+    stream = torch.cuda.current_stream(device)
+    for _ in range(3):
+        dst.copy_(src)
+    evs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+           for _ in range(iters)]
+    for a, b in evs:
+        a.record(stream)
+        dst.copy_(src)
+        b.record(stream)
+    torch.cuda.synchronize(device)
+    ms = statistics.median(a.elapsed_time(b) for a, b in evs)
+    del src, dst
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)   # peak_bytes then covers the model run only
+    return 2 * nbytes / (ms * 1e-3) / 1e12
+
+
+def fill_state(model: Transformer, context: int, seed: int) -> None:
+    """Every layer's state as if `context` tokens had been decoded: window ring and compressed
+    rows [0, context//r) (index cache rows [0, context//4)) ~ N(0, 1) in the activation dtype,
+    compressor states finite N(0, 1). In place; the caller sets the position to `context`."""
+    W = model.cfg.window_size
+    gens: dict = {}
+    for blk, st in zip(model.layers, model.states):
+        dev = st.kv_cache.device
+        if dev not in gens:
+            gens[dev] = torch.Generator(device=dev).manual_seed(tensor_seed(seed, "bench.state"))
+        gen = gens[dev]
+        r = blk.ratio
+        st.reset()
+        st.kv_cache[:W].normal_(generator=gen)
+        if r:
+            st.kv_cache[W:W + min(context // r, st.kv_cache.shape[0] - W - 1)].normal_(generator=gen)
+        if r == 4:
+            st.index_cache[:min(context // 4, st.index_cache.shape[0] - 1)].normal_(generator=gen)
+        for c in (st.compressor, st.index_compressor):
+            if c is not None:
+                c.kv.normal_(generator=gen)
+                c.score.normal_(generator=gen)
+
+
+def time_steps(step, n: int, devices) -> list[float]:
+    """ms of each of n calls of step(): CUDA events around each on the head device's current
+    stream (the decoder makes it wait for its work); perf_counter on the CPU."""
+    hd = devices[0]
+    if hd.type != "cuda":
+        out = []
+        for _ in range(n):
+            t = time.perf_counter()
+            step()
+            out.append(1e3 * (time.perf_counter() - t))
+        return out
+    stream = torch.cuda.current_stream(hd)
+    evs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+           for _ in range(n)]
+    _sync(devices)
+    for a, b in evs:
+        a.record(stream)
+        step()
+        b.record(stream)
+    _sync(devices)
+    return [a.elapsed_time(b) for a, b in evs]
+
+
+def count_kernels(step, devices, top: dict | None = None, trace: str | None = None) -> int:
+    """CUDA kernels launched by one step() (memcpy/memset excluded), from torch.profiler; with
+    `top`, also fills it with kernel name -> [launches, device µs] of that step; with `trace`,
+    writes that step's Chrome trace there (kernels per stream with start and duration)."""
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    _sync(devices)
+    with torch.profiler.profile(activities=acts) as prof:
+        step()
+        _sync(devices)
+    if trace:
+        prof.export_chrome_trace(trace)
+    n = 0
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith(NOT_KERNELS):
+            n += 1
+            if top is not None:
+                t = top.setdefault(e.name[:60], [0, 0.0])
+                t[0] += 1
+                t[1] += getattr(e, "device_time", 0.0) or getattr(e, "cuda_time", 0.0)
+    return n
+
+
+def _log(msg: str) -> None:
+    print(f"[bench] {msg}", file=sys.stderr, flush=True)
+
+
+def _versions(devices) -> dict:
+    try:
+        triton = importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
+        triton = None
+    cuda = [d for d in devices if d.type == "cuda"]
+    names = ", ".join(dict.fromkeys(torch.cuda.get_device_name(d) for d in cuda)) if cuda else None
+    return {"gpu_name": names, "torch": torch.__version__, "triton": triton,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+
+
+def kernel_table(prof, width: int = 70) -> list:
+    """The CUDA kernels of a torch.profiler run -> [name, launches, summed device ms] by time."""
+    kern: dict = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith(NOT_KERNELS):
+            k = kern.setdefault(e.name[:width], [0, 0.0])
+            k[0] += 1
+            k[1] += (getattr(e, "device_time", 0.0) or getattr(e, "cuda_time", 0.0)) / 1e3
+    return sorted(([k, c, round(ms, 3)] for k, (c, ms) in kern.items()), key=lambda r: -r[2])

@@ -1,0 +1,378 @@
+"""Decode benchmark: a preset's real shapes on device-generated weights, state filled to a context,
+eager vs CUDA graphs timed with CUDA events against the byte floor measured in the same process;
+with --prefill and --speculative also the prefill (dsv4.bench.prefill) and speculative
+(dsv4.bench.speculative) measurements on the same model.
+
+Method and result rows: BENCHMARKS.md. Entry point: `main(argv)` (`dsv4 bench`, scripts/bench.py).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import shlex
+import statistics
+import sys
+import time
+
+import torch
+
+from graphs import CUDAGraphDecoder
+
+from ..device_weights import DeviceWeights
+from ..errors import DeviceError, InputError, exit_code
+from ..model import Transformer
+from ..presets import PRESETS, get_preset
+from ..runtime import (DTYPES, PREFILL_GRAPHS_EXPECTED, RuntimeConfig, prefill_graphs_ok,
+                       resolve_devices)
+from ..sampling import SamplingParams
+from ..segments import build_segments
+from ..session import Session
+from . import prefill as bench_prefill
+from . import speculative as bench_spec
+from .common import GIB, _log, _sync, _versions, copy_bandwidth, count_kernels, fill_state, \
+    time_steps
+from .memory import check_memory, token_bytes
+
+CAPACITY_ALIGN = 256          # capacity = max(context + steps + warmup + 1, 256), rounded up to this
+MIN_STEPS = 50                # PERFORMANCE.md: median of >= 50 steps
+KERNELS_METHOD = ("CUDA kernel events (memcpy/memset excluded) of one profiled step, minus those of "
+                  "one profiled step of an embed+head-only decoder in the same mode, / layers")
+EXTRAPOLATION = ("(step - head/embed) / layers x full_layers + head/embed; head/embed timed with an "
+                 "embed+head-only decoder in the same mode; layer mix of the measured prefix")
+
+
+def capacity_for(context: int, steps: int, warmup: int) -> int:
+    need = max(context + steps + warmup + 1, CAPACITY_ALIGN)
+    return -(-need // CAPACITY_ALIGN) * CAPACITY_ALIGN
+
+
+def _stats(ms: list[float]) -> dict:
+    med = statistics.median(ms)
+    return {"ms_per_token": med, "spread_ms": [min(ms), max(ms)], "tokens_per_s": 1e3 / med}
+
+
+def measure(model: Transformer, mode: str, granularity: str, context: int, steps: int,
+            warmup: int, seed: int, kernels: bool, trace: str | None = None) -> dict:
+    """One (mode, granularity): decoder over the model at position `context`, warmed up, timed."""
+    devices = list(dict.fromkeys([model.head_device, *model.placement]))
+    sess = Session(model, SamplingParams(), mode=mode, granularity=granularity)
+    he = None
+    try:
+        bufs, dec = sess.bufs, sess.decoder
+        fill_state(model, context, seed)    # capture reset the state; fill it after
+        at_context = lambda: bufs.pos.fill_(context)  # noqa: E731
+        at_context()
+        for _ in range(warmup):
+            dec.step()
+        at_context()
+        res = {"mode": mode, "granularity": granularity if mode == "graph" else None,
+               **_stats(time_steps(dec.step, steps, devices))}
+        at_context()    # the capture's warm-up below writes out_ids[pos + 1]: stay in range
+        segs = build_segments(model, bufs, SamplingParams())
+        he = CUDAGraphDecoder([s for s in segs if not s.name.startswith("layer")],
+                              inputs={"token": bufs.token, "pos": bufs.pos},
+                              outputs={"logits": bufs.logits}, mode=mode, granularity=granularity)
+        he.allocate()
+        if mode == "graph":
+            he.capture()
+        at_context()
+        for _ in range(min(warmup, 3)):
+            he.step()
+        at_context()
+        res["head_embed_ms"] = statistics.median(time_steps(he.step, steps, devices))
+        res["per_layer_ms"] = (res["ms_per_token"] - res["head_embed_ms"]) / model.cfg.n_layers
+        res["kernels_per_step"] = res["kernels_head_embed"] = res["kernels_per_layer"] = None
+        if kernels and model.head_device.type == "cuda":
+            at_context()
+            top: dict = {}
+            suffix = f"-{granularity}" if mode == "graph" else ""
+            total = count_kernels(dec.step, devices, top, trace and f"{trace}-{mode}{suffix}.json")
+            res["top_kernels"] = sorted(([k, n, round(us, 1)] for k, (n, us) in top.items()),
+                                        key=lambda r: -r[2])[:20]
+            for k, n, us in res["top_kernels"][:12]:
+                _log(f"{mode}/{granularity}: {us:9.1f} us {n:5d}x {k}")
+            at_context()
+            res["kernels_head_embed"] = count_kernels(he.step, devices)
+            res["kernels_per_step"] = total
+            if total:
+                res["kernels_per_layer"] = (total - res["kernels_head_embed"]) / model.cfg.n_layers
+        graph = mode == "graph"
+        res["capture_s"] = {d: round(s, 3) for d, s in dec.capture_seconds.items()} if graph else None
+        res["graph_bytes"] = dict(dec.graph_bytes) if graph else None
+        res["capture_wall_s"] = sess.capture_s if graph else None
+        return res
+    finally:
+        if he is not None:
+            he.close()
+        sess.close()
+
+
+# ---- the run ----------------------------------------------------------------------------------
+
+def run(args, command: str = "") -> dict:
+    """The whole benchmark for parsed `args`; returns the report (JSON-ready dict)."""
+    devices = [torch.device(d) for d in resolve_devices(args.devices)]
+    on_cuda = devices[0].type == "cuda"
+    modes = ["eager", "graph"] if args.mode == "both" else [args.mode]
+    grans = ["segment", "device"] if args.granularity == "both" else [args.granularity]
+    notes = []
+    if "graph" in modes and not on_cuda:
+        if args.mode == "graph":
+            raise DeviceError("--mode graph needs CUDA devices; use --mode eager or --devices cuda:0")
+        modes = ["eager"]
+        notes.append("graph mode needs CUDA: not measured")
+    for flag, v, lo in (("--steps", args.steps, 1), ("--warmup", args.warmup, 0),
+                        ("--context", args.context, 1), ("--spec-tokens", args.spec_tokens, 2)):
+        if v < lo:
+            raise InputError(f"{flag} {v}: must be >= {lo}")
+    if args.steps < MIN_STEPS:
+        notes.append(f"--steps {args.steps} < {MIN_STEPS}: not a figure for BENCHMARKS.md")
+    if not on_cuda:
+        notes.append("CPU run: perf_counter timing, no copy bandwidth, floor or kernel counts")
+    lengths = _lengths(args.prefill)
+    if args.prefill_reps < 1 or (args.prefill_chunk is not None and args.prefill_chunk < 1):
+        raise InputError("--prefill-reps and --prefill-chunk must be >= 1")
+    g = args.prefill_graphs
+    if not prefill_graphs_ok(g) or (g and not lengths):
+        raise InputError(f"--prefill-graphs {g}: {PREFILL_GRAPHS_EXPECTED}, with --prefill")
+    full = get_preset(args.preset)
+    cfg = get_preset(args.preset, args.layers)
+    spec_len = [bench_spec.PROMPT + args.spec_tokens + 2] if args.speculative else []
+    cap = capacity_for(max([args.context] + lengths + spec_len), args.steps, args.warmup)
+    if cap > cfg.max_position_embeddings:
+        raise InputError(f"--context {args.context} + steps + warmup needs capacity {cap}, above "
+                         f"the model's {cfg.max_position_embeddings} positions; lower --context")
+    dtype = DTYPES[args.dtype]
+    meta = Transformer(full, RuntimeConfig(cap, dtype, ("meta",)))   # sizes only, no memory
+    placement, est = check_memory(meta, cfg.n_layers, devices, int(args.reserve_gib * GIB), cap)
+    bw = {str(d): copy_bandwidth(d) for d in devices if d.type == "cuda"}
+    if bw:
+        _log("copy bandwidth " + ", ".join(f"{d} {v:.3f} TB/s" for d, v in bw.items()))
+
+    model = Transformer(cfg, RuntimeConfig(cap, dtype, tuple(devices), mtp=args.speculative),
+                        placement)
+    t0 = time.perf_counter()
+    model.load(DeviceWeights(cfg, args.seed))
+    _sync(devices)
+    load_s = time.perf_counter() - t0
+    _log(f"generated {model.weight_bytes() / GIB:.2f} GiB of weights in {load_s:.1f} s")
+    breakdown = token_bytes(model, args.context)
+    nbytes = sum(breakdown.values())
+    copy = bw.get(str(devices[0]))
+    floor = nbytes / (copy * 1e12) * 1e3 if copy else None
+
+    runs = []
+    for mode in [] if args.no_decode else modes:
+        for g in grans if mode == "graph" else grans[:1]:
+            _log(f"measuring {mode}" + (f"/{g}" if mode == "graph" else ""))
+            r = measure(model, mode, g, args.context, args.steps, args.warmup, args.seed,
+                        kernels=not args.no_kernels, trace=args.trace)
+            r["ratio_to_floor"] = r["ms_per_token"] / floor if floor else None
+            runs.append(r)
+    partial = cfg.n_layers < full.n_layers
+    ext = None
+    if partial:
+        fbytes = sum(token_bytes(meta, args.context).values())
+        ffloor = fbytes / (copy * 1e12) * 1e3 if copy else None
+        for r in runs:
+            r["extrapolated_ms"] = r["per_layer_ms"] * full.n_layers + r["head_embed_ms"]
+        ext = {"method": EXTRAPOLATION, "layers": full.n_layers, "bytes_per_token": fbytes,
+               "floor_ms": ffloor}
+    prefill = None
+    if lengths:
+        graph = next((r for r in runs if r["mode"] == "graph"), None)
+        with _prefill_kernels(model, args.prefill_kernels == "on"):
+            pg = None
+            if args.prefill_graphs:
+                from ..prefill_graphs import PrefillGraphs
+                _log(f"capturing prefill chunk graphs up to {args.prefill_graphs} tokens")
+                pg = model.prefill_graphs = PrefillGraphs(model, args.prefill_graphs)
+                _log("chunk graph replay / eager ms (measured when built): " + ", ".join(
+                    f"{S}: {pg.replay_ms[S]:.1f} / {pg.eager_ms[S]:.1f}" for S in pg.chunks))
+            prefill = bench_prefill.run(model, lengths, args.prefill_reps, args.seed,
+                                        args.prefill_chunk, copy,
+                                        graph["ms_per_token"] if graph else None, _log,
+                                        args.prefill_profile)
+            model.prefill_graphs = None
+        prefill["prefill_kernels"] = args.prefill_kernels
+        prefill["prefill_graphs"] = (None if pg is None else
+                                     {"max_rows": pg.max_rows, "max_prompt": pg.max_prompt,
+                                      "capture_s": pg.capture_s, "graph_bytes": pg.graph_bytes(),
+                                      "built_replay_ms": pg.replay_ms,
+                                      "built_eager_ms": pg.eager_ms})
+    spec = None
+    if args.speculative:
+        graph = next((r for r in runs if r["mode"] == "graph"), None)
+        spec = bench_spec.run(model, args.context, args.seed,
+                              graph["ms_per_token"] if graph else None, _log,
+                              n_new=args.spec_tokens)
+    spans = {}
+    for l, d in enumerate(placement):
+        spans.setdefault(str(d), [l, l])[1] = l
+    report = {"preset": args.preset, "layers": cfg.n_layers, "full_layers": full.n_layers,
+              "partial": partial, "devices": [str(d) for d in devices], "layers_on": spans,
+              "context": args.context, "capacity": cap, "steps": args.steps,
+              "warmup": args.warmup, "dtype": args.dtype, "seed": args.seed, "mode": args.mode,
+              "granularity": args.granularity, "bytes_per_token": nbytes,
+              "bytes_breakdown": breakdown, "floor_ms": floor, "copy_TBps": copy,
+              "copy_TBps_per_device": bw or None, "kernels_per_layer_method": KERNELS_METHOD,
+              **_headline(runs, ext), "runs": runs, "extrapolated": ext,
+              "memory_estimate_bytes": est, "load_s": load_s,
+              "peak_bytes": {str(d): torch.cuda.max_memory_allocated(d) for d in devices}
+              if on_cuda else None,
+              **_versions(devices), "command": command,
+              "valid": on_cuda and args.steps >= MIN_STEPS, "notes": notes}
+    if prefill is not None:
+        report.update(prefill)
+    if spec is not None:
+        report.update(spec)
+    return report
+
+
+@contextlib.contextmanager
+def _prefill_kernels(model: Transformer, on: bool):
+    """The prefill measurement with the prefill kernels on or off (--prefill-kernels: the model's
+    backend with DSV4_PREFILL_KERNELS so set); the model's own backend again afterwards."""
+    prior = model.options
+    model.use_options(prior.replace(prefill_kernels=on))
+    try:
+        yield
+    finally:
+        model.use_options(prior)
+
+
+def _lengths(text: str | None) -> list[int]:
+    if text is None:
+        return []
+    try:
+        out = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise InputError(f"--prefill {text!r}: expected comma-separated token counts") from None
+    if not out or min(out) < 1:
+        raise InputError(f"--prefill {text!r}: lengths must be >= 1")
+    return out
+
+
+def _headline(runs: list[dict], ext: dict | None) -> dict:
+    """Top-level figures: eager, and the first graph granularity (all of them under
+    per_granularity when more than one was measured)."""
+    eager = next((r for r in runs if r["mode"] == "eager"), None)
+    graphs = [r for r in runs if r["mode"] == "graph"]
+    graph = graphs[0] if graphs else None
+    pick = lambda r, k: r[k] if r is not None else None  # noqa: E731
+    out = {"eager_ms_per_token": pick(eager, "ms_per_token"),
+           "graph_ms_per_token": pick(graph, "ms_per_token")}
+    for k in ("tokens_per_s", "spread_ms", "ratio_to_floor", "kernels_per_layer"):
+        out[k] = {"eager": pick(eager, k), "graph": pick(graph, k)}
+    out["capture_s"], out["graph_bytes"] = pick(graph, "capture_s"), pick(graph, "graph_bytes")
+    keys = ("ms_per_token", "spread_ms", "tokens_per_s", "ratio_to_floor", "kernels_per_layer",
+            "capture_s", "graph_bytes")
+    out["per_granularity"] = ({r["granularity"]: {k: r[k] for k in keys} for r in graphs}
+                              if len(graphs) > 1 else None)
+    if ext is not None:
+        for name, r in (("eager", eager), ("graph", graph)):
+            ms = pick(r, "extrapolated_ms")
+            ext[f"{name}_ms_per_token"] = ms
+            ext.setdefault("ratio_to_floor", {})[name] = (
+                ms / ext["floor_ms"] if ms is not None and ext["floor_ms"] else None)
+    return out
+
+
+# ---- output -----------------------------------------------------------------------------------
+
+def format_table(rep: dict) -> str:
+    f = lambda v, fmt: "-" if v is None else format(v, fmt)  # noqa: E731
+    part = " (partial)" if rep["partial"] else ""
+    lines = [f"dsv4 bench: {rep['preset']} {rep['layers']}/{rep['full_layers']} layers{part} | "
+             f"{','.join(rep['devices'])} ({rep['gpu_name'] or 'cpu'}) | context {rep['context']} "
+             f"| {rep['dtype']} | median of {rep['steps']} steps",
+             f"bytes/token {rep['bytes_per_token'] / 1e9:.3f} GB | copy "
+             f"{f(rep['copy_TBps'], '.3f')} TB/s | floor {f(rep['floor_ms'], '.3f')} ms",
+             f"{'run':<15}{'ms/token':>10}{'min-max':>19}{'tok/s':>9}{'x floor':>9}"
+             f"{'kern/layer':>11}{'capture s':>10}{'graph MiB':>10}"]
+    for r in rep["runs"]:
+        name = r["mode"] + (f"/{r['granularity']}" if r["granularity"] else "")
+        cap = sum(r["capture_s"].values()) if r["capture_s"] else None
+        gmb = sum(r["graph_bytes"].values()) / 2**20 if r["graph_bytes"] else None
+        lo, hi = r["spread_ms"]
+        lines.append(f"{name:<15}{r['ms_per_token']:>10.3f}{f'{lo:.3f}-{hi:.3f}':>19}"
+                     f"{r['tokens_per_s']:>9.1f}{f(r['ratio_to_floor'], '.2f'):>9}"
+                     f"{f(r['kernels_per_layer'], '.1f'):>11}{f(cap, '.2f'):>10}"
+                     f"{f(gmb, '.1f'):>10}")
+    ext = rep["extrapolated"]
+    if ext:
+        runs = ", ".join(f"{r['mode']}" + (f"/{r['granularity']}" if r["granularity"] else "")
+                         + f" {r['extrapolated_ms']:.3f} ms" for r in rep["runs"])
+        lines.append(f"extrapolated to {ext['layers']} layers: {runs}; bytes/token "
+                     f"{ext['bytes_per_token'] / 1e9:.3f} GB, floor {f(ext['floor_ms'], '.3f')} ms")
+    if rep.get("prefill_runs"):
+        lines += bench_prefill.format_rows(rep)
+    lines += [f"note: {n}" for n in rep["notes"]]
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from ..cli_options import Parser     # defaults in --help, a usage error is one line
+    p = Parser(prog="dsv4 bench", description="Batch-1 decode benchmark on device-generated weights "
+                "(method: BENCHMARKS.md).")
+    p.add_argument("--preset", required=True, choices=sorted(PRESETS), help="the model's shapes")
+    p.add_argument("--layers", type=int, default=None, help="first N layers (default: all)")
+    p.add_argument("--devices", default="auto", help="auto | cpu | cuda:0 | cuda:0,cuda:1")
+    p.add_argument("--context", type=int, default=4096, help="decode position L (state filled)")
+    p.add_argument("--steps", type=int, default=100, help=f"timed steps (>= {MIN_STEPS} to report)")
+    p.add_argument("--warmup", type=int, default=10, help="untimed steps first")
+    p.add_argument("--mode", default="both", choices=("both", "eager", "graph"),
+                   help="eager steps, CUDA graph replays, or both")
+    p.add_argument("--granularity", default="segment", choices=("segment", "device", "both"),
+                   help="graph mode: one graph per layer (segment), per device run, or both")
+    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES), help="activation dtype")
+    p.add_argument("--seed", type=int, default=0, help="weight / state seed")
+    p.add_argument("--json", default=None, metavar="PATH|-", help="write the report as JSON "
+                   "(- : stdout, the table then goes to stderr)")
+    p.add_argument("--reserve-gib", type=float, default=2.0, help="per-device workspace assumed "
+                   "by the memory check (besides weights, state, generation temporaries)")
+    p.add_argument("--no-kernels", action="store_true", help="skip the profiled kernel count")
+    p.add_argument("--prefill", default=None, metavar="N[,N...]",
+                   help="also time prefill of prompts of these lengths (TTFT, tok/s, floors)")
+    p.add_argument("--prefill-reps", type=int, default=3, help="timed prefills per length")
+    p.add_argument("--prefill-chunk", type=int, default=None, help="prefill chunk (default: "
+                   "the runtime's)")
+    p.add_argument("--prefill-kernels", default="on", choices=("on", "off"),
+                   help="off: the torch prefill path (the state before the prefill kernels)")
+    p.add_argument("--no-decode", action="store_true", help="skip the decode measurement")
+    p.add_argument("--speculative", action="store_true",
+                   help="also measure the speculative mechanism (MTP block loaded): verify pass "
+                        "T = 1..4, the speculative step, end-to-end tok/s with an oracle drafting right at "
+                        "rates a")
+    p.add_argument("--spec-tokens", type=int, default=256, metavar="N",
+                   help="with --speculative: tokens per end-to-end run (default 256)")
+    p.add_argument("--prefill-graphs", type=int, default=0, metavar="N",
+                   help="CUDA: capture prefill chunk graphs of 1..N tokens (a power of two) and "
+                        "time prompts up to N through them (capture time, each chunk's replay and eager time in the JSON)")
+    p.add_argument("--prefill-profile", action="store_true",
+                   help="CUDA: one profiled prefill per length (kernel count, top kernels)")
+    p.add_argument("--trace", metavar="PREFIX", default=None,
+                   help="write the Chrome trace of the profiled step to PREFIX-<mode>[-<granularity>]"
+                        ".json (needs the kernel count)")
+    return p
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    return exit_code(lambda: _main(argv))
+
+
+def _main(argv) -> int:
+    args = build_parser().parse_args(argv)
+    rep = run(args, command="python scripts/bench.py " + shlex.join(argv))
+    table = format_table(rep)
+    if args.json == "-":
+        print(table, file=sys.stderr)
+        print(json.dumps(rep))
+    else:
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump(rep, fh, indent=1)
+        print(table)
+    return 0

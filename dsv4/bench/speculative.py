@@ -1,0 +1,115 @@
+"""dsv4 bench --speculative: the mechanism of self-speculative decoding on device-generated weights.
+
+Random weights make the MTP block's real acceptance rate meaningless, so this measures what the
+rate is multiplied with (method: BENCHMARKS.md), in graph mode on CUDA (eager on the CPU):
+- the verify pass of T = 1..4 rows at context L (the rows through every layer, their logits,
+  accept and the journal's rewind: dsv4.spec_step.verify_decoder), against the plain decoding
+  step of the same run;
+- the plain step of a speculative session (the plain step and the MTP block reading its row);
+- the whole speculative step (verify + the MTP block's rows and draft + the host reading the
+  step's output), from end-to-end runs;
+- end to end: decode tokens/s when an oracle drafts the plain run's own token with probability a
+  (SpecStep.set_oracle: real drafts, real acceptance; the output must equal plain decoding's),
+  with every step speculative (min acceptance 0) and with the default policy (dsv4.spec_policy).
+Expected tokens/s at a real acceptance rate a (K = 1), every step speculative: (1 + a) / t_step
+(t_step: the step at a = 0, one token each).
+"""
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+from ..session import Session
+from ..sampling import SamplingParams
+from ..spec_policy import DEFAULT_MIN_ACCEPTANCE, SpecPolicy
+from ..spec_step import verify_decoder
+from .common import _sync, fill_state, time_steps
+
+ACCEPTANCE = (0.0, 0.5, 0.7, 0.8, 0.9, 1.0)
+PROMPT = 64
+
+
+def run(model, context: int, seed: int, plain_ms: float | None, log, reps: int = 20,
+        n_new: int = 256) -> dict:
+    hd, V = model.head_device, model.cfg.vocab_size
+    devices = [hd] + sorted({*model.placement} - {hd}, key=str)
+    mode = "graph" if hd.type == "cuda" else "eager"
+    g = torch.Generator().manual_seed(seed)
+
+    verify_ms = {}
+    with torch.inference_mode():
+        for T in (1, 2, 3, 4):
+            dec, bufs = verify_decoder(model, T - 1, mode)
+            if mode == "graph":
+                dec.warmup()
+                dec.capture()
+            fill_state(model, context, seed)      # the drafts (token 0) are rejected: every
+            bufs.pos.fill_(context)               # replay leaves the state as it found it
+            bufs.pending.fill_(int(torch.randint(1, V, (1,), generator=g)))
+            dec.step()
+            verify_ms[T] = statistics.median(time_steps(dec.step, reps, devices))
+            dec.close()
+            log(f"verify T={T}: {verify_ms[T]:.3f} ms"
+                + (f" ({verify_ms[T] / plain_ms:.2f}x the plain step)" if plain_ms else ""))
+    model.reset()
+
+    # end to end: plain decoding, then the speculative loop with the oracle at each rate a
+    prompt = torch.randint(0, V, (PROMPT,), generator=g).tolist()
+    plain = Session(model, SamplingParams(), mode=mode)
+    ref = plain.generate(prompt, n_new)
+    plain.close()
+    s = Session(model, SamplingParams(), mode=mode, speculative=1)
+
+    # the plain step of the speculative session: plain decoding's step + the MTP block's row
+    fill_state(model, context, seed)
+    n = max(1, min(reps, model.rt.max_seq_len - context - 2))
+    s.bufs.pos.fill_(context)
+    follow = lambda: (s.decoder.step(), s.spec.follow.step())   # noqa: E731
+    follow()
+    s.bufs.pos.fill_(context)
+    follow_ms = statistics.median(time_steps(follow, n, devices))
+    log(f"plain step + MTP row: {follow_ms:.3f} ms"
+        + (f" ({follow_ms / plain_ms:.3f}x the plain step)" if plain_ms else ""))
+    model.reset()
+
+    e2e, same = {}, True
+    for policy, min_acc in (("always", 0.0), ("default", DEFAULT_MIN_ACCEPTANCE)):
+        rows = e2e[policy] = []
+        for a in ACCEPTANCE:
+            s.spec.policy = SpecPolicy(min_acc)
+            s.spec.set_oracle(prompt + ref.output_ids, a)
+            if mode == "graph":                   # warm (the first prefill of a session)
+                s.generate(prompt, n_new)
+                _sync(devices)
+            r = s.generate(prompt, n_new)
+            same &= r.output_ids == ref.output_ids
+            t = r.timings
+            rows.append({"a": a, "acceptance_rate": t["acceptance_rate"],
+                         "tokens_per_step": t["tokens_per_step"], "steps": t["steps"],
+                         "speculative_steps": t["speculative_steps"],
+                         "step_ms": 1e3 * t["decode_s"] / t["steps"],
+                         "ms_per_token": t["ms_per_token"], "tok_per_s": t["decode_tok_per_s"]})
+            log(f"{policy} a={a}: {t['decode_tok_per_s']:.1f} tok/s ({t['ms_per_token']:.2f} "
+                f"ms/token, acceptance {t['acceptance_rate']:.2f}, {t['tokens_per_step']:.2f} "
+                f"tokens/step, {t['speculative_steps']} of {t['steps']} steps drafting)")
+    s.close()
+    always = e2e["always"]
+    step_ms = always[0]["step_ms"]                # a = 0: one token per step
+    for r in always:                              # the formula at the measured acceptance
+        r["expected_tok_per_s"] = 1e3 * (1 + r["acceptance_rate"]) / step_ms
+    plain_tps = ref.timings["decode_tok_per_s"]
+    for rows in e2e.values():
+        for r in rows:
+            r["over_plain"] = r["tok_per_s"] / plain_tps
+    log(f"speculative step {step_ms:.3f} ms (verify T=2 {verify_ms[2]:.3f} ms + MTP rows, draft "
+        f"and host turn-around {step_ms - verify_ms[2]:.3f} ms); plain {plain_tps:.1f} tok/s; "
+        f"same tokens as plain: {same}")
+    return {"spec_mode": mode, "spec_verify_ms": verify_ms, "spec_step_ms": step_ms,
+            "spec_draft_ms": step_ms - verify_ms[2], "spec_plain_ms": plain_ms,
+            "spec_plain_follow_ms": follow_ms,
+            "spec_break_even": step_ms / follow_ms - 1,
+            "spec_plain_tok_per_s": plain_tps, "spec_same_tokens": same,
+            "spec_e2e": always, "spec_e2e_default": e2e["default"], "spec_new_tokens": n_new,
+            "spec_context": context,
+            "spec_verify2_over_plain": verify_ms[2] / plain_ms if plain_ms else None}

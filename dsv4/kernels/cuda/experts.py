@@ -1,0 +1,104 @@
+"""Launch configs of the CUDA C++ routed-expert kernels (csrc/fp4_up.cu, fp4_down.cu, used by
+dsv4/kernels/fp4_experts.py): `ExpertCudaConfig`, the configs measured best on an H200, the
+instantiated variants, the heuristics for other shapes, and the down kernel's workspace.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class ExpertCudaConfig:
+    """CUDA C++ expert kernel config: spw steps of 128 K-elements per warp (the CTA has
+    K / (128 * spw) warps and 16 rows of one expert); dec, the e2m1 decode (0: to e4m3 bytes and
+    the hardware cvt to f16, 1: f16 bit patterns with integer ops); depth, steps of weights in
+    flight per warp (0: all spw; fewer registers, more resident warps); all_experts (down only):
+    one CTA per 16 rows takes every expert (its warps stream the k * spw steps of their K slice,
+    depth of them in flight), summing in slot order without the workspace and semaphores; ctas
+    (up only; 0: one CTA per expert and 16 rows): that many CTAs, each streaming tiles with the
+    next tile's weights in flight (spw 1 or 2, decode 0, at most 64 pairs of at most 4 activation
+    rows)."""
+    spw: int
+    dec: int = 0
+    depth: int = 0
+    all_experts: bool = False
+    ctas: int = 0
+
+
+# measured best on an H200 (bench_kernels --sweep --backend cuda), keyed (k, I, D)
+# up: 100 streaming CTAs (25.0 us alone, 20.2 on 132) leave SMs for the shared expert's branch
+# beside it (8 Flash layers, graph: 1.360 ms vs 1.369-1.377 with 116 / 132 CTAs)
+UP_STREAM_MAX_K, UP_STREAM_ROWS = 64, 4   # the streaming up kernel's pairs and activation rows
+TUNED_CUDA_UP: dict[tuple, ExpertCudaConfig] = {(6, 2048, 4096): ExpertCudaConfig(2, ctas=100)}
+TUNED_CUDA_DOWN: dict[tuple, ExpertCudaConfig] = {
+    (6, 2048, 4096): ExpertCudaConfig(2, 0, 6, True)}   # 12.0 us (one expert per CTA: 16 us)
+# the instantiated (spw, dec, depth) of csrc (depth 0 = spw)
+CUDA_UP_VARIANTS = ((1, 0, 1), (2, 0, 2), (2, 0, 1), (4, 0, 4), (4, 0, 3), (4, 0, 2), (4, 1, 4),
+                    (4, 1, 2))
+CUDA_DOWN_VARIANTS = ((1, 0, 1), (2, 0, 2), (2, 0, 1), (4, 0, 4), (4, 0, 2), (2, 1, 2))
+# the instantiated (k, spw, depth) of the all-experts down kernel (e2m1 decode 0; k = 6, the
+# released models' experts per token: other k take one expert per CTA)
+CUDA_DOWN_ALL_VARIANTS = ((6, 2, 2), (6, 2, 4), (6, 2, 6), (6, 4, 4))
+# the streaming up kernel's (spw, ctas) sweep (an H100 / H200 has 132 SMs: one CTA per SM fits)
+CUDA_UP_STREAM_VARIANTS = ((2, 132), (2, 120), (2, 100), (2, 66))
+
+
+def up_stream_variants(dim: int) -> list[ExpertCudaConfig]:
+    """The streaming up configs whose warps split K = dim."""
+    return [ExpertCudaConfig(spw, ctas=c) for spw, c in CUDA_UP_STREAM_VARIANTS
+            if cuda_spw_fits(dim, spw)]
+
+
+def down_all_variants(k: int, inter: int) -> list[ExpertCudaConfig]:
+    """The all-experts down configs instantiated for k experts of I = inter."""
+    return [ExpertCudaConfig(spw, 0, depth, True) for kk, spw, depth in CUDA_DOWN_ALL_VARIANTS
+            if kk == k and cuda_spw_fits(inter, spw)]
+
+
+def cuda_spw_fits(k_dim: int, spw: int) -> bool:
+    """The CUDA expert kernels split K = k_dim into warps of spw 128-wide steps, at most 16 warps."""
+    return k_dim % (128 * spw) == 0 and k_dim // (128 * spw) <= 16
+
+
+def cuda_expert_config(k_dim: int, table: dict, key: tuple) -> ExpertCudaConfig | None:
+    """K = k_dim: 4 steps per warp when that gives at most 16 warps, else 2, else 1."""
+    if key in table:
+        return table[key]
+    return next((ExpertCudaConfig(spw) for spw in (4, 2, 1) if cuda_spw_fits(k_dim, spw)), None)
+
+
+def cuda_down_config(k: int, inter: int, dim: int) -> ExpertCudaConfig | None:
+    """down's CUDA config: the tuned one, else the all-experts kernel when instantiated for k (2
+    steps per warp, 4 in flight, if it fits), else one expert per CTA (cuda_expert_config)."""
+    if (k, inter, dim) in TUNED_CUDA_DOWN:
+        return TUNED_CUDA_DOWN[(k, inter, dim)]
+    alls = down_all_variants(k, inter)
+    return (next((c for c in alls if (c.spw, c.depth) == (2, 4)), alls[0]) if alls
+            else cuda_expert_config(inter, {}, ()))
+
+
+_workspaces: dict = {}
+
+
+def down_workspace(k: int, dim: int, device, shared: bool = True
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ws [k, D] float32, cnt [D / 16] int32 zeros): the CUDA down kernel's per-expert partials and
+    per-row-tile semaphores (left zero after each launch). shared: one per (device, k, D) for
+    launches that never run concurrently (one stream); otherwise a new one. Allocate it before a
+    CUDA-graph capture (the decoder's warm-up does) so the zeros are not a captured memset."""
+    key = (torch.device(device), k, dim)
+    if not shared or key not in _workspaces:
+        ws = (torch.empty(k, dim, dtype=torch.float32, device=device),
+              torch.zeros(dim // 16, dtype=torch.int32, device=device))
+        if not shared:
+            return ws
+        _workspaces[key] = ws
+    return _workspaces[key]
+
+
+def down_needs_workspace(k: int, inter: int, dim: int) -> bool:
+    """Whether fp4_experts_down's default CUDA config for this shape uses a workspace."""
+    c = cuda_down_config(k, inter, dim)
+    return c is not None and not c.all_experts

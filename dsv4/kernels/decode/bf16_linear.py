@@ -1,0 +1,193 @@
+"""bf16-weight GEMV for a few activation rows (router gate, compressor, indexer weights_proj, LM head):
+x [T, K] (bf16 or float32 values) @ w [N, K] bf16 -> [T, N], float32 accumulation, any N (T = 1 in
+decoding; T > 1: the speculative verify rows, each with the bits of a one-row launch).
+Test: `python -m pytest tests/dsv4/kernels/test_decode_kernels.py`; bench: `python scripts/bench_kernels.py`.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..common import Config, launch_args, on_device, pdl_wait, pick_config, round_bf16
+
+TILE_BYTES = 16384   # weight bytes per program and step
+BN_MAX = 16
+
+
+@triton.jit
+def _bf16_wload(wrow, kk, K: tl.constexpr, EVEN_K: tl.constexpr):
+    if EVEN_K:
+        return tl.load(wrow + kk[None, :, :])
+    return tl.load(wrow + kk[None, :, :], mask=(kk < K)[None, :, :], other=0)
+
+
+@triton.jit
+def _bf16_fma(acc, x_ptr, kk, w, K: tl.constexpr, EVEN_K: tl.constexpr):
+    if EVEN_K:
+        x = tl.load(x_ptr + kk).to(tl.float32)
+    else:
+        x = tl.load(x_ptr + kk, mask=kk < K, other=0).to(tl.float32)
+    return acc + tl.sum(w.to(tl.float32) * x[None, :, :], axis=2)
+
+
+@triton.jit
+def _bf16_rows(x_ptr, w_ptr, y_ptr, pid, N: tl.constexpr, K: tl.constexpr, BN: tl.constexpr,
+               BK: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
+    """Program `pid` of one matrix: y[rows] = w[rows] @ x, BN rows, K in steps of BK as [C, 8]
+    16-byte chunks (rows past N are clamped for the loads and not stored). The caller has moved
+    x_ptr / y_ptr to its activation row."""
+    rows = pid * BN + tl.arange(0, BN)
+    EVEN_N: tl.constexpr = N % BN == 0
+    if not EVEN_N:
+        rows_ld = tl.minimum(rows, N - 1)     # clamp instead of masking the weight loads
+    else:
+        rows_ld = rows
+    C: tl.constexpr = BK // 8
+    koff = tl.arange(0, C)[:, None] * 8 + tl.arange(0, 8)[None, :]                # [C, 8]
+    wrow = w_ptr + rows_ld[:, None, None] * K
+    w = _bf16_wload(wrow, koff, K, EVEN_K)     # immutable: loads before the PDL wait
+    pdl_wait(PDL)
+    acc = _bf16_fma(tl.zeros([BN, C], tl.float32), x_ptr, koff, w, K, EVEN_K)
+    for k0 in range(BK, K, BK):
+        kk = k0 + koff
+        acc = _bf16_fma(acc, x_ptr, kk, _bf16_wload(wrow, kk, K, EVEN_K), K, EVEN_K)
+    y = tl.sum(acc, axis=1)
+    if y_ptr.dtype.element_ty == tl.bfloat16:
+        y = round_bf16(y)
+    if EVEN_N:
+        tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty))
+    else:
+        tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=rows < N)
+
+
+@triton.jit
+def _bf16_gemv_kernel(x_ptr, w0, y0, w1, y1, w2, y2, w3, y3, w4, y4,
+                      N0: tl.constexpr, N1: tl.constexpr, N2: tl.constexpr, N3: tl.constexpr,
+                      N4: tl.constexpr, NSEG: tl.constexpr, K: tl.constexpr, BN: tl.constexpr,
+                      BK: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
+    # x [T, K]; up to 5 matrices wi [Ni, K] bf16 -> yi [T, Ni] on the same x, one after the other
+    # along grid axis 1 (cdiv(Ni, BN) programs each); axis 0: the activation row t. Every row runs
+    # the same compiled program (only the pointers move), so row t of a T-row launch has the bits
+    # of a one-row launch; the T programs of a weight tile are neighbours in launch order and run
+    # together, so the tile comes from DRAM about once (the others hit L2).
+    t = tl.program_id(0)
+    pid = tl.program_id(1)
+    x_ptr += t * K
+    y0 += t * N0
+    y1 += t * N1
+    y2 += t * N2
+    y3 += t * N3
+    y4 += t * N4
+    P0: tl.constexpr = (N0 + BN - 1) // BN
+    P1: tl.constexpr = P0 + (N1 + BN - 1) // BN
+    P2: tl.constexpr = P1 + (N2 + BN - 1) // BN
+    P3: tl.constexpr = P2 + (N3 + BN - 1) // BN
+    if NSEG == 1:
+        _bf16_rows(x_ptr, w0, y0, pid, N0, K, BN, BK, EVEN_K, PDL)
+    else:   # unused trailing matrices have N = 0: their branch is never taken
+        if pid < P0:
+            _bf16_rows(x_ptr, w0, y0, pid, N0, K, BN, BK, EVEN_K, PDL)
+        elif pid < P1:
+            _bf16_rows(x_ptr, w1, y1, pid - P0, N1, K, BN, BK, EVEN_K, PDL)
+        elif pid < P2:
+            _bf16_rows(x_ptr, w2, y2, pid - P1, N2, K, BN, BK, EVEN_K, PDL)
+        elif pid < P3:
+            _bf16_rows(x_ptr, w3, y3, pid - P2, N3, K, BN, BK, EVEN_K, PDL)
+        else:
+            _bf16_rows(x_ptr, w4, y4, pid - P3, N4, K, BN, BK, EVEN_K, PDL)
+
+
+# measured best on an H200 by `bench_kernels.py --sweep` (2026-11-22); other shapes: heuristic
+TUNED = {(1024, 4096): Config(1, 16, 8)}            # compressor wkv/wgate 4.7 -> 3.0 us
+
+
+def bf16_config(n: int, k: int) -> Config:
+    """Launch config: BN rows per program (the grid covers N with a clamped tail), BK = nb*128."""
+    if (n, k) in TUNED:
+        return TUNED[(n, k)]
+    padded = -(-n // 128) * 128
+    return pick_config(padded, k, TILE_BYTES, 2.0, bn_max=BN_MAX)
+
+
+MAX_MATRICES = 5
+MAX_PROGRAMS = 65535   # grid axis 1
+
+
+def _rows(x: torch.Tensor, K: int) -> int:
+    """Activation rows of x ([T, K] or K values)."""
+    if x.numel() == 0 or x.shape[-1] != K:
+        raise ValueError(f"bf16_linear: x {tuple(x.shape)}; expected rows of {K} values")
+    return x.numel() // K
+
+
+def bf16_linear_multi(x: torch.Tensor, weights: list, out_dtypes: list, *,
+                      config: Config | None = None, pdl: bool = True) -> list:
+    """[x @ w^T for w in weights] in one launch (the bf16 projections of one activation row:
+    compressor wkv/wgate, the indexer's compressor and weights_proj). Each like bf16_linear with
+    its out dtype; the config is that of the concatenated rows."""
+    if not 1 <= len(weights) <= MAX_MATRICES or len(out_dtypes) != len(weights):
+        raise ValueError(f"bf16_linear_multi: {len(weights)} weights / {len(out_dtypes)} dtypes; "
+                         f"expected 1..{MAX_MATRICES} of each")
+    K = weights[0].shape[1]
+    for w in weights:
+        if w.dtype != torch.bfloat16 or w.dim() != 2 or w.shape[1] != K:
+            raise ValueError(f"bf16_linear: weight {tuple(w.shape)} {w.dtype}, x {tuple(x.shape)};"
+                             f" expected bfloat16 weights [N, {K}]")
+        if w.shape[0] * K >= 2 ** 31:
+            raise ValueError(f"bf16_linear: weight {tuple(w.shape)} too large for int32 offsets")
+    T = _rows(x, K)
+    ns = [w.shape[0] for w in weights]
+    cfg = config or bf16_config(sum(ns), K)
+    bk = cfg.nb * 128
+    outs = [torch.empty(T, n, dtype=dt, device=x.device) for n, dt in zip(ns, out_dtypes)]
+    pad = MAX_MATRICES - len(weights)
+    ws, ys = list(weights) + [weights[0]] * pad, outs + [outs[0]] * pad
+    nz = ns + [0] * pad
+    grid = _grid(T, sum(triton.cdiv(n, cfg.bn) for n in ns))
+    with on_device(outs[0]):
+        _bf16_gemv_kernel[grid](
+            x.contiguous(), ws[0], ys[0], ws[1], ys[1], ws[2], ys[2], ws[3], ys[3], ws[4], ys[4],
+            N0=nz[0], N1=nz[1], N2=nz[2], N3=nz[3], N4=nz[4], NSEG=len(weights), K=K, BN=cfg.bn,
+            BK=bk, EVEN_K=K % bk == 0, num_warps=cfg.num_warps, **launch_args(outs[0], pdl))
+    return outs
+
+
+def bf16_linear(x: torch.Tensor, w: torch.Tensor, *, out_dtype: torch.dtype = torch.float32,
+                out: torch.Tensor | None = None, config: Config | None = None,
+                pdl: bool = True) -> torch.Tensor:
+    """y [T, N] = x [T, K] @ w^T, float32 accumulation of the exact products, rounded to
+    out_dtype (T = 1 in decoding; each row of a T-row launch has the bits of a one-row launch). x
+    is used at its own precision (bf16 or float32). pdl: launch with PDL where the device has it
+    (the backend's switch). Capture-safe, deterministic."""
+    N, K = w.shape
+    if w.dtype != torch.bfloat16:
+        raise ValueError(f"bf16_linear: weight {tuple(w.shape)} {w.dtype}, x {tuple(x.shape)}; "
+                         f"expected a bfloat16 weight [N, K]")
+    T = _rows(x, K)
+    if N * K >= 2 ** 31:
+        raise ValueError(f"bf16_linear: weight {tuple(w.shape)} too large for int32 offsets")
+    cfg = config or bf16_config(N, K)
+    bk = cfg.nb * 128
+    if out is None:
+        out = torch.empty(T, N, dtype=out_dtype, device=x.device)
+    elif out.numel() != T * N or not out.is_contiguous():
+        raise ValueError(f"bf16_linear: out {tuple(out.shape)}; expected a contiguous {T}x{N}")
+    with on_device(out):
+        _bf16_gemv_kernel[_grid(T, triton.cdiv(N, cfg.bn))](
+            x.contiguous(), w, out, w, out, w, out, w, out, w, out, N0=N, N1=0, N2=0, N3=0, N4=0,
+            NSEG=1, K=K, BN=cfg.bn, BK=bk, EVEN_K=K % bk == 0, num_warps=cfg.num_warps,
+            **launch_args(out, pdl))
+    return out
+
+
+def _grid(T: int, programs: int) -> tuple[int, int]:
+    if programs > MAX_PROGRAMS:
+        raise ValueError(f"bf16_linear: {programs} programs per row exceed {MAX_PROGRAMS}")
+    return T, programs
+
+
+def bf16_linear_reference(x, w, *, out_dtype=torch.float32):
+    """bf16_linear in plain torch (float64 sums of the exact products, then rounded)."""
+    y = x.reshape(-1, w.shape[1]).double() @ w.double().T
+    return y.to(torch.float32).to(out_dtype)

@@ -1,0 +1,437 @@
+"""The CUDA C++ decode kernels (csrc/ via dsv4.kernels.cuda.lib) against the plain-torch
+references at the real Flash / Pro shapes and odd ones: FP8 GEMV (every config; two matrices, SwiGLU;
+the per-shape test of both backends is test_decode_kernels.py::test_fp8_linear_cuda), the routed FP4 experts (both e2m1 decodes, every steps-per-warp
+and depth variant), the indexer top-k, determinism, CUDA-graph capture, PDL on / off (the routing
+kernel: test_decode_kernels.py::test_route_decode_cuda). CPU: the config choice and the fallback.
+GPU: `python -m pytest tests/dsv4/kernels/test_cuda_kernels.py -q -m cuda`.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton is not installed (the 'dev' extra brings it)")
+
+from dsv4.kernels import common  # noqa: E402
+from dsv4.kernels.cuda import lib as cuda_lib  # noqa: E402
+from dsv4.kernels.common import CudaConfig  # noqa: E402
+
+from test_decode_kernels import (EXPERTS, FP8_SHAPES, SEED, assert_close_bf16, capture_step,
+                          fp4_bank, fp4_swiglu_absdot, fp8_weight, fresh_gen, poisoned, spiky_x,
+                          swiglu_absdot)  # noqa: E402
+
+
+def _need_lib():
+    st = cuda_lib.status("cuda")
+    if st != "ok":
+        pytest.skip(f"CUDA C++ kernels unavailable: {st}")
+
+
+# ---- CPU ----------------------------------------------------------------------------------------
+
+def test_cuda_config_fits_the_real_shapes():
+    """Every FP8 GEMV of the Flash / Pro decode gets a CUDA config whose CTA rows divide its
+    segments and scale blocks, and whose warps x lanes x chunks cover K exactly."""
+    from dsv4.kernels.cuda.fp8 import cuda_config
+    for name, (n, k, g) in FP8_SHAPES.items():
+        ng = n // g if g > 1 else 0
+        for nm in (1, 2):
+            c = cuda_config(n, k, (n,), ng, nm)
+            assert c is not None, name
+            assert c.warps * c.lc * c.cpl * 16 == k and 1 <= c.warps <= 16, (name, c)
+            assert 128 % c.rows == 0 and n % c.rows == 0 and (ng == 0 or ng % c.rows == 0), (name, c)
+            assert c.rpl * c.cpl * nm <= 16, (name, c)
+    c = cuda_config(1536, 4096, (1024, 512), 0, 1)          # wq_a + wkv in one launch
+    assert 512 % c.rows == 0
+    assert cuda_config(128, 100 * 16, (128,), 0, 1) is None  # K not a multiple of 128
+
+
+def test_expert_config_and_cpu_fallback():
+    from dsv4.kernels.cuda.experts import cuda_expert_config
+    assert cuda_expert_config(4096, {}, ()).spw == 4          # Flash up: 8 warps
+    assert cuda_expert_config(7168, {}, ()).spw == 4          # Pro up: 14 warps
+    assert cuda_expert_config(384, {}, ()).spw == 1           # 3 warps
+    assert cuda_expert_config(100, {}, ()) is None
+    assert cuda_lib.status("cpu") == "not a CUDA device"
+    assert not cuda_lib.usable(torch.zeros(4))
+
+
+def test_switch_turns_the_library_off(monkeypatch):
+    """DSV4_CUDA_KERNELS=0: the backend of a CUDA device takes the Triton kernels and says why
+    (the library is not even loaded); resolved here as on a GPU machine."""
+    from dsv4 import backend
+    opts = backend.Options.from_env({"DSV4_CUDA_KERNELS": "0"})
+    assert opts.cuda_kernels is False and backend.Options().cuda_kernels is True
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(backend, "_triton_importable", lambda: True)
+    monkeypatch.setattr(backend, "_cuda_status", lambda *a: pytest.fail("library loaded"))
+    be = backend.resolve(torch.device("cuda", 0), options=opts)
+    assert be.kernels and be.cuda == "DSV4_CUDA_KERNELS=0" and be.gemv == "triton"
+
+
+def test_pick_cuda_or_triton_on_cpu():
+    """One choice for every kernel: Triton when asked or when the CUDA kernel does not fit or is not
+    usable; a caller that insists on CUDA gets a ValueError naming the reason, from each entry."""
+    from dsv4.kernels.cuda.experts import ExpertCudaConfig
+    from dsv4.kernels.decode.fp4_experts import fp4_experts_down, fp4_experts_up
+    from dsv4.kernels.decode.fp8_linear import fp8_linear
+    from dsv4.kernels.decode.route import route_decode
+    t = torch.zeros(4)
+    for backend in ("triton", None):
+        assert not cuda_lib.pick("x", backend, t)
+        assert not cuda_lib.pick("x", backend, t, fits=False)
+    assert not cuda_lib.pick("x", "cuda", t, declined=True)
+    for backend, insisted in (("cuda", False), (None, True)):
+        with pytest.raises(ValueError, match="x: the CUDA kernel is unavailable.*not a CUDA"):
+            cuda_lib.pick("x", backend, t, insisted=insisted)
+    w, s = fp8_weight(128, 128, fresh_gen())
+    with pytest.raises(ValueError, match="fp8 GEMV: the CUDA kernel is unavailable"):
+        fp8_linear(torch.zeros(1, 128, dtype=torch.bfloat16), w, s, backend="cuda")
+    with pytest.raises(ValueError, match="route_decode: the CUDA kernel is unavailable"):
+        route_decode(torch.zeros(1, 8), 2, "sqrtsoftplus", 1.0, bias=torch.zeros(8),
+                     backend="cuda")
+    with pytest.raises(ValueError, match="route_decode: the CUDA kernel is unavailable"):
+        route_decode(torch.zeros(1, 1024), 2, "sqrtsoftplus", 1.0, bias=torch.zeros(1024),
+                     backend="cuda")       # E > 512: does not fit either
+    e = torch.zeros(2, 128, 64, dtype=torch.int8), torch.zeros(2, 128, 4, dtype=torch.int8)
+    idx, x = torch.zeros(1, dtype=torch.int64), torch.zeros(1, 128, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="fp4 experts: the CUDA kernel is unavailable"):
+        fp4_experts_up(x, idx, torch.ones(1), *e, *e, 0.0, backend="cuda")
+    with pytest.raises(ValueError, match="fp4 experts: the CUDA kernel is unavailable"):
+        fp4_experts_down(x, idx, *e, config=ExpertCudaConfig(1))
+
+
+# ---- CUDA ---------------------------------------------------------------------------------------
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", ["flash.wq_b", "flash.wo_b", "flash.wo_a", "pro.wkv", "odd"])
+def test_fp8_every_cuda_config_agrees(name):
+    """Every instantiated config of a shape (lanes per row, rows and chunks per lane, warps) gives
+    the reference's values: the butterfly and the warp sums cover each product exactly once."""
+    from dsv4.bench.kernels import _cuda_neighbours
+    from dsv4.kernels.cuda.fp8 import cuda_config
+    from dsv4.kernels.decode.fp8_linear import fp8_linear, fp8_linear_reference
+    _need_lib()
+    import math
+    n, k, G = FP8_SHAPES[name]
+    dev, gen = torch.device("cuda"), fresh_gen("cuda")
+    w, s = fp8_weight(n, k, gen, device=dev)
+    gk = k if G > 1 else None
+    ng = n // G if G > 1 else 0
+    x = spiky_x(k * G, gen, torch.bfloat16, dev)
+    ref = fp8_linear_reference(x, w, s, quant_act=G == 1, group_k=gk)
+    cfgs = _cuda_neighbours(cuda_config(n, k, (n,), ng, 1), k, 1,
+                            math.gcd(128, n, *([ng] if ng else [])))
+    assert len(cfgs) >= 3
+    for cfg in cfgs:
+        y = fp8_linear(x, w, s, quant_act=G == 1, group_k=gk, config=cfg,
+                       out=poisoned(1, n, device=dev))
+        assert_close_bf16(y, ref, x, w, s, G == 1, group_k=gk)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", ["flash.wq_b", "flash.wo_b", "flash.wo_a", "pro.wq_a", "odd",
+                                  "odd.grouped", "small"])
+def test_fp8_every_mma_config_agrees(name):
+    """The tensor-core GEMV, every config of a shape (blocks per warp x warps), against the
+    reference: W8A8 (bf16 and float32 x: the act-quantized operands are exact in f16) and, for bf16
+    x, without act quant (the grouped wo_a: x scaled per block by a power of two into f16), bf16
+    and float32 outputs; 11 rows in one call (two launches of <= 8) give each row the bits of its
+    one-row launch; float32 x without act quant is refused (not exact in f16)."""
+    from dsv4.kernels.cuda.fp8 import mma_configs
+    from dsv4.kernels.decode.fp8_linear import fp8_linear, fp8_linear_reference
+    from test_decode_kernels import assert_close_f32
+    _need_lib()
+    n, k, G = FP8_SHAPES[name]
+    dev, gen = torch.device("cuda"), fresh_gen("cuda")
+    w, s = fp8_weight(n, k, gen, device=dev)
+    gk = k if G > 1 else None
+    cfgs = mma_configs(k, 1)
+    assert cfgs
+    T = 11
+    for quant, xdt in ([(False, torch.bfloat16)] if G > 1 else
+                       [(True, torch.bfloat16), (True, torch.float32), (False, torch.bfloat16)]):
+        x = torch.cat([spiky_x(k * G, gen, xdt, dev) for _ in range(T)])
+        for cfg in cfgs:
+            y = fp8_linear(x, w, s, quant_act=quant, group_k=gk, config=cfg,
+                           out=poisoned(T, n, device=dev))
+            yf = fp8_linear(x, w, s, quant_act=quant, group_k=gk, config=cfg,
+                            out_dtype=torch.float32,
+                            out=poisoned(T, n, dtype=torch.float32, device=dev))
+            for t in (0, 7, 8, 10):
+                xt = x[t:t + 1]
+                ref = fp8_linear_reference(xt, w, s, quant_act=quant, group_k=gk)
+                assert_close_bf16(y[t:t + 1], ref, xt, w, s, quant, group_k=gk)
+                reff = fp8_linear_reference(xt, w, s, quant_act=quant, group_k=gk,
+                                            out_dtype=torch.float32)
+                assert_close_f32(yf[t:t + 1], reff, xt, w, s, quant, group_k=gk)
+                one = fp8_linear(xt, w, s, quant_act=quant, group_k=gk, config=cfg)
+                assert torch.equal(y[t:t + 1], one), (cfg, quant, xdt, t)
+    with pytest.raises(ValueError, match="tensor-core config"):
+        fp8_linear(spiky_x(k * G, gen, torch.float32, dev), w, s, quant_act=False, group_k=gk,
+                   config=cfgs[0])
+
+
+@pytest.mark.cuda
+def test_fp8_mma_two_matrices_and_swiglu():
+    """The tensor-core GEMV with two matrices on one x (wq_a + wkv) equals their own launches, and
+    its fused SwiGLU meets the reference, for every config, 3 rows."""
+    from dsv4.kernels.cuda.fp8 import mma_configs
+    from dsv4.kernels.decode.fp8_linear import (fp8_linear, fp8_linear2, fp8_swiglu,
+                                         fp8_swiglu_reference)
+    _need_lib()
+    dev, gen = torch.device("cuda"), fresh_gen("cuda")
+    (wa, sa), (wb, sb) = fp8_weight(1024, 4096, gen, device=dev), fp8_weight(512, 4096, gen,
+                                                                              device=dev)
+    x = torch.cat([spiky_x(4096, gen, torch.bfloat16, dev) for _ in range(3)])
+    for cfg in mma_configs(4096, 1):
+        ya, yb = fp8_linear2(x, wa, sa, wb, sb, config=cfg)
+        assert torch.equal(ya, fp8_linear(x, wa, sa, config=cfg))
+        assert torch.equal(yb, fp8_linear(x, wb, sb, config=cfg))
+    (w1, s1), (w3, s3) = fp8_weight(2048, 4096, gen, 8.0, dev), fp8_weight(2048, 4096, gen, 8.0,
+                                                                            dev)
+    for cfg in mma_configs(4096, 2):
+        for limit in (0.0, 10.0):
+            a = fp8_swiglu(x, w1, s1, w3, s3, limit, config=cfg, out=poisoned(3, 2048, device=dev))
+            for t in range(3):
+                xt = x[t:t + 1]
+                assert_close_bf16(a[t:t + 1], fp8_swiglu_reference(xt, w1, s1, w3, s3, limit),
+                                  rtol=2 ** -5, min_equal=0.9,
+                                  absdot=swiglu_absdot(xt, w1, s1, w3, s3, limit))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("T", [2, 3, 4])
+def test_rows_equal_one_row_launches_cuda(T):
+    """The speculative verify rows: T activation rows in one launch (FP8 CUDA kernel: weights
+    held in registers across rows; bf16 Triton: one program per row and tile) give each row the bits of
+    its own one-row launch, at the Flash / Pro decode shapes (tuned configs), with two matrices,
+    SwiGLU and the grouped wo_a; the routed experts of T rows (up: the streaming and the per-tile
+    kernels over all pairs against the one-row streaming kernel; down: the all-experts kernel with
+    a row grid)."""
+    from dsv4.kernels.decode.bf16_linear import bf16_linear, bf16_linear_multi
+    from dsv4.kernels.decode.fp8_linear import fp8_linear, fp8_linear2, fp8_swiglu
+    from test_decode_kernels import BF16_SHAPES
+    _need_lib()
+    dev, gen = torch.device("cuda"), fresh_gen("cuda")
+    for name in ("flash.wq_b", "flash.wo_a", "flash.wo_b", "flash.shared.w2", "pro.wq_b",
+                 "pro.wo_b", "odd"):
+        n, k, G = FP8_SHAPES[name]
+        w, s = fp8_weight(n, k, gen, device=dev)
+        gk = k if G > 1 else None
+        x = torch.cat([spiky_x(k * G, gen, torch.bfloat16, dev) for _ in range(T)])
+        for odt in (torch.bfloat16, torch.float32):
+            y = fp8_linear(x, w, s, quant_act=G == 1, group_k=gk, out_dtype=odt, backend="cuda",
+                           out=poisoned(T, n, dtype=odt, device=dev))
+            for t in range(T):
+                one = fp8_linear(x[t:t + 1], w, s, quant_act=G == 1, group_k=gk, out_dtype=odt,
+                                 backend="cuda")
+                assert torch.equal(y[t:t + 1], one), (name, t)
+    (wa, sa), (wb, sb) = fp8_weight(1024, 4096, gen, device=dev), fp8_weight(512, 4096, gen,
+                                                                              device=dev)
+    (w1, s1), (w3, s3) = fp8_weight(2048, 4096, gen, 8.0, dev), fp8_weight(2048, 4096, gen, 8.0,
+                                                                            dev)
+    x = torch.cat([spiky_x(4096, gen, torch.bfloat16, dev) for _ in range(T)])
+    ya, yb = fp8_linear2(x, wa, sa, wb, sb, backend="cuda")
+    a = fp8_swiglu(x, w1, s1, w3, s3, 10.0, backend="cuda")
+    for t in range(T):
+        oa, ob = fp8_linear2(x[t:t + 1], wa, sa, wb, sb, backend="cuda")
+        assert torch.equal(ya[t:t + 1], oa) and torch.equal(yb[t:t + 1], ob)
+        assert torch.equal(a[t:t + 1], fp8_swiglu(x[t:t + 1], w1, s1, w3, s3, 10.0,
+                                                  backend="cuda"))
+    from dsv4.kernels.cuda.experts import ExpertCudaConfig
+    from dsv4.kernels.decode.fp4_experts import fp4_experts_down, fp4_experts_up
+    E, I, D = EXPERTS["flash"]
+    k = 6
+    w1, s1, w3, s3, _, _ = fp4_bank(E, I, D, gen, gain=4.0, device=dev)
+    *_, w2, s2 = fp4_bank(E, I, D, gen, up=False, device=dev)
+    xe = torch.cat([spiky_x(D, gen, torch.bfloat16, dev) for _ in range(T)])
+    idx = torch.cat([torch.randperm(E, device=dev)[:k].sort().values for _ in range(T)])
+    rw = torch.rand(T * k, generator=gen, device=dev)
+    add = torch.randn(T, D, generator=gen, device=dev).bfloat16()
+    ae = fp4_experts_up(xe, idx, rw, w1, s1, w3, s3, 10.0)             # streaming, T rows
+    pt = fp4_experts_up(xe, idx, rw, w1, s1, w3, s3, 10.0,
+                        config=ExpertCudaConfig(2))                     # per tile, T rows
+    assert torch.equal(ae, pt)
+    ye = fp4_experts_down(ae, idx, w2, s2, add=add, out_dtype=torch.bfloat16, rows=T)
+    for t in range(T):
+        p = slice(t * k, (t + 1) * k)
+        one = fp4_experts_up(xe[t:t + 1], idx[p], rw[p], w1, s1, w3, s3, 10.0)   # streaming
+        assert torch.equal(ae[p], one), t
+        assert torch.equal(ye[t:t + 1], fp4_experts_down(one, idx[p], w2, s2, add=add[t:t + 1],
+                                                         out_dtype=torch.bfloat16)), t
+    del w1, s1, w3, s3, w2, s2
+    for name in ("flash.gate", "compressor", "flash.head", "odd"):
+        n, k = BF16_SHAPES[name]
+        w = (torch.randn(n, k, generator=gen, device=dev) * k ** -0.5).to(torch.bfloat16)
+        xb = torch.randn(T, k, generator=gen, device=dev)
+        y = bf16_linear(xb, w)
+        ys = bf16_linear_multi(xb.bfloat16(), [w, w[:100]], [torch.float32, torch.bfloat16])
+        for t in range(T):
+            assert torch.equal(y[t:t + 1], bf16_linear(xb[t:t + 1], w)), name
+            o = bf16_linear_multi(xb[t:t + 1].bfloat16(), [w, w[:100]],
+                                  [torch.float32, torch.bfloat16])
+            assert torch.equal(ys[0][t:t + 1], o[0]) and torch.equal(ys[1][t:t + 1], o[1]), name
+
+
+@pytest.mark.cuda
+def test_fp8_two_matrices_and_swiglu_cuda():
+    """wq_a + wkv in one CUDA launch equal their own launches with the same config (bit for bit);
+    the fused SwiGLU meets its reference."""
+    from dsv4.kernels.decode.fp8_linear import (fp8_linear, fp8_linear2, fp8_linear_reference,
+                                         fp8_swiglu, fp8_swiglu_reference)
+    _need_lib()
+    dev, gen = torch.device("cuda"), fresh_gen("cuda")
+    (wa, sa), (wb, sb) = fp8_weight(1024, 4096, gen, device=dev), fp8_weight(512, 4096, gen,
+                                                                              device=dev)
+    x = spiky_x(4096, gen, torch.bfloat16, dev)
+    cfg = CudaConfig(32, 4, 1, 8)
+    ya, yb = fp8_linear2(x, wa, sa, wb, sb, config=cfg)
+    assert torch.equal(ya, fp8_linear(x, wa, sa, config=cfg))
+    assert torch.equal(yb, fp8_linear(x, wb, sb, config=cfg))
+    ya2, yb2 = fp8_linear2(x, wa, sa, wb, sb, backend="cuda")       # the default config
+    assert_close_bf16(ya2, fp8_linear_reference(x, wa, sa), x, wa, sa)
+    assert_close_bf16(yb2, fp8_linear_reference(x, wb, sb), x, wb, sb)
+    for n, k in [(2048, 4096), (3072, 7168), (128, 128)]:
+        (w1, s1), (w3, s3) = fp8_weight(n, k, gen, 8.0, dev), fp8_weight(n, k, gen, 8.0, dev)
+        xs = spiky_x(k, gen, torch.bfloat16, dev)
+        for limit in (0.0, 10.0):
+            got = fp8_swiglu(xs, w1, s1, w3, s3, limit, out=poisoned(1, n, device=dev),
+                             backend="cuda")
+            assert_close_bf16(got, fp8_swiglu_reference(xs, w1, s1, w3, s3, limit),
+                              rtol=2 ** -5, min_equal=0.9,
+                              absdot=swiglu_absdot(xs, w1, s1, w3, s3, limit))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("which", list(EXPERTS))
+def test_fp4_experts_cuda_kernels(which):
+    """Both e2m1 decodes and every steps-per-warp variant meet the references; the two decodes
+    give the same bits (their products and sums differ by exact powers of two only)."""
+    from dsv4.kernels.cuda.experts import (CUDA_DOWN_VARIANTS, CUDA_UP_VARIANTS, ExpertCudaConfig,
+                                          cuda_spw_fits, down_all_variants, up_stream_variants)
+    from dsv4.kernels.decode.fp4_experts import (fp4_experts_down, fp4_experts_down_reference,
+                                          fp4_experts_up, fp4_experts_up_reference)
+    _need_lib()
+    E, inter, dim = EXPERTS[which]
+    dev, gen = torch.device("cuda"), fresh_gen("cuda")
+    w1, s1, w3, s3, _, _ = fp4_bank(E, inter, dim, gen, gain=4.0, device=dev)
+    *_, w2, s2 = fp4_bank(E, inter, dim, gen, up=False, device=dev)
+    k = 6
+    idx = torch.cat((torch.randperm(E - 1, generator=gen, device=dev)[:k - 1],
+                     torch.tensor([E - 1], device=dev))).sort().values
+    rw = torch.rand(k, generator=gen, device=dev) + 0.5
+    x = spiky_x(dim, gen, torch.bfloat16, dev)
+    a_ref = fp4_experts_up_reference(x, idx, rw, w1, s1, w3, s3, 10.0)
+    absdot = fp4_swiglu_absdot(x, idx, rw, w1, s1, w3, s3, 10.0)
+    ups = [ExpertCudaConfig(*v) for v in CUDA_UP_VARIANTS
+           if dim % (128 * v[0]) == 0 and dim // (128 * v[0]) <= 16]
+    first = None
+    for cfg in ups:
+        a = fp4_experts_up(x, idx, rw, w1, s1, w3, s3, 10.0, out=poisoned(k, inter, device=dev),
+                           config=cfg)
+        assert_close_bf16(a, a_ref, rtol=2 ** -5, min_equal=0.9, absdot=absdot)
+        # the other decode and fewer weights in flight: the same arithmetic, the same bits
+        assert torch.equal(a, fp4_experts_up(x, idx, rw, w1, s1, w3, s3, 10.0,
+                                             config=ExpertCudaConfig(cfg.spw))), cfg
+        first = a if first is None else first
+    few = [ExpertCudaConfig(2, depth=d, ctas=3) for d in (0, 2, 3)]     # few CTAs: many tiles
+    for cfg in up_stream_variants(dim) + few:                      # each, every buffer / stage
+        if cuda_spw_fits(dim, cfg.spw):
+            got = fp4_experts_up(x, idx, rw, w1, s1, w3, s3, 10.0,
+                                 out=poisoned(k, inter, device=dev), config=cfg)
+            assert torch.equal(got, fp4_experts_up(x, idx, rw, w1, s1, w3, s3, 10.0,
+                                                   config=ExpertCudaConfig(cfg.spw))), cfg
+    a = first
+    ref = fp4_experts_down_reference(a, idx, w2, s2)
+    scale = sum(fp4_experts_down_reference(a[j:j + 1], idx[j:j + 1], w2, s2).abs()
+                for j in range(k))
+    downs = [ExpertCudaConfig(*v) for v in CUDA_DOWN_VARIANTS
+             if inter % (128 * v[0]) == 0 and inter // (128 * v[0]) <= 16]
+    for cfg in downs:
+        y = fp4_experts_down(a, idx, w2, s2, out=poisoned(1, dim, dtype=torch.float32,
+                                                          device=dev), config=cfg)
+        assert not y.isnan().any() and ((y - ref).abs() <= 2 ** -7 * scale + 1e-30).all(), \
+            (cfg, SEED)
+        assert (y == ref).float().mean() >= 0.8, (cfg, SEED)
+        for _ in range(3):                         # the semaphores are left ready for the next
+            assert torch.equal(y, fp4_experts_down(a, idx, w2, s2, config=cfg)), cfg
+        assert torch.equal(y, fp4_experts_down(a, idx, w2, s2,                # as for up
+                                               config=ExpertCudaConfig(cfg.spw))), cfg
+    # every expert in one CTA: the sums of the per-expert kernel with the same steps per warp
+    alls = down_all_variants(k, inter)
+    assert alls or inter % 256, "no all-experts down variant for this shape"
+    for cfg in alls:
+        y = fp4_experts_down(a, idx, w2, s2, out=poisoned(1, dim, dtype=torch.float32,
+                                                          device=dev), config=cfg)
+        assert torch.equal(y, fp4_experts_down(a, idx, w2, s2,
+                                               config=ExpertCudaConfig(cfg.spw))), cfg
+    add = spiky_x(dim, gen, torch.bfloat16, dev)
+    for cfg in [downs[0]] + alls:
+        yb = fp4_experts_down(a, idx, w2, s2, add=add, out_dtype=torch.bfloat16, config=cfg)
+        y = fp4_experts_down(a, idx, w2, s2, config=cfg)
+        assert torch.equal(yb, (y + add.float()).to(torch.bfloat16)), cfg
+
+
+@pytest.mark.cuda
+def test_cuda_kernels_capture_and_pdl():
+    """Captured in a CUDA graph (under sync debug 'error'), replayed on new inputs: the same bits as
+    eager calls; and the same bits without PDL (pdl=False: the backend's DSV4_PDL=0)."""
+    from dsv4.kernels.decode.fp4_experts import fp4_experts_down, fp4_experts_up
+    from dsv4.kernels.decode.fp8_linear import fp8_linear, fp8_linear2, fp8_swiglu
+    _need_lib()
+    dev, gen = torch.device("cuda"), fresh_gen("cuda")
+    w, s = fp8_weight(1024, 4096, gen, device=dev)
+    wk, sk = fp8_weight(512, 4096, gen, device=dev)
+    wo, so = fp8_weight(4096, 1024, gen, device=dev)
+    w1, s1, w3, s3, _, _ = fp4_bank(16, 256, 4096, gen, device=dev)
+    *_, w2, s2 = fp4_bank(16, 256, 4096, gen, up=False, device=dev)
+    (sw1, ss1), (sw3, ss3) = fp8_weight(2048, 4096, gen, device=dev), fp8_weight(2048, 4096, gen,
+                                                                                  device=dev)
+    x = spiky_x(4096, gen, torch.bfloat16, dev)
+    idx = torch.tensor([1, 4, 5, 9, 12, 15], device=dev)
+    rw = torch.rand(6, generator=gen, device=dev)
+
+    def step(pdl=True):
+        q, kv = fp8_linear2(x, w, s, wk, sk, pdl=pdl)
+        a = fp4_experts_up(x, idx, rw, w1, s1, w3, s3, 10.0, pdl=pdl)
+        sh = fp8_swiglu(x, sw1, ss1, sw3, ss3, 10.0, pdl=pdl)
+        return (q, kv, fp8_linear(q, wo, so, pdl=pdl), sh,
+                fp4_experts_down(a, idx, w2, s2, add=x, out_dtype=torch.bfloat16, pdl=pdl))
+    g, outs = capture_step(step)
+    x.copy_(spiky_x(4096, gen, torch.bfloat16, dev))
+    idx.copy_(torch.tensor([0, 2, 3, 7, 8, 11], device=dev))
+    g.replay()
+    want = step()
+    for got, ref in zip(outs, want):
+        assert torch.equal(got, ref)
+    if common.pdl(x):
+        for got, ref in zip(step(pdl=False), want):
+            assert torch.equal(got, ref)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("n,k", [(1088, 512), (16385, 512), (600, 512), (9, 8), (40, 1), (2048, 2048)])
+def test_index_topk_cuda(n, k):
+    """The radix select returns k distinct entries whose scores are the k largest (as a
+    multiset, against torch.topk), ties at the threshold resolved to the lowest entries, -inf
+    (not yet visible) entries last; deterministic."""
+    from dsv4.kernels.decode.indexer import index_topk
+    _need_lib()
+    dev, gen = torch.device("cuda"), fresh_gen("cuda")
+    sc = torch.randn(1, n, generator=gen, device=dev).to(torch.bfloat16)    # bf16: many ties
+    sc[0, n // 2:] = float("-inf")                                           # masked tail
+    if n > 4:
+        sc[0, 1:4] = sc[0, 0]
+    got = index_topk(sc, k)
+    assert got.shape == (1, k) and got.dtype == torch.int64
+    assert got.unique().numel() == k and int(got.min()) >= 0 and int(got.max()) < n
+    want = sc.float().topk(k, dim=-1).values
+    assert torch.equal(sc[0, got[0]].float().sort(descending=True).values, want[0])
+    thr = want[0, -1]
+    picked = set(got[0].tolist())
+    ties = (sc[0].float() == thr).nonzero().flatten().tolist()
+    n_tie = len([i for i in picked if sc[0, i].float() == thr])
+    assert picked >= set(i for i in range(n) if sc[0, i].float() > thr)
+    assert [i for i in ties if i in picked] == ties[:n_tie], "ties: not the lowest entries"
+    assert torch.equal(got, index_topk(sc, k))
