@@ -411,11 +411,14 @@ def test_cuda_kernels_capture_and_pdl():
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("n,k", [(1088, 512), (16385, 512), (600, 512), (9, 8), (40, 1), (2048, 2048)])
+@pytest.mark.parametrize("n,k", [(1088, 512), (16385, 512), (600, 512), (9, 8), (40, 1), (2048, 2048),
+                                 (262144, 512), (262139, 512)])
 def test_index_topk_cuda(n, k):
     """The radix select returns k distinct entries whose scores are the k largest (as a
     multiset, against torch.topk), ties at the threshold resolved to the lowest entries, -inf
-    (not yet visible) entries last; deterministic."""
+    (not yet visible) entries last, in the documented order (those above the threshold in index
+    order, then the ties); deterministic. 262,144: a 1M-token context's ratio-4 index (the
+    16-byte-load path); 262,139 and 16,385: rows the scalar path reads."""
     from dsv4.kernels.decode.indexer import index_topk
     _need_lib()
     dev, gen = torch.device("cuda"), fresh_gen("cuda")
@@ -434,4 +437,28 @@ def test_index_topk_cuda(n, k):
     n_tie = len([i for i in picked if sc[0, i].float() == thr])
     assert picked >= set(i for i in range(n) if sc[0, i].float() > thr)
     assert [i for i in ties if i in picked] == ties[:n_tie], "ties: not the lowest entries"
+    above = (sc[0].float() > thr).nonzero().flatten().tolist()
+    assert got[0].tolist() == above + ties[:k - len(above)]
+    assert torch.equal(got, index_topk(sc, k))
+
+
+@pytest.mark.cuda
+def test_index_topk_cuda_rows_and_crowded_scores():
+    """Several rows (the speculative verify rows), each its own selection; a row whose scores
+    all share one value (every key in one histogram bin) and one of a few distinct values."""
+    from dsv4.kernels.decode.indexer import index_topk
+    _need_lib()
+    dev, gen = torch.device("cuda"), fresh_gen("cuda")
+    n, k = 32768, 512
+    sc = torch.randn(4, n, generator=gen, device=dev).to(torch.bfloat16)
+    sc[1] = 0.25
+    sc[2] = torch.randint(0, 3, (n,), generator=gen, device=dev).to(torch.bfloat16)
+    sc[3, n // 3:] = float("-inf")
+    got = index_topk(sc, k)
+    for r in range(4):
+        row = sc[r].float()
+        thr = row.topk(k).values[-1]
+        above = (row > thr).nonzero().flatten().tolist()
+        ties = (row == thr).nonzero().flatten().tolist()
+        assert got[r].tolist() == above + ties[:k - len(above)], r
     assert torch.equal(got, index_topk(sc, k))

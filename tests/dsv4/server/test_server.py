@@ -10,6 +10,7 @@ requests with flat memory; /v1/models, /health, /metrics; SIGTERM mid-stream exi
 import json
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -47,7 +48,10 @@ def tok(ckpt):
 def server(ckpt, tmp_path_factory):
     log = tmp_path_factory.mktemp("server") / "server.log"
     srv = ServerProcess(["--ckpt", ckpt, "--max-seq-len", CAP, "--max-queue", 8,
-                         "--allow-force-ids", "--log-level", "warning"], log=log)
+                         "--allow-force-ids", "--log-level", "warning",
+                         "--test-gate", log.parent / "gate"],
+                        launcher=Path(__file__).parent / "serve_gated.py", log=log)
+    srv.gate = log.parent / "gate"
     yield srv
     srv.stop()
 
@@ -221,8 +225,9 @@ def test_a_full_queue_answers_503_with_retry_after(server, client):
     body = {"messages": [{"role": "user", "content": "Go on."}], "stream": True,
             "force_ids": [5] * 200}                 # 200 steps, whatever the weights
     streams = []
+    server.gate.touch()                         # the worker holds the job it takes
     try:
-        for _ in range(9):                      # one decoding + --max-queue 8 waiting
+        for _ in range(9):                      # one taken + --max-queue 8 waiting
             cm = httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=60)
             r = cm.__enter__()
             streams.append(cm)
@@ -234,6 +239,7 @@ def test_a_full_queue_answers_503_with_retry_after(server, client):
         assert full.status_code == 503 and full.headers["retry-after"] == "1"
         assert "--max-queue 8" in full.json()["error"]["message"]
     finally:
+        server.gate.unlink()
         for cm in streams[::2]:
             cm.__exit__(None, None, None)
     # the clients left: their requests stop counting against the queue as soon as the server
