@@ -1,8 +1,12 @@
 // The lightning indexer's top-k of decode rows (dsv4_topk_bf16): one CTA per row of bf16 scores,
-// a radix select over the scores' order-preserving keys (warp-aggregated histograms, 16-byte
-// loads, a tiled compaction that stops once the k are out).
+// a radix select over the scores' order-preserving keys (a 12-bit then a 4-bit digit, 16-byte
+// loads, one atomic a warp where its lanes agree, a tiled compaction that stops once the k are out).
 #include "dsv4_api.h"
 #include "dsv4_common.cuh"
+
+#include <cooperative_groups.h>
+
+namespace cg = cooperative_groups;
 
 namespace {
 
@@ -36,42 +40,30 @@ DEV int block_scan(int v, int* wsum, int* total) {
 // bf16 bits -> a key whose unsigned order is the float order.
 DEV uint32_t bf16_key(uint16_t b) { return (b & 0x8000u) ? (~uint32_t(b) & 0xFFFFu) : (b | 0x8000u); }
 
-// The bin (from the top) holding the k-th largest key of a 256-bin histogram, and how many keys lie
-// in higher bins. Warp 0; lane l sums bins 255 - 8l .. 248 - 8l.
-DEV void find_bin(const int* hist, int k, int* bin, int* above) {
-  const int lane = threadIdx.x & 31;
-  int c[8], s = 0;
-#pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    c[j] = hist[255 - 8 * lane - j];
-    s += c[j];
-  }
-  int inc = s;
-#pragma unroll
-  for (int off = 1; off < 32; off <<= 1) {
-    const int t = __shfl_up_sync(FULL, inc, off);
-    if (lane >= off) inc += t;
-  }
-  const int pre = inc - s;
-  if (pre < k && inc >= k) {
-    int acc = pre;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      if (acc + c[j] >= k) {
-        *bin = 255 - 8 * lane - j;
+// The 16-bit key in two digits: the high 12 bits (sign, exponent, 3 mantissa bits: a row's scores
+// spread over many of its 4,096 bins, so few atomics collide), then the low 4.
+constexpr int LO_BITS = 4, NHI = 1 << (16 - LO_BITS), NLO = 1 << LO_BITS;
+
+// The bin (counting from the top) holding the k-th largest key of hist[0..nbins), and how many
+// keys lie in higher bins, into *bin / *above. Every thread of the CTA calls it; thread t sums c
+// consecutive bins from the top.
+DEV void find_bin(const int* hist, int nbins, int k, int* wsum, int* bin, int* above) {
+  const int nt = blockDim.x, c = (nbins + nt - 1) / nt;
+  const int top = nbins - 1 - int(threadIdx.x) * c;          // this thread's highest bin
+  int s = 0;
+  for (int j = 0; j < c && top - j >= 0; ++j) s += hist[top - j];
+  int tot;
+  int acc = block_scan(s, wsum, &tot);                        // keys in the bins above
+  if (acc < k && acc + s >= k)
+    for (int j = 0; j < c && top - j >= 0; ++j) {
+      if (acc + hist[top - j] >= k) {
+        *bin = top - j;
         *above = acc;
         break;
       }
-      acc += c[j];
+      acc += hist[top - j];
     }
-  }
-}
-
-// Add 1 to hist[b] for each calling lane: one shared atomic per distinct bin of the warp (the
-// scores of a row crowd into a few bins; 32 lanes on one address would serialize).
-DEV void hist_add(int* hist, uint32_t b) {
-  const unsigned peers = __match_any_sync(__activemask(), b);
-  if ((threadIdx.x & 31) == __ffs(peers) - 1) atomicAdd(hist + b, __popc(peers));
+  __syncthreads();
 }
 
 // The eight keys of eight bf16 scores (one 16-byte load).
@@ -85,33 +77,52 @@ DEV void keys8(const uint16_t* p, uint32_t* u) {
   }
 }
 
-// hist[key >> SHIFT] += 1 for every key of the row whose key >> 8 is `hi` (SHIFT 0) or for every
-// key (SHIFT 8). VEC: 16-byte loads (the row 16-byte aligned, n % 8 == 0), coalesced.
-template <int SHIFT>
-DEV void histogram(const uint16_t* sc, int n, bool vec, uint32_t hi, int* hist) {
-  const int tid = threadIdx.x, nt = blockDim.x;
-  if (vec) {
-    for (int i = 8 * tid; i < n; i += 8 * nt) {
-      uint32_t u[8];
-      keys8(sc + i, u);
-#pragma unroll
-      for (int j = 0; j < 8; ++j)
-        if (SHIFT == 8 || (u[j] >> 8) == hi) hist_add(hist, (u[j] >> SHIFT) & 0xFFu);
+// Count each bin b >= 0 of the warp's lanes: one atomic for the warp where all 32 lanes hold the
+// same bin (a masked tail of -inf, a row of equal scores), else one per lane.
+DEV void count(int* hist, int b) {
+  const int b0 = __shfl_sync(FULL, b, 0);
+  if (__all_sync(FULL, b == b0)) {
+    if ((threadIdx.x & 31) == 0 && b0 >= 0) atomicAdd(hist + b0, 32);
+  } else if (b >= 0) {
+    atomicAdd(hist + b, 1);
+  }
+}
+
+// FIRST: hist[key >> LO_BITS] += 1 for every key of the row; else hist[key & (NLO - 1)] += 1 for
+// the keys whose high digit is `hi`. PER = 8: 16-byte loads (the row 16-byte aligned, n % 8 == 0),
+// else one score a load; coalesced. Every lane runs every iteration (count's warp votes).
+template <bool FIRST, int PER>
+DEV void histogram(const uint16_t* sc, int n, uint32_t hi, int* hist) {
+  for (int t0 = 0; t0 < n; t0 += PER * blockDim.x) {
+    const int i = t0 + PER * threadIdx.x;
+    uint32_t u[PER];
+    if (i < n) {
+      if (PER == 8)
+        keys8(sc + i, u);
+      else
+        u[0] = bf16_key(sc[i]);
     }
-  } else {
-    for (int i = tid; i < n; i += nt) {
-      const uint32_t u = bf16_key(sc[i]);
-      if (SHIFT == 8 || (u >> 8) == hi) hist_add(hist, (u >> SHIFT) & 0xFFu);
+#pragma unroll
+    for (int j = 0; j < PER; ++j) {
+      int b = -1;
+      if (i < n) {
+        if (FIRST)
+          b = int(u[j] >> LO_BITS);
+        else if ((u[j] >> LO_BITS) == hi)
+          b = int(u[j] & (NLO - 1));
+      }
+      count(hist, b);
     }
   }
 }
 
 // out[0..k) = the indices of the k largest of n bf16 scores (1 <= k <= n): those above the
 // threshold key in index order, then ties at it in index order. One CTA per row of scores (CTA r:
-// sc + r * n -> out + r * k): two 8-bit radix passes find the threshold, one pass over tiles of
-// the row (8 scores a thread) compacts, stopping once all k are out. Deterministic.
+// sc + r * n -> out + r * k): two radix passes (12 + 4 bits) find the threshold, one pass over
+// tiles of the row (8 scores a thread) compacts, stopping once all k are out. Deterministic. The
+// GPUs without thread-block clusters (sm_89) run this one.
 __global__ void __launch_bounds__(1024) topk_bf16_kernel(const uint16_t* sc, int n, int k, int64_t* out) {
-  __shared__ int hist[256];
+  __shared__ int hist[NHI];
   __shared__ int wsum[32];
   __shared__ int bin, above;
   const int tid = threadIdx.x, nt = blockDim.x;
@@ -119,21 +130,26 @@ __global__ void __launch_bounds__(1024) topk_bf16_kernel(const uint16_t* sc, int
   out += size_t(blockIdx.x) * k;
   const bool vec = n % 8 == 0 && (reinterpret_cast<uintptr_t>(sc) & 15) == 0;
   pdl_wait();
-  for (int i = tid; i < 256; i += nt) hist[i] = 0;
+  for (int i = tid; i < NHI; i += nt) hist[i] = 0;
   __syncthreads();
-  histogram<8>(sc, n, vec, 0, hist);
+  if (vec)
+    histogram<true, 8>(sc, n, 0, hist);
+  else
+    histogram<true, 1>(sc, n, 0, hist);
   __syncthreads();
-  if (tid < 32) find_bin(hist, k, &bin, &above);
-  __syncthreads();
+  find_bin(hist, NHI, k, wsum, &bin, &above);
   const uint32_t hi = uint32_t(bin);
   const int above1 = above;
-  for (int i = tid; i < 256; i += nt) hist[i] = 0;
+  __syncthreads();                        // everyone has read bin / above and is past hist
+  for (int i = tid; i < NLO; i += nt) hist[i] = 0;
   __syncthreads();
-  histogram<0>(sc, n, vec, hi, hist);
+  if (vec)
+    histogram<false, 8>(sc, n, hi, hist);
+  else
+    histogram<false, 1>(sc, n, hi, hist);
   __syncthreads();
-  if (tid < 32) find_bin(hist, k - above1, &bin, &above);
-  __syncthreads();
-  const uint32_t thr = (hi << 8) | uint32_t(bin);
+  find_bin(hist, NLO, k - above1, wsum, &bin, &above);
+  const uint32_t thr = (hi << LO_BITS) | uint32_t(bin);
   const int n_gt = above1 + above;        // keys above the threshold (< k)
   const int per = vec ? 8 : 1;
   int gbase = 0, ebase = 0;               // keys above / at the threshold in earlier tiles
@@ -166,18 +182,188 @@ __global__ void __launch_bounds__(1024) topk_bf16_kernel(const uint16_t* sc, int
   }
 }
 
+
+// ---- sm_90: a cluster of CTAs per row ------------------------------------------------------------
+// One CTA streams a long row at a fraction of the GPU's bandwidth (a 262,144-score row of a
+// 1M-token context took ~140 us); a cluster of CLUSTER CTAs splits the row into consecutive
+// segments and shares the histograms and counts through distributed shared memory.
+
+constexpr int CLUSTER = 8;
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+// Sum of the cluster's copies of hist[0..nbins) into tot (every CTA gets the whole histogram).
+DEV void cluster_sum(cg::cluster_group& cl, int* hist, int nbins, int* tot) {
+  for (int b = threadIdx.x; b < nbins; b += blockDim.x) {
+    int v[CLUSTER];
+#pragma unroll
+    for (int r = 0; r < CLUSTER; ++r) v[r] = cl.map_shared_rank(hist, r)[b];
+    int s = 0;
+#pragma unroll
+    for (int r = 0; r < CLUSTER; ++r) s += v[r];
+    tot[b] = s;
+  }
+  __syncthreads();
+}
+#endif
+
+// gt / eq of the CTA's segment sc[0..n) against the threshold key, summed over the CTA (every
+// thread gets both).
+template <int PER>
+DEV void count_segment(const uint16_t* sc, int n, uint32_t thr, int* wsum, int* gt, int* eq) {
+  int g = 0, e = 0;
+  for (int i = PER * threadIdx.x; i < n; i += PER * blockDim.x) {
+    uint32_t u[PER];
+    if (PER == 8)
+      keys8(sc + i, u);
+    else
+      u[0] = bf16_key(sc[i]);
+#pragma unroll
+    for (int j = 0; j < PER; ++j) {
+      g += u[j] > thr;
+      e += u[j] == thr;
+    }
+  }
+  int tot;                                  // (a segment may hold 65,536 or more: no packing)
+  block_scan(g, wsum, &tot);
+  *gt = tot;
+  block_scan(e, wsum, &tot);
+  *eq = tot;
+}
+
+// As topk_bf16_kernel, with the row split over the CTAs of a cluster (blockIdx.x = the rank, the
+// row's segment [rank * seg, (rank + 1) * seg), seg a multiple of 8): each CTA histograms its
+// segment, every CTA sums the cluster's histograms and finds the same threshold, counts its
+// segment's keys above / at it, and writes them after those of the lower ranks. The same output,
+// bit for bit. Deterministic.
+__global__ void __launch_bounds__(1024) topk_bf16_cluster_kernel(const uint16_t* sc, int n, int seg, int k,
+                                                                int64_t* out) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  __shared__ int hist[NHI], tot[NHI];
+  __shared__ int hist2[NLO];
+  __shared__ int wsum[32];
+  __shared__ int cnt[2];
+  __shared__ int bin, above;
+  cg::cluster_group cl = cg::this_cluster();
+  const int tid = threadIdx.x, nt = blockDim.x, rank = int(cl.block_rank());
+  sc += size_t(blockIdx.y) * n;
+  out += size_t(blockIdx.y) * k;
+  const int s0 = min(n, rank * seg), len = min(n, s0 + seg) - s0;
+  const bool vec = n % 8 == 0 && (reinterpret_cast<uintptr_t>(sc) & 15) == 0;
+  const uint16_t* mine = sc + s0;
+  pdl_wait();
+  for (int i = tid; i < NHI; i += nt) hist[i] = 0;
+  for (int i = tid; i < NLO; i += nt) hist2[i] = 0;
+  __syncthreads();
+  if (vec)
+    histogram<true, 8>(mine, len, 0, hist);
+  else
+    histogram<true, 1>(mine, len, 0, hist);
+  cl.sync();                                // every CTA's hist complete
+  cluster_sum(cl, hist, NHI, tot);
+  find_bin(tot, NHI, k, wsum, &bin, &above);
+  const uint32_t hi = uint32_t(bin);
+  const int above1 = above;
+  if (vec)
+    histogram<false, 8>(mine, len, hi, hist2);
+  else
+    histogram<false, 1>(mine, len, hi, hist2);
+  cl.sync();                                // every CTA's hist2 complete
+  cluster_sum(cl, hist2, NLO, tot);         // (tot: this CTA's own, read by nobody else)
+  __syncthreads();
+  find_bin(tot, NLO, k - above1, wsum, &bin, &above);
+  const uint32_t thr = (hi << LO_BITS) | uint32_t(bin);
+  const int n_gt = above1 + above;          // keys above the threshold in the row (< k)
+  int my_gt, my_eq;
+  if (vec)
+    count_segment<8>(mine, len, thr, wsum, &my_gt, &my_eq);
+  else
+    count_segment<1>(mine, len, thr, wsum, &my_gt, &my_eq);
+  if (tid == 0) {
+    cnt[0] = my_gt;
+    cnt[1] = my_eq;
+  }
+  cl.sync();                                // every CTA's counts published
+  int gbase = 0, ebase = 0;                 // keys above / at the threshold in lower ranks
+  for (int r = 0; r < rank; ++r) {
+    const int* c = cl.map_shared_rank(cnt, r);
+    gbase += c[0];
+    ebase += c[1];
+  }
+  cl.sync();                                // no CTA reads another's shared memory after this
+  const int gend = gbase + my_gt, eend = ebase + my_eq;
+  const int per = vec ? 8 : 1;
+  for (int t0 = 0; t0 < len && (gbase < gend || (ebase < eend && n_gt + ebase < k)); t0 += per * nt) {
+    const int i0 = t0 + per * tid;
+    uint32_t u[8];
+    int gt = 0, eq = 0;
+    if (i0 < len) {
+      if (vec)
+        keys8(mine + i0, u);
+      else
+        u[0] = bf16_key(mine[i0]);
+      for (int j = 0; j < per; ++j) {
+        gt += u[j] > thr;
+        eq += u[j] == thr;
+      }
+    }
+    int tt;
+    const int off = block_scan(gt | (eq << 16), wsum, &tt);
+    int og = gbase + (off & 0xFFFF), oe = ebase + (off >> 16);
+    if (i0 < len)
+      for (int j = 0; j < per; ++j) {
+        if (u[j] > thr)
+          out[og++] = s0 + i0 + j;
+        else if (u[j] == thr && n_gt + oe < k)
+          out[n_gt + oe++] = s0 + i0 + j;
+      }
+    gbase += tt & 0xFFFF;
+    ebase += tt >> 16;
+  }
+#endif
+}
+
 }  // namespace
 
 extern "C" {
 
 
 // out [rows, k] int64 = per row, the indices of the k largest of scores [rows, n] bf16
-// (1 <= k <= n), see topk_bf16_kernel. One CTA per row.
+// (1 <= k <= n), see topk_bf16_kernel. One CTA per row; from CLUSTER_MIN_N scores on a GPU with
+// thread-block clusters (sm_90), a cluster of CLUSTER CTAs per row (topk_bf16_cluster_kernel).
 int dsv4_topk_bf16(const void* scores, int n, int k, void* out, int rows, void* stream, int pdl) {
+  constexpr int CLUSTER_MIN_N = 16384;
   if (k < 1 || k > n || rows < 1) return -1;
-  const int threads = n >= 1024 ? 1024 : ((n + 31) / 32) * 32;
-  return launch(topk_bf16_kernel, dim3(rows), dim3(threads), 0, static_cast<cudaStream_t>(stream), pdl,
-                static_cast<const uint16_t*>(scores), n, k, static_cast<int64_t*>(out));
+  const cudaStream_t st = static_cast<cudaStream_t>(stream);
+  const uint16_t* sc = static_cast<const uint16_t*>(scores);
+  int64_t* o = static_cast<int64_t*>(out);
+  int dev = 0, major = 0;
+  cudaError_t err = cudaGetDevice(&dev);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+  if (err != cudaSuccess) {
+    (void)cudaGetLastError();
+    return err;
+  }
+  if (major < 9 || n < CLUSTER_MIN_N) {
+    const int threads = n >= 1024 ? 1024 : ((n + 31) / 32) * 32;
+    return launch(topk_bf16_kernel, dim3(rows), dim3(threads), 0, st, pdl, sc, n, k, o);
+  }
+  const int seg = ((n + CLUSTER - 1) / CLUSTER + 7) / 8 * 8;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(CLUSTER, rows);
+  cfg.blockDim = dim3(1024);
+  cfg.stream = st;
+  cudaLaunchAttribute attr[2];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = CLUSTER;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[1].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl ? 2 : 1;
+  err = cudaLaunchKernelEx(&cfg, topk_bf16_cluster_kernel, sc, n, seg, k, o);
+  if (err != cudaSuccess) (void)cudaGetLastError();
+  return err;
 }
 
 }  // extern "C"

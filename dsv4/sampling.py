@@ -102,6 +102,15 @@ def uniform_noise(seed, pos: torch.Tensor, n: int) -> torch.Tensor:
     return (h.to(torch.float64) + 0.5).div_(2.0 ** 31).to(torch.float32).clamp_(1e-12, 1.0)
 
 
+def _mass_above(sp: torch.Tensor) -> torch.Tensor:
+    """sp [V] sorted descending -> for each entry the sum of the entries before it, summed in one
+    fixed order on every run: torch scans a lone row on CUDA with one device-wide scan whose
+    float partial sums depend on the blocks' timing (top_p kept a 1e-12 tail entry in one run and
+    dropped it in the next); a row of a two-row tensor is scanned by one block in a fixed order
+    (the CPU's sequential scan gives the same bits either way)."""
+    return torch.stack((sp, torch.zeros_like(sp))).cumsum(1)[0] - sp
+
+
 def filtered_probs(logits: torch.Tensor, params: SamplingParams | SamplingKnobs,
                    normalize: bool = True) -> torch.Tensor:
     """logits [V] f32 -> the sampling distribution [V] (softmax at the temperature, top-k / top-p
@@ -120,7 +129,7 @@ def filtered_probs(logits: torch.Tensor, params: SamplingParams | SamplingKnobs,
         if params.top_k:
             keep[params.top_k:] = False
         if params.top_p < 1.0:   # keep the smallest prefix whose mass reaches top_p
-            keep &= (sp.cumsum(0) - sp) < sp.new_full((1,), params.top_p)
+            keep &= _mass_above(sp) < sp.new_full((1,), params.top_p)
         probs = torch.zeros_like(probs).scatter_(0, si, torch.where(keep, sp, 0.0))
         if normalize:
             probs = probs / probs.sum()
@@ -134,7 +143,7 @@ def _filtered_probs_knobs(logits: torch.Tensor, k: SamplingKnobs, normalize: boo
     sp, si = probs.sort(descending=True)
     rank = torch.arange(sp.shape[0], device=sp.device)
     keep = ~k.use_top_k | (rank < k.top_k)
-    keep &= ~k.use_top_p | ((sp.cumsum(0) - sp) < k.top_p)
+    keep &= ~k.use_top_p | (_mass_above(sp) < k.top_p)
     filtered = torch.zeros_like(probs).scatter_(0, si, torch.where(keep, sp, 0.0))
     if normalize:
         filtered = filtered / filtered.sum()

@@ -58,10 +58,30 @@ def build_model(family: str = "llama", *, seed: int = 0, dtype=torch.float32, de
     return model.eval()
 
 
+SUPPORTED = ((5, 24), (6, 0))    # transformers [5.24, 6): the layer call and cache API used below
+
+
+def transformers_supported(version: str | None = None) -> bool:
+    """Whether this transformers version has the decoder-layer and StaticCache API the segments
+    call (the `cache=` argument, StaticLayer's device-side cumulative_length); older ones take the
+    cache under another name and silently attend to the current token only."""
+    parts = (version or transformers.__version__).split(".")
+    try:
+        v = (int(parts[0]), int("".join(c for c in parts[1] if c.isdigit()) or 0))
+    except (IndexError, ValueError):
+        return False
+    return SUPPORTED[0] <= v < SUPPORTED[1]
+
+
 def check_supported(model, graph: bool) -> None:
     """Raise ValueError unless this model's decode step can be cut into the segments below (and,
-    with `graph`, captured): an sdpa/eager mask, a static RoPE, capture-safe experts. (Sliding-
-    window caches are refused where the cache is built.)"""
+    with `graph`, captured): a supported transformers, an sdpa/eager mask, a static RoPE,
+    capture-safe experts. (Sliding-window caches are refused where the cache is built.)"""
+    if not transformers_supported():
+        raise ValueError(f"transformers {transformers.__version__}: the segments call the layer "
+                         "and StaticCache API of transformers >= 5.24, < 6. Fix: pip install "
+                         "'transformers>=5.24,<6' (the 'dev' extra); escape hatch: the model's "
+                         "own generate().")
     cfg = model.config
     if cfg._attn_implementation not in MASKS:
         raise ValueError(f"attn_implementation={cfg._attn_implementation!r}: the decode mask is "

@@ -118,3 +118,16 @@ def test_knobs_give_the_fixed_parameters_bits_on_cuda(params):
         assert torch.equal(sample(lg, pos, knobs), sample(lg, pos, params))
         if not params.greedy:
             assert torch.equal(filtered_probs(lg, knobs), filtered_probs(lg, params))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("top_p", [0.9, 1 - 1e-9])
+def test_top_p_gives_the_same_bits_every_run_on_cuda(top_p):
+    """The top-p prefix mass over a full vocabulary, 30 times on the same logits: one set of bits
+    (a lone-row cumsum on CUDA is a device-wide scan whose float sums vary run to run: an H200
+    kept a 1e-12 tail entry in one call and dropped it in the next)."""
+    params = SamplingParams(1.0, top_p=top_p, seed=10)
+    lg = _logits(5, n=1, V=129280)[0].cuda() * 3
+    first = filtered_probs(lg, params)
+    for _ in range(30):
+        assert torch.equal(filtered_probs(lg, params), first)

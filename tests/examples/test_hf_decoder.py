@@ -14,6 +14,10 @@ pytest.importorskip("transformers",
                     reason="transformers is not installed (the 'dev' extra brings it)")
 from examples import hf_decoder as hd  # noqa: E402 - after the skip
 
+if not hd.transformers_supported():
+    pytest.skip(f"transformers {hd.transformers.__version__} installed; examples/hf_decoder.py "
+                "needs >= 5.24, < 6 (the 'dev' extra)", allow_module_level=True)
+
 from graphs import DebugPointerError, find_host_syncs  # noqa: E402
 
 PROMPT = [7, 21, 300, 42, 5, 99, 12]
@@ -156,6 +160,17 @@ def test_refusals_name_the_problem_the_fix_and_the_escape_hatch():
     with pytest.raises(ValueError, match="max_seq_len=32"):
         with hd.HFGraphDecoder(hd.build_model("llama"), max_seq_len=32, mode="eager") as dec:
             dec.generate(PROMPT, 30)
+
+
+def test_an_unsupported_transformers_is_refused(monkeypatch):
+    """Older versions take the layer's cache under another name: without the check the steps
+    would attend to the current token only (seen on an image with an older transformers)."""
+    assert hd.transformers_supported("5.24.0") and hd.transformers_supported("5.30.0.dev0")
+    assert not hd.transformers_supported("4.57.1") and not hd.transformers_supported("6.0.0")
+    m = hd.build_model("llama")
+    monkeypatch.setattr(hd.transformers, "__version__", "4.57.1")
+    with pytest.raises(ValueError, match="transformers 4.57.1.*>= 5.24.*pip install.*escape"):
+        hd.check_supported(m, graph=False)
 
 
 # ------------------------------------------------------------------------------------- GPU
