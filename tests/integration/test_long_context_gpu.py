@@ -5,7 +5,9 @@ to the capacity's last position. The kernel path (the Triton / CUDA prefill and 
 against the torch path (DSV4_KERNELS=0) on the same forced tokens: a wrong entry, offset or
 bound past some size moves the logits by 0.3 or more (test_prefill_kernels); bf16 rounding in
 another order stays far below. And graph replay == eager bit for bit there. Skipped without
-CUDA."""
+CUDA, and unless DSV4_TEST_LONG=1: on one H200 the module has not finished in 6 minutes (four
+131K-token runs, two of them on the torch path), too long for every CUDA run; run it before a
+change to the long-context kernels lands."""
 import os
 import time
 
@@ -18,7 +20,10 @@ from dsv4.sampling import SamplingParams
 from dsv4.session import Session, load_model
 from helpers import small_checkpoint
 
-pytestmark = pytest.mark.cuda
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(os.environ.get("DSV4_TEST_LONG") != "1",
+                                 reason="the 131K-context runs take over 6 minutes on one H200: "
+                                        "DSV4_TEST_LONG=1 runs them")]
 
 CAP = 131072 + 64
 NEW = 8

@@ -177,6 +177,9 @@ def _combine_kernel(pm_ptr, pl_ptr, pacc_ptr, sink_ptr, freqs_ptr, pos_ptr, o_pt
     tl.store(o_ptr + hh[:, None] * DH + dd[None, :], o.to(o_ptr.dtype.element_ty), mask=hm[:, None])
 
 
+COMBINE_WIDE_SPLITS = 32    # above this many splits the combine runs one head a program
+
+
 def plan_attention(n_heads: int, head_dim: int, window: int, n_comp: int,
                    config: AttnConfig | None = None) -> dict:
     """Fixed launch geometry for a layer (host-only, from shapes): tile sizes, splits, grids."""
@@ -193,7 +196,9 @@ def plan_attention(n_heads: int, head_dim: int, window: int, n_comp: int,
     nsplit = min(triton.cdiv(nblk * bn, c.rows_per_split), max(1, c.max_programs // nhb), nblk)
     bps = triton.cdiv(nblk, nsplit)
     nsplit = triton.cdiv(nblk, bps)
-    hc = min(c.hc, triton.next_power_of_2(n_heads))
+    # many splits (long context: a ratio-128 layer at 1M tokens has 66): one head a combine
+    # program, so 4x the programs share the partials' reads (each head's merge is unchanged)
+    hc = min(c.hc if nsplit <= COMBINE_WIDE_SPLITS else 1, triton.next_power_of_2(n_heads))
     bd = min(c.bd, head_dim)
     return dict(hb=hb, bn=bn, bps=bps, nsplit=nsplit, grid=(nsplit, nhb), num_warps=c.num_warps,
                 hc=hc, bd=bd, combine_grid=(triton.cdiv(n_heads, hc), head_dim // bd))
