@@ -71,6 +71,17 @@ POISON_PIECE = 256 << 20
 POISON_SMALL = 512 << 10  # pieces of the caching allocator's small pool (< 1 MiB)
 
 
+def _free_cached_blocks(device: torch.device) -> list[int]:
+    """Sizes of the caching allocator's free (inactive) blocks on `device` ([] where the
+    allocator gives no snapshot: the probe below then says how much was poisoned)."""
+    try:
+        snapshot = torch.cuda.memory_snapshot()
+    except (RuntimeError, AttributeError):
+        return []
+    return [b["size"] for seg in snapshot if seg.get("device") == device.index
+            for b in seg.get("blocks", ()) if b.get("state") == "inactive"]
+
+
 def poison_cuda_memory(device: torch.device) -> float:
     """Make the caching allocator's free memory on `device` poisoned: empty its cache, then take
     up to POISON_BYTES (all but 512 MiB of what is free) in pieces of both of its pools, fill them
@@ -82,9 +93,15 @@ def poison_cuda_memory(device: torch.device) -> float:
     torch.cuda.synchronize(device)
     with torch.cuda.device(device):
         torch.cuda.empty_cache()
+        # the free blocks empty_cache cannot return: those of segments a live tensor still holds
+        # (an earlier module's cached model, another test's leftovers). A later allocation is
+        # served best-fit, so such a block, smaller than a poisoned piece, would be chosen first
+        # (seen under pytest-xdist, where a worker runs many modules): take each, largest first
+        held = [torch.empty(size, dtype=torch.uint8, device=device)
+                for size in sorted(_free_cached_blocks(device), reverse=True)]
         free, _ = torch.cuda.mem_get_info(device)
         n = max(0, min(POISON_BYTES, free - (512 << 20)) // POISON_PIECE)
-        held = [torch.empty(POISON_SMALL, dtype=torch.uint8, device=device) for _ in range(256)]
+        held += [torch.empty(POISON_SMALL, dtype=torch.uint8, device=device) for _ in range(256)]
         held += [torch.empty(POISON_PIECE, dtype=torch.uint8, device=device) for _ in range(n)]
         for t in held:
             t.fill_(POISON_BYTE)
