@@ -79,6 +79,7 @@ def _free_cached_blocks(device: torch.device) -> list[int]:
     except (RuntimeError, AttributeError):
         return []
     return [b["size"] for seg in snapshot if seg.get("device") == device.index
+            and tuple(seg.get("segment_pool_id", (0, 0))) == (0, 0)    # not a graph's own pool
             for b in seg.get("blocks", ()) if b.get("state") == "inactive"]
 
 
