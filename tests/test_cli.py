@@ -212,10 +212,14 @@ def _interrupted(ckpt, *extra):
     import signal
     import time
     stream = "stderr" if "--json" in extra else "stdout"
+    # Ctrl-C as a terminal delivers it: SIGINT at its default in the child even where the test
+    # runner was started with SIGINT ignored (a background job of a non-interactive shell, nohup),
+    # which the child would inherit, and Python then never raises KeyboardInterrupt
     p = subprocess.Popen([sys.executable, SCRIPT, "--ckpt", str(ckpt), "--prompt-ids", "5,6,7",
                           "--max-new-tokens", "4000", "--temperature", "1", "--seed", "1",
                           "--device", "cpu", *extra], stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE)
+                         stderr=subprocess.PIPE,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     pipe = getattr(p, stream)
     first = b""
     deadline = time.time() + 300
