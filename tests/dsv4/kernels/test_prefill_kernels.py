@@ -469,38 +469,53 @@ def check_parity_bf16(dev):
                      f"{name} through the prefill kernels", exact_argmax=False)
 
 
-def check_all(dev, seed, tmp):
+def check_all(dev, seed, tmp, parts=("gemm", "rows")):
+    """Every check; `parts` picks the GEMM / MoE half or the rows-and-layers half (the
+    interpreter test runs the two in parallel processes)."""
     gen = torch.Generator().manual_seed(seed)
-    check_split_k(dev, gen)
-    check_swiglu_split(dev, gen)
-    _both_paths(lambda t: (check_linear(dev, gen, tuning=t),
-                           check_linear_exact(dev, gen, tuning=t), check_moe(dev, gen, tuning=t),
-                           check_moe(dev, gen, T=150, E=2, k=2, tuning=t)))
-    check_attention_rows(dev, gen)
-    check_index_scores_rows(dev, gen)
-    check_compressor_rows(dev, gen)
-    check_mhc_rows(dev, gen)
-    check_layers(dev, tmp, seed)
-    check_parity_bf16(dev)
+    if "gemm" in parts:
+        check_split_k(dev, gen)
+        check_swiglu_split(dev, gen)
+        _both_paths(lambda t: (check_linear(dev, gen, tuning=t),
+                               check_linear_exact(dev, gen, tuning=t),
+                               check_moe(dev, gen, tuning=t),
+                               check_moe(dev, gen, T=150, E=2, k=2, tuning=t)))
+    if "rows" in parts:
+        if "gemm" not in parts:          # alone: its own stream of inputs
+            gen = torch.Generator().manual_seed(seed + 1)
+        check_attention_rows(dev, gen)
+        check_index_scores_rows(dev, gen)
+        check_compressor_rows(dev, gen)
+        check_mhc_rows(dev, gen)
+        check_layers(dev, tmp, seed)
+        check_parity_bf16(dev)
 
 
-def _interp_main(seed: int, tmp: str) -> None:
+def _interp_main(seed: int, tmp: str, part: str) -> None:
     from pathlib import Path
-    check_all("cpu", seed, Path(tmp))
+    check_all("cpu", seed, Path(tmp), (part,))
     print("ok")
 
 
 @needs_interpreter
 def test_prefill_kernels_interpreter(tmp_path):
+    """The checks under Triton's interpreter, the two halves in parallel processes (each is
+    single-threaded Python: on a 2-core machine this halves the suite's longest test)."""
     env = dict(os.environ, TRITON_INTERPRET="1", DSV4_KERNELS="interpret",
                PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests"),
                                            str(REPO / "tests/dsv4/kernels")]))
     seed = str(input_seed(1))
     code = ("import sys, test_prefill_kernels as T; "
-            "T._interp_main(int(sys.argv[1]), sys.argv[2])")
-    p = subprocess.run([sys.executable, "-c", code, seed, str(tmp_path)], env=env,
-                       capture_output=True, text=True, timeout=900)
-    assert p.returncode == 0 and "ok" in p.stdout, f"seed {seed}:\n{p.stdout[-2000:]}{p.stderr[-4000:]}"
+            "T._interp_main(int(sys.argv[1]), sys.argv[2], sys.argv[3])")
+    procs = {}
+    for part in ("gemm", "rows"):
+        (tmp_path / part).mkdir()
+        procs[part] = subprocess.Popen([sys.executable, "-c", code, seed, str(tmp_path / part),
+                                        part], env=env, stdout=subprocess.PIPE,
+                                       stderr=subprocess.PIPE, text=True)
+    for part, p in procs.items():
+        out, err = p.communicate(timeout=900)
+        assert p.returncode == 0 and "ok" in out, f"{part}, seed {seed}:\n{out[-2000:]}{err[-4000:]}"
 
 
 # ---- sm_90 compile (no GPU: triton ships ptxas) -----------------------------------------------
