@@ -98,8 +98,12 @@ def poison_cuda_memory(device: torch.device) -> float:
         # (an earlier module's cached model, another test's leftovers). A later allocation is
         # served best-fit, so such a block, smaller than a poisoned piece, would be chosen first
         # (seen under pytest-xdist, where a worker runs many modules): take each, largest first
-        held = [torch.empty(size, dtype=torch.uint8, device=device)
-                for size in sorted(_free_cached_blocks(device), reverse=True)]
+        held = []
+        for size in sorted(_free_cached_blocks(device), reverse=True):
+            try:
+                held.append(torch.empty(size, dtype=torch.uint8, device=device))
+            except torch.OutOfMemoryError:     # a block of the small pool asked of the large one
+                break                          # on a full GPU: the probe reports what is left
         free, _ = torch.cuda.mem_get_info(device)
         n = max(0, min(POISON_BYTES, free - (512 << 20)) // POISON_PIECE)
         held += [torch.empty(POISON_SMALL, dtype=torch.uint8, device=device) for _ in range(256)]
