@@ -16,7 +16,7 @@ setup(
         "nvtx",
         "tqdm",
     ],
-    entry_points={"console_scripts": ["dsv4=dsv4.commands:main"]},   # dsv4 decode | chat | ...
+    entry_points={"console_scripts": ["dsv4=dsv4.cli.main:main"]},   # dsv4 decode | chat | ...
     extras_require={
         # triton in dev too: its interpreter runs the kernel tests on CPU-only machines. Supported:
         # 3.6 (the GPU machines' release, CUDA suite on H200) through 3.9 (the current release,

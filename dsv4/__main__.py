@@ -1,7 +1,7 @@
 """`python -m dsv4 ...`: the same as the `dsv4` command (dsv4/commands.py)."""
 import sys
 
-from .commands import main
+from .cli.main import main
 
 if __name__ == "__main__":
     sys.exit(main())

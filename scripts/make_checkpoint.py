@@ -10,7 +10,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from dsv4.commands import make_checkpoint  # noqa: E402
+from dsv4.cli.main import make_checkpoint  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(make_checkpoint())

@@ -1,4 +1,4 @@
-"""Kernel-level profile of captured prefill chunks (dsv4.prefill_graphs) on random tokens.
+"""Kernel-level profile of captured prefill chunks (dsv4.runtime.prefill_graphs) on random tokens.
 
 Flash shapes, the first L layers, device-generated weights, one GPU: for each chunk size S the
 replay time (median of 5, state reset between), the same replay on token id 0 repeated, and one
@@ -14,11 +14,11 @@ import time
 import torch
 
 from dsv4.bench.common import kernel_table
-from dsv4.device_weights import DeviceWeights
-from dsv4.model import Transformer
-from dsv4.runtime import RuntimeConfig
-from dsv4.prefill_graphs import _ChunkGraphs
-from dsv4.presets import get_preset
+from dsv4.weights.device_weights import DeviceWeights
+from dsv4.model.transformer import Transformer
+from dsv4.runtime.config import RuntimeConfig
+from dsv4.runtime.prefill_graphs import _ChunkGraphs
+from dsv4.weights.presets import get_preset
 
 L = int(os.environ.get("L", "30"))
 sizes = [int(s) for s in os.environ.get("SIZES", "1,2,16,128").split(",")]

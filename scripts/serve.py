@@ -8,7 +8,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from dsv4.serve import main  # noqa: E402
+from dsv4.cli.serve import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

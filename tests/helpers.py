@@ -5,14 +5,14 @@ from pathlib import Path
 
 import torch
 
-from dsv4.presets import TINY
+from dsv4.weights.presets import TINY
 
 # TINY's architecture (hash layer, window-only, ratio 4 + indexer, ratio 16, MTP) at vocab 2048
 SMALL = TINY.replace(vocab_size=2048)
 
 
 def small_checkpoint(root: Path, weights: str = "fp8", cfg=SMALL, seed: int = 0) -> Path:
-    from dsv4.synthetic import write_checkpoint
+    from dsv4.weights.synthetic import write_checkpoint
     out = root / f"small-{weights}-{seed}"
     if not (out / "config.json").exists():
         write_checkpoint(cfg, out, weights=weights, seed=seed, shards=2)
@@ -22,9 +22,9 @@ def small_checkpoint(root: Path, weights: str = "fp8", cfg=SMALL, seed: int = 0)
 def disable_fake_quant(setattr_fn=setattr) -> None:
     """The KV fake-quant off (conftest's no_fake_quant; a test server's launcher): the FP8 / FP4
     roundings of the cached KV and index entries become identities."""
-    import dsv4.attention as A
-    import dsv4.compressor as C
-    import dsv4.indexer as I
+    import dsv4.model.attention as A
+    import dsv4.model.compressor as C
+    import dsv4.model.indexer as I
     ident = lambda x, block, out_dtype=None: x  # noqa: E731
     for mod, name in ((A, "fp8_quant_dequant"), (C, "fp8_quant_dequant"),
                       (C, "fp4_quant_dequant"), (I, "fp4_quant_dequant")):
@@ -83,8 +83,8 @@ class NearTies:
         self.min_gap = min(self.min_gap, float(gap.min()))
 
     def install(self, monkeypatch) -> "NearTies":
-        import dsv4.indexer
-        topk, lowest = torch.Tensor.topk, dsv4.indexer.topk_lowest
+        import dsv4.model.indexer
+        topk, lowest = torch.Tensor.topk, dsv4.model.indexer.topk_lowest
 
         def noted_topk(t, k, dim=-1, largest=True, sorted=True):
             self.note(t, k, dim, largest)
@@ -94,7 +94,7 @@ class NearTies:
             self.note(scores, k)
             return lowest(scores, k)
         monkeypatch.setattr(torch.Tensor, "topk", noted_topk)
-        monkeypatch.setattr(dsv4.indexer, "topk_lowest", noted_lowest)
+        monkeypatch.setattr(dsv4.model.indexer, "topk_lowest", noted_lowest)
         return self
 
 

@@ -249,8 +249,8 @@ def test_ctrl_c_ends_the_text_and_prints_the_summary(ckpt):
 
 
 def test_help_shows_defaults():
-    from dsv4.chat_repl import build_parser as chat_parser
-    from dsv4.cli import build_parser
+    from dsv4.cli.chat import build_parser as chat_parser
+    from dsv4.cli.decode import build_parser
     text = " ".join(build_parser().format_help().split())
     for part in ("--max-new-tokens MAX_NEW_TOKENS most tokens to generate (stops earlier at EOS) "
                  "(default: 64)", "0 = greedy (default: 0.0)", "(1 = off) (default: 1.0)",
@@ -263,8 +263,8 @@ def test_help_shows_defaults():
 
 @pytest.fixture(scope="module")
 def dspark_ckpt(tmp_path_factory):
-    from dsv4.presets import TINY_DSPARK
-    from dsv4.synthetic import write_checkpoint
+    from dsv4.weights.presets import TINY_DSPARK
+    from dsv4.weights.synthetic import write_checkpoint
     return write_checkpoint(TINY_DSPARK.replace(vocab_size=2048),
                             tmp_path_factory.mktemp("dspark") / "ckpt", seed=2)
 
@@ -286,14 +286,14 @@ def test_dspark_checkpoint_decodes_its_backbone(dspark_ckpt):
 
 
 def test_the_dsv4_command(capsys, tmp_path):
-    from dsv4.commands import main
+    from dsv4.cli.main import main
     assert main(["--help"]) == 0
     usage = capsys.readouterr().out
     assert all(c in usage for c in ("decode", "chat", "serve", "bench", "make-checkpoint"))
     assert main(["nope"]) == 2
     assert "unknown subcommand 'nope'" in capsys.readouterr().err
     import importlib.util
-    if importlib.util.find_spec("dsv4.serve") is None:        # wired at merge
+    if importlib.util.find_spec("dsv4.cli.serve") is None:        # wired at merge
         assert main(["serve"]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and "dsv4 serve is not available" in err
@@ -317,8 +317,8 @@ def _check_doc_lists(out: dict) -> None:
 def test_docs_cover_every_flag_and_the_readme_links_them():
     """docs/CLI.md names every flag of decode and chat (the JSON fields: _check_doc_lists); the
     README sends readers there (and to REAL_MODEL.md, EMBEDDING.md), not outside the repo."""
-    from dsv4.chat_repl import build_parser as chat_parser
-    from dsv4.cli import build_parser
+    from dsv4.cli.chat import build_parser as chat_parser
+    from dsv4.cli.decode import build_parser
     doc = (REPO / "docs" / "CLI.md").read_text()
     for parser in (build_parser(), chat_parser()):
         for action in parser._actions:

@@ -18,17 +18,17 @@ def _run(code: str, *args):
 
 def test_imports_and_help_without_triton():
     p = _run("import importlib, pkgutil, dsv4, graphs\n"
-             "for m in ('dsv4.cli', 'dsv4.session', 'dsv4.runtime', 'dsv4.model', 'dsv4.bench', 'dsv4.kernels',"
-             " 'graphs.decoder'):\n    importlib.import_module(m)\n"
+             "for m in ('dsv4.cli.decode', 'dsv4.runtime.session', 'dsv4.runtime', 'dsv4.model', 'dsv4.backend',"
+             " 'dsv4.bench', 'dsv4.kernels', 'graphs.decoder'):\n    importlib.import_module(m)\n"
              "from dsv4 import kernels; assert not kernels.triton_importable()\n"
-             "from dsv4.cli import main; sys.exit(main(['--help']))")
+             "from dsv4.cli.decode import main; sys.exit(main(['--help']))")
     assert p.returncode == 0, p.stderr
     assert "--ckpt" in p.stdout and "--prefill-chunk" in p.stdout
 
 
 def test_cpu_decode_without_triton(tmp_path):
     ck = small_checkpoint(tmp_path, "fp8")
-    p = _run("from dsv4.cli import main; sys.exit(main(sys.argv[1:]))", "--ckpt", str(ck),
+    p = _run("from dsv4.cli.decode import main; sys.exit(main(sys.argv[1:]))", "--ckpt", str(ck),
              "--prompt-ids", "5,6,7", "--max-new-tokens", "3", "--json", "--device", "cpu")
     assert p.returncode == 0, p.stderr
     out = json.loads(p.stdout)
@@ -37,7 +37,7 @@ def test_cpu_decode_without_triton(tmp_path):
 
 def test_serve_without_its_packages_names_the_extra():
     p = subprocess.run([sys.executable, "-c", "import sys; sys.modules['fastapi'] = None; "
-                        f"sys.path.insert(0, {str(REPO)!r}); from dsv4.serve import main; "
+                        f"sys.path.insert(0, {str(REPO)!r}); from dsv4.cli.serve import main; "
                         "sys.exit(main(['--demo', '--device', 'cpu']))"],
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 2, p.stderr

@@ -11,8 +11,8 @@ import time
 
 import torch
 
-from ..model import Transformer
-from ..synthetic import tensor_seed
+from ..model.transformer import Transformer
+from ..weights.synthetic import tensor_seed
 
 GIB = 2**30
 COPY_BYTES = 2 * GIB          # copy-bandwidth buffer (read + write counted)

@@ -19,15 +19,15 @@ import torch
 
 from graphs import CUDAGraphDecoder
 
-from ..device_weights import DeviceWeights
+from ..weights.device_weights import DeviceWeights
 from ..errors import DeviceError, InputError, exit_code
-from ..model import Transformer
-from ..presets import PRESETS, get_preset
-from ..runtime import (DTYPES, PREFILL_GRAPHS_EXPECTED, RuntimeConfig, prefill_graphs_ok,
+from ..model.transformer import Transformer
+from ..weights.presets import PRESETS, get_preset
+from ..runtime.config import (DTYPES, PREFILL_GRAPHS_EXPECTED, RuntimeConfig, prefill_graphs_ok,
                        resolve_devices)
-from ..sampling import SamplingParams
-from ..segments import build_segments
-from ..session import Session
+from ..runtime.sampling import SamplingParams
+from ..runtime.passes import build_segments
+from ..runtime.session import Session
 from . import prefill as bench_prefill
 from . import speculative as bench_spec
 from .common import GIB, _log, _sync, _versions, copy_bandwidth, count_kernels, fill_state, \
@@ -185,7 +185,7 @@ def run(args, command: str = "") -> dict:
         with _prefill_kernels(model, args.prefill_kernels == "on"):
             pg = None
             if args.prefill_graphs:
-                from ..prefill_graphs import PrefillGraphs
+                from ..runtime.prefill_graphs import PrefillGraphs
                 _log(f"capturing prefill chunk graphs up to {args.prefill_graphs} tokens")
                 pg = model.prefill_graphs = PrefillGraphs(model, args.prefill_graphs)
                 _log("chunk graph replay / eager ms (measured when built): " + ", ".join(
@@ -313,7 +313,7 @@ def format_table(rep: dict) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ..cli_options import Parser     # defaults in --help, a usage error is one line
+    from ..cli.options import Parser     # defaults in --help, a usage error is one line
     p = Parser(prog="dsv4 bench", description="Batch-1 decode benchmark on device-generated weights "
                 "(method: BENCHMARKS.md).")
     p.add_argument("--preset", required=True, choices=sorted(PRESETS), help="the model's shapes")

@@ -12,9 +12,9 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from ..formats import dequantize_fp4_weight, dequantize_fp8_weight
-from ..presets import get_preset
-from ..quant import fp8_quant_dequant
+from ..weights.formats import dequantize_fp4_weight, dequantize_fp8_weight
+from ..weights.presets import get_preset
+from ..numerics.quant import fp8_quant_dequant
 from ..kernels.decode.bf16_linear import bf16_config, bf16_linear
 from ..kernels.common import Config, CudaConfig
 from ..kernels.cuda.experts import (CUDA_DOWN_VARIANTS, CUDA_UP_VARIANTS, TUNED_CUDA_UP,

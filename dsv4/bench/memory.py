@@ -9,7 +9,7 @@ import torch
 from graphs import balanced_placement
 
 from ..errors import DeviceError
-from ..model import Transformer
+from ..model.transformer import Transformer
 
 GIB = 2**30
 ATTN_LINEARS = ("wq_a", "wq_b", "wkv", "wo_a", "wo_b")
@@ -85,7 +85,7 @@ def dense_bytes(blk, act: torch.dtype) -> tuple[int, int]:
     """(kept, transient) bytes of the dequantized weights a CPU model caches for block `blk`
     (Transformer keeps dense copies on the CPU, where op overhead dominates): every weight stored
     in another dtype than `act`, at `act`'s element size (an FP4 byte holds two values); and the
-    peak temporaries of dequantizing the largest one (dsv4.formats: FP4 goes through int64 codes
+    peak temporaries of dequantizing the largest one (dsv4.weights.formats: FP4 goes through int64 codes
     and float32 values, ~DEQUANT_FP4 bytes per value; FP8 through float32, ~DEQUANT_FP8)."""
     size, kept, peak = torch.empty((), dtype=act).element_size(), 0, 0
     for w in blk.weights():

@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from ..model import Transformer
+from ..model.transformer import Transformer
 from .common import kernel_table
 
 RATE_N = 8192          # the rate matmul: [RATE_N, RATE_N] x [RATE_N, RATE_N]

@@ -15,7 +15,7 @@ import sys
 
 import torch
 
-from ..presets import get_preset
+from ..weights.presets import get_preset
 from ..kernels.prefill import gemm as G
 from ..kernels.prefill import moe as M
 
@@ -108,7 +108,7 @@ def moe_rows(cfg, T, dev, gen, hot=0, quick=False):
 
 def linear_rows(cfg, T, dev, gen):
     N, K = cfg.n_heads * cfg.head_dim, cfg.q_lora_rank
-    from ..formats import quantize_fp8_weight
+    from ..weights.formats import quantize_fp8_weight
     w, s = quantize_fp8_weight(torch.randn(N, K, device=dev, generator=gen) * 0.05)
     x = torch.randn(T, K, device=dev, generator=gen).bfloat16()
     out = torch.empty(T, N, dtype=torch.bfloat16, device=dev)
@@ -137,7 +137,7 @@ def wo_a_rows(cfg, T, dev, gen):
     """The grouped wo_a over T rows (FP8 weights on unquantized bf16 rows): the bf16-MMA GEMM
     with the weights decoded in registers, against grouped_dense (the weights dequantized to
     bf16, exact, then cuBLAS; dequantization included)."""
-    from ..formats import quantize_fp8_weight
+    from ..weights.formats import quantize_fp8_weight
     G_, R = cfg.o_groups, cfg.o_lora_rank
     K = cfg.n_heads * cfg.head_dim // G_
     w, s = quantize_fp8_weight(torch.randn(G_ * R, K, device=dev, generator=gen) * 0.05)
@@ -162,9 +162,9 @@ def attn_rows(cfg, T, dev, gen):
     builds its rows: the window (old ring rows masked), then for ratio 4 the indexer's top-k of
     random scores (best first, -1 where not yet visible), for ratio 128 every entry masked by
     position; over head-block / rows / warps / stages variants. TFLOP/s over the valid rows."""
-    from ..rope import rope_frequencies
-    from ..attention import window_indices
-    from ..sparse import topk_lowest
+    from ..numerics.rope import rope_frequencies
+    from ..model.attention import window_indices
+    from ..numerics.sparse import topk_lowest
     from ..kernels.prefill.attention import sparse_attention_rows
     H, Dh, W = cfg.n_heads, cfg.head_dim, cfg.window_size
     freqs = rope_frequencies(cfg, 4).to(dev)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from ..cli_options import Parser, add_runtime_args, check_runtime_args
+from ..cli.options import Parser, add_runtime_args, check_runtime_args
 from ..errors import InputError, exit_code
 
 REPO = Path(__file__).resolve().parents[2]
@@ -51,9 +51,9 @@ def _prompts(n_prompt: int, repeats: int, vocab: int) -> list[list[int]]:
 
 
 def _in_process(args, devices, mode, prompts) -> dict:
-    from ..session import Session, load_model
-    from ..runtime import DTYPES, RuntimeConfig
-    from ..sampling import SamplingParams
+    from ..runtime.session import Session, load_model
+    from ..runtime.config import DTYPES, RuntimeConfig
+    from ..runtime.sampling import SamplingParams
     rt = RuntimeConfig(max_seq_len=args.max_seq_len, dtype=DTYPES[args.dtype],
                        devices=tuple(devices), prefill_chunk=args.prefill_chunk,
                        prefill_graphs=args.prefill_graphs if mode == "graph" else 0)
@@ -150,7 +150,7 @@ def run(args) -> int:
                          f"{args.prompt_tokens + args.new_tokens} exceeds --max-seq-len "
                          f"{args.max_seq_len}")
     devices, mode = check_runtime_args(args)
-    from ..config import ModelConfig
+    from ..weights.config import ModelConfig
     cfg = ModelConfig.from_json(args.ckpt)
     prompts = _prompts(args.prompt_tokens, args.repeats, cfg.vocab_size)
     res = {"device": torch.cuda.get_device_name(0) if devices[0].startswith("cuda") else "cpu",

@@ -3,14 +3,14 @@
 Random weights make the MTP block's real acceptance rate meaningless, so this measures what the
 rate is multiplied with (method: BENCHMARKS.md), in graph mode on CUDA (eager on the CPU):
 - the verify pass of T = 1..4 rows at context L (the rows through every layer, their logits,
-  accept and the journal's rewind: dsv4.spec_step.verify_decoder), against the plain decoding
+  accept and the journal's rewind: dsv4.runtime.speculative.step.verify_decoder), against the plain decoding
   step of the same run;
 - the plain step of a speculative session (the plain step and the MTP block reading its row);
 - the whole speculative step (verify + the MTP block's rows and draft + the host reading the
   step's output), from end-to-end runs;
 - end to end: decode tokens/s when an oracle drafts the plain run's own token with probability a
   (SpecStep.set_oracle: real drafts, real acceptance; the output must equal plain decoding's),
-  with every step speculative (min acceptance 0) and with the default policy (dsv4.spec_policy).
+  with every step speculative (min acceptance 0) and with the default policy (dsv4.runtime.speculative.policy).
 Expected tokens/s at a real acceptance rate a (K = 1), every step speculative: (1 + a) / t_step
 (t_step: the step at a = 0, one token each).
 """
@@ -20,10 +20,10 @@ import statistics
 
 import torch
 
-from ..session import Session
-from ..sampling import SamplingParams
-from ..spec_policy import DEFAULT_MIN_ACCEPTANCE, SpecPolicy
-from ..spec_step import verify_decoder
+from ..runtime.session import Session
+from ..runtime.sampling import SamplingParams
+from ..runtime.speculative.policy import DEFAULT_MIN_ACCEPTANCE, SpecPolicy
+from ..runtime.speculative.step import verify_decoder
 from .common import _sync, fill_state, time_steps
 
 ACCEPTANCE = (0.0, 0.5, 0.7, 0.8, 0.9, 1.0)

@@ -13,9 +13,9 @@ names the torch code it replaces) and how to test it:
             in-kernel RoPE / fake-quant / Hadamard, launch configs, PDL
   aot       the sm_90 compile of every decode launch config without a GPU
 
-Kernel modules never import the model's modules (dsv4.attention, dsv4.block, ...): only the
-numerics they reference (dsv4.formats, quant, rope, sparse, mhc). Which kernel serves which op is
-decided once per device by dsv4.backend, and called through dsv4.ops (the one importer of these
+Kernel modules never import the model's modules (dsv4.model.attention, dsv4.model.block, ...): only the
+numerics they reference (dsv4.weights.formats, quant, rope, sparse, mhc). Which kernel serves which op is
+decided once per device by dsv4.backend, and called through dsv4.backend.ops (the one importer of these
 modules on the model's path), so `import dsv4` and the torch path work without Triton.
 """
 from __future__ import annotations

@@ -14,7 +14,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from ..presets import get_preset
+from ..weights.presets import get_preset
 from .decode.bf16_linear import _bf16_gemv_kernel, bf16_config
 from .decode.fp4_experts import _fp4_down_kernel, _fp4_up_kernel, down_config, up_config
 from .decode.fp8_linear import _fp8_gemv_kernel, fp8_config

@@ -17,7 +17,7 @@ import triton.language as tl
 
 from triton.language.extra import cuda as tl_cuda
 
-from ..formats import ACT_AMAX_FLOOR, FP4_AMAX_FLOOR, FP4_MAX, FP4_MAX_INV, FP8_MAX, FP8_MAX_INV
+from ..weights.formats import ACT_AMAX_FLOOR, FP4_AMAX_FLOOR, FP4_MAX, FP4_MAX_INV, FP8_MAX, FP8_MAX_INV
 
 # jit code may only read constexpr globals
 RNE_MAGIC = tl.constexpr(12582912.0)   # 1.5 * 2^23: (y + M) - M rounds |y| < 2^22 to nearest-even
@@ -265,7 +265,7 @@ def load_pos(pos_ptr):
 
 @triton.jit
 def rope_cos_sin(pos_f, freqs_ptr, pair, NOPE_PAIRS: tl.constexpr):
-    """cos/sin of fp32(pos) * freqs[pair - NOPE_PAIRS] (as dsv4.rope.cos_sin); 1/0 on nope pairs."""
+    """cos/sin of fp32(pos) * freqs[pair - NOPE_PAIRS] (as dsv4.numerics.rope.cos_sin); 1/0 on nope pairs."""
     f = tl.load(freqs_ptr + (pair - NOPE_PAIRS), mask=pair >= NOPE_PAIRS, other=0.0)
     ang = pos_f * f
     return tl.cos(ang), tl.sin(ang)
@@ -274,7 +274,7 @@ def rope_cos_sin(pos_f, freqs_ptr, pair, NOPE_PAIRS: tl.constexpr):
 @triton.jit
 def rope_pairs(a, b, cos, sin, is_rope, INVERSE: tl.constexpr):
     """Rotate the pairs (a, b) = (x[2i], x[2i+1]) where is_rope, in fp32, result rounded to bf16
-    (dsv4.rope.apply_rope on bf16 tensors). a, b [..., P]; cos, sin, is_rope broadcast to them."""
+    (dsv4.numerics.rope.apply_rope on bf16 tensors). a, b [..., P]; cos, sin, is_rope broadcast to them."""
     if INVERSE:
         sin = -sin
     ra = round_bf16(a * cos - b * sin)
@@ -297,7 +297,7 @@ def from_pairs(a, b, SHAPE0: tl.constexpr, P: tl.constexpr):
 @triton.jit
 def fp8_fake_quant_rows(x, ROWS: tl.constexpr, D: tl.constexpr, NOPE: tl.constexpr):
     """x [ROWS, D] (bf16 values) -> e4m3 fake-quant per 64-block of the first NOPE dims (ue8m0,
-    dsv4.quant.fp8_quant_dequant(x, 64)); the other dims unchanged."""
+    dsv4.numerics.quant.fp8_quant_dequant(x, 64)); the other dims unchanged."""
     xb = tl.reshape(x, [ROWS * (D // 64), 64])
     q = quant_dequant(xb, block_exponent(xb)[:, None])
     blk = (tl.arange(0, ROWS * (D // 64)) % (D // 64))[:, None]
@@ -316,7 +316,7 @@ def round_e2m1(v):
 
 @triton.jit
 def fp4_fake_quant_rows(x, ROWS: tl.constexpr, D: tl.constexpr):
-    """x [ROWS, D] -> e2m1 fake-quant per 32-block, ue8m0 scales (dsv4.quant.fp4_quant_dequant)."""
+    """x [ROWS, D] -> e2m1 fake-quant per 32-block, ue8m0 scales (dsv4.numerics.quant.fp4_quant_dequant)."""
     xb = tl.reshape(x, [ROWS * (D // 32), 32])
     amax = tl.maximum(tl.max(tl.abs(xb), axis=1), E2M1_AMAX_FLOOR)
     bits = (amax * E2M1_MAX_INV).to(tl.int32, bitcast=True)

@@ -17,9 +17,9 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from ..errors import UserInputError
-from ..prefix_cache import PrefixCache
-from ..sampling import SamplingParams
-from ..tokenizer import IncrementalDetokenizer
+from ..runtime.prefix_cache import PrefixCache
+from ..runtime.sampling import SamplingParams
+from ..text.tokenizer import IncrementalDetokenizer
 from .metrics import Metrics
 from .reply import Delta, ReplyParser
 from .schemas import ApiError

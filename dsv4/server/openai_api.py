@@ -11,10 +11,10 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from ..chat import THINK_START
+from ..text.chat import THINK_START
 from ..errors import UserInputError
-from ..sampling import SamplingParams
-from ..tokenizer import build_prompt_ids
+from ..runtime.sampling import SamplingParams
+from ..text.tokenizer import build_prompt_ids
 from .engine import Job
 from .reply import ReplyParser
 from .schemas import ApiError, ChatRequest, CompletionRequest

@@ -3,7 +3,7 @@
 Text arrives in pieces that may split any marker ("</think>", "<｜DSML｜tool_calls>", a stop
 string) anywhere; a piece is emitted only once no marker can start in it, so markup never reaches
 `content` and a tool call split over many pieces is emitted whole, once its `</｜DSML｜invoke>`
-arrives. The rules are those of `dsv4.chat.parse_completion`: in thinking mode everything before
+arrives. The rules are those of `dsv4.text.chat.parse_completion`: in thinking mode everything before
 "</think>" is reasoning; content ends where the tool-call block opens (the "\\n\\n" before it is
 dropped; an opener without them opens the block too); text after the closed block is dropped.
 Stop strings end the content at their first occurrence (they are matched in content only).
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..chat import INVOKE_CLOSE, THINK_END, TOOL_CALLS_CLOSE, TOOL_CALLS_OPEN, \
+from ..text.chat import INVOKE_CLOSE, THINK_END, TOOL_CALLS_CLOSE, TOOL_CALLS_OPEN, \
     parse_tool_calls
 
 REASONING, CONTENT, CALLS, DONE = "reasoning", "content", "calls", "done"

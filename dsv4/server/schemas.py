@@ -210,7 +210,7 @@ class ChatRequest(_Sampling):
             self.reasoning_effort
 
     def dsv4_messages(self) -> list[dict]:
-        """The messages as dsv4.chat takes them (text content, tool calls as name + arguments)."""
+        """The messages as dsv4.text.chat takes them (text content, tool calls as name + arguments)."""
         out = []
         for i, m in enumerate(self.messages):
             msg: dict = {"role": m.role, "content": m.text(i)}

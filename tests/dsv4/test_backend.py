@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsv4 import backend
-from dsv4.backend import BRANCHES, Options, resolve
-from dsv4.device_weights import DeviceWeights
-from dsv4.model import Transformer
-from dsv4.presets import TINY
-from dsv4.runtime import RuntimeConfig
+from dsv4.backend import decision as backend
+from dsv4.backend.decision import BRANCHES, Options, resolve
+from dsv4.weights.device_weights import DeviceWeights
+from dsv4.model.transformer import Transformer
+from dsv4.weights.presets import TINY
+from dsv4.runtime.config import RuntimeConfig
 
 @pytest.fixture
 def gpu(monkeypatch):

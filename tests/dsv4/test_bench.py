@@ -9,13 +9,13 @@ import torch
 
 from dsv4.bench import decode as bench
 from dsv4.bench import memory
-from dsv4.checkpoint import open_checkpoint
-from dsv4.device_weights import DeviceWeights
+from dsv4.weights.checkpoint import open_checkpoint
+from dsv4.weights.device_weights import DeviceWeights
 from dsv4.errors import TensorMismatchError
-from dsv4.model import Transformer
-from dsv4.runtime import RuntimeConfig
-from dsv4.presets import TINY, get_preset
-from dsv4.synthetic import write_checkpoint
+from dsv4.model.transformer import Transformer
+from dsv4.runtime.config import RuntimeConfig
+from dsv4.weights.presets import TINY, get_preset
+from dsv4.weights.synthetic import write_checkpoint
 
 SMALL = TINY.replace(vocab_size=1024)
 KEYS = ("eager_ms_per_token", "graph_ms_per_token", "bytes_per_token", "floor_ms", "copy_TBps",

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from dsv4.chat import (ASSISTANT, BOS, EOS, REASONING_EFFORT_MAX, THINK_END, THINK_START, USER,
+from dsv4.text.chat import (ASSISTANT, BOS, EOS, REASONING_EFFORT_MAX, THINK_END, THINK_START, USER,
                        encode_messages, parse_completion)
 from dsv4.errors import InputError
 

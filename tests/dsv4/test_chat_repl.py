@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from conftest import REPO
-from dsv4.chat_repl import Conversation, ReplyStream
-from dsv4.tokenizer import build_followup_ids, build_prompt_ids, load_tokenizer, \
+from dsv4.cli.chat import Conversation, ReplyStream
+from dsv4.text.tokenizer import build_followup_ids, build_prompt_ids, load_tokenizer, \
     packaged_tokenizer_path
 
 
@@ -62,9 +62,9 @@ def test_reply_stream_keeps_reasoning_apart(tok, tty):
 
 
 def test_conversation_continues_the_sequence(tok, demo):
-    from dsv4.runtime import RuntimeConfig
-    from dsv4.sampling import SamplingParams
-    from dsv4.session import Session, load_model
+    from dsv4.runtime.config import RuntimeConfig
+    from dsv4.runtime.sampling import SamplingParams
+    from dsv4.runtime.session import Session, load_model
     model, ck = load_model(demo[0], RuntimeConfig(max_seq_len=64, dtype=torch.float32))
     ck.close()
     session = Session(model, SamplingParams())

@@ -10,13 +10,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import dsv4.checkpoint as ckmod
-from dsv4.checkpoint import INDEX_NAME, expected_tensor_table, open_checkpoint
-from dsv4.config import ModelConfig
+import dsv4.weights.checkpoint as ckmod
+from dsv4.weights.checkpoint import INDEX_NAME, expected_tensor_table, open_checkpoint
+from dsv4.weights.config import ModelConfig
 from dsv4.errors import (CheckpointError, ConfigError, CorruptFileError, MissingFileError,
                          TensorMismatchError, UserInputError)
-from dsv4.presets import TINY
-from dsv4.synthetic import write_checkpoint
+from dsv4.weights.presets import TINY
+from dsv4.weights.synthetic import write_checkpoint
 
 SMALL = TINY.replace(vocab_size=1024)   # every tiny feature, small embed/head
 PARITY = ("p1-bf16-3layer", "p2-fp8-2layer")
@@ -447,8 +447,8 @@ def test_load_to_cuda(written):
 def test_dspark_checkpoint_opens_its_backbone(tmp_path):
     """A DSpark checkpoint (0731 layout: dspark_* keys, compress_ratios past the main layers,
     draft module under mtp.*) opens as its backbone; the draft tensors are set aside and named."""
-    from dsv4.synthetic import draft_tensor_table
-    from dsv4.presets import TINY_DSPARK
+    from dsv4.weights.synthetic import draft_tensor_table
+    from dsv4.weights.presets import TINY_DSPARK
     cfg = TINY_DSPARK.replace(vocab_size=1024)
     d = write_checkpoint(cfg, tmp_path / "dspark", weights="fp8", seed=1)
     raw = json.loads((d / "config.json").read_text())
@@ -482,7 +482,7 @@ def test_dspark_checkpoint_opens_its_backbone(tmp_path):
     ({"dspark_block_size": 0}, ["dspark_block_size = 0", "positive integer"]),
 ])
 def test_dspark_config_errors(changes, words):
-    from dsv4.presets import TINY_DSPARK
+    from dsv4.weights.presets import TINY_DSPARK
     d = TINY_DSPARK.to_hf_dict()
     for k, v in changes.items():
         d.pop(k) if v is None else d.__setitem__(k, v)

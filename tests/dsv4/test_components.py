@@ -3,12 +3,12 @@ import math
 
 import torch
 
-from dsv4.sparse import sparse_attention
-from dsv4.formats import FP8_MAX
-from dsv4.mhc import hc_post, hc_pre, sinkhorn_split
-from dsv4.presets import TINY
-from dsv4.quant import fp4_quant_dequant, fp8_quant_dequant, hadamard, hadamard_matrix
-from dsv4.rope import apply_rope, cos_sin, rope_frequencies
+from dsv4.numerics.sparse import sparse_attention
+from dsv4.weights.formats import FP8_MAX
+from dsv4.numerics.mhc import hc_post, hc_pre, sinkhorn_split
+from dsv4.weights.presets import TINY
+from dsv4.numerics.quant import fp4_quant_dequant, fp8_quant_dequant, hadamard, hadamard_matrix
+from dsv4.numerics.rope import apply_rope, cos_sin, rope_frequencies
 
 
 def test_sinkhorn_split_is_doubly_stochastic_and_eps_placement():
@@ -132,7 +132,7 @@ def test_sparse_attention_matches_dense_reference_with_sink_and_masking():
 
 
 def test_topk_lowest_breaks_ties_toward_the_lower_column():
-    from dsv4.sparse import topk_lowest
+    from dsv4.numerics.sparse import topk_lowest
     x = torch.tensor([[0.0, 1.0, -0.0, 1.0, 0.0, float("-inf"), 2.0, -3.0, -1e-30]])
     assert topk_lowest(x, 9).tolist() == [[6, 1, 3, 0, 2, 4, 8, 7, 5]]
     g = torch.Generator().manual_seed(0)

@@ -4,9 +4,9 @@ import re
 
 import pytest
 
-from dsv4.config import ModelConfig
+from dsv4.weights.config import ModelConfig
 from dsv4.errors import ConfigError
-from dsv4.presets import FLASH, PRO, TINY, get_preset, truncate_layers
+from dsv4.weights.presets import FLASH, PRO, TINY, get_preset, truncate_layers
 
 
 @pytest.mark.parametrize("name,preset", [("flash", FLASH), ("pro", PRO)])

@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from conftest import parity_case_dir
-from dsv4.runtime import RuntimeConfig
-from dsv4.sampling import SamplingParams, sample, uniform_noise
-from dsv4.session import Session, load_model
+from dsv4.runtime.config import RuntimeConfig
+from dsv4.runtime.sampling import SamplingParams, sample, uniform_noise
+from dsv4.runtime.session import Session, load_model
 from helpers import GAP, small_checkpoint
 
 

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from dsv4.formats import (E2M1_VALUES, FormatError, dequantize_fp4_weight, dequantize_fp8_weight,
+from dsv4.weights.formats import (E2M1_VALUES, FormatError, dequantize_fp4_weight, dequantize_fp8_weight,
                           e2m1_decode, e2m1_encode, e8m0_to_float, exponent_to_e8m0, pack_fp4,
                           pow2_ceil_exponent, quantize_fp4_weight, quantize_fp8_weight, round_e4m3,
                           unpack_fp4)

@@ -1,7 +1,7 @@
 """The direction of imports inside dsv4 (docs/ARCHITECTURE.md), read from the source: no circle
 among the modules (every import counted, also those inside functions), kernels never import the
 model, the runtime never imports the benchmarks, and the model's modules reach the kernels only
-through dsv4.ops and dsv4.backend. (graphs/ never importing dsv4: tests/graphs/.)"""
+through dsv4.backend.ops and dsv4.backend. (graphs/ never importing dsv4: tests/graphs/.)"""
 from __future__ import annotations
 
 import ast
@@ -10,13 +10,13 @@ from pathlib import Path
 from conftest import REPO
 
 PKG = REPO / "dsv4"
-# the model's layers: they call named ops (dsv4.ops), never a kernel module
-MODEL = {"dsv4.attention", "dsv4.block", "dsv4.compressor", "dsv4.indexer", "dsv4.linear",
-         "dsv4.model", "dsv4.moe", "dsv4.mtp", "dsv4.speculative", "dsv4.spec_step",
-         "dsv4.segments", "dsv4.prefill_graphs", "dsv4.session"}
+# the model's layers: they call named ops (dsv4.backend.ops), never a kernel module
+MODEL = {"dsv4.model.attention", "dsv4.model.block", "dsv4.model.compressor", "dsv4.model.indexer", "dsv4.model.linear",
+         "dsv4.model.transformer", "dsv4.model.moe", "dsv4.model.mtp", "dsv4.runtime.speculative.verify", "dsv4.runtime.speculative.step",
+         "dsv4.runtime.passes", "dsv4.runtime.prefill_graphs", "dsv4.runtime.session"}
 # what kernel modules may import from the rest of dsv4: the numerics their references use
-NUMERICS = {"dsv4.formats", "dsv4.quant", "dsv4.rope", "dsv4.sparse", "dsv4.mhc", "dsv4.presets",
-            "dsv4.config", "dsv4.errors", "dsv4.dspark"}
+NUMERICS = {"dsv4.weights.formats", "dsv4.numerics.quant", "dsv4.numerics.rope", "dsv4.numerics.sparse", "dsv4.numerics.mhc", "dsv4.weights.presets",
+            "dsv4.weights.config", "dsv4.errors", "dsv4.weights.dspark"}
 
 
 def module_name(path: Path) -> str:
@@ -84,7 +84,7 @@ def test_kernels_never_import_the_model():
 
 def test_runtime_never_imports_the_benchmarks():
     for mod, deps in imports().items():
-        if not mod.startswith("dsv4.bench") and mod != "dsv4.commands":
+        if not mod.startswith("dsv4.bench") and mod != "dsv4.cli.main":
             assert not {d for d in deps if d.startswith("dsv4.bench")}, mod
 
 
@@ -92,4 +92,4 @@ def test_the_model_reaches_kernels_through_ops():
     for mod, deps in imports().items():
         if mod in MODEL:
             bad = {d for d in deps if d.startswith("dsv4.kernels")}
-            assert not bad, f"{mod} imports {sorted(bad)}; call dsv4.ops instead"
+            assert not bad, f"{mod} imports {sorted(bad)}; call dsv4.backend.ops instead"

@@ -6,9 +6,9 @@ import random
 
 import torch
 
-from dsv4.checkpoint import expected_tensor_table
+from dsv4.weights.checkpoint import expected_tensor_table
 from graphs import balanced_placement
-from dsv4.presets import FLASH, PRO
+from dsv4.weights.presets import FLASH, PRO
 
 SIZE = {"BF16": 2, "F32": 4, "F8_E4M3": 1, "F8_E8M0": 1, "I8": 1, "I64": 8}
 

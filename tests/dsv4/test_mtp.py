@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from conftest import parity_case_dir
-from dsv4.runtime import RuntimeConfig
-from dsv4.sampling import SamplingParams, filtered_probs
-from dsv4.session import Session, load_model
-from dsv4.spec_policy import DEFAULT_MIN_ACCEPTANCE
-from dsv4.speculative import accept, draft
+from dsv4.runtime.config import RuntimeConfig
+from dsv4.runtime.sampling import SamplingParams, filtered_probs
+from dsv4.runtime.session import Session, load_model
+from dsv4.runtime.speculative.policy import DEFAULT_MIN_ACCEPTANCE
+from dsv4.runtime.speculative.verify import accept, draft
 
 DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16}
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
@@ -249,8 +249,8 @@ def test_rejection_sampling_keeps_the_distribution(params):
 def test_speculative_sampling_matches_plain_on_a_model(small):
     """A small-vocabulary model: the second generated token (the first a speculative step
     emits) has the same distribution with and without speculation over many seeds."""
-    from dsv4.session import Session as S
-    from dsv4.synthetic import write_checkpoint
+    from dsv4.runtime.session import Session as S
+    from dsv4.weights.synthetic import write_checkpoint
     from helpers import SMALL
     import tempfile
     with tempfile.TemporaryDirectory() as tmp:

@@ -1,4 +1,4 @@
-"""dsv4.overlap on the CPU: the switch (DSV4_OVERLAP, read by dsv4.backend.Options), and that
+"""dsv4.backend.branches on the CPU: the switch (DSV4_OVERLAP, read by dsv4.backend.Options), and that
 branches are no-ops off CUDA and never touch torch.cuda (the graph-replay bits with branches on
 and off: tests/dsv4/kernels/test_decode_kernels.py, CUDA)."""
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsv4 import overlap
-from dsv4.backend import BRANCHES, Options
+from dsv4.backend import branches
+from dsv4.backend.decision import BRANCHES, Options
 
 
 ALL = {"moe", "attn", "mhc"}
@@ -28,9 +28,9 @@ def test_branch_is_a_no_op_off_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "Stream", boom)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", boom)
     monkeypatch.setattr(torch.cuda, "current_stream", boom)
-    overlap.prepare("cpu")
+    branches.prepare("cpu")
     x = torch.ones(3)
-    br = overlap.Branch(x, "moe", frozenset(BRANCHES))
+    br = branches.Branch(x, "moe", frozenset(BRANCHES))
     assert not br.on
     with br.side():
         y = x * 2                     # runs in order, on the current (CPU) stream

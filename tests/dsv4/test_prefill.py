@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from dsv4.errors import CapacityError, InputError
-from dsv4.runtime import RuntimeConfig
-from dsv4.sampling import SamplingParams
-from dsv4.session import Session, load_model
+from dsv4.runtime.config import RuntimeConfig
+from dsv4.runtime.sampling import SamplingParams
+from dsv4.runtime.session import Session, load_model
 from helpers import GAP, live_state, small_checkpoint
 from helpers import assert_state_close as _assert_state_close
 

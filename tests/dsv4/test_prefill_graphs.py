@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from dsv4.errors import ConfigError
-from dsv4.runtime import RuntimeConfig
-from dsv4.prefill_graphs import chunk_sizes, eager_time, pieces
+from dsv4.runtime.config import RuntimeConfig
+from dsv4.runtime.prefill_graphs import chunk_sizes, eager_time, pieces
 from helpers import live_state, small_checkpoint
 
 
@@ -27,7 +27,7 @@ def test_eager_time_is_the_smallest_measured_chunk_that_holds_the_rows():
 
 def _measured(replay, eager, max_rows, max_prompt=None, prefill_chunk=None):
     """A PrefillGraphs with these build-time measurements and no graphs (plan only)."""
-    from dsv4.prefill_graphs import PrefillGraphs
+    from dsv4.runtime.prefill_graphs import PrefillGraphs
     pg = object.__new__(PrefillGraphs)
     pg.max_rows, pg.max_prompt, pg.replay_ms, pg.eager_ms = max_rows, max_prompt, replay, eager
     pg.prefill_chunk = prefill_chunk or max_rows
@@ -60,7 +60,7 @@ def test_plan_replays_full_pieces_and_the_rest_where_measured_faster():
 def test_plan_weighs_pieces_against_the_eager_chunk_they_replace():
     """Issue 33: with --prefill-graphs 512, a 4,096-token prompt replayed eight 512-row graphs
     (574 ms, 20 Flash layers on an H100) where one eager 4,096-row chunk took 208 ms."""
-    from dsv4.prefill_graphs import eager_sizes
+    from dsv4.runtime.prefill_graphs import eager_sizes
     replay = {1: 20, 2: 30, 4: 31, 8: 32, 16: 34, 32: 38, 64: 43, 128: 48, 256: 56, 512: 71.7}
     eager = {S: 150 for S in replay} | {1024: 160, 2048: 180, 4096: 207.7}
     assert eager_sizes(512, 4096) == list(eager)
@@ -84,8 +84,8 @@ def test_prefill_graphs_knob_is_zero_or_a_power_of_two(bad):
 
 
 def test_prefill_graphs_refuse_the_cpu(tmp_path):
-    from dsv4.session import load_model
-    from dsv4.prefill_graphs import PrefillGraphs
+    from dsv4.runtime.session import load_model
+    from dsv4.runtime.prefill_graphs import PrefillGraphs
     m, ck = load_model(small_checkpoint(tmp_path, "fp8"), RuntimeConfig(max_seq_len=64))
     ck.close()
     with pytest.raises(ConfigError, match="need CUDA"):
@@ -100,7 +100,7 @@ def ckpt(tmp_path_factory):
 
 
 def _model(ckpt, cap=512, graphs=0):
-    from dsv4.session import load_model
+    from dsv4.runtime.session import load_model
     m, ck = load_model(ckpt, RuntimeConfig(max_seq_len=cap, devices=("cuda:0",),
                                            prefill_graphs=graphs))
     ck.close()
@@ -122,7 +122,7 @@ def _eager_pieces(m, ids, start, max_rows):
 
 @pytest.mark.cuda
 def test_prefill_graphs_equal_eager_bitwise_without_host_sync(ckpt):
-    from dsv4.prefill_graphs import PrefillGraphs
+    from dsv4.runtime.prefill_graphs import PrefillGraphs
     graphed, eager = _model(ckpt), _model(ckpt)
     torch.cuda.synchronize()
     prev = torch.cuda.get_sync_debug_mode()
@@ -159,7 +159,7 @@ def test_prefill_graphs_equal_eager_bitwise_without_host_sync(ckpt):
 def test_prefill_mixes_replayed_and_eager_pieces_as_planned(ckpt):
     """Transformer.prefill follows plan: full pieces replayed, the rest eager, pieces no longer
     than the chunk; the logits and state equal the eager chunks' bit for bit."""
-    from dsv4.prefill_graphs import PrefillGraphs
+    from dsv4.runtime.prefill_graphs import PrefillGraphs
     graphed, eager = _model(ckpt), _model(ckpt)
     pg = graphed.prefill_graphs = PrefillGraphs(graphed, 8)
     pg.replay_ms, pg.eager_ms = {1: 10, 2: 10, 4: 10, 8: 10}, {1: 5, 2: 5, 4: 15, 8: 15}
@@ -177,8 +177,8 @@ def test_prefill_mixes_replayed_and_eager_pieces_as_planned(ckpt):
 
 @pytest.mark.cuda
 def test_session_with_prefill_graphs_decodes_as_without(ckpt):
-    from dsv4.sampling import SamplingParams
-    from dsv4.session import Session
+    from dsv4.runtime.sampling import SamplingParams
+    from dsv4.runtime.session import Session
     prompt = list(range(200, 212))                  # 8 + 4 rows through the chunk graphs
     a = Session(_model(ckpt, graphs=16), SamplingParams(), mode="graph")
     assert a.model.prefill_graphs is not None and a.model.prefill_graphs.covers(12)

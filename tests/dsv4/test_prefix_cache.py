@@ -6,10 +6,10 @@ with equal greedy tokens wherever the top-2 margin exceeds that noise otherwise.
 import pytest
 import torch
 
-from dsv4.runtime import RuntimeConfig
-from dsv4.session import Session, load_model
-from dsv4.prefix_cache import PrefixCache
-from dsv4.sampling import SamplingParams
+from dsv4.runtime.config import RuntimeConfig
+from dsv4.runtime.session import Session, load_model
+from dsv4.runtime.prefix_cache import PrefixCache
+from dsv4.runtime.sampling import SamplingParams
 from helpers import small_checkpoint
 
 

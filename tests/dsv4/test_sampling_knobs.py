@@ -1,14 +1,14 @@
-"""Sampling parameters as device tensors (dsv4.sampling.SamplingKnobs): the same bits as fixed
+"""Sampling parameters as device tensors (dsv4.runtime.sampling.SamplingKnobs): the same bits as fixed
 SamplingParams for every kind of parameter (greedy, temperature, top-k, top-p, both, edge values),
 in the sampler, the speculative draft / accept, and a whole per-request-sampling Session; a
 knob step reads no tensor value on the host."""
 import pytest
 import torch
 
-from dsv4.runtime import RuntimeConfig
-from dsv4.sampling import SamplingKnobs, SamplingParams, filtered_probs, sample
-from dsv4.session import Session, load_model
-from dsv4.speculative import accept, draft
+from dsv4.runtime.config import RuntimeConfig
+from dsv4.runtime.sampling import SamplingKnobs, SamplingParams, filtered_probs, sample
+from dsv4.runtime.session import Session, load_model
+from dsv4.runtime.speculative.verify import accept, draft
 from helpers import small_checkpoint
 
 PARAMS = [SamplingParams(), SamplingParams(0.7, seed=3), SamplingParams(1.0, top_p=0.9, seed=4),

@@ -6,10 +6,10 @@ and off the compressors' block boundaries and across window wraps."""
 import pytest
 import torch
 
-from dsv4.runtime import RuntimeConfig
-from dsv4.sampling import SamplingParams
-from dsv4.session import Session, load_model
-from dsv4.snapshot import StateSnapshot
+from dsv4.runtime.config import RuntimeConfig
+from dsv4.runtime.sampling import SamplingParams
+from dsv4.runtime.session import Session, load_model
+from dsv4.runtime.snapshot import StateSnapshot
 from helpers import small_checkpoint
 
 CAP = 128

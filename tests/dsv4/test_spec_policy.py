@@ -4,7 +4,7 @@ accepted counts alone."""
 import pytest
 
 from dsv4.errors import InputError
-from dsv4.spec_policy import SpecPolicy
+from dsv4.runtime.speculative.policy import SpecPolicy
 
 
 def _run(policy, accept, n):

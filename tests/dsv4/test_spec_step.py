@@ -7,12 +7,12 @@ decode steps bit for bit, outputs and state, and warm-up, capture and replay mak
 import pytest
 import torch
 
-from dsv4.ops import Ops
-from dsv4.runtime import RuntimeConfig
-from dsv4.sampling import SamplingParams
-from dsv4.session import Session, load_model
-from dsv4.speculative import Journal
-from dsv4.state import LayerState
+from dsv4.backend.ops import Ops
+from dsv4.runtime.config import RuntimeConfig
+from dsv4.runtime.sampling import SamplingParams
+from dsv4.runtime.session import Session, load_model
+from dsv4.runtime.speculative.verify import Journal
+from dsv4.model.state import LayerState
 from helpers import SMALL, small_checkpoint
 
 
@@ -203,7 +203,7 @@ def test_decode_rows_equal_decode_steps(tmp_path_factory, T, weights):
 
 @pytest.mark.cuda
 def test_spec_capture_and_replay_without_host_sync(ckpt):
-    from dsv4.spec_step import SpecStep
+    from dsv4.runtime.speculative.step import SpecStep
     m = _model(ckpt, torch.bfloat16, "cuda")
     spec = SpecStep(m, SamplingParams(temperature=1.0, seed=2), mode="graph")
     prev = torch.cuda.get_sync_debug_mode()
@@ -223,7 +223,7 @@ def test_profiler_sees_speculative_steps(ckpt, tmp_path):
     (layers, accept, rewinds, the MTP block) attributed."""
     import json
     from pathlib import Path
-    from dsv4.profiling import Profiler
+    from dsv4.runtime.profiling import Profiler
     s = Session(_model(ckpt), SamplingParams(), speculative=1)
     with Profiler("torch", "2-3", s, out_dir=tmp_path) as prof:
         s.generate(list(range(5, 15)), 8)

@@ -14,13 +14,13 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from dsv4.checkpoint import INDEX_NAME, expected_tensor_table, open_checkpoint
-from dsv4.config import ModelConfig
+from dsv4.weights.checkpoint import INDEX_NAME, expected_tensor_table, open_checkpoint
+from dsv4.weights.config import ModelConfig
 from dsv4.errors import ConfigError
-from dsv4.formats import (dequantize_fp4_weight, dequantize_fp8_weight, quantize_fp4_weight,
+from dsv4.weights.formats import (dequantize_fp4_weight, dequantize_fp8_weight, quantize_fp4_weight,
                           quantize_fp8_weight)
-from dsv4.presets import TINY
-from dsv4.synthetic import init_tensor, tensor_seed, write_checkpoint, written_config
+from dsv4.weights.presets import TINY
+from dsv4.weights.synthetic import init_tensor, tensor_seed, write_checkpoint, written_config
 
 REPO = Path(__file__).resolve().parents[2]
 SMALL = TINY.replace(vocab_size=1024)

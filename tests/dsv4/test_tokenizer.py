@@ -7,7 +7,7 @@ import shutil
 import pytest
 
 from dsv4.errors import CheckpointError, CorruptFileError, InputError, MissingFileError
-from dsv4.tokenizer import (IncrementalDetokenizer, Tokenizer, build_followup_ids, build_prompt_ids,
+from dsv4.text.tokenizer import (IncrementalDetokenizer, Tokenizer, build_followup_ids, build_prompt_ids,
                             load_messages, load_tokenizer, packaged_tokenizer_path)
 
 MIXED = "你好，世界 🌍🚀 naïve café — ok 👩‍👩‍👧 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 ありがとう"
@@ -173,7 +173,7 @@ def _continued_ids(tok, data, thinking: bool) -> list[int]:
     """A conversation as a session holds it when each turn continues the sequence: the first
     prompt, then per assistant turn the reply the model would generate (EOS included) and the
     follow-up up to the next reply."""
-    from dsv4.chat import encode_messages
+    from dsv4.text.chat import encode_messages
     tools = data.get("tools") if isinstance(data, dict) else None
     msgs = data["messages"] if isinstance(data, dict) else data
     wrap = (lambda m: {"messages": m, "tools": tools}) if tools else (lambda m: m)

@@ -4,9 +4,9 @@ context, a long soak, and the two-GPU pipeline. All skipped without CUDA."""
 import pytest
 import torch
 
-from dsv4.runtime import RuntimeConfig
-from dsv4.sampling import SamplingParams
-from dsv4.session import Session, load_model
+from dsv4.runtime.config import RuntimeConfig
+from dsv4.runtime.sampling import SamplingParams
+from dsv4.runtime.session import Session, load_model
 from helpers import small_checkpoint
 
 pytestmark = pytest.mark.cuda

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from conftest import REPO, parity_case_dir
-from dsv4.runtime import RuntimeConfig
-from dsv4.sampling import SamplingParams
-from dsv4.session import Session, load_model
+from dsv4.runtime.config import RuntimeConfig
+from dsv4.runtime.sampling import SamplingParams
+from dsv4.runtime.session import Session, load_model
 
 CASES = [("p1-bf16-3layer", "fp32"), ("p1-bf16-3layer", "bf16"),
          ("p2-fp8-2layer", "fp32"), ("p2-fp8-2layer", "bf16")]

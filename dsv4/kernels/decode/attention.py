@@ -2,7 +2,7 @@
 compressed entries with sink and inverse RoPE (1 launch, or split-K + combine = 2); the verify
 rows in one launch for all rows (each row reads the ring as before the step plus the rows' prepped
 kv, the ring written after). q [1, h*d] bf16, kv_cache [W + n (+1), d] bf16, pos [1] int64.
-References: dsv4.attention (sparse_attention, _out), sparse_attention_decode_reference below.
+References: dsv4.model.attention (sparse_attention, _out), sparse_attention_decode_reference below.
 Test: tests/dsv4/kernels/test_attention_kernels.py.
 """
 from __future__ import annotations
@@ -13,8 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ...rope import apply_rope, cos_sin
-from ...sparse import sparse_attention
+from ...numerics.rope import apply_rope, cos_sin
+from ...numerics.sparse import sparse_attention
 from .attention_prep import HATCH
 from ..common import (NEG_INF, dot_bf16, from_pairs, interpreting, launch_args, load_pos,
                       on_device, pdl_wait, rope_cos_sin, rope_pairs, round_bf16, to_pairs)

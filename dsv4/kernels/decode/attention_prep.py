@@ -1,7 +1,7 @@
 """Fused q/kv prep kernels for decode tokens, ahead of the sparse attention (attention_decode.py):
 q_norm RMSNorm (1 launch), then q's per-head RMSNorm + RoPE and kv's RMSNorm + RoPE + FP8
 fake-quant with the ring write (1; the verify rows: every row's q and kv without the ring write).
-References: dsv4.attention (_q_kv), attention_prep_reference below.
+References: dsv4.model.attention (_q_kv), attention_prep_reference below.
 Test: tests/dsv4/kernels/test_attention_kernels.py.
 """
 from __future__ import annotations
@@ -10,9 +10,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ...mhc import rms_norm
-from ...quant import fp8_quant_dequant
-from ...rope import apply_rope, cos_sin
+from ...numerics.mhc import rms_norm
+from ...numerics.quant import fp8_quant_dequant
+from ...numerics.rope import apply_rope, cos_sin
 from ..common import (fp8_fake_quant_rows, from_pairs, launch_args, load_pos, on_device, pdl_wait,
                       rope_cos_sin, rope_pairs, round_bf16, to_pairs)
 
@@ -36,7 +36,7 @@ def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, eps, D: tl.constexpr, BD: tl.constexpr
 
 
 def rms_norm_rows(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """dsv4.mhc.rms_norm of bf16 rows x [s, D] (f32 weight) -> [s, D] bf16: one launch (prefill)."""
+    """dsv4.numerics.mhc.rms_norm of bf16 rows x [s, D] (f32 weight) -> [s, D] bf16: one launch (prefill)."""
     x = x.contiguous()
     y = torch.empty_like(x)
     D = x.shape[-1]
@@ -48,7 +48,7 @@ def rms_norm_rows(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 
 def rms_norm_row(x: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor | None = None,
                  pdl: bool = True) -> torch.Tensor:
-    """dsv4.mhc.rms_norm for decode rows x [T, D] bf16 (one, or the speculative verify rows; f32
+    """dsv4.numerics.mhc.rms_norm for decode rows x [T, D] bf16 (one, or the speculative verify rows; f32
     weight) -> [T, D] bf16, one program per row. Capture-safe."""
     y = torch.empty_like(x) if out is None else out
     D = x.shape[-1]

@@ -103,5 +103,5 @@ def compressor_decode(kv: torch.Tensor, sc: torch.Tensor, ape: torch.Tensor, sta
 
 def compressor_decode_reference(comp, x: torch.Tensor, pos: torch.Tensor, st, cache: torch.Tensor,
                                 freqs: torch.Tensor) -> None:
-    """The torch path it replaces: dsv4.compressor.Compressor.decode (projections included)."""
+    """The torch path it replaces: dsv4.model.compressor.Compressor.decode (projections included)."""
     comp.decode(x, pos, st, cache, freqs, fused=False)

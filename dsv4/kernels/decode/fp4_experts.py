@@ -17,8 +17,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ...formats import FP4_BLOCK, dequantize_fp4_weight
-from ...quant import fp8_quant_dequant
+from ...weights.formats import FP4_BLOCK, dequantize_fp4_weight
+from ...numerics.quant import fp8_quant_dequant
 from ..cuda import lib as cuda_lib
 from ..common import (Config, block_exponent, e2m1_word_to_f32, e8m0_to_f32, interpreting,
                      launch_args, on_device, pdl_wait, pick_config, quant_dequant, round_bf16)

@@ -14,8 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ...formats import FP8_BLOCK, dequantize_fp8_weight
-from ...quant import fp8_quant_dequant
+from ...weights.formats import FP8_BLOCK, dequantize_fp8_weight
+from ...numerics.quant import fp8_quant_dequant
 from ..cuda import lib as cuda_lib
 from ..common import (Config, CudaConfig, MmaConfig, block_exponent, e4m3_to_f32, e8m0_to_f32,
                      interpreting, launch_args, on_device, pdl_wait, pick_config, quant_dequant,

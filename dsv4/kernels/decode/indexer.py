@@ -8,9 +8,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ...quant import fp4_quant_dequant, hadamard, hadamard_matrix
-from ...rope import apply_rope, cos_sin
-from ... import sparse
+from ...numerics.quant import fp4_quant_dequant, hadamard, hadamard_matrix
+from ...numerics.rope import apply_rope, cos_sin
+from ...numerics import sparse
 from ..common import (NEG_INF, dot_bf16, fp4_fake_quant_rows, from_pairs, interpreting,
                       launch_args, load_pos, on_device, pdl_wait, rope_cos_sin, rope_pairs,
                       round_bf16, sylvester, to_pairs)
@@ -98,7 +98,7 @@ def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, pos: torc
     """Index scores [T, n] bf16 of the prepped q [T, h*di] against keys [n, di] (the index cache
     without its scratch row) with head weights w [T, h] * wscale; -inf for entries not yet visible
     (t >= (pos+r+1)//4 for row r: one decode row, or the speculative verify rows at pos + r). As
-    dsv4.sparse.index_scores + the decode mask; each row has the bits of its one-row launch.
+    dsv4.numerics.sparse.index_scores + the decode mask; each row has the bits of its one-row launch.
     Capture-safe, deterministic."""
     n, DI = keys.shape
     T = w.shape[0] if w.dim() == 2 else 1
@@ -122,7 +122,7 @@ def index_topk(scores: torch.Tensor, k: int, out: torch.Tensor | None = None,
     """The k best entries of each row of index scores [T, n] bf16 -> [T, k] int64, unsorted (the
     set matters; among equal scores at the threshold the lowest entries). One CUDA launch (a radix
     select per row in csrc/topk.cu) where the CUDA kernels serve the device (backend "triton":
-    not asked for), else dsv4.sparse.topk_lowest (the same tie rule). Capture-safe,
+    not asked for), else dsv4.numerics.sparse.topk_lowest (the same tie rule). Capture-safe,
     deterministic."""
     n = scores.shape[-1]
     if not 1 <= k <= n:

@@ -1,5 +1,5 @@
 """The speculative step's journal in one launch: save (before the verify pass) or put back (after
-acceptance) every state slot of a layer's entries (dsv4.speculative.Journal, whose torch loop is the
+acceptance) every state slot of a layer's entries (dsv4.runtime.speculative.verify.Journal, whose torch loop is the
 reference), instead of ~3 small torch kernels per slot. Entries are rows of state tensors at
 addresses fixed for the decoder's lifetime, so a table of raw addresses is built once; the slots'
 rows depend on the device position and are computed in the kernel. Copies of 32-bit words: exact.
@@ -53,7 +53,7 @@ def _journal_kernel(tab_ptr, pos_ptr, keep_ptr, REWIND: tl.constexpr, BLOCK: tl.
 
 
 class JournalKernel:
-    """The journal entries (i, tensor, n, o, a, b, r, buf) of dsv4.speculative.Journal as a device
+    """The journal entries (i, tensor, n, o, a, b, r, buf) of dsv4.runtime.speculative.verify.Journal as a device
     table: [address, words per row, words copied per row, n, o, a, b, r, i, buffer address]."""
 
     def __init__(self, entries):

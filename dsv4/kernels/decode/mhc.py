@@ -7,7 +7,7 @@ per sublayer). The finish and post kernels take a row grid dimension, which the 
 prefill chunk use (dsv4.kernels.prefill.mhc).
 
 h [c, D] bf16 (c = hc_mult = 4), fn [M, c*D] f32 (M = 24, or 4 for the head), x/out bf16.
-References: dsv4.mhc (hc_pre, hc_post, hc_head, rms_norm). Test: tests/dsv4/kernels/test_mhc_kernels.py.
+References: dsv4.numerics.mhc (hc_pre, hc_post, hc_head, rms_norm). Test: tests/dsv4/kernels/test_mhc_kernels.py.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ... import mhc as torch_mhc
+from ...numerics import mhc as torch_mhc
 from ..common import launch_args, pdl_wait, round_bf16
 
 BK = 256       # flattened-h elements per program of the partial mix GEMV

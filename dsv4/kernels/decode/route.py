@@ -1,7 +1,7 @@
 """MoE routing of one decode token in one launch, after the gate GEMV: scores (sqrt-softplus,
 sigmoid or softmax), the top-k of scores + bias (or the token's hash row of tid2eid), the weights
 normalized and scaled, the k experts sorted by id (the order the reference adds them in).
-Replaces ~10 torch launches per layer. Reference: `route_reference` (= dsv4.moe.MoE.route + sort).
+Replaces ~10 torch launches per layer. Reference: `route_reference` (= dsv4.model.moe.MoE.route + sort).
 Test: tests/dsv4/kernels/test_decode_kernels_interp.py (interpreter), tests/dsv4/kernels/test_decode_kernels.py (CUDA).
 """
 from __future__ import annotations
@@ -133,7 +133,7 @@ def route_decode(logits: torch.Tensor, k: int, score_func: str, route_scale: flo
 
 
 def route_reference(logits, k, score_func, route_scale, *, bias=None, tid2eid=None, ids=None):
-    """The torch path (dsv4.moe.MoE.route, then sorted by expert id as MoE.decode does)."""
+    """The torch path (dsv4.model.moe.MoE.route, then sorted by expert id as MoE.decode does)."""
     lg = logits.reshape(1, -1).float()
     if score_func == "softmax":
         s = lg.softmax(dim=-1)

@@ -6,7 +6,7 @@ position (the decode kernel's epilogue). All heads share the KV rows (MQA), so a
 block of heads of one query and reads each of its rows once.
 
 Legend: s = queries, h = heads, d = head_dim, k = attended rows per query.
-Reference: dsv4.sparse.sparse_attention + dsv4.rope.apply_rope(inverse). Test: tests/dsv4/kernels/test_prefill_kernels.py.
+Reference: dsv4.numerics.sparse.sparse_attention + dsv4.numerics.rope.apply_rope(inverse). Test: tests/dsv4/kernels/test_prefill_kernels.py.
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ position, FP8 fake-quant of the nope dims, or Hadamard + FP4 fake-quant for the 
 writes it to the cache. `ext` is the open block's state rows (rolled so that they end just before
 the chunk) followed by the chunk's rows; the chunk's first position comes from a device tensor, so
 the launch (a fixed grid bound; programs past the completed blocks exit) is capture-safe at any
-position. The state update itself stays with the caller (dsv4.compressor.Compressor.prefill).
+position. The state update itself stays with the caller (dsv4.model.compressor.Compressor.prefill).
 
 Legend: r = ratio, dc = entry dim, c = 2 in overlap mode (r = 4) else 1, s = chunk rows,
 o = start % r (state rows of the open block before the chunk).

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from ...formats import FP8_BLOCK, dequantize_fp4_weight, dequantize_fp8_weight, e8m0_to_float
-from ...quant import fp8_quant_dequant
+from ...weights.formats import FP8_BLOCK, dequantize_fp4_weight, dequantize_fp8_weight, e8m0_to_float
+from ...numerics.quant import fp8_quant_dequant
 from ..common import interpreting, on_device
 from .gemm_kernels import (_act_quant8_kernel, _act_quant_kernel, _gemm8_kernel, _gemm16_kernel,
                            _splitk_kernel, _swiglu_quant8_kernel)
@@ -184,7 +184,7 @@ def _probe_scaled_mm(dev: torch.device, n: int, k: int) -> bool:
     output and agrees bit for bit."""
     if torch.cuda.get_device_capability(dev) != (9, 0):
         return False
-    from ...formats import quantize_fp8_weight
+    from ...weights.formats import quantize_fp8_weight
     gen = torch.Generator(device=dev).manual_seed(0)
     w, s = quantize_fp8_weight(torch.randn(n, k, device=dev, generator=gen) * 0.05)
     x8, xs = act_quant8(torch.randn(260, k, device=dev, generator=gen).bfloat16())

@@ -1,12 +1,12 @@
 """The lightning indexer's scores for a prefill chunk in one launch: every query row against every
 entry of the index cache, sum_h relu(q_h . k_t) * w_h, without the [rows, heads, entries] tensor
 the torch path materializes (4,096 rows against a 16K-token cache: 4 GB per layer). Each row
-takes the decode kernel's arithmetic (bf16 rounding after each torch op of dsv4.sparse
+takes the decode kernel's arithmetic (bf16 rounding after each torch op of dsv4.numerics.sparse
 .index_scores), so a row's scores equal the decode kernel's for that query bit for bit; -inf for
 entries not yet visible to the row (t >= (pos0 + row + 1) // 4).
 
 Legend: s = query rows, h = index heads, di = index_head_dim, n = cache entries.
-Reference: dsv4.sparse.index_scores + the visibility mask. Test: tests/dsv4/kernels/test_prefill_kernels.py.
+Reference: dsv4.numerics.sparse.index_scores + the visibility mask. Test: tests/dsv4/kernels/test_prefill_kernels.py.
 """
 from __future__ import annotations
 

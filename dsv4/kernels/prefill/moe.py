@@ -18,8 +18,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ...formats import FP8_BLOCK
-from ...quant import fp8_quant_dequant
+from ...weights.formats import FP8_BLOCK
+from ...numerics.quant import fp8_quant_dequant
 from ..common import on_device, round_bf16
 from .gemm import (DEFAULT, Tile, Tuning, act_quant, act_quant8, dequantize, gemm8, gemm16,
                    mma_path, pick_bm, tile16)

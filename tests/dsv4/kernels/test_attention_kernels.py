@@ -74,8 +74,8 @@ def randn(g, *shape, scale=1.0, device="cpu", dtype=torch.bfloat16):
 
 def check_prep(dev, g, cfg, ratio, positions):
     from dsv4.kernels.decode import attention_prep as K
-    from dsv4.mhc import rms_norm
-    from dsv4.rope import rope_frequencies
+    from dsv4.numerics.mhc import rms_norm
+    from dsv4.numerics.rope import rope_frequencies
     H, Dh, W = cfg.n_heads, cfg.head_dim, cfg.window_size
     freqs = rope_frequencies(cfg, ratio, dev)
     for p in positions:
@@ -103,7 +103,7 @@ def check_prep(dev, g, cfg, ratio, positions):
 
 def check_attention(dev, g, cfg, ratio, capacity, positions, configs=(None,)):
     from dsv4.kernels.decode import attention as K
-    from dsv4.rope import rope_frequencies
+    from dsv4.numerics.rope import rope_frequencies
     H, Dh, W = cfg.n_heads, cfg.head_dim, cfg.window_size
     n = capacity // ratio if ratio else 0
     freqs = rope_frequencies(cfg, ratio, dev)
@@ -140,7 +140,7 @@ def check_attention_rows(dev, g, cfg, ratio, capacity, positions, Ts=(2, 4), con
     from dsv4.kernels.decode import attention as K
     from dsv4.kernels.decode import attention_prep as P
     from dsv4.kernels.decode import indexer as KI
-    from dsv4.rope import rope_frequencies
+    from dsv4.numerics.rope import rope_frequencies
     H, Dh, W, eps = cfg.n_heads, cfg.head_dim, cfg.window_size, cfg.norm_eps
     HI, DI = cfg.index_n_heads, cfg.index_head_dim
     n = capacity // ratio if ratio else 0
@@ -192,8 +192,8 @@ def check_attention_rows(dev, g, cfg, ratio, capacity, positions, Ts=(2, 4), con
 
 
 def _compressor(cfg, ratio, dc, rotate, dev, g):
-    from dsv4.compressor import Compressor
-    from dsv4.quant import hadamard_matrix
+    from dsv4.model.compressor import Compressor
+    from dsv4.numerics.quant import hadamard_matrix
     comp = Compressor(cfg, ratio, dc, rotate, dev)
     for lin in (comp.wkv, comp.wgate):
         lin.weight.copy_(randn(g, *lin.weight.shape, scale=cfg.dim ** -0.5))
@@ -204,8 +204,8 @@ def _compressor(cfg, ratio, dc, rotate, dev, g):
 
 
 def check_compressor(dev, g, cfg, ratio, dc, rotate, capacity, starts, steps):
-    from dsv4.rope import rope_frequencies
-    from dsv4.state import CompressorState
+    from dsv4.numerics.rope import rope_frequencies
+    from dsv4.model.state import CompressorState
     comp = _compressor(cfg, ratio, dc, rotate, dev, g)
     freqs = rope_frequencies(cfg, ratio, dev)
     n = capacity // ratio
@@ -237,7 +237,7 @@ def check_compressor(dev, g, cfg, ratio, dc, rotate, capacity, starts, steps):
 
 def check_indexer(dev, g, cfg, capacity, positions):
     from dsv4.kernels.decode import indexer as K
-    from dsv4.rope import rope_frequencies
+    from dsv4.numerics.rope import rope_frequencies
     HI, DI = cfg.index_n_heads, cfg.index_head_dim
     n = capacity // 4
     k = min(cfg.index_topk, n)
@@ -282,10 +282,10 @@ def check_attention_decode(dev, g, capacity=64, steps=36, layers=(0, 1, 2), seed
     rounding, the layer output within the FP8 act-quant of wo_b (a 1-ulp input change can move an
     e4m3 step), and the caches and compressor states of the two paths agree (states to float32
     summation order)."""
-    from dsv4.attention import Attention
-    from dsv4.device_weights import DeviceWeights
-    from dsv4.quant import hadamard_matrix
-    from dsv4.state import LayerState
+    from dsv4.model.attention import Attention
+    from dsv4.weights.device_weights import DeviceWeights
+    from dsv4.numerics.quant import hadamard_matrix
+    from dsv4.model.state import LayerState
     from helpers import SMALL
     cfg = SMALL.replace(index_topk=capacity // 4)      # select every visible entry: no near-ties
     src = DeviceWeights(cfg, seed)
@@ -338,10 +338,10 @@ def check_attention_decode_rows(dev, g, capacity=64, seed=0):
     prep and attention in one launch each) == T one-row decode_rows calls, bit for bit: the layer
     output and every state tensor, for each compress ratio, with the ring wrapping inside the
     rows."""
-    from dsv4.attention import Attention
-    from dsv4.device_weights import DeviceWeights
-    from dsv4.quant import hadamard_matrix
-    from dsv4.state import LayerState
+    from dsv4.model.attention import Attention
+    from dsv4.weights.device_weights import DeviceWeights
+    from dsv4.numerics.quant import hadamard_matrix
+    from dsv4.model.state import LayerState
     from helpers import SMALL
     cfg = SMALL.replace(index_topk=4)          # fewer than the visible entries: a real top-k
     src = DeviceWeights(cfg, seed)
@@ -429,7 +429,7 @@ REAL_POS = (0, 5, 127, 128, 1000, 2047, 2048, 4095)
 @pytest.mark.parametrize("preset", ["flash", "pro"])
 @pytest.mark.parametrize("capacity", [4096, 65536])
 def test_attention_kernels_cuda_real_shapes(preset, capacity):
-    from dsv4.presets import PRESETS
+    from dsv4.weights.presets import PRESETS
     cfg = PRESETS[preset]
     g = torch.Generator().manual_seed(input_seed(7))
     pos = tuple(p for p in REAL_POS + (capacity - 1,) if p < capacity)
@@ -451,11 +451,11 @@ def test_attention_decode_fused_cuda():
 
 
 def _flash_layer(ratio: int, capacity: int, dev="cuda"):
-    from dsv4.attention import Attention
-    from dsv4.device_weights import DeviceWeights
-    from dsv4.presets import FLASH
-    from dsv4.quant import hadamard_matrix
-    from dsv4.state import LayerState
+    from dsv4.model.attention import Attention
+    from dsv4.weights.device_weights import DeviceWeights
+    from dsv4.weights.presets import FLASH
+    from dsv4.numerics.quant import hadamard_matrix
+    from dsv4.model.state import LayerState
     l = FLASH.compress_ratios.index(ratio)
     attn = Attention(FLASH, ratio, "fp8", dev, hadamard_matrix(FLASH.index_head_dim, dev))
     DeviceWeights(FLASH, 0).load_many(attn.tensors(f"layers.{l}.attn").items(), progress=False)

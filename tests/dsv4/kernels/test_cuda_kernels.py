@@ -59,7 +59,7 @@ def test_expert_config_and_cpu_fallback():
 def test_switch_turns_the_library_off(monkeypatch):
     """DSV4_CUDA_KERNELS=0: the backend of a CUDA device takes the Triton kernels and says why
     (the library is not even loaded); resolved here as on a GPU machine."""
-    from dsv4 import backend
+    from dsv4.backend import decision as backend
     opts = backend.Options.from_env({"DSV4_CUDA_KERNELS": "0"})
     assert opts.cuda_kernels is False and backend.Options().cuda_kernels is True
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

@@ -119,8 +119,8 @@ def swiglu_absdot(x, w1, s1, w3, s3, limit):
 
 def fp4_swiglu_absdot(x, idx, rw, w1, s1, w3, s3, limit):
     """_swiglu_err of the routed experts' up (fp4_experts_up), row j scaled by rw[j]: [k, inter]."""
-    from dsv4.formats import dequantize_fp4_weight
-    from dsv4.quant import fp8_quant_dequant
+    from dsv4.weights.formats import dequantize_fp4_weight
+    from dsv4.numerics.quant import fp8_quant_dequant
     xq = fp8_quant_dequant(x.float().reshape(-1), 128).double()
     rows = []
     for j, e in enumerate(idx.tolist()):
@@ -142,7 +142,7 @@ def assert_close_f32(y, ref, x, w, s, quant, group_k=None):
 
 def test_available_needs_cuda_and_the_switch(monkeypatch):
     """The kernels serve a CUDA device with triton, unless DSV4_KERNELS=0 (read by the backend)."""
-    from dsv4 import backend
+    from dsv4.backend import decision as backend
     assert not backend.resolve("cpu").kernels
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)    # as on a GPU machine
     monkeypatch.setattr(backend, "_triton_importable", lambda: True)
@@ -387,8 +387,8 @@ def test_kernels_capture_in_a_cuda_graph():
 
 
 def _fill_moe(cfg, layer_id, dev, ops=None):
-    from dsv4.device_weights import DeviceWeights
-    from dsv4.moe import MoE
+    from dsv4.weights.device_weights import DeviceWeights
+    from dsv4.model.moe import MoE
     moe = MoE(cfg, layer_id, "fp8", cfg.expert_format, dev, ops)
     src = DeviceWeights(cfg, seed=SEED)
     for name, t in moe.tensors(f"layers.{layer_id}.ffn").items():
@@ -400,11 +400,11 @@ def _fill_moe(cfg, layer_id, dev, ops=None):
 def test_linear_and_moe_dispatch_match_the_torch_path():
     """The same weights with the backend's kernels and with DSV4_KERNELS=0 (the torch path):
     Linear and MoE.decode agree within rounding."""
-    from dsv4.backend import Options
+    from dsv4.backend.decision import Options
     from dsv4.kernels.decode.fp8_linear import fp8_linear
-    from dsv4.linear import Linear
-    from dsv4.ops import Ops
-    from dsv4.presets import get_preset
+    from dsv4.model.linear import Linear
+    from dsv4.backend.ops import Ops
+    from dsv4.weights.presets import get_preset
     dev, gen = torch.device("cuda"), fresh_gen("cuda")
     cfg = get_preset("flash", n_layers=4)
     on = Ops.for_device(dev, cfg=cfg, options=Options())
@@ -440,7 +440,7 @@ def test_route_decode_cuda(preset, backend):
     Triton one and the default, the CUDA C++ one where available) pick the torch path's experts,
     in id order, with its weights to float32 rounding."""
     from dsv4.kernels.decode.route import route_decode, route_reference
-    from dsv4.presets import get_preset
+    from dsv4.weights.presets import get_preset
     cfg = get_preset(preset)
     E, k = cfg.n_routed_experts, cfg.n_activated_experts
     dev, gen = torch.device("cuda"), fresh_gen("cuda")
@@ -492,19 +492,19 @@ def test_multi_matrix_launches_equal_separate_calls_cuda():
 
 @pytest.mark.cuda
 def test_pdl_and_branches_change_no_bit():
-    """Programmatic dependent launch and the captured parallel branches (dsv4.overlap) only
+    """Programmatic dependent launch and the captured parallel branches (dsv4.backend.branches) only
     reorder launches: a Flash-shaped layer's decode steps (eager and replayed from a CUDA graph)
     give the same bits with PDL and branches on, and with DSV4_PDL=0 / DSV4_OVERLAP=0 (the
     layer's backend resolved with those switches)."""
-    from dsv4 import overlap
-    from dsv4.backend import Options
-    from dsv4.block import Block
-    from dsv4.ops import Ops
-    from dsv4.device_weights import DeviceWeights
+    from dsv4.backend import branches
+    from dsv4.backend.decision import Options
+    from dsv4.model.block import Block
+    from dsv4.backend.ops import Ops
+    from dsv4.weights.device_weights import DeviceWeights
     from dsv4.kernels import common
-    from dsv4.presets import get_preset
-    from dsv4.quant import hadamard_matrix
-    from dsv4.state import LayerState
+    from dsv4.weights.presets import get_preset
+    from dsv4.numerics.quant import hadamard_matrix
+    from dsv4.model.state import LayerState
     if not common.pdl(torch.empty(1, device="cuda")):
         pytest.skip("PDL needs sm_90+")
     cfg = get_preset("flash", n_layers=3)
@@ -543,7 +543,7 @@ def test_pdl_and_branches_change_no_bit():
             else:
                 outs.append(step().clone())
         return torch.stack(outs), st.kv_cache.clone()
-    overlap.prepare(dev)
+    branches.prepare(dev)
     with torch.inference_mode():
         on = [run(False), run(True)]
         no_branch = run(True, DSV4_OVERLAP="0")

@@ -15,7 +15,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 
-from dsv4.formats import e2m1_decode  # noqa: E402
+from dsv4.weights.formats import e2m1_decode  # noqa: E402
 from dsv4.kernels import common  # noqa: E402
 from dsv4.kernels.decode.bf16_linear import (bf16_linear, bf16_linear_multi,  # noqa: E402
                                       bf16_linear_reference)
@@ -25,7 +25,7 @@ from dsv4.kernels.decode.fp4_experts import (fp4_experts_down, fp4_experts_down_
 from dsv4.kernels.decode.fp8_linear import (fp8_linear, fp8_linear2, fp8_linear_reference,  # noqa: E402
                                      fp8_swiglu, fp8_swiglu_reference)
 from dsv4.kernels.decode.route import route_decode, route_reference  # noqa: E402
-from dsv4.quant import fp8_quant_dequant  # noqa: E402
+from dsv4.numerics.quant import fp8_quant_dequant  # noqa: E402
 
 from test_decode_kernels import (assert_close_bf16, assert_close_f32, fp4_bank,  # noqa: E402
                           fp4_swiglu_absdot, fp8_weight, fresh_gen, poisoned, spiky_x)
@@ -360,10 +360,10 @@ def test_fp4_experts_down(cfg):
 # ---- the dispatch points' kernel paths (called directly: dispatch itself needs CUDA) -------------
 
 def test_moe_and_linear_kernel_paths_match_the_torch_path(monkeypatch):
-    from dsv4.device_weights import DeviceWeights
+    from dsv4.weights.device_weights import DeviceWeights
     from dsv4.kernels.decode import bf16_linear as bl, fp4_experts as fe, fp8_linear as fl
-    from dsv4.moe import MoE
-    from dsv4.presets import get_preset
+    from dsv4.model.moe import MoE
+    from dsv4.weights.presets import get_preset
     from test_decode_kernels import SEED
     for mod, name in ((fe, "up_config"), (fe, "down_config"), (fl, "fp8_config"),
                       (bl, "bf16_config")):   # few programs: the interpreter pays per program

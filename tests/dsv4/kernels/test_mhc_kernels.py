@@ -83,8 +83,8 @@ def test_mhc_kernels_cuda_real_shapes():
 def test_block_decode_fused_vs_torch_mhc():
     """Block.decode takes the fused mHC kernels where the backend has them: bf16 activations,
     hc_mult * dim a multiple of 256 (and one row per call: Block.decode); not float32 ones."""
-    from dsv4.backend import resolve
-    from dsv4.presets import TINY
+    from dsv4.backend.decision import resolve
+    from dsv4.weights.presets import TINY
     assert TINY.hc_mult * TINY.dim % 256 == 0
     assert resolve("cuda", torch.bfloat16, TINY).mhc_decode
     assert not resolve("cuda", torch.float32, TINY).mhc_decode
@@ -101,8 +101,8 @@ def test_sinkhorn_branch_in_capture(monkeypatch):
     """Captured with an mHC branch on, hc_pre_norm launches x and the Sinkhorn separately (the
     Sinkhorn on the branch's side stream): the same bits as the eager two-program launch, and no
     binary compiled during capture (the eager warm-up compiled the one binary all launches use)."""
-    from dsv4 import overlap
-    from dsv4.backend import BRANCHES
+    from dsv4.backend import branches
+    from dsv4.backend.decision import BRANCHES
     from dsv4.kernels.decode import mhc as K
     dev, g = torch.device("cuda"), torch.Generator(device="cuda").manual_seed(3)
     D = 4096
@@ -111,10 +111,10 @@ def test_sinkhorn_branch_in_capture(monkeypatch):
     scale = 0.5 + 0.1 * torch.randn(3, generator=g, device=dev)
     base = 0.5 * torch.randn(24, generator=g, device=dev)
     w = 1 + 0.1 * torch.randn(D, generator=g, device=dev)
-    overlap.prepare(dev)
+    branches.prepare(dev)
 
     def step():
-        br = overlap.Branch(h, "mhc", frozenset(BRANCHES), lane=2, fork=False)
+        br = branches.Branch(h, "mhc", frozenset(BRANCHES), lane=2, fork=False)
         out = K.hc_pre_norm(h, fn, scale, base, w, 1e-6, 1e-6, 20, br)
         on = br.on
         br.join()

@@ -21,7 +21,7 @@ needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
 def _fmt_weight(fmt, n, k, gen, dev, lead=(), spread=0.05):
     """Random weights of a format, drawn and quantized on `dev` (a generator seeded from `gen`:
     a Flash expert bank drawn and quantized on the host took minutes)."""
-    from dsv4.formats import quantize_fp4_weight, quantize_fp8_weight
+    from dsv4.weights.formats import quantize_fp4_weight, quantize_fp8_weight
     seed = int(torch.randint(0, 2 ** 62, (1,), generator=gen))
     m = torch.randn(*lead, n, k, device=dev,
                     generator=torch.Generator(device=dev).manual_seed(seed)) * spread
@@ -60,7 +60,7 @@ def _tol(fmt, rows=None, tuning=None):
 def _both_paths(fn):
     """Run fn(tuning) under the default tensor-core path of each format and under the other one
     (the GEMMs' switches as the backend passes them: DSV4_PREFILL_MMA="fp4=fp8,fp8=bf16")."""
-    from dsv4.backend import Options
+    from dsv4.backend.decision import Options
     from dsv4.kernels.prefill.gemm import Tuning
     for setting in ("", "fp4=fp8,fp8=bf16"):
         fn(Tuning(mma=Options.from_env({"DSV4_PREFILL_MMA": setting}).prefill_mma))
@@ -68,7 +68,7 @@ def _both_paths(fn):
 
 def check_linear(dev, gen, M=70, N=384, K=256, tuning=None):
     from dsv4.kernels.prefill import gemm as P
-    from dsv4.quant import fp8_quant_dequant
+    from dsv4.numerics.quant import fp8_quant_dequant
     tuning = tuning or P.DEFAULT
     x = torch.randn(M, K, generator=gen).bfloat16().to(dev)
     x[3, :128] *= 50                                        # blocks of very different scales
@@ -103,7 +103,7 @@ def check_linear_exact(dev, gen, M=40, N=256, K=256, tuning=None):
     from dsv4.kernels.prefill import gemm as P
     tuning = tuning or P.DEFAULT
     x = (torch.randint(-8, 9, (M, K), generator=gen).float() / 16).bfloat16().to(dev)
-    from dsv4.formats import quantize_fp4_weight, quantize_fp8_weight
+    from dsv4.weights.formats import quantize_fp4_weight, quantize_fp8_weight
     grid = torch.tensor([0, .5, 1, 1.5, 2, 3, 4, 6])
     for fmt in ("fp8", "fp4"):
         sign = torch.randint(0, 2, (N, K), generator=gen) * 2 - 1
@@ -168,7 +168,7 @@ def check_split_k(dev, gen, M=3, N=256, K=512):
     """K split into 1..8 parts (the few-row GEMMs): exactly representable sums, so every split
     gives the reference's bits, plain and with the SwiGLU + act-quant epilogue; linear() on a few
     rows splits by itself."""
-    from dsv4.formats import quantize_fp4_weight, quantize_fp8_weight
+    from dsv4.weights.formats import quantize_fp4_weight, quantize_fp8_weight
     from dsv4.kernels.prefill import gemm as P
     x = (torch.randint(-8, 9, (M, K), generator=gen).float() / 16).bfloat16().to(dev)
     grid = torch.tensor([0, .5, 1, 1.5, 2, 3, 4, 6])
@@ -287,7 +287,7 @@ def check_moe(dev, gen, T=50, D=256, I=128, E=8, k=3, tuning=None):
 
 def check_attention_rows(dev, gen, S=20, H=4, D=128, n=90, KI=45):
     from dsv4.kernels.prefill.attention import sparse_attention_rows
-    from dsv4.sparse import sparse_attention
+    from dsv4.numerics.sparse import sparse_attention
     q = torch.randn(S, H, D, generator=gen).bfloat16()
     kv = torch.randn(n, D, generator=gen).bfloat16()
     idx = torch.randint(-1, n, (S, KI), generator=gen)
@@ -295,8 +295,8 @@ def check_attention_rows(dev, gen, S=20, H=4, D=128, n=90, KI=45):
     idx[2, 1:] = -1                                            # a query with one valid row
     idx[3, :40] = -1                                           # a whole tile masked (skipped)
     sink = torch.randn(H, generator=gen)
-    from dsv4.presets import TINY
-    from dsv4.rope import apply_rope, cos_sin, rope_frequencies
+    from dsv4.weights.presets import TINY
+    from dsv4.numerics.rope import apply_rope, cos_sin, rope_frequencies
     freqs = rope_frequencies(TINY, 4)
     pos0 = torch.tensor([37])
     got = sparse_attention_rows(q.to(dev), kv.to(dev), idx.to(dev), sink.to(dev), D ** -0.5,
@@ -312,7 +312,7 @@ def check_index_scores_rows(dev, gen, S=19, H=8, DI=64, n=40):
     reference (sparse.index_scores + the visibility mask) within bf16 rounding."""
     from dsv4.kernels.decode.indexer import index_scores
     from dsv4.kernels.prefill.indexer import index_scores_rows
-    from dsv4.sparse import index_scores as reference
+    from dsv4.numerics.sparse import index_scores as reference
     q = torch.randn(S, H, DI, generator=gen).bfloat16()
     w = torch.randn(S, H, generator=gen).bfloat16()
     keys = torch.randn(n, DI, generator=gen).bfloat16()
@@ -336,13 +336,13 @@ def check_compressor_rows(dev, gen):
     """Compressor.prefill with the entry kernel == the torch path (same inputs and state): cache
     rows within bf16 rounding (plus an e4m3 / e2m1 step where a rounding flips), state within
     float32 noise."""
-    from dsv4.backend import Options
-    from dsv4.compressor import Compressor
-    from dsv4.ops import Ops
-    from dsv4.presets import TINY
-    from dsv4.quant import hadamard_matrix
-    from dsv4.rope import rope_frequencies
-    from dsv4.state import CompressorState
+    from dsv4.backend.decision import Options
+    from dsv4.model.compressor import Compressor
+    from dsv4.backend.ops import Ops
+    from dsv4.weights.presets import TINY
+    from dsv4.numerics.quant import hadamard_matrix
+    from dsv4.numerics.rope import rope_frequencies
+    from dsv4.model.state import CompressorState
     env = Options.from_env()              # TRITON_INTERPRET as this process runs
     ops = {"torch": Ops.for_device(dev, cfg=TINY, options=env.replace(kernels="0")),
            "kernel": Ops.for_device(dev, cfg=TINY, options=env.replace(
@@ -403,13 +403,13 @@ def check_layers(dev, tmp, seed):
     several offsets."""
     sys.path.insert(0, str(REPO / "tests"))
     from helpers import small_checkpoint
-    from dsv4.runtime import RuntimeConfig
-    from dsv4.session import load_model
+    from dsv4.runtime.config import RuntimeConfig
+    from dsv4.runtime.session import load_model
     m, ck = load_model(small_checkpoint(tmp, "fp8"), RuntimeConfig(max_seq_len=256,
                                                                   dtype=torch.bfloat16,
                                                                   devices=(dev,)))
     ck.close()
-    from dsv4.backend import Options
+    from dsv4.backend.decision import Options
     env = Options.from_env()              # TRITON_INTERPRET as this process runs
     torch_path = env.replace(kernels="0")
     kernel_path = env.replace(kernels="interpret" if dev == "cpu" else "1")
@@ -455,9 +455,9 @@ def check_parity_bf16(dev):
     if not (SHARED / "data" / "parity").is_dir() and not os.environ.get("DSV4_PARITY_DIR"):
         return
     from test_parity import check_logits, load_case
-    from dsv4.runtime import RuntimeConfig
-    from dsv4.sampling import SamplingParams
-    from dsv4.session import Session, load_model
+    from dsv4.runtime.config import RuntimeConfig
+    from dsv4.runtime.sampling import SamplingParams
+    from dsv4.runtime.session import Session, load_model
     for name in ("p1-bf16-3layer", "p2-fp8-2layer"):
         d, case, golden, gtokens = load_case(name, "bf16")
         model, ck = load_model(d, RuntimeConfig(max_seq_len=256, dtype=torch.bfloat16,

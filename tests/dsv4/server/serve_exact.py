@@ -6,5 +6,5 @@ from helpers import disable_fake_quant
 
 if __name__ == "__main__":
     disable_fake_quant()
-    from dsv4.serve import main
+    from dsv4.cli.serve import main
     sys.exit(main(sys.argv[1:]))

@@ -20,5 +20,5 @@ if __name__ == "__main__":
         return run(self, job)
 
     engine.Engine._run = gated_run
-    from dsv4.serve import main
+    from dsv4.cli.serve import main
     sys.exit(main(argv))

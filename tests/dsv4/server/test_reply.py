@@ -1,12 +1,12 @@
 """The streaming reply parser (dsv4/server/reply.py): for replies in every shape (reasoning,
 content, tool calls, stop strings, cut by max tokens), split into pieces at every position (and token by
-token), the deltas add up to what dsv4.chat.parse_completion gives for the whole text, and no
+token), the deltas add up to what dsv4.text.chat.parse_completion gives for the whole text, and no
 markup ever reaches content or reasoning."""
 import itertools
 
 import pytest
 
-from dsv4.chat import DSML, THINK_END, parse_completion
+from dsv4.text.chat import DSML, THINK_END, parse_completion
 from dsv4.server.reply import ReplyParser
 
 CALL = ('\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="get_weather">\n'

@@ -21,9 +21,9 @@ require_serve_packages()
 import httpx  # noqa: E402
 import openai  # noqa: E402
 
-from dsv4.chat import EOS, THINK_END, _render_tool_calls  # noqa: E402
-from dsv4.cli import demo_checkpoint  # noqa: E402
-from dsv4.tokenizer import load_tokenizer  # noqa: E402
+from dsv4.text.chat import EOS, THINK_END, _render_tool_calls  # noqa: E402
+from dsv4.cli.decode import demo_checkpoint  # noqa: E402
+from dsv4.text.tokenizer import load_tokenizer  # noqa: E402
 
 CAP = 512
 MESSAGES = [{"role": "system", "content": "You are terse."},
@@ -94,7 +94,7 @@ def test_chat_streaming_equals_non_streaming(client):
 
 def test_greedy_equals_decode_py(client, ckpt, tmp_path, capsys):
     """decode.py's own entry point (dsv4.cli.main, what scripts/decode.py runs), in this process."""
-    from dsv4.cli import main
+    from dsv4.cli.decode import main
     f = tmp_path / "m.json"
     f.write_text(json.dumps(MESSAGES))
     capsys.readouterr()

@@ -16,12 +16,12 @@ from serving import REPO, ServerProcess, openai_client, require_serve_packages
 
 require_serve_packages()
 
-from dsv4.chat import EOS, THINK_END  # noqa: E402
-from dsv4.runtime import RuntimeConfig  # noqa: E402
-from dsv4.session import Session, load_model  # noqa: E402
-from dsv4.presets import TINY  # noqa: E402
-from dsv4.sampling import SamplingParams  # noqa: E402
-from dsv4.tokenizer import build_prompt_ids, load_tokenizer  # noqa: E402
+from dsv4.text.chat import EOS, THINK_END  # noqa: E402
+from dsv4.runtime.config import RuntimeConfig  # noqa: E402
+from dsv4.runtime.session import Session, load_model  # noqa: E402
+from dsv4.weights.presets import TINY  # noqa: E402
+from dsv4.runtime.sampling import SamplingParams  # noqa: E402
+from dsv4.text.tokenizer import build_prompt_ids, load_tokenizer  # noqa: E402
 from helpers import disable_fake_quant  # noqa: E402
 
 CAP, TOL = 512, 1e-4
@@ -31,7 +31,7 @@ LAUNCHER = REPO / "tests" / "dsv4" / "server" / "serve_exact.py"
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    from dsv4.synthetic import write_checkpoint
+    from dsv4.weights.synthetic import write_checkpoint
     return write_checkpoint(TINY, tmp_path_factory.mktemp("exact") / "tiny-bf16", weights="bf16",
                             seed=0, shards=2)
 

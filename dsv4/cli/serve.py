@@ -1,0 +1,143 @@
+"""The `scripts/serve.py` (`dsv4 serve`) command: an OpenAI-compatible HTTP server over one decode
+session (FastAPI + uvicorn, the `serve` extra). The model loads, the graphs are captured and one
+short generation runs before the port opens, so GET /health answers 200 as soon as it answers.
+
+Exit status: 0 after SIGTERM / Ctrl-C (the running request stops at its next token, the session is
+closed: graphs and memory released); 2 bad usage (one stderr line naming the problem and the fix);
+1 runtime failure. Endpoints, fields and limits: docs/SERVING.md.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import signal
+import sys
+import time
+
+from .options import Parser, add_model_args, add_runtime_args, add_sampling_args, \
+    check_checkpoint_args, check_runtime_args, checkpoint_dir
+from ..errors import InputError, exit_code
+
+DEFAULT_MAX_SEQ_LEN = 4096
+SERVE_PACKAGES = ("fastapi", "uvicorn", "pydantic")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = Parser(prog="dsv4 serve", description="OpenAI-compatible DeepSeek-V4 server (batch 1: one "
+                                             "request decodes at a time, the others queue).")
+    add_model_args(p)
+    s = p.add_argument_group("server")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on ("
+                                                       "0.0.0.0 for every interface)")
+    s.add_argument("--port", type=int, default=8000, help="port to listen on")
+    s.add_argument("--max-queue", type=int, default=16, metavar="N",
+                   help="requests that may wait while one decodes; beyond, 503 "
+                        "with Retry-After")
+    s.add_argument("--served-model-name", metavar="NAME",
+                   help="the model name requests give (default: the checkpoint folder's name)")
+    s.add_argument("--prefix-snapshots", type=int, default=4, metavar="N",
+                   help="decode-state snapshots kept for prefix reuse (the ends of "
+                        "recent prompts; 0 = reuse the live sequence only); each costs a window "
+                        "ring and the compressors' open rows per layer")
+    s.add_argument("--log-level", default="info",
+                   choices=("critical", "error", "warning", "info", "debug"),
+                   help="uvicorn's log level (info: one access line per request)")
+    s.add_argument("--allow-force-ids", action="store_true", help=argparse.SUPPRESS)  # tests
+    add_sampling_args(p, title="sampling defaults (a request's own fields win)")
+    add_runtime_args(p, DEFAULT_MAX_SEQ_LEN,
+                     f"cache capacity: the context length (prompt + max_tokens) of every request "
+                     f"(default {DEFAULT_MAX_SEQ_LEN})")
+    return p
+
+
+def main(argv=None) -> int:
+    return exit_code(lambda: run(build_parser().parse_args(argv)))
+
+
+def run(args) -> int:
+    missing = [m for m in SERVE_PACKAGES if importlib.util.find_spec(m) is None]
+    if missing:
+        raise InputError(f"the server needs {', '.join(missing)}: pip install -e '.[serve]' (or "
+                         f"pip install fastapi uvicorn pydantic)")
+    if not 0 <= args.port < 65536:
+        raise InputError(f"--port {args.port}: expected 0..65535")
+    if args.max_queue < 0 or args.prefix_snapshots < 0:
+        flag, v = (("--max-queue", args.max_queue) if args.max_queue < 0 else
+                   ("--prefix-snapshots", args.prefix_snapshots))
+        raise InputError(f"{flag} {v}: must be >= 0")
+    if args.max_seq_len < 16:
+        raise InputError(f"--max-seq-len {args.max_seq_len}: must be >= 16 (the context of "
+                         f"every request: prompt + max_tokens)")
+    devices, mode = check_runtime_args(args)
+    from ..weights.config import ModelConfig
+    from ..runtime.sampling import SamplingParams
+    from ..text.tokenizer import load_tokenizer
+    defaults_sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed or 0)
+    ckpt = checkpoint_dir(args)
+    cfg = ModelConfig.from_json(ckpt)
+    check_checkpoint_args(args, cfg)
+    tok = load_tokenizer(ckpt)
+    engine, defaults = _build(args, ckpt, cfg, tok, devices, mode, defaults_sampling)
+    return _listen(args, engine, tok, defaults)
+
+
+def _build(args, ckpt, cfg, tok, devices, mode, sampling):
+    """Load, capture, warm up -> (Engine, Defaults), before any port opens."""
+    from ..runtime.session import Session, load_model
+    from ..runtime.config import DTYPES, RuntimeConfig
+    from ..server.engine import Engine
+    from ..server.openai_api import Defaults
+    t0 = time.perf_counter()
+    rt = RuntimeConfig(max_seq_len=args.max_seq_len, dtype=DTYPES[args.dtype],
+                       devices=tuple(devices), prefill_chunk=args.prefill_chunk,
+                       mtp=bool(args.speculative),
+                       prefill_graphs=args.prefill_graphs if mode == "graph" else 0)
+    model, ck = load_model(ckpt, rt)
+    ck.close()
+    if ck.notice:
+        print(f"[dsv4] notice: {ck.notice}", file=sys.stderr)
+    session = Session(model, sampling, mode=mode, granularity=args.granularity,
+                      speculative=args.speculative,
+                      spec_min_acceptance=args.speculative_min_acceptance,
+                      per_request_sampling=True)
+    session.generate([tok.bos_id] + tok.encode("Hello"), 2)   # first-call costs, before serving
+    session.reset()
+    engine = Engine(session, tok, max_queue=args.max_queue,
+                    prefix_snapshots=args.prefix_snapshots)
+    name = args.served_model_name or ckpt.name
+    defaults = Defaults(model=name, max_seq_len=args.max_seq_len, vocab_size=cfg.vocab_size,
+                        sampling=sampling, seed=args.seed, speculative=bool(args.speculative),
+                        prefix_snapshots=args.prefix_snapshots,
+                        allow_force_ids=args.allow_force_ids)
+    per_snapshot = engine.cache.nbytes() / max(1, args.prefix_snapshots) / 2 ** 20
+    print(f"[dsv4] {name}: mode={mode} device={','.join(devices)} dtype={args.dtype} "
+          f"max-seq-len={args.max_seq_len} speculative={args.speculative} | ready in "
+          f"{time.perf_counter() - t0:.1f} s (capture {session.capture_s:.1f} s) | prefix "
+          f"snapshots {args.prefix_snapshots} x {per_snapshot:.1f} MiB", file=sys.stderr)
+    return engine, defaults
+
+
+def _listen(args, engine, tok, defaults) -> int:
+    import uvicorn
+
+    from ..server.app import create_app
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):        # stop the running request at its next token
+            engine.shutdown()
+            super().handle_exit(sig, frame)
+
+    app = create_app(engine, tok, defaults)
+    server = Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                   lifespan="off", timeout_graceful_shutdown=30))
+    engine.start()
+    # uvicorn re-raises the signal it shut down on once its own handlers are gone: let these
+    # no-op handlers take it, so that the session below is closed and the exit status is 0
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
+    try:
+        server.run()
+    finally:
+        engine.close()
+    print("[dsv4] server stopped, session closed", file=sys.stderr)
+    return 0

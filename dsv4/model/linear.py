@@ -1,0 +1,154 @@
+"""Linear layers over weights kept in their stored formats: bf16, FP8 (128x128 ue8m0), FP4 (per-32 ue8m0).
+
+Semantics follow the official `linear()`: FP8/FP4 weights get W8A8 — the input is quantized to
+e4m3 per 128 with ue8m0 scales, then multiplied with the (exactly) dequantized weight with float32
+accumulation, output in the activation dtype. bf16 weights are a plain matmul in the activation
+dtype. Dequantization happens per call (weights stay in their stored format in memory). Where the
+device's backend has them (self.ops), a decode row goes to the GEMV kernels and a prefill chunk's
+rows to the stored-format GEMM; the dtypes of the call decide the rest.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..weights.formats import FP4_BLOCK, FP8_BLOCK, dequantize_fp4_weight, dequantize_fp8_weight
+from ..backend.ops import Ops
+from ..numerics.quant import fp8_quant_dequant
+
+FORMATS = ("bf16", "fp8", "fp4", "f32")
+
+
+class Linear:
+    """One weight matrix `[out, in]` in a stored format; `names` maps tensor role -> attribute.
+
+    fmt "fp8": weight float8_e4m3fn [out, in] + scale float8_e8m0fnu [out/128, in/128]
+    fmt "fp4": weight int8 [out, in/2] (packed e2m1) + scale float8_e8m0fnu [out, in/32]
+    fmt "bf16"/"f32": weight [out, in] in that dtype, no scale (bf16 checkpoints, gate, compressor)
+    """
+
+    def __init__(self, out_features: int, in_features: int, fmt: str, device,
+                 ops: Ops | None = None):
+        if fmt not in FORMATS:
+            raise ValueError(f"unknown weight format {fmt!r}; allowed {FORMATS}")
+        self.out_features, self.in_features, self.fmt = out_features, in_features, fmt
+        self.ops = ops or Ops.for_device(device)      # the model passes its device's
+        self.weight, self.scale = _alloc(fmt, (), out_features, in_features, device)
+        self.dense_cache: dict | None = None   # dtype -> dense weight; set to {} to enable
+
+    @property
+    def quantized(self) -> bool:
+        return self.fmt in ("fp8", "fp4")
+
+    def tensors(self, prefix: str) -> dict[str, torch.Tensor]:
+        """Checkpoint name -> destination tensor (for loading)."""
+        d = {f"{prefix}.weight": self.weight}
+        if self.scale is not None:
+            d[f"{prefix}.scale"] = self.scale
+        return d
+
+    def dense(self, dtype: torch.dtype) -> torch.Tensor:
+        """The dequantized weight [out, in] in `dtype` (exact for bf16 and float32). Cached when
+        `dense_cache` is enabled (small models on the CPU, where op overhead dominates)."""
+        if self.dense_cache is None:
+            return dequantize(self.fmt, self.weight, self.scale, dtype)
+        if dtype not in self.dense_cache:
+            self.dense_cache[dtype] = dequantize(self.fmt, self.weight, self.scale, dtype)
+        return self.dense_cache[dtype]
+
+    def __call__(self, x: torch.Tensor, act_dtype: torch.dtype) -> torch.Tensor:
+        """y = x @ W^T with official semantics; x [..., in] -> [..., out] in act_dtype. Capture-safe.
+        One decode row goes to the GEMV kernels, the bf16 rows of a prefill chunk to the prefill
+        GEMM over the stored format, where the backend has them (DSV4_KERNELS=0: never)."""
+        be = self.ops.backend
+        if be.kernels and x.numel() == self.in_features:
+            y = self._kernel(x, act_dtype)
+            if y is not None:
+                return y.view(*x.shape[:-1], self.out_features)
+        elif (x.numel() > self.in_features and x.dtype == torch.bfloat16
+              and act_dtype in (torch.bfloat16, torch.float32)
+              and be.gemm_fits(self.fmt, self.in_features)):
+            y = self.ops.prefill_linear(x.reshape(-1, self.in_features), self.weight, self.scale,
+                                        self.fmt, out_dtype=act_dtype)
+            return y.view(*x.shape[:-1], self.out_features)
+        if self.quantized:
+            x = fp8_quant_dequant(x, FP8_BLOCK, out_dtype=act_dtype)
+        else:
+            x = x.to(act_dtype)
+        return F.linear(x, self.dense(act_dtype))
+
+    def rows(self, x: torch.Tensor, act_dtype: torch.dtype) -> torch.Tensor:
+        """A few decode rows x [T, in] (the speculative verify rows): with the kernels the GEMV reads
+        the weight once for all rows, row t with the bits of self(x[t:t+1]); elsewhere, one call
+        per row."""
+        if self.ops.backend.kernels:
+            y = self._kernel(x, act_dtype)
+            if y is not None:
+                return y
+        return torch.cat([self(x[t:t + 1], act_dtype) for t in range(x.shape[0])])
+
+    def _kernel(self, x: torch.Tensor, act_dtype: torch.dtype) -> torch.Tensor | None:
+        """The GEMV kernel for one row (or a few: rows) in bf16 mode, or None (torch path). float32 mode (x and
+        act float32) stays on torch; bf16 weights in bf16 mode may ask for float32 output."""
+        if (self.fmt == "fp8" and act_dtype == torch.bfloat16 and x.dtype in (torch.bfloat16,
+                                                                              torch.float32)
+                and self.out_features % FP8_BLOCK == 0 and self.in_features % FP8_BLOCK == 0):
+            return self.ops.fp8_linear(x, self.weight, self.scale)
+        if self.fmt == "bf16" and x.dtype == torch.bfloat16 and act_dtype in (torch.bfloat16,
+                                                                              torch.float32):
+            return self.ops.bf16_linear(x, self.weight, out_dtype=act_dtype)
+        return None
+
+
+class ExpertBank:
+    """The routed experts of one layer, stacked: w1/w3 [E, I, D], w2 [E, D, I] in a stored format."""
+
+    def __init__(self, n_experts: int, dim: int, inter_dim: int, fmt: str, device):
+        self.n_experts, self.fmt = n_experts, fmt
+        self.w1, self.w1_scale = _alloc(fmt, (n_experts,), inter_dim, dim, device)
+        self.w3, self.w3_scale = _alloc(fmt, (n_experts,), inter_dim, dim, device)
+        self.w2, self.w2_scale = _alloc(fmt, (n_experts,), dim, inter_dim, device)
+        self.dense_cache: dict | None = None   # (which, dtype) -> dense bank; {} enables
+
+    def tensors(self, prefix: str) -> dict[str, torch.Tensor]:
+        d = {}
+        for e in range(self.n_experts):
+            for w in ("w1", "w2", "w3"):
+                d[f"{prefix}.{e}.{w}.weight"] = getattr(self, w)[e]
+                s = getattr(self, f"{w}_scale")
+                if s is not None:
+                    d[f"{prefix}.{e}.{w}.scale"] = s[e]
+        return d
+
+    def dense(self, which: str, idx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Dequantized weights of experts `idx` ([k] int64, device) -> [k, out, in]. Capture-safe."""
+        if self.dense_cache is not None:
+            key = (which, dtype)
+            if key not in self.dense_cache:
+                s = getattr(self, f"{which}_scale")
+                self.dense_cache[key] = dequantize(self.fmt, getattr(self, which), s, dtype)
+            return self.dense_cache[key].index_select(0, idx)
+        w = getattr(self, which).index_select(0, idx)
+        s = getattr(self, f"{which}_scale")
+        return dequantize(self.fmt, w, None if s is None else s.index_select(0, idx), dtype)
+
+
+def _alloc(fmt: str, lead: tuple, out_f: int, in_f: int, device):
+    if fmt == "fp8":
+        return (torch.empty(*lead, out_f, in_f, dtype=torch.float8_e4m3fn, device=device),
+                torch.empty(*lead, out_f // FP8_BLOCK, in_f // FP8_BLOCK, dtype=torch.float8_e8m0fnu,
+                            device=device))
+    if fmt == "fp4":
+        return (torch.empty(*lead, out_f, in_f // 2, dtype=torch.int8, device=device),
+                torch.empty(*lead, out_f, in_f // FP4_BLOCK, dtype=torch.float8_e8m0fnu, device=device))
+    dt = torch.bfloat16 if fmt == "bf16" else torch.float32
+    return torch.empty(*lead, out_f, in_f, dtype=dt, device=device), None
+
+
+def dequantize(fmt: str, w: torch.Tensor, s: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """Stored weight (any leading dims) -> dense values in `dtype`."""
+    if fmt == "fp8":
+        return dequantize_fp8_weight(w, s, dtype)
+    if fmt == "fp4":
+        return dequantize_fp4_weight(w, s, dtype)
+    return w.to(dtype)

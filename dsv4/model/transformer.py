@@ -1,0 +1,330 @@
+"""The DSV4 transformer for batch-1 decoding: embedding -> blocks -> hc_head/norm/head logits.
+
+Weights stay in their stored formats on the device that owns their layer; all decode state is
+preallocated at the cache capacity. `prefill` feeds a prompt (or the next tokens of a sequence) in
+chunks at any position; `decode_step` is the eager, capture-safe one-token step (device tensors
+for token and position). The backend of each device (dsv4.backend: which kernels serve which op)
+is resolved here, once, and handed to every layer as its `ops`.
+Legend: s = tokens, c = hc_mult, D = dim, V = vocab.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Sequence
+
+import torch
+
+from ..backend.decision import Options, resolve
+from .block import Block
+from ..weights.config import ModelConfig
+from ..errors import CapacityError, ConfigError
+from ..numerics.mhc import hc_head, rms_norm
+from ..backend.ops import Ops
+from ..numerics.quant import hadamard_matrix
+from ..runtime.config import RuntimeConfig
+from .state import LayerState
+
+HEAD_CHUNK = 16384  # vocab rows per float32 head matmul (bounds the transient of the fp32 copy)
+PROGRESS_CHUNKS = 4   # a prefill of at least this many chunks shows a progress bar (if asked)
+
+
+class Transformer:
+    """Weights + state of the whole model. Build, then `load(source)`, then prefill/decode."""
+
+    def __init__(self, cfg: ModelConfig, rt: RuntimeConfig, placement: Sequence | None = None):
+        self.cfg, self.rt = cfg, rt
+        self.act = rt.dtype
+        self.head_device = rt.devices[0]
+        self.placement = [torch.device(d) for d in (placement or [rt.devices[0]] * cfg.n_layers)]
+        if len(self.placement) != cfg.n_layers:
+            raise ConfigError(f"placement has {len(self.placement)} entries; expected n_layers = "
+                              f"{cfg.n_layers}")
+        # the runtime switches, read once (the environment unless rt.options), and each device's
+        # backend: the one decision of which implementation serves each op
+        self.options = rt.options if rt.options is not None else Options.from_env()
+        self.ops_on = self._resolve(self.options)
+        self.ops = self.ops_on[self.head_device]
+        hdev = self.head_device
+        D, V = cfg.dim, cfg.vocab_size
+        self.embed = torch.empty(V, D, dtype=torch.bfloat16, device=hdev)
+        self.head = torch.empty(V, D, dtype=torch.bfloat16, device=hdev)
+        self.norm = torch.empty(D, dtype=torch.float32, device=hdev)
+        self.hc_head = {"hc_head_fn": torch.empty(cfg.hc_mult, cfg.hc_mult * D, dtype=torch.float32,
+                                                  device=hdev),
+                        "hc_head_base": torch.empty(cfg.hc_mult, dtype=torch.float32, device=hdev),
+                        "hc_head_scale": torch.empty(1, dtype=torch.float32, device=hdev)}
+        had = {}
+        self.layers: list[Block] = []
+        self.states: list[LayerState] = []
+        for l, dev in enumerate(self.placement):
+            if dev not in had:
+                had[dev] = hadamard_matrix(cfg.index_head_dim, dev)
+            self.layers.append(Block(cfg, l, dev, had[dev], self.ops_on[dev]))
+            self.states.append(LayerState.allocate(cfg, cfg.ratio(l), rt.max_seq_len, self.act, dev))
+        self.mtp = None                    # the MTP block on the head device (rt.mtp)
+        if rt.mtp:
+            if cfg.dspark is not None:
+                raise ConfigError("RuntimeConfig(mtp=True) on a DSpark checkpoint: its draft "
+                                  "module is not an MTP block, and DSpark drafting is not "
+                                  "supported yet; use mtp=False (plain decoding)")
+            if cfg.n_mtp_layers < 1:
+                raise ConfigError("RuntimeConfig(mtp=True) but the checkpoint has no MTP block "
+                                  "(num_nextn_predict_layers = 0); use mtp=False")
+            from .mtp import MTPBlock
+            had.setdefault(hdev, hadamard_matrix(cfg.index_head_dim, hdev))
+            self.mtp = MTPBlock(cfg, 0, hdev, rt.max_seq_len, self.act, had[hdev], self.ops)
+        # the MTP block's rows follow the main model's by one (row t needs token t+1): it has read
+        # positions < mtp_len; h_last = the main hidden stream of position mtp_len when pending
+        self.mtp_len, self.h_last = 0, None
+        self.prefill_graphs = None         # dsv4.runtime.prefill_graphs.PrefillGraphs, when captured
+
+    # ---- the backend ---------------------------------------------------------------------------
+    def _resolve(self, options: Options) -> dict:
+        """device -> Ops of its Backend, for the head device and every layer device."""
+        return {dev: Ops(resolve(dev, self.act, self.cfg, options))
+                for dev in dict.fromkeys([self.head_device, *self.placement])}
+
+    def backends(self) -> dict:
+        """device name -> its Backend."""
+        return {str(dev): ops.backend for dev, ops in self.ops_on.items()}
+
+    def backend_table(self) -> dict:
+        """op -> implementation, for the head device (the table of each device where they
+        differ: {device: table}); the CLI's --json `backend`."""
+        tables = {dev: be.table() for dev, be in self.backends().items()}
+        first = next(iter(tables.values()))
+        return first if all(t == first for t in tables.values()) else tables
+
+    def use_options(self, options: Options) -> None:
+        """Resolve the backends again for other runtime switches and hand them to every layer
+        (tests, benchmarks: the torch path beside the kernels on one loaded model). Build
+        sessions and graphs after it: captured steps keep the ops they were captured with."""
+        self.options = options
+        self.ops_on = self._resolve(options)
+        self.ops = self.ops_on[self.head_device]
+        for blk in self.layers:
+            blk.set_ops(self.ops_on[blk.device])
+        if self.mtp is not None:
+            self.mtp.set_ops(self.ops)
+
+    # ---- weights -----------------------------------------------------------------------------
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Checkpoint name -> destination tensor for every weight the runtime holds (the MTP
+        block's only with rt.mtp)."""
+        d = {"embed.weight": self.embed, "head.weight": self.head, "norm.weight": self.norm}
+        d.update(self.hc_head)
+        for l, blk in enumerate(self.layers):
+            d.update(blk.tensors(f"layers.{l}"))
+        if self.mtp is not None:
+            d.update(self.mtp.tensors())
+        return d
+
+    def load(self, source, progress: bool | None = None) -> None:
+        """Fill every weight from `source` (a Checkpoint, or anything with get/load_into)."""
+        items = list(self.tensors().items())
+        if hasattr(source, "load_many"):
+            source.load_many(items, desc="load", progress=progress)
+        else:
+            for name, dst in items:
+                source.load_into(name, dst)
+        self._reset_dense_caches()
+
+    def _reset_dense_caches(self) -> None:
+        """On the CPU, keep dequantized weights (op overhead, not bytes, bounds small models there);
+        on GPUs weights stay in their stored formats and are dequantized on use."""
+        on = self.rt.cache_dense if self.rt.cache_dense is not None else all(
+            d.type == "cpu" for d in self.rt.devices)
+
+        for blk in self.layers:
+            for w in blk.weights():
+                w.dense_cache = {} if on else None
+        if self.mtp is not None:
+            for w in self.mtp.weights():
+                w.dense_cache = {} if on else None
+
+    def weight_bytes(self, layer: int | None = None) -> int:
+        tensors = self.layers[layer].tensors("") if layer is not None else self.tensors()
+        return sum(t.numel() * t.element_size() for t in tensors.values())
+
+    # ---- pieces shared by prefill and decode -------------------------------------------------
+    def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [s] int64 -> h [s, c, D] (the embedding repeated hc_mult times), act dtype."""
+        h = self.embed.index_select(0, ids).to(self.act)
+        return h.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
+
+    def _head_in(self, h: torch.Tensor, head: tuple | None = None) -> torch.Tensor:
+        """h [T, c, D] -> the head's input [T, D] float32 (hc_head, final norm): the fused kernels
+        where the backend has the fused mHC, else torch. head: (hc_head_* tensors, norm) other
+        than the model's (the MTP block's)."""
+        cfg = self.cfg
+        hc_t, norm = head if head is not None else (self.hc_head, self.norm)
+        hc = (hc_t["hc_head_fn"], hc_t["hc_head_scale"], hc_t["hc_head_base"])
+        if self.ops.backend.mhc_decode:
+            return self.ops.hc_head_norm(h, *hc, norm, cfg.norm_eps, cfg.hc_eps).to(torch.float32)
+        x = hc_head(h, *hc, cfg.norm_eps, cfg.hc_eps)
+        return rms_norm(x, norm, cfg.norm_eps).to(torch.float32)
+
+    def logits(self, h: torch.Tensor, head: tuple | None = None) -> torch.Tensor:
+        """h [1, c, D] (last position) -> logits [V] float32 (hc_head, final norm, head in fp32).
+        head: (hc_head_* tensors, norm) other than the model's (the MTP block's)."""
+        cfg = self.cfg
+        x = self._head_in(h, head)[0]                                          # [D]
+        if self.ops.backend.kernels:   # one float32-accumulating GEMV over the bf16 head
+            return self.ops.bf16_linear(x[None], self.head, out_dtype=torch.float32)[0]
+        return torch.cat([self.head[i:i + HEAD_CHUNK].to(torch.float32) @ x
+                          for i in range(0, cfg.vocab_size, HEAD_CHUNK)])
+
+    def logits_rows(self, h: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """h [T, c, D] (decode rows) -> logits [T, V] float32, row t with the bits of
+        logits(h[t:t+1]); with the fused kernels, the head GEMV reads the head once for all rows."""
+        T = h.shape[0]
+        if out is None:
+            out = torch.empty(T, self.cfg.vocab_size, dtype=torch.float32, device=h.device)
+        if not self.ops.backend.mhc_decode:
+            for t in range(T):
+                out[t].copy_(self.logits(h[t:t + 1]))
+            return out
+        return self.ops.bf16_linear(self._head_in(h), self.head, out_dtype=torch.float32, out=out)
+
+    def reset(self) -> None:
+        """Start a new sequence (all layer state back to its fill values, in place)."""
+        for st in self.states:
+            st.reset()
+        if self.mtp is not None:
+            self.mtp.reset()
+        self.mtp_len, self.h_last = 0, None
+
+    def check_capacity(self, n_prompt: int, n_new: int) -> None:
+        cap = self.rt.max_seq_len
+        if n_prompt + n_new > cap:
+            raise CapacityError(f"prompt ({n_prompt} tokens) + max_new_tokens ({n_new}) = "
+                                f"{n_prompt + n_new} exceeds the cache capacity {cap}; raise "
+                                f"RuntimeConfig.max_seq_len to at least {n_prompt + n_new} or "
+                                f"lower max_new_tokens")
+
+    # ---- prefill / decode --------------------------------------------------------------------
+    @torch.inference_mode()
+    def prefill(self, ids: torch.Tensor, start: int = 0, chunk: int | None = None,
+                progress: bool = False, mtp: bool = False) -> torch.Tensor:
+        """Feed ids [s] int64 at positions start..start+s-1 -> logits [V] f32 of the last one.
+
+        start == 0 begins a new sequence (the state is reset); start > 0 continues the sequence
+        whose positions 0..start-1 the state holds (a new chat turn, appended tokens): the state
+        ends exactly as s decode steps would leave it. The tokens go through every layer `chunk`
+        (default rt.prefill_chunk) at a time, so activation memory is bounded by the chunk, not
+        the prompt; `progress` shows a bar on stderr when that takes PROGRESS_CHUNKS or more.
+        mtp: the MTP block follows (reads every row whose next token is known: all but the
+        last, which waits for the next token, see mtp_follow_token). May sync with the host.
+        With captured chunk graphs attached (self.prefill_graphs) the pieces of at most `chunk`
+        rows that PrefillGraphs.plan picks replay them instead (same state and logits)."""
+        s, cap = ids.shape[0], self.rt.max_seq_len
+        chunk = self.rt.prefill_chunk if chunk is None else chunk
+        if s < 1 or start < 0 or start + s > cap:
+            raise CapacityError(f"prefill of {s} tokens at position {start}: positions must stay in "
+                                f"0..{cap - 1} (raise RuntimeConfig.max_seq_len to at least {start + s})")
+        if chunk < 1:
+            raise ConfigError(f"prefill chunk = {chunk}; expected a positive integer")
+        if start == 0:
+            self.reset()
+        ids = ids.to(self.head_device)
+        g = self.prefill_graphs
+        # pieces of at most the chunk replay where they pay
+        plan = g.plan(s, chunk) if g is not None and not mtp else [(s, False)]
+        bar = None
+        if progress and -(-s // chunk) >= PROGRESS_CHUNKS:
+            from tqdm import tqdm
+            bar = tqdm(total=s, desc="prefill", unit="tok", file=sys.stderr, leave=False)
+        h = out = None
+        try:
+            pos = start
+            for rows, graphed in plan:
+                if graphed:
+                    out, h = g.replay(ids[pos - start:pos - start + rows], pos), None
+                    if bar is not None:
+                        bar.update(rows)
+                else:
+                    for c0 in range(pos, pos + rows, chunk):
+                        piece = ids[c0 - start:min(c0 + chunk, pos + rows) - start]
+                        h = self._prefill_chunk(piece, c0)
+                        if mtp:
+                            self._mtp_follow(h, piece, c0,
+                                             ids[c0 - start + 1:c0 - start + chunk + 1])
+                        if bar is not None:
+                            bar.update(h.shape[0])
+                pos += rows
+        finally:
+            if bar is not None:
+                bar.close()
+        if h is None:
+            return out.clone()
+        return self.logits(h[-1:].to(self.head_device))
+
+    def _prefill_chunk(self, ids: torch.Tensor, start: int) -> torch.Tensor:
+        """One chunk through every layer -> the last layer's h [s, c, D] (on its device)."""
+        h = self.embed_tokens(ids)
+        ids_on = {ids.device: ids}
+        shared: dict = {}                  # positions, window rows: computed once per chunk
+        for blk, st in zip(self.layers, self.states):
+            dev = blk.device
+            if dev not in ids_on:
+                ids_on[dev] = ids.to(dev)
+            h = blk.prefill(h.to(dev), ids_on[dev], st, start, shared)
+        return h
+
+    @torch.inference_mode()
+    def hidden(self, ids: torch.Tensor, start: int) -> torch.Tensor:
+        """ids [s] at positions start.. in one pass (causal within the rows) -> the last layer's
+        hidden stream [s, c, D] (before hc_head), on the last layer's device; the state then
+        holds positions < start + s (start == 0 resets it first)."""
+        if start == 0:
+            self.reset()
+        return self._prefill_chunk(ids.to(self.head_device), start)
+
+    # ---- the MTP block along the sequence ----------------------------------------------------
+    def _mtp_follow(self, h: torch.Tensor, ids: torch.Tensor, pos0: int, nxt: torch.Tensor) -> None:
+        """Main rows h [n, c, D] of ids at pos0.. were computed; nxt: the tokens after them that
+        are known ([n] or [n-1]). The MTP block reads its rows up to the last known pair (first
+        the row before pos0 if it waited for ids[0]); an unpaired last row waits in h_last."""
+        hd = h.to(self.head_device)
+        rows, toks, first = hd[:nxt.shape[0]], nxt, pos0
+        if self.h_last is not None and self.mtp_len == pos0 - 1:
+            rows, toks, first = torch.cat((self.h_last, rows)), torch.cat((ids[:1], nxt)), pos0 - 1
+        elif self.mtp_len != pos0:
+            raise ConfigError(f"the MTP block has read {self.mtp_len} positions of a sequence "
+                              f"continued at {pos0}: it did not follow the tokens in between "
+                              f"(start a new sequence)")
+        if toks.shape[0]:
+            self.mtp.prefill(rows, self.embed.index_select(0, toks), toks, first)
+        self.mtp_len = first + toks.shape[0]
+        self.h_last = hd[-1:] if self.mtp_len < pos0 + hd.shape[0] else None
+
+    def mtp_follow_token(self, token: torch.Tensor) -> torch.Tensor:
+        """The token after the waiting row (h_last) was chosen: token [1] -> the MTP logits [V]
+        f32 of that row (the prediction of the token after `token`)."""
+        if self.h_last is None:
+            raise ConfigError("no main row waits for the MTP block (prefill with mtp=True first)")
+        hm = self.mtp.prefill(self.h_last, self.embed.index_select(0, token), token, self.mtp_len)
+        self.mtp_len, self.h_last = self.mtp_len + 1, None
+        return self.logits(hm, head=self.mtp.head())
+
+    def mtp_commit(self, length: int) -> None:
+        """The MTP block has read positions < length (no row waits)."""
+        self.mtp_len, self.h_last = length, None
+
+    @torch.inference_mode()
+    def decode_hidden(self, token: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """decode_step without the head: -> the last layer's hidden stream [1, c, D]."""
+        h = self.embed_tokens(token)
+        inputs = {token.device: (token, pos)}
+        for blk, st in zip(self.layers, self.states):
+            dev = blk.device
+            if dev not in inputs:
+                inputs[dev] = (token.to(dev, non_blocking=True), pos.to(dev, non_blocking=True))
+            tok_d, pos_d = inputs[dev]
+            h = blk.decode(h.to(dev, non_blocking=True), tok_d, pos_d, st)
+        return h
+
+    @torch.inference_mode()
+    def decode_step(self, token: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """One token: token, pos [1] int64 on the head device -> logits [V] f32. No host sync."""
+        return self.logits(self.decode_hidden(token, pos).to(self.head_device, non_blocking=True))
