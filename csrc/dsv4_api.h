@@ -51,7 +51,7 @@ int dsv4_fp4_down(const void* act, const void* idx, const void* w2, const void* 
                   int depth, int all_experts, int rows, void* stream, int pdl);
 
 
-// The MoE routing of one token (kernels/route.py semantics): logits [E] float32 with bias [E]
+// The MoE routing of one token (kernels/decode/route.py semantics): logits [E] float32 with bias [E]
 // float32 (score routing) or tid2eid [V, k] int64 + ids [1] int64 (hash routing); score 0 softmax,
 // 1 sigmoid, 2 sqrt-softplus -> idx [k] int64 ascending, w [k] float32. One CTA per token: rows
 // tokens (logits [rows, E], ids [rows], idx / w [rows, k]).

@@ -4,7 +4,7 @@
 
 namespace {
 
-// The routing of one token, as dsv4/kernels/route.py: scores (softmax / sigmoid / sqrt-softplus,
+// The routing of one token, as dsv4/kernels/decode/route.py: scores (softmax / sigmoid / sqrt-softplus,
 // libdevice exp/log1p, IEEE sqrt and division), the top-k of scores + bias (k rounds of max, the
 // lowest id among equal values, ids clamped into [0, E)) or the token's tid2eid row, experts sorted
 // by id, weights normalized (not for softmax) and scaled.
@@ -129,7 +129,7 @@ __global__ void __launch_bounds__(256) route_kernel(const RouteArgs ra, int k, i
 extern "C" {
 
 
-// The MoE routing of one token (kernels/route.py semantics): logits [E] float32 with bias [E]
+// The MoE routing of one token (kernels/decode/route.py semantics): logits [E] float32 with bias [E]
 // float32 (score routing) or tid2eid [V, k] int64 + ids [1] int64 (hash routing); score 0 softmax,
 // 1 sigmoid, 2 sqrt-softplus -> idx [k] int64 ascending, w [k] float32. One CTA per token: rows
 // tokens (logits [rows, E], ids [rows], idx / w [rows, k]).

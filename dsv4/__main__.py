@@ -1,4 +1,4 @@
-"""`python -m dsv4 ...`: the same as the `dsv4` command (dsv4/commands.py)."""
+"""`python -m dsv4 ...`: the same as the `dsv4` command (dsv4/cli/main.py)."""
 import sys
 
 from .cli.main import main

@@ -47,7 +47,7 @@ def main() -> int:
     for case in bench.build_cases(args.preset, dev, only):
         for b in backends:
             row = bench.run_case(case, bw, args.reps, args.sweep, not args.no_torch and b == "triton",
-                                 backend=b)
+                                 impl=b)
             if row is not None:
                 rows.append(row)
                 print(bench.format_row(row), flush=True)

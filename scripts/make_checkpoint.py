@@ -3,7 +3,7 @@
 
 python scripts/make_checkpoint.py (--preset tiny|tiny-dspark|flash|pro | --config PATH) --out DIR
        [--layers N] [--weights fp8|bf16] [--seed S] [--shards K]
-Same as `dsv4 make-checkpoint`; the logic lives in dsv4/commands.py.
+Same as `dsv4 make-checkpoint`; the logic lives in dsv4/cli/main.py.
 """
 import os
 import sys

@@ -14,10 +14,10 @@ import time
 import torch
 
 from dsv4.bench.common import kernel_table
-from dsv4.weights.device_weights import DeviceWeights
-from dsv4.model.transformer import Transformer
+from dsv4.runtime.build import build_model
 from dsv4.runtime.config import RuntimeConfig
 from dsv4.runtime.prefill_graphs import _ChunkGraphs
+from dsv4.weights.device_weights import DeviceWeights
 from dsv4.weights.presets import get_preset
 
 L = int(os.environ.get("L", "30"))
@@ -25,7 +25,7 @@ sizes = [int(s) for s in os.environ.get("SIZES", "1,2,16,128").split(",")]
 out = os.environ.get("OUT", ".")
 cfg = get_preset("flash", L)
 dev = torch.device("cuda:0")
-model = Transformer(cfg, RuntimeConfig(4352, torch.bfloat16, (dev,)))
+model = build_model(cfg, RuntimeConfig(4352, torch.bfloat16, (dev,)))
 t = time.perf_counter()
 model.load(DeviceWeights(cfg, 0)); torch.cuda.synchronize()
 print(f"load {time.perf_counter()-t:.1f}s", flush=True)

@@ -67,6 +67,8 @@ def pytest_collection_modifyitems(config, items):
 
 POISON_BYTE = 0xFF      # NaN as float32 / bf16 / fp16 / e4m3, -1 as a signed integer
 POISON_BYTES = 16 << 30   # at most this much of a GPU's free memory is poisoned and kept cached
+# (under pytest-xdist at most 1 / (2 x workers) of the GPU per worker: the workers' poison together
+# then leaves half the card to their models: an H100 of 80 GB with -n 4 poisons 10 GB a worker)
 POISON_PIECE = 256 << 20
 POISON_SMALL = 512 << 10  # pieces of the caching allocator's small pool (< 1 MiB)
 
@@ -104,14 +106,20 @@ def poison_cuda_memory(device: torch.device) -> float:
                 held.append(torch.empty(size, dtype=torch.uint8, device=device))
             except torch.OutOfMemoryError:     # a block of the small pool asked of the large one
                 break                          # on a full GPU: the probe reports what is left
-        free, _ = torch.cuda.mem_get_info(device)
-        n = max(0, min(POISON_BYTES, free - (512 << 20)) // POISON_PIECE)
-        held += [torch.empty(POISON_SMALL, dtype=torch.uint8, device=device) for _ in range(256)]
-        held += [torch.empty(POISON_PIECE, dtype=torch.uint8, device=device) for _ in range(n)]
+        free, total = torch.cuda.mem_get_info(device)
+        workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+        cap = min(POISON_BYTES, total // (2 * workers)) if workers > 1 else POISON_BYTES
+        n = max(0, min(cap, free - (512 << 20)) // POISON_PIECE)
+        try:    # other workers allocate meanwhile: on a full GPU, poison what could be taken
+            for size, count in ((POISON_SMALL, 256), (POISON_PIECE, n)):
+                for _ in range(count):
+                    held.append(torch.empty(size, dtype=torch.uint8, device=device))
+        except torch.OutOfMemoryError:
+            pass
         for t in held:
             t.fill_(POISON_BYTE)
         torch.cuda.synchronize(device)
-        del held, t
+        t = held = None                      # every piece back to the cache, poisoned
         probe = torch.empty(64 << 20, dtype=torch.uint8, device=device)
         frac = (probe == POISON_BYTE).float().mean().item()
         del probe

@@ -1,9 +1,9 @@
-"""The named ops the model modules call, bound to one device's Backend: each op is the kernel the
-backend chose, with the device's launch switches (PDL, the CUDA C++ kernels or Triton, the
-prefill GEMMs' tuning) applied. This is the one module that imports the kernels, each family on
-first use (so `import dsv4` and the torch path need no Triton). Which path a sublayer takes is
-the backend's decision (`ops.backend`); the ops run what they are asked to, so tests may call
-an op on any device (the interpreter tests of the fused paths on the CPU).
+"""The named kernel ops of one device, with its Backend's launch switches applied (PDL, the CUDA
+C++ kernels or Triton: `Backend.gemv`, the prefill GEMMs' tuning). The one module that imports the
+kernels, each family on first use (so `import dsv4` and the torch path need no Triton). The fused
+implementations (dsv4.backend.fused) call them; which sublayer takes them is decided once
+(dsv4.backend.bind). The ops run what they are asked to, so tests may call an op on any device
+(the interpreter tests of the fused paths on the CPU).
 """
 from __future__ import annotations
 
@@ -20,9 +20,7 @@ class Ops:
     def __init__(self, backend: Backend):
         self.backend = backend
         self.pdl = backend.pdl
-        # the CUDA C++ kernels where they serve (a launch they do not fit takes Triton), else
-        # Triton only
-        self.cuda = None if backend.cuda == "ok" else "triton"
+        self.impl = backend.gemv      # "cuda": the CUDA C++ kernels where a launch fits; "triton"
 
     @classmethod
     def for_device(cls, device, act: torch.dtype = torch.bfloat16, cfg=None,
@@ -181,20 +179,20 @@ class Ops:
         return self._index.index_scores(q, w, keys, pos, wscale, pdl=self.pdl)
 
     def index_topk(self, scores, k):
-        return self._index.index_topk(scores, k, backend=self.cuda, pdl=self.pdl)
+        return self._index.index_topk(scores, k, impl=self.impl, pdl=self.pdl)
 
     def index_scores_rows(self, q, w, keys, pos0):
         return self._index_rows.index_scores_rows(q, w, keys, pos0)
 
     # ---- GEMVs of decode rows ------------------------------------------------------------------
     def fp8_linear(self, x, w, s, **kw):
-        return self._fp8.fp8_linear(x, w, s, backend=self.cuda, pdl=self.pdl, **kw)
+        return self._fp8.fp8_linear(x, w, s, impl=self.impl, pdl=self.pdl, **kw)
 
     def fp8_linear2(self, x, wa, sa, wb, sb):
-        return self._fp8.fp8_linear2(x, wa, sa, wb, sb, backend=self.cuda, pdl=self.pdl)
+        return self._fp8.fp8_linear2(x, wa, sa, wb, sb, impl=self.impl, pdl=self.pdl)
 
     def fp8_swiglu(self, x, w1, s1, w3, s3, limit):
-        return self._fp8.fp8_swiglu(x, w1, s1, w3, s3, limit, backend=self.cuda, pdl=self.pdl)
+        return self._fp8.fp8_swiglu(x, w1, s1, w3, s3, limit, impl=self.impl, pdl=self.pdl)
 
     def bf16_linear(self, x, w, **kw):
         return self._bf16.bf16_linear(x, w, pdl=self.pdl, **kw)
@@ -204,15 +202,15 @@ class Ops:
 
     # ---- MoE of decode rows --------------------------------------------------------------------
     def route_decode(self, logits, k, score_func, route_scale, **kw):
-        return self._route.route_decode(logits, k, score_func, route_scale, backend=self.cuda,
+        return self._route.route_decode(logits, k, score_func, route_scale, impl=self.impl,
                                         pdl=self.pdl, **kw)
 
     def fp4_experts_up(self, x, idx, w, w1, s1, w3, s3, limit):
-        return self._experts.fp4_experts_up(x, idx, w, w1, s1, w3, s3, limit, backend=self.cuda,
+        return self._experts.fp4_experts_up(x, idx, w, w1, s1, w3, s3, limit, impl=self.impl,
                                             pdl=self.pdl)
 
     def fp4_experts_down(self, a, idx, w2, s2, **kw):
-        return self._experts.fp4_experts_down(a, idx, w2, s2, backend=self.cuda, pdl=self.pdl,
+        return self._experts.fp4_experts_down(a, idx, w2, s2, impl=self.impl, pdl=self.pdl,
                                               **kw)
 
     def down_workspace(self, k: int, inter: int, x: torch.Tensor):
@@ -226,13 +224,14 @@ class Ops:
     def prefill_linear(self, x, w, scale, fmt, **kw):
         return self._gemm.linear(x, w, scale, fmt, tuning=self.tuning, **kw)
 
-    @property
-    def prefill_moe(self):
-        """dsv4.kernels.prefill.moe (expert_plan, Rows, moe_up, moe_down, shared_expert,
-        moe_combine: pass `tuning=ops.tuning`)."""
-        return self._moe
+    def prefill_moe(self, x, w, idx, bank: tuple, fmt: str, shared: tuple, shared_fmt: str,
+                    limit: float):
+        """A prefill chunk's routed + shared experts on the grouped GEMMs (kernels.prefill.moe)."""
+        return self._moe.grouped_moe(x, w, idx, bank, fmt, shared, shared_fmt, limit,
+                                     tuning=self.tuning)
 
     # ---- speculative decoding ------------------------------------------------------------------
     def journal(self, entries):
-        """The one-launch journal of a layer's state slots (dsv4.runtime.speculative.verify.Journal)."""
-        return self._journal.JournalKernel(entries)
+        """The one-launch journal of a layer's state slots (dsv4.runtime.speculative.journal), or
+        None where the kernels do not serve this device (the torch loop then)."""
+        return self._journal.JournalKernel(entries) if self.backend.kernels else None

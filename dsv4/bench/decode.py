@@ -7,31 +7,42 @@ Method and result rows: BENCHMARKS.md. Entry point: `main(argv)` (`dsv4 bench`, 
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
-import json
-import shlex
 import statistics
-import sys
 import time
 
 import torch
 
 from graphs import CUDAGraphDecoder
 
-from ..weights.device_weights import DeviceWeights
-from ..errors import DeviceError, InputError, exit_code
+from ..backend.binding import bind
+from ..errors import DeviceError, InputError
 from ..model.transformer import Transformer
-from ..weights.presets import PRESETS, get_preset
-from ..runtime.config import (DTYPES, PREFILL_GRAPHS_EXPECTED, RuntimeConfig, prefill_graphs_ok,
-                       resolve_devices)
-from ..runtime.sampling import SamplingParams
+from ..runtime.build import build_model
+from ..runtime.config import (
+    DTYPES,
+    PREFILL_GRAPHS_EXPECTED,
+    RuntimeConfig,
+    prefill_graphs_ok,
+    resolve_devices,
+)
 from ..runtime.passes import build_segments
+from ..runtime.sampling import SamplingParams
 from ..runtime.session import Session
+from ..weights.device_weights import DeviceWeights
+from ..weights.presets import get_preset
 from . import prefill as bench_prefill
 from . import speculative as bench_spec
-from .common import GIB, _log, _sync, _versions, copy_bandwidth, count_kernels, fill_state, \
-    time_steps
+from .common import (
+    GIB,
+    _log,
+    _sync,
+    _versions,
+    copy_bandwidth,
+    count_kernels,
+    fill_state,
+    time_steps,
+)
 from .memory import check_memory, token_bytes
 
 CAPACITY_ALIGN = 256          # capacity = max(context + steps + warmup + 1, 256), rounded up to this
@@ -111,9 +122,82 @@ def measure(model: Transformer, mode: str, granularity: str, context: int, steps
 # ---- the run ----------------------------------------------------------------------------------
 
 def run(args, command: str = "") -> dict:
-    """The whole benchmark for parsed `args`; returns the report (JSON-ready dict)."""
+    """The whole benchmark for parsed `args` (dsv4.cli.bench); returns the report (JSON-ready)."""
     devices = [torch.device(d) for d in resolve_devices(args.devices)]
     on_cuda = devices[0].type == "cuda"
+    modes, grans, lengths, notes = _plan(args, on_cuda)
+    full, cfg = get_preset(args.preset), get_preset(args.preset, args.layers)
+    spec_len = [bench_spec.PROMPT + args.spec_tokens + 2] if args.speculative else []
+    cap = capacity_for(max([args.context] + lengths + spec_len), args.steps, args.warmup)
+    if cap > cfg.max_position_embeddings:
+        raise InputError(f"--context {args.context} + steps + warmup needs capacity {cap}, above "
+                         f"the model's {cfg.max_position_embeddings} positions; lower --context")
+    dtype = DTYPES[args.dtype]
+    meta = Transformer(full, RuntimeConfig(cap, dtype, ("meta",)))   # sizes only, no memory
+    placement, est = check_memory(meta, cfg.n_layers, devices, int(args.reserve_gib * GIB), cap)
+    bw = {str(d): copy_bandwidth(d) for d in devices if d.type == "cuda"}
+    if bw:
+        _log("copy bandwidth " + ", ".join(f"{d} {v:.3f} TB/s" for d, v in bw.items()))
+    model = build_model(cfg, RuntimeConfig(cap, dtype, tuple(devices), mtp=args.speculative),
+                        placement)
+    t0 = time.perf_counter()
+    model.load(DeviceWeights(cfg, args.seed))
+    _sync(devices)
+    load_s = time.perf_counter() - t0
+    _log(f"generated {model.weight_bytes() / GIB:.2f} GiB of weights in {load_s:.1f} s")
+    breakdown = token_bytes(model, args.context)
+    nbytes = sum(breakdown.values())
+    copy = bw.get(str(devices[0]))
+    floor = nbytes / (copy * 1e12) * 1e3 if copy else None
+
+    runs = _decode_runs(args, model, [] if args.no_decode else modes, grans, floor)
+    partial = cfg.n_layers < full.n_layers
+    ext = None
+    if partial:
+        fbytes = sum(token_bytes(meta, args.context).values())
+        ffloor = fbytes / (copy * 1e12) * 1e3 if copy else None
+        for r in runs:
+            r["extrapolated_ms"] = r["per_layer_ms"] * full.n_layers + r["head_embed_ms"]
+        ext = {"method": EXTRAPOLATION, "layers": full.n_layers, "bytes_per_token": fbytes,
+               "floor_ms": ffloor}
+    graph = next((r for r in runs if r["mode"] == "graph"), None)
+    graph_ms = graph["ms_per_token"] if graph else None
+    prefill = _prefill_runs(args, model, lengths, copy, graph_ms) if lengths else None
+    spec = None
+    if args.speculative:
+        spec = bench_spec.run(model, args.context, args.seed, graph_ms, _log,
+                              n_new=args.spec_tokens)
+    layers = None
+    if args.layer_kernels:
+        if not on_cuda:
+            raise DeviceError("--layer-kernels needs a CUDA device")
+        layers = _layer_kernel_runs(model, args, bw)
+    spans = {}
+    for l, d in enumerate(placement):
+        spans.setdefault(str(d), [l, l])[1] = l
+    report = {"preset": args.preset, "layers": cfg.n_layers, "full_layers": full.n_layers,
+              "partial": partial, "devices": [str(d) for d in devices], "layers_on": spans,
+              "context": args.context, "capacity": cap, "steps": args.steps,
+              "warmup": args.warmup, "dtype": args.dtype, "seed": args.seed, "mode": args.mode,
+              "granularity": args.granularity, "bytes_per_token": nbytes,
+              "bytes_breakdown": breakdown, "floor_ms": floor, "copy_TBps": copy,
+              "copy_TBps_per_device": bw or None, "kernels_per_layer_method": KERNELS_METHOD,
+              **_headline(runs, ext), "runs": runs, "extrapolated": ext,
+              "memory_estimate_bytes": est, "load_s": load_s,
+              "peak_bytes": {str(d): torch.cuda.max_memory_allocated(d) for d in devices}
+              if on_cuda else None,
+              **_versions(devices), "command": command,
+              "valid": on_cuda and args.steps >= MIN_STEPS, "notes": notes,
+              "layer_kernels": layers}
+    if prefill is not None:
+        report.update(prefill)
+    if spec is not None:
+        report.update(spec)
+    return report
+
+
+def _plan(args, on_cuda: bool) -> tuple[list, list, list, list]:
+    """The checked flags -> (modes, graph granularities, prefill lengths, notes)."""
     modes = ["eager", "graph"] if args.mode == "both" else [args.mode]
     grans = ["segment", "device"] if args.granularity == "both" else [args.granularity]
     notes = []
@@ -136,110 +220,69 @@ def run(args, command: str = "") -> dict:
     g = args.prefill_graphs
     if not prefill_graphs_ok(g) or (g and not lengths):
         raise InputError(f"--prefill-graphs {g}: {PREFILL_GRAPHS_EXPECTED}, with --prefill")
-    full = get_preset(args.preset)
-    cfg = get_preset(args.preset, args.layers)
-    spec_len = [bench_spec.PROMPT + args.spec_tokens + 2] if args.speculative else []
-    cap = capacity_for(max([args.context] + lengths + spec_len), args.steps, args.warmup)
-    if cap > cfg.max_position_embeddings:
-        raise InputError(f"--context {args.context} + steps + warmup needs capacity {cap}, above "
-                         f"the model's {cfg.max_position_embeddings} positions; lower --context")
-    dtype = DTYPES[args.dtype]
-    meta = Transformer(full, RuntimeConfig(cap, dtype, ("meta",)))   # sizes only, no memory
-    placement, est = check_memory(meta, cfg.n_layers, devices, int(args.reserve_gib * GIB), cap)
-    bw = {str(d): copy_bandwidth(d) for d in devices if d.type == "cuda"}
-    if bw:
-        _log("copy bandwidth " + ", ".join(f"{d} {v:.3f} TB/s" for d, v in bw.items()))
+    return modes, grans, lengths, notes
 
-    model = Transformer(cfg, RuntimeConfig(cap, dtype, tuple(devices), mtp=args.speculative),
-                        placement)
-    t0 = time.perf_counter()
-    model.load(DeviceWeights(cfg, args.seed))
-    _sync(devices)
-    load_s = time.perf_counter() - t0
-    _log(f"generated {model.weight_bytes() / GIB:.2f} GiB of weights in {load_s:.1f} s")
-    breakdown = token_bytes(model, args.context)
-    nbytes = sum(breakdown.values())
-    copy = bw.get(str(devices[0]))
-    floor = nbytes / (copy * 1e12) * 1e3 if copy else None
 
+def _decode_runs(args, model: Transformer, modes: list, grans: list, floor) -> list[dict]:
+    """One decode measurement per mode (and graph granularity)."""
     runs = []
-    for mode in [] if args.no_decode else modes:
+    for mode in modes:
         for g in grans if mode == "graph" else grans[:1]:
             _log(f"measuring {mode}" + (f"/{g}" if mode == "graph" else ""))
             r = measure(model, mode, g, args.context, args.steps, args.warmup, args.seed,
                         kernels=not args.no_kernels, trace=args.trace)
             r["ratio_to_floor"] = r["ms_per_token"] / floor if floor else None
             runs.append(r)
-    partial = cfg.n_layers < full.n_layers
-    ext = None
-    if partial:
-        fbytes = sum(token_bytes(meta, args.context).values())
-        ffloor = fbytes / (copy * 1e12) * 1e3 if copy else None
-        for r in runs:
-            r["extrapolated_ms"] = r["per_layer_ms"] * full.n_layers + r["head_embed_ms"]
-        ext = {"method": EXTRAPOLATION, "layers": full.n_layers, "bytes_per_token": fbytes,
-               "floor_ms": ffloor}
-    prefill = None
-    if lengths:
-        graph = next((r for r in runs if r["mode"] == "graph"), None)
-        with _prefill_kernels(model, args.prefill_kernels == "on"):
-            pg = None
-            if args.prefill_graphs:
-                from ..runtime.prefill_graphs import PrefillGraphs
-                _log(f"capturing prefill chunk graphs up to {args.prefill_graphs} tokens")
-                pg = model.prefill_graphs = PrefillGraphs(model, args.prefill_graphs)
-                _log("chunk graph replay / eager ms (measured when built): " + ", ".join(
-                    f"{S}: {pg.replay_ms[S]:.1f} / {pg.eager_ms[S]:.1f}" for S in pg.chunks))
-            prefill = bench_prefill.run(model, lengths, args.prefill_reps, args.seed,
-                                        args.prefill_chunk, copy,
-                                        graph["ms_per_token"] if graph else None, _log,
-                                        args.prefill_profile)
-            model.prefill_graphs = None
-        prefill["prefill_kernels"] = args.prefill_kernels
-        prefill["prefill_graphs"] = (None if pg is None else
-                                     {"max_rows": pg.max_rows, "max_prompt": pg.max_prompt,
-                                      "capture_s": pg.capture_s, "graph_bytes": pg.graph_bytes(),
-                                      "built_replay_ms": pg.replay_ms,
-                                      "built_eager_ms": pg.eager_ms})
-    spec = None
-    if args.speculative:
-        graph = next((r for r in runs if r["mode"] == "graph"), None)
-        spec = bench_spec.run(model, args.context, args.seed,
-                              graph["ms_per_token"] if graph else None, _log,
-                              n_new=args.spec_tokens)
-    spans = {}
-    for l, d in enumerate(placement):
-        spans.setdefault(str(d), [l, l])[1] = l
-    report = {"preset": args.preset, "layers": cfg.n_layers, "full_layers": full.n_layers,
-              "partial": partial, "devices": [str(d) for d in devices], "layers_on": spans,
-              "context": args.context, "capacity": cap, "steps": args.steps,
-              "warmup": args.warmup, "dtype": args.dtype, "seed": args.seed, "mode": args.mode,
-              "granularity": args.granularity, "bytes_per_token": nbytes,
-              "bytes_breakdown": breakdown, "floor_ms": floor, "copy_TBps": copy,
-              "copy_TBps_per_device": bw or None, "kernels_per_layer_method": KERNELS_METHOD,
-              **_headline(runs, ext), "runs": runs, "extrapolated": ext,
-              "memory_estimate_bytes": est, "load_s": load_s,
-              "peak_bytes": {str(d): torch.cuda.max_memory_allocated(d) for d in devices}
-              if on_cuda else None,
-              **_versions(devices), "command": command,
-              "valid": on_cuda and args.steps >= MIN_STEPS, "notes": notes}
-    if prefill is not None:
-        report.update(prefill)
-    if spec is not None:
-        report.update(spec)
-    return report
+    return runs
+
+
+def _prefill_runs(args, model: Transformer, lengths: list, copy, graph_ms) -> dict:
+    """The prefill measurement of each prompt length (and the chunk graphs, when asked)."""
+    with _prefill_kernels(model, args.prefill_kernels == "on"):
+        pg = None
+        if args.prefill_graphs:
+            from ..runtime.prefill_graphs import PrefillGraphs
+            _log(f"capturing prefill chunk graphs up to {args.prefill_graphs} tokens")
+            pg = model.prefill_graphs = PrefillGraphs(model, args.prefill_graphs)
+            _log("chunk graph replay / eager ms (measured when built): " + ", ".join(
+                f"{S}: {pg.replay_ms[S]:.1f} / {pg.eager_ms[S]:.1f}" for S in pg.chunks))
+        prefill = bench_prefill.run(model, lengths, args.prefill_reps, args.seed,
+                                    args.prefill_chunk, copy, graph_ms, _log,
+                                    args.prefill_profile)
+        model.prefill_graphs = None
+    prefill["prefill_kernels"] = args.prefill_kernels
+    prefill["prefill_graphs"] = (None if pg is None else
+                                 {"max_rows": pg.max_rows, "max_prompt": pg.max_prompt,
+                                  "capture_s": pg.capture_s, "graph_bytes": pg.graph_bytes(),
+                                  "built_replay_ms": pg.replay_ms,
+                                  "built_eager_ms": pg.eager_ms})
+    return prefill
+
+
+def _layer_kernel_runs(model: Transformer, args, bw: dict) -> list[dict]:
+    """--layer-kernels: the first layer of each kind, its kernels alone and whole."""
+    from . import layer_kernels as lk
+    out = []
+    fill_state(model, args.context, args.seed)
+    for l in lk.representative_layers(model):
+        _log(f"layer {l}: each kernel alone, then the layer whole")
+        rep = lk.layer_kernels(model, l, args.context, bw[str(model.layers[l].device)])
+        out.append(rep)
+        for line in lk.format_rows(rep):
+            _log(line)
+    return out
 
 
 @contextlib.contextmanager
 def _prefill_kernels(model: Transformer, on: bool):
     """The prefill measurement with the prefill kernels on or off (--prefill-kernels: the model's
     backend with DSV4_PREFILL_KERNELS so set); the model's own backend again afterwards."""
-    prior = model.options
-    model.use_options(prior.replace(prefill_kernels=on))
+    prior = model.binding.options
+    bind(model, prior.replace(prefill_kernels=on))
     try:
         yield
     finally:
-        model.use_options(prior)
+        bind(model, prior)
 
 
 def _lengths(text: str | None) -> list[int]:
@@ -308,71 +351,9 @@ def format_table(rep: dict) -> str:
                      f"{ext['bytes_per_token'] / 1e9:.3f} GB, floor {f(ext['floor_ms'], '.3f')} ms")
     if rep.get("prefill_runs"):
         lines += bench_prefill.format_rows(rep)
+    if rep.get("layer_kernels"):
+        from .layer_kernels import format_rows
+        for lk in rep["layer_kernels"]:
+            lines += format_rows(lk)
     lines += [f"note: {n}" for n in rep["notes"]]
     return "\n".join(lines)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    from ..cli.options import Parser     # defaults in --help, a usage error is one line
-    p = Parser(prog="dsv4 bench", description="Batch-1 decode benchmark on device-generated weights "
-                "(method: BENCHMARKS.md).")
-    p.add_argument("--preset", required=True, choices=sorted(PRESETS), help="the model's shapes")
-    p.add_argument("--layers", type=int, default=None, help="first N layers (default: all)")
-    p.add_argument("--devices", default="auto", help="auto | cpu | cuda:0 | cuda:0,cuda:1")
-    p.add_argument("--context", type=int, default=4096, help="decode position L (state filled)")
-    p.add_argument("--steps", type=int, default=100, help=f"timed steps (>= {MIN_STEPS} to report)")
-    p.add_argument("--warmup", type=int, default=10, help="untimed steps first")
-    p.add_argument("--mode", default="both", choices=("both", "eager", "graph"),
-                   help="eager steps, CUDA graph replays, or both")
-    p.add_argument("--granularity", default="segment", choices=("segment", "device", "both"),
-                   help="graph mode: one graph per layer (segment), per device run, or both")
-    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES), help="activation dtype")
-    p.add_argument("--seed", type=int, default=0, help="weight / state seed")
-    p.add_argument("--json", default=None, metavar="PATH|-", help="write the report as JSON "
-                   "(- : stdout, the table then goes to stderr)")
-    p.add_argument("--reserve-gib", type=float, default=2.0, help="per-device workspace assumed "
-                   "by the memory check (besides weights, state, generation temporaries)")
-    p.add_argument("--no-kernels", action="store_true", help="skip the profiled kernel count")
-    p.add_argument("--prefill", default=None, metavar="N[,N...]",
-                   help="also time prefill of prompts of these lengths (TTFT, tok/s, floors)")
-    p.add_argument("--prefill-reps", type=int, default=3, help="timed prefills per length")
-    p.add_argument("--prefill-chunk", type=int, default=None, help="prefill chunk (default: "
-                   "the runtime's)")
-    p.add_argument("--prefill-kernels", default="on", choices=("on", "off"),
-                   help="off: the torch prefill path (the state before the prefill kernels)")
-    p.add_argument("--no-decode", action="store_true", help="skip the decode measurement")
-    p.add_argument("--speculative", action="store_true",
-                   help="also measure the speculative mechanism (MTP block loaded): verify pass "
-                        "T = 1..4, the speculative step, end-to-end tok/s with an oracle drafting right at "
-                        "rates a")
-    p.add_argument("--spec-tokens", type=int, default=256, metavar="N",
-                   help="with --speculative: tokens per end-to-end run (default 256)")
-    p.add_argument("--prefill-graphs", type=int, default=0, metavar="N",
-                   help="CUDA: capture prefill chunk graphs of 1..N tokens (a power of two) and "
-                        "time prompts up to N through them (capture time, each chunk's replay and eager time in the JSON)")
-    p.add_argument("--prefill-profile", action="store_true",
-                   help="CUDA: one profiled prefill per length (kernel count, top kernels)")
-    p.add_argument("--trace", metavar="PREFIX", default=None,
-                   help="write the Chrome trace of the profiled step to PREFIX-<mode>[-<granularity>]"
-                        ".json (needs the kernel count)")
-    return p
-
-
-def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    return exit_code(lambda: _main(argv))
-
-
-def _main(argv) -> int:
-    args = build_parser().parse_args(argv)
-    rep = run(args, command="python scripts/bench.py " + shlex.join(argv))
-    table = format_table(rep)
-    if args.json == "-":
-        print(table, file=sys.stderr)
-        print(json.dumps(rep))
-    else:
-        if args.json:
-            with open(args.json, "w") as fh:
-                json.dump(rep, fh, indent=1)
-        print(table)
-    return 0

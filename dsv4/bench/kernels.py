@@ -12,17 +12,30 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from ..kernels.common import Config, CudaConfig
+from ..kernels.cuda.experts import (
+    CUDA_DOWN_VARIANTS,
+    CUDA_UP_VARIANTS,
+    TUNED_CUDA_UP,
+    ExpertCudaConfig,
+    cuda_down_config,
+    cuda_expert_config,
+    cuda_spw_fits,
+    down_all_variants,
+    up_stream_variants,
+)
+from ..kernels.cuda.fp8 import cuda_config, mma_config, mma_configs
+from ..kernels.decode.bf16_linear import bf16_config, bf16_linear
+from ..kernels.decode.fp4_experts import (
+    down_config,
+    fp4_experts_down,
+    fp4_experts_up,
+    up_config,
+)
+from ..kernels.decode.fp8_linear import fp8_config, fp8_linear, fp8_swiglu
+from ..numerics.quant import fp8_quant_dequant
 from ..weights.formats import dequantize_fp4_weight, dequantize_fp8_weight
 from ..weights.presets import get_preset
-from ..numerics.quant import fp8_quant_dequant
-from ..kernels.decode.bf16_linear import bf16_config, bf16_linear
-from ..kernels.common import Config, CudaConfig
-from ..kernels.cuda.experts import (CUDA_DOWN_VARIANTS, CUDA_UP_VARIANTS, TUNED_CUDA_UP,
-                          ExpertCudaConfig, cuda_down_config, cuda_expert_config, cuda_spw_fits,
-                          down_all_variants, up_stream_variants)
-from ..kernels.decode.fp4_experts import down_config, fp4_experts_down, fp4_experts_up, up_config
-from ..kernels.cuda.fp8 import cuda_config, mma_config, mma_configs
-from ..kernels.decode.fp8_linear import fp8_config, fp8_linear, fp8_swiglu
 
 L2_SAFE_BYTES = 128 << 20    # below this, rotate weight copies (H100/H200 L2 is 50-60 MB)
 ROTATE_BYTES = 256 << 20     # the copies of one case span at least this much
@@ -292,10 +305,10 @@ def build_cases(preset: str, dev, only=(), seed: int = 0):
 
 
 def run_case(case: Case, copy_bw: float, reps: int, sweep: bool, with_torch: bool,
-             backend: str = "triton") -> dict:
-    """One row: the case timed with the Triton config (backend "triton") or the CUDA C++ kernel's
-    ("cuda"; rows without a CUDA path are skipped: None); --sweep times the backend's neighbours."""
-    if backend == "cuda":
+             impl: str = "triton") -> dict:
+    """One row: the case timed with the Triton config (impl "triton") or the CUDA C++ kernel's
+    ("cuda"; rows without a CUDA path are skipped: None); --sweep times the config's neighbours."""
+    if impl == "cuda":
         if case.cuda is None:
             return None
         case = Case(case.name + " [cuda]", case.shape, case.nbytes, case.make, case.cuda, None,

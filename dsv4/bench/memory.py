@@ -124,9 +124,12 @@ def memory_estimate(sizes: dict, n_layers: int, devices, reserve: int):
 
 
 def free_memory(device: torch.device) -> int | None:
-    """Free bytes on `device` (CUDA: the driver's count; CPU: MemAvailable), None if unknown."""
+    """Free bytes on `device` for this process, None if unknown. CUDA: the driver's free count plus
+    what this process's caching allocator holds unused (its own earlier tensors, freed: the next
+    allocations take it first); CPU: MemAvailable."""
     if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return torch.cuda.mem_get_info(device)[0] + cached
     try:
         with open("/proc/meminfo") as f:
             for line in f:

@@ -15,9 +15,9 @@ import sys
 
 import torch
 
-from ..weights.presets import get_preset
 from ..kernels.prefill import gemm as G
 from ..kernels.prefill import moe as M
+from ..weights.presets import get_preset
 
 REPS = 10
 # DSV4_BENCH_QUICK=1: the variants (path, bm, bk, bn, warps, stages) the defaults pick between
@@ -162,10 +162,10 @@ def attn_rows(cfg, T, dev, gen):
     builds its rows: the window (old ring rows masked), then for ratio 4 the indexer's top-k of
     random scores (best first, -1 where not yet visible), for ratio 128 every entry masked by
     position; over head-block / rows / warps / stages variants. TFLOP/s over the valid rows."""
-    from ..numerics.rope import rope_frequencies
-    from ..model.attention import window_indices
-    from ..numerics.sparse import topk_lowest
     from ..kernels.prefill.attention import sparse_attention_rows
+    from ..model.attention import window_indices
+    from ..numerics.rope import rope_frequencies
+    from ..numerics.sparse import topk_lowest
     H, Dh, W = cfg.n_heads, cfg.head_dim, cfg.window_size
     freqs = rope_frequencies(cfg, 4).to(dev)
     pos0 = torch.zeros(1, dtype=torch.int64, device=dev)

@@ -14,7 +14,6 @@ steps); "sampling knobs" is what per-request sampling costs against fixed greedy
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -25,22 +24,9 @@ from pathlib import Path
 
 import torch
 
-from ..cli.options import Parser, add_runtime_args, check_runtime_args
-from ..errors import InputError, exit_code
+from ..errors import InputError
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = Parser(prog="bench_serve.py", description=__doc__.split("\n\n")[0])
-    p.add_argument("--ckpt", required=True, help="checkpoint directory")
-    p.add_argument("--prompt-tokens", type=int, default=128)
-    p.add_argument("--new-tokens", type=int, default=256)
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--port", type=int, default=8471)
-    p.add_argument("--json", action="store_true", help="one JSON object on stdout")
-    add_runtime_args(p, 4096, "cache capacity (default 4096)")
-    return p
 
 
 def _prompts(n_prompt: int, repeats: int, vocab: int) -> list[list[int]]:
@@ -51,9 +37,9 @@ def _prompts(n_prompt: int, repeats: int, vocab: int) -> list[list[int]]:
 
 
 def _in_process(args, devices, mode, prompts) -> dict:
-    from ..runtime.session import Session, load_model
     from ..runtime.config import DTYPES, RuntimeConfig
     from ..runtime.sampling import SamplingParams
+    from ..runtime.session import Session, load_model
     rt = RuntimeConfig(max_seq_len=args.max_seq_len, dtype=DTYPES[args.dtype],
                        devices=tuple(devices), prefill_chunk=args.prefill_chunk,
                        prefill_graphs=args.prefill_graphs if mode == "graph" else 0)
@@ -142,14 +128,15 @@ def _stream_one(http, url, ids, n_new) -> tuple[tuple[float, float], int]:
     return (first, last), n
 
 
-def run(args) -> int:
+def run(args, devices: list[str], mode: str) -> int:
+    """The comparison for the flags of `scripts/bench_serve.py` (dsv4.cli.bench.serve_parser) on
+    the resolved devices and mode; prints the table or the JSON."""
     if args.new_tokens < 2 or args.prompt_tokens < 2 or args.repeats < 1:
         raise InputError("--new-tokens and --prompt-tokens must be >= 2, --repeats >= 1")
     if args.prompt_tokens + args.new_tokens > args.max_seq_len:
         raise InputError(f"--prompt-tokens + --new-tokens = "
                          f"{args.prompt_tokens + args.new_tokens} exceeds --max-seq-len "
                          f"{args.max_seq_len}")
-    devices, mode = check_runtime_args(args)
     from ..weights.config import ModelConfig
     cfg = ModelConfig.from_json(args.ckpt)
     prompts = _prompts(args.prompt_tokens, args.repeats, cfg.vocab_size)
@@ -177,7 +164,3 @@ def run(args) -> int:
         print(f"{'per-request sampling costs':30s} {'':18s}per token {kn['tpot_ms']:7.3f} ms "
               f"({kn['tpot_pct_of_step']:.1f}% of a step)")
     return 0
-
-
-def main(argv=None) -> int:
-    return exit_code(lambda: run(build_parser().parse_args(argv)))

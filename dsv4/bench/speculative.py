@@ -20,8 +20,8 @@ import statistics
 
 import torch
 
-from ..runtime.session import Session
 from ..runtime.sampling import SamplingParams
+from ..runtime.session import Session
 from ..runtime.speculative.policy import DEFAULT_MIN_ACCEPTANCE, SpecPolicy
 from ..runtime.speculative.step import verify_decoder
 from .common import _sync, fill_state, time_steps

@@ -9,10 +9,18 @@ from __future__ import annotations
 
 import sys
 
-from .options import (Parser, add_model_args, add_runtime_args, add_sampling_args,
-                          check_checkpoint_args, check_runtime_args, checkpoint_dir,
-                          load_session, sampling_params)
 from ..errors import InputError, UserInputError, exit_code, in_cli_words
+from .options import (
+    Parser,
+    add_model_args,
+    add_runtime_args,
+    add_sampling_args,
+    check_checkpoint_args,
+    check_runtime_args,
+    checkpoint_dir,
+    load_session,
+    sampling_params,
+)
 
 CHAT_CONTEXT = 8192        # default capacity of a conversation (tokens)
 COMMANDS = "/reset (new conversation), /thinking on|off, /exit"
@@ -194,8 +202,8 @@ def _lines(tty: bool):
 
 
 def run(args) -> int:
-    from ..weights.config import ModelConfig
     from ..text.tokenizer import load_tokenizer
+    from ..weights.config import ModelConfig
     devices, mode = check_runtime_args(args)
     sampling, seed = sampling_params(args)
     cap = args.max_seq_len

@@ -13,10 +13,19 @@ from pathlib import Path
 
 import torch
 
-from .options import (Parser, add_model_args, add_runtime_args, add_sampling_args,
-                          check_checkpoint_args, check_runtime_args, checkpoint_dir,
-                          demo_checkpoint, load_session, sampling_params)
 from ..errors import InputError, exit_code
+from .options import (
+    Parser,
+    add_model_args,
+    add_runtime_args,
+    add_sampling_args,
+    check_checkpoint_args,
+    check_runtime_args,
+    checkpoint_dir,
+    demo_checkpoint,
+    load_session,
+    sampling_params,
+)
 
 DEMO_PROMPT = "Write one sentence about the sea."
 __all__ = ["build_parser", "run", "main", "demo_checkpoint"]
@@ -113,10 +122,10 @@ class Stream:
 
 
 def run(args) -> int:
-    from ..weights.config import ModelConfig
-    from ..runtime.session import GenerationResult
     from ..runtime.profiling import Profiler, parse_steps
+    from ..runtime.session import GenerationResult
     from ..text.tokenizer import load_tokenizer
+    from ..weights.config import ModelConfig
 
     out = sys.stderr if args.json else sys.stdout
     devices, mode = check_runtime_args(args)
@@ -177,7 +186,7 @@ def run(args) -> int:
                               "interrupted": interrupted, "device": ",".join(devices),
                               "mode": mode, "dtype": args.dtype, "seed": seed, "timings": timings,
                               "memory": mem, "profile": prof.summary_path,
-                              "backend": session.model.backend_table(),
+                              "backend": session.model.binding.table(),
                               **({k: timings[k] for k in ("speculative", "acceptance_rate",
                                                           "tokens_per_step") if k in timings})}))
         else:

@@ -11,7 +11,7 @@ SUBCOMMANDS = {
     "decode": ("dsv4.cli.decode", "decode one prompt: streamed text, a summary or one JSON object"),
     "chat": ("dsv4.cli.chat", "multi-turn chat in the terminal (or through a pipe)"),
     "serve": ("dsv4.cli.serve", "the OpenAI-compatible HTTP server"),
-    "bench": ("dsv4.bench.decode", "decode benchmark on device-generated weights (BENCHMARKS.md)"),
+    "bench": ("dsv4.cli.bench", "decode benchmark on device-generated weights (BENCHMARKS.md)"),
     "make-checkpoint": ("dsv4.cli.main", "write a random-weight checkpoint in the released format"),
 }
 
@@ -54,11 +54,11 @@ def make_checkpoint(argv=None) -> int:
     config, exactly the release's tensor names, shapes and dtypes (dsv4.weights.synthetic)."""
     from pathlib import Path
 
-    from .options import Parser
-    from ..weights.config import ModelConfig
     from ..errors import exit_code
+    from ..weights.config import ModelConfig
     from ..weights.presets import PRESETS, get_preset, truncate_layers
     from ..weights.synthetic import WEIGHT_MODES, write_checkpoint
+    from .options import Parser
 
     p = Parser(prog="dsv4 make-checkpoint",
                description="Write a random-weight DeepSeek-V4 checkpoint in the released format "

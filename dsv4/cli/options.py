@@ -182,8 +182,8 @@ def demo_checkpoint() -> Path:
 def load_session(args, ckpt: Path, cap: int, devices: list[str], mode: str, sampling):
     """Load the checkpoint for a command and build its Session; prints the checkpoint's notice
     (a DSpark draft module left out) on stderr. -> (session, load seconds)."""
-    from ..runtime.session import Session, load_model
     from ..runtime.config import DTYPES, RuntimeConfig
+    from ..runtime.session import Session, load_model
     rt = RuntimeConfig(max_seq_len=cap, dtype=DTYPES[args.dtype], devices=tuple(devices),
                        prefill_chunk=args.prefill_chunk, mtp=bool(args.speculative),
                        prefill_graphs=args.prefill_graphs if mode == "graph" else 0)

@@ -14,9 +14,16 @@ import signal
 import sys
 import time
 
-from .options import Parser, add_model_args, add_runtime_args, add_sampling_args, \
-    check_checkpoint_args, check_runtime_args, checkpoint_dir
 from ..errors import InputError, exit_code
+from .options import (
+    Parser,
+    add_model_args,
+    add_runtime_args,
+    add_sampling_args,
+    check_checkpoint_args,
+    check_runtime_args,
+    checkpoint_dir,
+)
 
 DEFAULT_MAX_SEQ_LEN = 4096
 SERVE_PACKAGES = ("fastapi", "uvicorn", "pydantic")
@@ -69,9 +76,9 @@ def run(args) -> int:
         raise InputError(f"--max-seq-len {args.max_seq_len}: must be >= 16 (the context of "
                          f"every request: prompt + max_tokens)")
     devices, mode = check_runtime_args(args)
-    from ..weights.config import ModelConfig
     from ..runtime.sampling import SamplingParams
     from ..text.tokenizer import load_tokenizer
+    from ..weights.config import ModelConfig
     defaults_sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed or 0)
     ckpt = checkpoint_dir(args)
     cfg = ModelConfig.from_json(ckpt)
@@ -83,8 +90,8 @@ def run(args) -> int:
 
 def _build(args, ckpt, cfg, tok, devices, mode, sampling):
     """Load, capture, warm up -> (Engine, Defaults), before any port opens."""
-    from ..runtime.session import Session, load_model
     from ..runtime.config import DTYPES, RuntimeConfig
+    from ..runtime.session import Session, load_model
     from ..server.engine import Engine
     from ..server.openai_api import Defaults
     t0 = time.perf_counter()

@@ -14,10 +14,16 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-
 from triton.language.extra import cuda as tl_cuda
 
-from ..weights.formats import ACT_AMAX_FLOOR, FP4_AMAX_FLOOR, FP4_MAX, FP4_MAX_INV, FP8_MAX, FP8_MAX_INV
+from ..weights.formats import (
+    ACT_AMAX_FLOOR,
+    FP4_AMAX_FLOOR,
+    FP4_MAX,
+    FP4_MAX_INV,
+    FP8_MAX,
+    FP8_MAX_INV,
+)
 
 # jit code may only read constexpr globals
 RNE_MAGIC = tl.constexpr(12582912.0)   # 1.5 * 2^23: (y + M) - M rounds |y| < 2^22 to nearest-even

@@ -2,39 +2,42 @@
 
 Ratio 4 runs in overlap mode (c = 2: each entry also pools the first channel half of the previous
 block). Legend: s = tokens, r = ratio, dc = entry dim (head_dim, or index_head_dim for the
-indexer's rotating compressor), D = model dim.
+indexer's rotating compressor), D = model dim. `prefill` and `decode` run the torch reference
+unless a backend bound kernels to them (bound by dsv4/backend/binding.py: dsv4/backend/fused/compressor.py).
 """
 from __future__ import annotations
 
 import torch
 
-from ..weights.config import ModelConfig
-from .linear import Linear
 from ..numerics.mhc import rms_norm
-from ..backend.ops import Ops
 from ..numerics.quant import fp4_quant_dequant, fp8_quant_dequant, hadamard
 from ..numerics.rope import apply_rope, cos_sin
+from ..weights.config import ModelConfig
+from .linear import Linear
 from .state import CompressorState
 
 
 class Compressor:
-    """Weights of one compressor; prefill (batched) and a capture-safe decode step."""
+    """Weights of one compressor; prefill (batched) and a capture-safe decode step.
 
-    def __init__(self, cfg: ModelConfig, ratio: int, dc: int, rotate: bool, device,
-                 ops: Ops | None = None):
+    Bound ops (the torch reference below until the backend binds kernels): `prefill`
+    (prefill_reference) and `decode` (decode_reference)."""
+
+    def __init__(self, cfg: ModelConfig, ratio: int, dc: int, rotate: bool, device):
         self.cfg, self.ratio, self.dc, self.rotate = cfg, ratio, dc, rotate
-        self.ops = ops = ops or Ops.for_device(device, cfg=cfg)
         self.overlap = ratio == 4
         c = 2 if self.overlap else 1
         # stored bf16, applied in float32 (the reference holds them as float32)
-        self.wkv = Linear(c * dc, cfg.dim, "bf16", device, ops)
-        self.wgate = Linear(c * dc, cfg.dim, "bf16", device, ops)
+        self.wkv = Linear(c * dc, cfg.dim, "bf16", device)
+        self.wgate = Linear(c * dc, cfg.dim, "bf16", device)
         self.ape = torch.empty(ratio, c * dc, dtype=torch.float32, device=device)
         self.norm = torch.empty(dc, dtype=torch.float32, device=device)
         self.hadamard = None  # set by the owner when rotate (shared matrix)
+        self.prefill = self.prefill_reference
+        self.decode = self.decode_reference
 
-    def set_ops(self, ops: Ops) -> None:
-        self.ops = self.wkv.ops = self.wgate.ops = ops
+    def linears(self) -> list:
+        return [self.wkv, self.wgate]
 
     def tensors(self, prefix: str) -> dict[str, torch.Tensor]:
         d = {**self.wkv.tensors(f"{prefix}.wkv"), **self.wgate.tensors(f"{prefix}.wgate")}
@@ -42,8 +45,9 @@ class Compressor:
         d[f"{prefix}.norm.weight"] = self.norm
         return d
 
-    def _project(self, x: torch.Tensor):
-        return self.wkv(x, torch.float32), self.wgate(x, torch.float32)   # [s, c*dc] f32 each
+    def project(self, x: torch.Tensor):
+        """x [s, D] act -> (wkv(x), wgate(x)) [s, c*dc] float32 each."""
+        return self.wkv(x, torch.float32), self.wgate(x, torch.float32)
 
     def _finish(self, c: torch.Tensor, first_pos: torch.Tensor, freqs: torch.Tensor,
                 act: torch.dtype) -> torch.Tensor:
@@ -56,19 +60,15 @@ class Compressor:
         nope = cfg.head_dim - cfg.rope_head_dim
         return torch.cat((fp8_quant_dequant(e[:, :nope], 64), e[:, nope:]), dim=-1)
 
-    def prefill(self, x: torch.Tensor, st: CompressorState, cache: torch.Tensor,
-                freqs: torch.Tensor, start) -> None:
+    def prefill_reference(self, x: torch.Tensor, st: CompressorState, cache: torch.Tensor,
+                          freqs: torch.Tensor, start) -> None:
         """Tokens start..start+s-1 (x [s, D] act) after positions < start: the same state and cache
         as s decode steps. Every block that completes in the chunk is pooled (its earlier rows
         come from the state) and its entry written to cache[j]; the state then holds the last
         complete block (overlap mode) and each block row as decode steps leave it.
-        start: an int, or a [1] int64 device tensor (the kernel path is then capture-safe; the
-        torch path reads it on the host)."""
-        kv, sc = self._project(x)                                     # [s, c*dc] f32
-        if self.ops.backend.rows:
-            pos0 = start if isinstance(start, torch.Tensor) else torch.full(
-                (1,), start, dtype=torch.int64, device=x.device)
-            return self._prefill_rows(kv, sc, st, cache, freqs, pos0)
+        start: an int, or a [1] int64 device tensor (read on the host here; the kernels' prefill
+        keeps it on the device, capture-safe)."""
+        kv, sc = self.project(x)                                      # [s, c*dc] f32
         start = int(start)
         r, dc, s = self.ratio, self.dc, x.shape[0]
         pos = torch.arange(start, start + s, device=x.device)
@@ -102,52 +102,14 @@ class Compressor:
         st.kv[rows] = ext_kv[-m:]
         st.score[rows] = ext_sc[-m:]
 
-    def _prefill_rows(self, kv: torch.Tensor, sc: torch.Tensor, st: CompressorState,
-                      cache: torch.Tensor, freqs: torch.Tensor, pos0: torch.Tensor) -> None:
-        """prefill's kernel path: positions from the device tensor pos0 ([1] int64), fixed
-        shapes, no host sync (capture-safe). kv, sc [s, c*dc] f32: the chunk's projections."""
-        r, s, dev = self.ratio, kv.shape[0], kv.device
-        cur = r if self.overlap else 0
-        j = torch.arange(r, device=dev)
-        o = pos0 % r                                  # [1]: open block rows before the chunk
-        sc = sc + self.ape.index_select(0, (pos0 + torch.arange(s, device=dev)) % r)
-        # ext: the open block's state rows rolled so that row r - o + i is block row i, then the
-        # chunk (rows r - o - 1 and before are stale rows no completed block reads)
-        roll = cur + (j + o) % r
-        ext_kv = torch.cat((st.kv.index_select(0, roll), kv))         # [r + s, c*dc]
-        ext_sc = torch.cat((st.score.index_select(0, roll), sc))
-        self.ops.compress_rows(ext_kv, ext_sc, st.kv, st.score, pos0, self.norm, freqs, cache,
-                               self.cfg.norm_eps, r, self.rotate, self.dc - self.cfg.rope_head_dim)
-        if self.overlap:                              # the last complete block -> "previous"
-            nb = (o + s) // r                                           # [1] blocks completed
-            last = (r - o + (nb - 1) * r).clamp_min(0) + j              # its ext rows
-            done = (nb > 0)[:, None]
-            st.kv[:r] = torch.where(done, ext_kv.index_select(0, last), st.kv[:r])
-            st.score[:r] = torch.where(done, ext_sc.index_select(0, last), st.score[:r])
-        # block row j as decode steps leave it: the chunk's latest position p == j (mod r), if any
-        d = (j - pos0) % r                                              # chunk offset of the first
-        has = (d < s)[:, None]
-        src = r + (d + r * ((s - 1 - d).clamp_min(0) // r)).clamp(max=s - 1)
-        st.kv[cur:cur + r] = torch.where(has, ext_kv.index_select(0, src), st.kv[cur:cur + r])
-        st.score[cur:cur + r] = torch.where(has, ext_sc.index_select(0, src),
-                                            st.score[cur:cur + r])
-
-    def decode(self, x: torch.Tensor, pos: torch.Tensor, st: CompressorState, cache: torch.Tensor,
-               freqs: torch.Tensor, fused: bool | None = None, proj: list | None = None) -> None:
+    def decode_reference(self, x: torch.Tensor, pos: torch.Tensor, st: CompressorState,
+                         cache: torch.Tensor, freqs: torch.Tensor, proj: list | None = None
+                         ) -> None:
         """One token at `pos` ([1] int64): update state; when (pos+1) % r == 0 write entry pos//r,
         else write the same computation to the scratch row (cache[-1]). Capture-safe.
-        fused (default: one token where the backend has the fused decode): one Triton launch after
-        the projections (dsv4/kernels/decode/compressor.py); it leaves the scratch row alone.
         proj: (wkv(x), wgate(x)) float32 when the caller computed them already."""
         r, dc = self.ratio, self.dc
-        kv, sc = self._project(x) if proj is None else proj             # [1, c*dc]
-        if fused is None:
-            fused = self.ops.backend.fused_decode and x.shape[0] == 1
-        if fused:
-            self.ops.compressor_decode(kv, sc, self.ape, st.kv, st.score, self.norm, freqs, pos,
-                                       cache, self.cfg.norm_eps, r, self.rotate,
-                                       dc - self.cfg.rope_head_dim)
-            return
+        kv, sc = self.project(x) if proj is None else proj              # [1, c*dc]
         slot = pos % r
         sc = sc + self.ape.index_select(0, slot)
         row = slot + r if self.overlap else slot

@@ -3,18 +3,22 @@
 Semantics follow the official `linear()`: FP8/FP4 weights get W8A8 — the input is quantized to
 e4m3 per 128 with ue8m0 scales, then multiplied with the (exactly) dequantized weight with float32
 accumulation, output in the activation dtype. bf16 weights are a plain matmul in the activation
-dtype. Dequantization happens per call (weights stay in their stored format in memory). Where the
-device's backend has them (self.ops), a decode row goes to the GEMV kernels and a prefill chunk's
-rows to the stored-format GEMM; the dtypes of the call decide the rest.
+dtype. Dequantization happens per call (weights stay in their stored format in memory). That is
+the reference; a backend may bind kernels to a weight (dsv4/backend/binding.py: a decode row on the
+GEMV kernels, a prefill chunk's rows on the stored-format GEMM, where they fit the call).
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from ..weights.formats import FP4_BLOCK, FP8_BLOCK, dequantize_fp4_weight, dequantize_fp8_weight
-from ..backend.ops import Ops
 from ..numerics.quant import fp8_quant_dequant
+from ..weights.formats import (
+    FP4_BLOCK,
+    FP8_BLOCK,
+    dequantize_fp4_weight,
+    dequantize_fp8_weight,
+)
 
 FORMATS = ("bf16", "fp8", "fp4", "f32")
 
@@ -25,16 +29,19 @@ class Linear:
     fmt "fp8": weight float8_e4m3fn [out, in] + scale float8_e8m0fnu [out/128, in/128]
     fmt "fp4": weight int8 [out, in/2] (packed e2m1) + scale float8_e8m0fnu [out, in/32]
     fmt "bf16"/"f32": weight [out, in] in that dtype, no scale (bf16 checkpoints, gate, compressor)
+
+    Bound ops (the torch reference below until the backend binds kernels): `forward` (what
+    a call runs) and `forward_rows` (what `rows` runs).
     """
 
-    def __init__(self, out_features: int, in_features: int, fmt: str, device,
-                 ops: Ops | None = None):
+    def __init__(self, out_features: int, in_features: int, fmt: str, device):
         if fmt not in FORMATS:
             raise ValueError(f"unknown weight format {fmt!r}; allowed {FORMATS}")
         self.out_features, self.in_features, self.fmt = out_features, in_features, fmt
-        self.ops = ops or Ops.for_device(device)      # the model passes its device's
         self.weight, self.scale = _alloc(fmt, (), out_features, in_features, device)
         self.dense_cache: dict | None = None   # dtype -> dense weight; set to {} to enable
+        self.forward = self.reference
+        self.forward_rows = self.reference_rows
 
     @property
     def quantized(self) -> bool:
@@ -57,47 +64,25 @@ class Linear:
         return self.dense_cache[dtype]
 
     def __call__(self, x: torch.Tensor, act_dtype: torch.dtype) -> torch.Tensor:
-        """y = x @ W^T with official semantics; x [..., in] -> [..., out] in act_dtype. Capture-safe.
-        One decode row goes to the GEMV kernels, the bf16 rows of a prefill chunk to the prefill
-        GEMM over the stored format, where the backend has them (DSV4_KERNELS=0: never)."""
-        be = self.ops.backend
-        if be.kernels and x.numel() == self.in_features:
-            y = self._kernel(x, act_dtype)
-            if y is not None:
-                return y.view(*x.shape[:-1], self.out_features)
-        elif (x.numel() > self.in_features and x.dtype == torch.bfloat16
-              and act_dtype in (torch.bfloat16, torch.float32)
-              and be.gemm_fits(self.fmt, self.in_features)):
-            y = self.ops.prefill_linear(x.reshape(-1, self.in_features), self.weight, self.scale,
-                                        self.fmt, out_dtype=act_dtype)
-            return y.view(*x.shape[:-1], self.out_features)
+        """y = x @ W^T with official semantics; x [..., in] -> [..., out] in act_dtype. Capture-safe."""
+        return self.forward(x, act_dtype)
+
+    def rows(self, x: torch.Tensor, act_dtype: torch.dtype) -> torch.Tensor:
+        """A few decode rows x [T, in] (the speculative verify rows) -> [T, out], row t with the
+        bits of self(x[t:t+1]) (bound kernels read the weight once for all rows)."""
+        return self.forward_rows(x, act_dtype)
+
+    def reference(self, x: torch.Tensor, act_dtype: torch.dtype) -> torch.Tensor:
+        """The torch math: W8A8 for FP8 / FP4 weights, a plain matmul for bf16 / f32."""
         if self.quantized:
             x = fp8_quant_dequant(x, FP8_BLOCK, out_dtype=act_dtype)
         else:
             x = x.to(act_dtype)
         return F.linear(x, self.dense(act_dtype))
 
-    def rows(self, x: torch.Tensor, act_dtype: torch.dtype) -> torch.Tensor:
-        """A few decode rows x [T, in] (the speculative verify rows): with the kernels the GEMV reads
-        the weight once for all rows, row t with the bits of self(x[t:t+1]); elsewhere, one call
-        per row."""
-        if self.ops.backend.kernels:
-            y = self._kernel(x, act_dtype)
-            if y is not None:
-                return y
+    def reference_rows(self, x: torch.Tensor, act_dtype: torch.dtype) -> torch.Tensor:
+        """rows as one call per row."""
         return torch.cat([self(x[t:t + 1], act_dtype) for t in range(x.shape[0])])
-
-    def _kernel(self, x: torch.Tensor, act_dtype: torch.dtype) -> torch.Tensor | None:
-        """The GEMV kernel for one row (or a few: rows) in bf16 mode, or None (torch path). float32 mode (x and
-        act float32) stays on torch; bf16 weights in bf16 mode may ask for float32 output."""
-        if (self.fmt == "fp8" and act_dtype == torch.bfloat16 and x.dtype in (torch.bfloat16,
-                                                                              torch.float32)
-                and self.out_features % FP8_BLOCK == 0 and self.in_features % FP8_BLOCK == 0):
-            return self.ops.fp8_linear(x, self.weight, self.scale)
-        if self.fmt == "bf16" and x.dtype == torch.bfloat16 and act_dtype in (torch.bfloat16,
-                                                                              torch.float32):
-            return self.ops.bf16_linear(x, self.weight, out_dtype=act_dtype)
-        return None
 
 
 class ExpertBank:

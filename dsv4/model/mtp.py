@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import torch
 
-from .block import Block
-from ..weights.config import ModelConfig
-from .linear import Linear
 from ..numerics.mhc import rms_norm
-from ..backend.ops import Ops
+from ..weights.config import ModelConfig
+from .block import Block
+from .linear import Linear
 from .state import LayerState
 
 
@@ -23,16 +22,15 @@ class MTPBlock:
     """Weights and decode state of one MTP block; eager prefill over rows and a one-row decode."""
 
     def __init__(self, cfg: ModelConfig, index: int, device, capacity: int, act: torch.dtype,
-                 hadamard_matrix: torch.Tensor | None = None, ops: Ops | None = None):
+                 hadamard_matrix: torch.Tensor | None = None):
         self.cfg, self.index, self.device, self.act = cfg, index, torch.device(device), act
         layer_id = cfg.n_layers + index
         fmt = "fp8" if cfg.quantized else "bf16"
         D = cfg.dim
         f32 = dict(dtype=torch.float32, device=device)
-        ops = ops or Ops.for_device(device, act, cfg)
-        self.block = Block(cfg, layer_id, device, hadamard_matrix, ops)
-        self.e_proj = Linear(D, D, fmt, device, ops)
-        self.h_proj = Linear(D, D, fmt, device, ops)
+        self.block = Block(cfg, layer_id, device, hadamard_matrix)
+        self.e_proj = Linear(D, D, fmt, device)
+        self.h_proj = Linear(D, D, fmt, device)
         self.enorm, self.hnorm, self.norm = (torch.empty(D, **f32) for _ in range(3))
         self.hc_head = {"hc_head_fn": torch.empty(cfg.hc_mult, cfg.hc_mult * D, **f32),
                         "hc_head_base": torch.empty(cfg.hc_mult, **f32),
@@ -51,10 +49,6 @@ class MTPBlock:
 
     def weights(self) -> list:
         return [self.e_proj, self.h_proj, *self.block.weights()]
-
-    def set_ops(self, ops: Ops) -> None:
-        self.e_proj.ops = self.h_proj.ops = ops
-        self.block.set_ops(ops)
 
     def head(self) -> tuple[dict, torch.Tensor]:
         """(hc_head_* tensors, final norm) for Transformer.logits."""

@@ -2,26 +2,24 @@
 
 Weights stay in their stored formats on the device that owns their layer; all decode state is
 preallocated at the cache capacity. `prefill` feeds a prompt (or the next tokens of a sequence) in
-chunks at any position; `decode_step` is the eager, capture-safe one-token step (device tensors
-for token and position). The backend of each device (dsv4.backend: which kernels serve which op)
-is resolved here, once, and handed to every layer as its `ops`.
+eager chunks at any position; a decode step is a pass of the runtime (dsv4.runtime.passes) over
+each block's capture-safe `decode`, and `logits` / `logits_rows` its head. The torch math runs
+until the backend binds each sublayer's implementation (the runtime's build_model does).
 Legend: s = tokens, c = hc_mult, D = dim, V = vocab.
 """
 from __future__ import annotations
 
+import contextlib
 import sys
 from typing import Sequence
 
 import torch
 
-from ..backend.decision import Options, resolve
-from .block import Block
-from ..weights.config import ModelConfig
 from ..errors import CapacityError, ConfigError
 from ..numerics.mhc import hc_head, rms_norm
-from ..backend.ops import Ops
 from ..numerics.quant import hadamard_matrix
-from ..runtime.config import RuntimeConfig
+from ..weights.config import ModelConfig
+from .block import Block
 from .state import LayerState
 
 HEAD_CHUNK = 16384  # vocab rows per float32 head matmul (bounds the transient of the fp32 copy)
@@ -29,9 +27,15 @@ PROGRESS_CHUNKS = 4   # a prefill of at least this many chunks shows a progress 
 
 
 class Transformer:
-    """Weights + state of the whole model. Build, then `load(source)`, then prefill/decode."""
+    """Weights + state of the whole model. Build (dsv4.runtime.build_model: this and the backend's
+    binding), then `load(source)`, then prefill / decode passes.
 
-    def __init__(self, cfg: ModelConfig, rt: RuntimeConfig, placement: Sequence | None = None):
+    rt: the runtime knobs (dsv4.runtime.RuntimeConfig: max_seq_len, dtype, devices, mtp,
+    cache_dense, prefill_chunk). Bound ops (the torch reference below until the backend binds
+    kernels): `head_in_rows` (head_in_rows_reference) and `head_matmul` (head_matmul_reference).
+    `binding`: what the backend decided (dsv4/backend/binding.py; None before)."""
+
+    def __init__(self, cfg: ModelConfig, rt, placement: Sequence | None = None):
         self.cfg, self.rt = cfg, rt
         self.act = rt.dtype
         self.head_device = rt.devices[0]
@@ -39,11 +43,9 @@ class Transformer:
         if len(self.placement) != cfg.n_layers:
             raise ConfigError(f"placement has {len(self.placement)} entries; expected n_layers = "
                               f"{cfg.n_layers}")
-        # the runtime switches, read once (the environment unless rt.options), and each device's
-        # backend: the one decision of which implementation serves each op
-        self.options = rt.options if rt.options is not None else Options.from_env()
-        self.ops_on = self._resolve(self.options)
-        self.ops = self.ops_on[self.head_device]
+        self.binding = None
+        self.head_in_rows = self.head_in_rows_reference
+        self.head_matmul = self.head_matmul_reference
         hdev = self.head_device
         D, V = cfg.dim, cfg.vocab_size
         self.embed = torch.empty(V, D, dtype=torch.bfloat16, device=hdev)
@@ -59,7 +61,7 @@ class Transformer:
         for l, dev in enumerate(self.placement):
             if dev not in had:
                 had[dev] = hadamard_matrix(cfg.index_head_dim, dev)
-            self.layers.append(Block(cfg, l, dev, had[dev], self.ops_on[dev]))
+            self.layers.append(Block(cfg, l, dev, had[dev]))
             self.states.append(LayerState.allocate(cfg, cfg.ratio(l), rt.max_seq_len, self.act, dev))
         self.mtp = None                    # the MTP block on the head device (rt.mtp)
         if rt.mtp:
@@ -72,40 +74,18 @@ class Transformer:
                                   "(num_nextn_predict_layers = 0); use mtp=False")
             from .mtp import MTPBlock
             had.setdefault(hdev, hadamard_matrix(cfg.index_head_dim, hdev))
-            self.mtp = MTPBlock(cfg, 0, hdev, rt.max_seq_len, self.act, had[hdev], self.ops)
+            self.mtp = MTPBlock(cfg, 0, hdev, rt.max_seq_len, self.act, had[hdev])
         # the MTP block's rows follow the main model's by one (row t needs token t+1): it has read
         # positions < mtp_len; h_last = the main hidden stream of position mtp_len when pending
         self.mtp_len, self.h_last = 0, None
-        self.prefill_graphs = None         # dsv4.runtime.prefill_graphs.PrefillGraphs, when captured
+        # the runtime's captured prefill chunks of this model (dsv4.runtime.prefill_graphs), kept
+        # here so that every session on it replays them; the model never reads it
+        self.prefill_graphs = None
 
-    # ---- the backend ---------------------------------------------------------------------------
-    def _resolve(self, options: Options) -> dict:
-        """device -> Ops of its Backend, for the head device and every layer device."""
-        return {dev: Ops(resolve(dev, self.act, self.cfg, options))
-                for dev in dict.fromkeys([self.head_device, *self.placement])}
-
-    def backends(self) -> dict:
-        """device name -> its Backend."""
-        return {str(dev): ops.backend for dev, ops in self.ops_on.items()}
-
-    def backend_table(self) -> dict:
-        """op -> implementation, for the head device (the table of each device where they
-        differ: {device: table}); the CLI's --json `backend`."""
-        tables = {dev: be.table() for dev, be in self.backends().items()}
-        first = next(iter(tables.values()))
-        return first if all(t == first for t in tables.values()) else tables
-
-    def use_options(self, options: Options) -> None:
-        """Resolve the backends again for other runtime switches and hand them to every layer
-        (tests, benchmarks: the torch path beside the kernels on one loaded model). Build
-        sessions and graphs after it: captured steps keep the ops they were captured with."""
-        self.options = options
-        self.ops_on = self._resolve(options)
-        self.ops = self.ops_on[self.head_device]
-        for blk in self.layers:
-            blk.set_ops(self.ops_on[blk.device])
-        if self.mtp is not None:
-            self.mtp.set_ops(self.ops)
+    @property
+    def devices(self) -> list[torch.device]:
+        """The head device first, then each other layer device in order."""
+        return list(dict.fromkeys([self.head_device, *self.placement]))
 
     # ---- weights -----------------------------------------------------------------------------
     def tensors(self) -> dict[str, torch.Tensor]:
@@ -152,39 +132,36 @@ class Transformer:
         h = self.embed.index_select(0, ids).to(self.act)
         return h.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
 
-    def _head_in(self, h: torch.Tensor, head: tuple | None = None) -> torch.Tensor:
-        """h [T, c, D] -> the head's input [T, D] float32 (hc_head, final norm): the fused kernels
-        where the backend has the fused mHC, else torch. head: (hc_head_* tensors, norm) other
-        than the model's (the MTP block's)."""
+    def head_in_rows_reference(self, h: torch.Tensor, head: tuple | None = None) -> torch.Tensor:
+        """h [T, c, D] -> the head's input [T, D] float32 (hc_head, final norm), row by row.
+        head: (hc_head_* tensors, norm) other than the model's (the MTP block's)."""
         cfg = self.cfg
         hc_t, norm = head if head is not None else (self.hc_head, self.norm)
         hc = (hc_t["hc_head_fn"], hc_t["hc_head_scale"], hc_t["hc_head_base"])
-        if self.ops.backend.mhc_decode:
-            return self.ops.hc_head_norm(h, *hc, norm, cfg.norm_eps, cfg.hc_eps).to(torch.float32)
-        x = hc_head(h, *hc, cfg.norm_eps, cfg.hc_eps)
-        return rms_norm(x, norm, cfg.norm_eps).to(torch.float32)
+        return torch.cat([rms_norm(hc_head(h[t:t + 1], *hc, cfg.norm_eps, cfg.hc_eps), norm,
+                                   cfg.norm_eps).to(torch.float32) for t in range(h.shape[0])])
+
+    def head_matmul_reference(self, x: torch.Tensor, out: torch.Tensor | None = None
+                              ) -> torch.Tensor:
+        """x [T, D] float32 -> logits [T, V] float32 (the bf16 head in float32, row by row, in
+        pieces of HEAD_CHUNK vocabulary rows: bounds the transient of the float32 copy)."""
+        if out is None:
+            out = torch.empty(x.shape[0], self.cfg.vocab_size, dtype=torch.float32,
+                              device=x.device)
+        for t in range(x.shape[0]):
+            out[t].copy_(torch.cat([self.head[i:i + HEAD_CHUNK].to(torch.float32) @ x[t]
+                                    for i in range(0, self.cfg.vocab_size, HEAD_CHUNK)]))
+        return out
 
     def logits(self, h: torch.Tensor, head: tuple | None = None) -> torch.Tensor:
-        """h [1, c, D] (last position) -> logits [V] float32 (hc_head, final norm, head in fp32).
+        """h [1, c, D] (last position) -> logits [V] f32 (hc_head, final norm, head in fp32).
         head: (hc_head_* tensors, norm) other than the model's (the MTP block's)."""
-        cfg = self.cfg
-        x = self._head_in(h, head)[0]                                          # [D]
-        if self.ops.backend.kernels:   # one float32-accumulating GEMV over the bf16 head
-            return self.ops.bf16_linear(x[None], self.head, out_dtype=torch.float32)[0]
-        return torch.cat([self.head[i:i + HEAD_CHUNK].to(torch.float32) @ x
-                          for i in range(0, cfg.vocab_size, HEAD_CHUNK)])
+        return self.head_matmul(self.head_in_rows(h, head))[0]
 
     def logits_rows(self, h: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """h [T, c, D] (decode rows) -> logits [T, V] float32, row t with the bits of
-        logits(h[t:t+1]); with the fused kernels, the head GEMV reads the head once for all rows."""
-        T = h.shape[0]
-        if out is None:
-            out = torch.empty(T, self.cfg.vocab_size, dtype=torch.float32, device=h.device)
-        if not self.ops.backend.mhc_decode:
-            for t in range(T):
-                out[t].copy_(self.logits(h[t:t + 1]))
-            return out
-        return self.ops.bf16_linear(self._head_in(h), self.head, out_dtype=torch.float32, out=out)
+        logits(h[t:t+1]) (bound kernels read the head once for all rows)."""
+        return self.head_matmul(self.head_in_rows(h), out)
 
     def reset(self) -> None:
         """Start a new sequence (all layer state back to its fill values, in place)."""
@@ -202,7 +179,7 @@ class Transformer:
                                 f"RuntimeConfig.max_seq_len to at least {n_prompt + n_new} or "
                                 f"lower max_new_tokens")
 
-    # ---- prefill / decode --------------------------------------------------------------------
+    # ---- prefill -----------------------------------------------------------------------------
     @torch.inference_mode()
     def prefill(self, ids: torch.Tensor, start: int = 0, chunk: int | None = None,
                 progress: bool = False, mtp: bool = False) -> torch.Tensor:
@@ -215,61 +192,71 @@ class Transformer:
         the prompt; `progress` shows a bar on stderr when that takes PROGRESS_CHUNKS or more.
         mtp: the MTP block follows (reads every row whose next token is known: all but the
         last, which waits for the next token, see mtp_follow_token). May sync with the host.
-        With captured chunk graphs attached (self.prefill_graphs) the pieces of at most `chunk`
-        rows that PrefillGraphs.plan picks replay them instead (same state and logits)."""
-        s, cap = ids.shape[0], self.rt.max_seq_len
+        (A session replays captured chunks where they pay: dsv4.runtime.prefill.)"""
+        chunk = self.check_prefill(ids.shape[0], start, chunk)
+        if start == 0:
+            self.reset()
+        ids = ids.to(self.head_device)
+        with progress_bar(ids.shape[0], chunk, progress) as bar:
+            h = self.feed(ids, start, chunk, mtp, bar)
+        return self.logits(h[-1:].to(self.head_device))
+
+    def check_prefill(self, s: int, start: int, chunk: int | None) -> int:
+        """The chunk of a prefill of s tokens at `start` (default rt.prefill_chunk), or the error
+        naming the capacity or the chunk."""
+        cap = self.rt.max_seq_len
         chunk = self.rt.prefill_chunk if chunk is None else chunk
         if s < 1 or start < 0 or start + s > cap:
             raise CapacityError(f"prefill of {s} tokens at position {start}: positions must stay in "
                                 f"0..{cap - 1} (raise RuntimeConfig.max_seq_len to at least {start + s})")
         if chunk < 1:
             raise ConfigError(f"prefill chunk = {chunk}; expected a positive integer")
-        if start == 0:
-            self.reset()
-        ids = ids.to(self.head_device)
-        g = self.prefill_graphs
-        # pieces of at most the chunk replay where they pay
-        plan = g.plan(s, chunk) if g is not None and not mtp else [(s, False)]
-        bar = None
-        if progress and -(-s // chunk) >= PROGRESS_CHUNKS:
-            from tqdm import tqdm
-            bar = tqdm(total=s, desc="prefill", unit="tok", file=sys.stderr, leave=False)
-        h = out = None
-        try:
-            pos = start
-            for rows, graphed in plan:
-                if graphed:
-                    out, h = g.replay(ids[pos - start:pos - start + rows], pos), None
-                    if bar is not None:
-                        bar.update(rows)
-                else:
-                    for c0 in range(pos, pos + rows, chunk):
-                        piece = ids[c0 - start:min(c0 + chunk, pos + rows) - start]
-                        h = self._prefill_chunk(piece, c0)
-                        if mtp:
-                            self._mtp_follow(h, piece, c0,
-                                             ids[c0 - start + 1:c0 - start + chunk + 1])
-                        if bar is not None:
-                            bar.update(h.shape[0])
-                pos += rows
-        finally:
-            if bar is not None:
-                bar.close()
-        if h is None:
-            return out.clone()
-        return self.logits(h[-1:].to(self.head_device))
+        return chunk
 
-    def _prefill_chunk(self, ids: torch.Tensor, start: int) -> torch.Tensor:
+    def feed(self, ids: torch.Tensor, start: int, chunk: int, mtp: bool = False, bar=None
+             ) -> torch.Tensor:
+        """ids [s] (head device) at positions start.. in chunks of `chunk` rows through every layer
+        (the MTP block following, with mtp) -> the last chunk's h [n, c, D] (its last layer's
+        device). bar: a progress bar to advance (or None)."""
+        h = None
+        for c0 in range(start, start + ids.shape[0], chunk):
+            piece = ids[c0 - start:c0 - start + chunk]
+            h = self.prefill_chunk(piece, c0)
+            if mtp:
+                self._mtp_follow(h, piece, c0, ids[c0 - start + 1:c0 - start + chunk + 1])
+            if bar is not None:
+                bar.update(h.shape[0])
+        return h
+
+    def prefill_chunk(self, ids: torch.Tensor, start: int) -> torch.Tensor:
         """One chunk through every layer -> the last layer's h [s, c, D] (on its device)."""
-        h = self.embed_tokens(ids)
-        ids_on = {ids.device: ids}
         shared: dict = {}                  # positions, window rows: computed once per chunk
+        return self.run_layers(self.embed_tokens(ids), (ids,),
+                               lambda blk, st, h, ids: blk.prefill(h, ids, st, start, shared))
+
+    def run_layers(self, h: torch.Tensor, inputs: tuple, layer) -> torch.Tensor:
+        """The eager pass: h [rows, c, D] through every layer on its device, h and the `inputs`
+        (tensors on one device) handed over where the device changes; layer(blk, st, h,
+        *inputs) -> h. (The captured passes are one segment per layer: dsv4.runtime.passes.)"""
+        on = {inputs[0].device: inputs}
         for blk, st in zip(self.layers, self.states):
             dev = blk.device
-            if dev not in ids_on:
-                ids_on[dev] = ids.to(dev)
-            h = blk.prefill(h.to(dev), ids_on[dev], st, start, shared)
+            if dev not in on:
+                on[dev] = tuple(t.to(dev) for t in inputs)
+            h = layer(blk, st, h.to(dev), *on[dev])
         return h
+
+    # ---- one eager decode step (the reference of the runtime's captured step) ---------------
+    @torch.inference_mode()
+    def decode_hidden(self, token: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """decode_step without the head: -> the last layer's hidden stream [1, c, D]."""
+        return self.run_layers(self.embed_tokens(token), (token, pos),
+                               lambda blk, st, h, token, pos: blk.decode(h, token, pos, st))
+
+    @torch.inference_mode()
+    def decode_step(self, token: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """One token: token, pos [1] int64 on the head device -> logits [V] f32. No host sync."""
+        return self.logits(self.decode_hidden(token, pos).to(self.head_device))
 
     @torch.inference_mode()
     def hidden(self, ids: torch.Tensor, start: int) -> torch.Tensor:
@@ -278,7 +265,7 @@ class Transformer:
         holds positions < start + s (start == 0 resets it first)."""
         if start == 0:
             self.reset()
-        return self._prefill_chunk(ids.to(self.head_device), start)
+        return self.prefill_chunk(ids.to(self.head_device), start)
 
     # ---- the MTP block along the sequence ----------------------------------------------------
     def _mtp_follow(self, h: torch.Tensor, ids: torch.Tensor, pos0: int, nxt: torch.Tensor) -> None:
@@ -311,20 +298,17 @@ class Transformer:
         """The MTP block has read positions < length (no row waits)."""
         self.mtp_len, self.h_last = length, None
 
-    @torch.inference_mode()
-    def decode_hidden(self, token: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """decode_step without the head: -> the last layer's hidden stream [1, c, D]."""
-        h = self.embed_tokens(token)
-        inputs = {token.device: (token, pos)}
-        for blk, st in zip(self.layers, self.states):
-            dev = blk.device
-            if dev not in inputs:
-                inputs[dev] = (token.to(dev, non_blocking=True), pos.to(dev, non_blocking=True))
-            tok_d, pos_d = inputs[dev]
-            h = blk.decode(h.to(dev, non_blocking=True), tok_d, pos_d, st)
-        return h
 
-    @torch.inference_mode()
-    def decode_step(self, token: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """One token: token, pos [1] int64 on the head device -> logits [V] f32. No host sync."""
-        return self.logits(self.decode_hidden(token, pos).to(self.head_device, non_blocking=True))
+@contextlib.contextmanager
+def progress_bar(s: int, chunk: int, on: bool):
+    """A progress bar on stderr for a prefill of s tokens in chunks of `chunk`, when asked (on) and
+    it takes PROGRESS_CHUNKS or more; else None."""
+    bar = None
+    if on and -(-s // chunk) >= PROGRESS_CHUNKS:
+        from tqdm import tqdm
+        bar = tqdm(total=s, desc="prefill", unit="tok", file=sys.stderr, leave=False)
+    try:
+        yield bar
+    finally:
+        if bar is not None:
+            bar.close()

@@ -8,8 +8,16 @@ from __future__ import annotations
 
 import torch
 
-from ..weights.formats import (ACT_AMAX_FLOOR, FP4_AMAX_FLOOR, FP4_MAX, FP4_MAX_INV, FP8_MAX, FP8_MAX_INV,
-                      pow2_scale, round_e2m1)
+from ..weights.formats import (
+    ACT_AMAX_FLOOR,
+    FP4_AMAX_FLOOR,
+    FP4_MAX,
+    FP4_MAX_INV,
+    FP8_MAX,
+    FP8_MAX_INV,
+    pow2_scale,
+    round_e2m1,
+)
 
 
 def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:

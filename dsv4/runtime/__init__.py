@@ -6,6 +6,15 @@ decode step), `prefill` (a prompt in chunks, eager or replayed), `prefill_graphs
 `profiling`. Imports the backend, the model, weights, graphs/ and below; never the commands,
 the server or the benchmarks.
 """
-from .config import DTYPES, RuntimeConfig
+import importlib
 
-__all__ = ["DTYPES", "RuntimeConfig"]
+# name -> its module (imported on first use)
+_NAMES = {"RuntimeConfig": "config", "DTYPES": "config", "build_model": "build",
+          "load_model": "build", "Session": "session"}
+__all__ = sorted(_NAMES)
+
+
+def __getattr__(name: str):
+    if name in _NAMES:
+        return getattr(importlib.import_module(f"{__name__}.{_NAMES[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -130,7 +130,7 @@ def _eager_chunk_ms(model, S: int) -> float:
     ids = torch.randint(0, model.cfg.vocab_size, (S,), generator=gen, device=hd)
 
     def eager():
-        model.logits(model._prefill_chunk(ids, 0)[-1:].to(hd))
+        model.logits(model.prefill_chunk(ids, 0)[-1:].to(hd))
     model.reset()
     eager()                                   # compiles the kernels of this size
     model.reset()

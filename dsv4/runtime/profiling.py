@@ -108,7 +108,7 @@ class Profiler:
         self._prof.export_chrome_trace(str(trace))
         summary = per_segment_summary(trace, self.last - self.first + 1)
         summary["trace"] = str(trace)
-        summary["backend"] = self.session.model.backend_table()   # which kernel ran which op
+        summary["backend"] = self.session.model.binding.table()   # which kernel ran which op
         path = self.out_dir / f"summary-{stamp}.json"
         path.write_text(json.dumps(summary, indent=1))
         self.summary_path = str(path)

@@ -15,15 +15,18 @@ import torch
 
 from graphs import CUDAGraphDecoder
 
-from ..weights.checkpoint import open_checkpoint
 from ..errors import InputError
 from ..model.transformer import Transformer
-from .profiling import nvtx_range
-from .config import RuntimeConfig, layer_placement, resolve_mode
-from .sampling import SamplingKnobs, SamplingParams, sample
+from .build import load_model
+from .config import resolve_mode
 from .passes import DecodeBuffers, build_segments
+from .prefill import prefill
+from .profiling import nvtx_range
+from .sampling import SamplingKnobs, SamplingParams, sample
 from .snapshot import StateSnapshot
 from .speculative.policy import DEFAULT_MIN_ACCEPTANCE
+
+__all__ = ["FIX_HINTS", "GenerationResult", "Session", "check_token_ids", "load_model"]
 
 FIX_HINTS = ("lower RuntimeConfig.max_seq_len (smaller caches and graph memory)", "mode='eager'")
 
@@ -43,14 +46,6 @@ def check_token_ids(ids: Sequence[int], vocab_size: int) -> None:
         if not 0 <= tid < vocab_size:
             raise InputError(f"token id {tid} is out of range: the vocabulary has {vocab_size} ids "
                              f"(0..{vocab_size - 1})")
-
-
-def load_model(ckpt_dir, rt: RuntimeConfig, progress: bool | None = None):
-    """Open + validate a checkpoint, place layers over rt.devices by weight bytes, load weights."""
-    ckpt = open_checkpoint(ckpt_dir)
-    model = Transformer(ckpt.config, rt, layer_placement(ckpt, rt.devices))
-    model.load(ckpt, progress=progress)
-    return model, ckpt
 
 
 class Session:
@@ -105,7 +100,9 @@ class Session:
                 self.spec.capture()
             self.capture_s = time.perf_counter() - t
             if model.rt.prefill_graphs and model.prefill_graphs is None and self.spec is None:
-                from .prefill_graphs import PrefillGraphs   # short prompts replay chunk graphs
+                from .prefill_graphs import (
+                    PrefillGraphs,  # short prompts replay chunk graphs
+                )
                 model.prefill_graphs = PrefillGraphs(model, model.rt.prefill_graphs)
                 self.capture_s += model.prefill_graphs.capture_s
 
@@ -196,9 +193,9 @@ class Session:
             return self._logits.clone()
         if start == 0:
             self.reset()
-        logits = self.model.prefill(torch.tensor(feed, dtype=torch.int64,
-                                                 device=self.model.head_device), start,
-                                    progress=progress, mtp=self.spec is not None)
+        logits = prefill(self.model, torch.tensor(feed, dtype=torch.int64,
+                                                  device=self.model.head_device), start,
+                         progress=progress, mtp=self.spec is not None)
         self.length, self.pending, self._logits = start + len(feed), None, logits
         return logits.clone()
 
@@ -386,9 +383,9 @@ class Session:
         if not feed:
             return held
         with nvtx_range("prefill"):
-            return self.model.prefill(torch.tensor(feed, dtype=torch.int64,
-                                                   device=self.model.head_device), start,
-                                      progress=progress, mtp=self.spec is not None)
+            return prefill(self.model, torch.tensor(feed, dtype=torch.int64,
+                                                    device=self.model.head_device), start,
+                           progress=progress, mtp=self.spec is not None)
 
 
 def _timings(n_feed: int, n_dec: int, t0: float, t1: float, t2: float) -> dict:

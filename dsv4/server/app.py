@@ -17,8 +17,15 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .engine import Engine, Job
-from .openai_api import (ChunkWriter, Defaults, chat_job, chat_response, completion_job,
-                         completion_response, new_id)
+from .openai_api import (
+    ChunkWriter,
+    Defaults,
+    chat_job,
+    chat_response,
+    completion_job,
+    completion_response,
+    new_id,
+)
 from .schemas import ApiError, ChatRequest, CompletionRequest
 
 

@@ -11,9 +11,9 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from ..text.chat import THINK_START
 from ..errors import UserInputError
 from ..runtime.sampling import SamplingParams
+from ..text.chat import THINK_START
 from ..text.tokenizer import build_prompt_ids
 from .engine import Job
 from .reply import ReplyParser

@@ -12,8 +12,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..text.chat import INVOKE_CLOSE, THINK_END, TOOL_CALLS_CLOSE, TOOL_CALLS_OPEN, \
-    parse_tool_calls
+from ..text.chat import (
+    INVOKE_CLOSE,
+    THINK_END,
+    TOOL_CALLS_CLOSE,
+    TOOL_CALLS_OPEN,
+    parse_tool_calls,
+)
 
 REASONING, CONTENT, CALLS, DONE = "reasoning", "content", "calls", "done"
 

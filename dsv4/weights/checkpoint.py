@@ -18,9 +18,14 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
+from ..errors import (
+    CheckpointError,
+    CorruptFileError,
+    MissingFileError,
+    TensorMismatchError,
+)
 from . import dspark
 from .config import FP4_BLOCK, FP8_BLOCK, ModelConfig
-from ..errors import CheckpointError, CorruptFileError, MissingFileError, TensorMismatchError
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"

@@ -15,9 +15,9 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Mapping
 
+from ..errors import ConfigError, MissingFileError
 from . import dspark as _dspark
 from .dspark import DSparkConfig
-from ..errors import ConfigError, MissingFileError
 
 FP8_BLOCK = 128   # weight block (both dims) and activation-quant block of FP8 linears
 FP4_BLOCK = 32    # FP4 expert scale group along K

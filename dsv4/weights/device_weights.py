@@ -10,10 +10,15 @@ from collections import OrderedDict
 
 import torch
 
-from .checkpoint import (EXACT_CASTS, ITEMSIZE, TORCH_DTYPES, expected_tensor_table,
-                         load_with_progress)
-from .config import ModelConfig
 from ..errors import TensorMismatchError
+from .checkpoint import (
+    EXACT_CASTS,
+    ITEMSIZE,
+    TORCH_DTYPES,
+    expected_tensor_table,
+    load_with_progress,
+)
+from .config import ModelConfig
 from .formats import FP8_BLOCK, quantize_fp4_weight, quantize_fp8_weight
 from .synthetic import init_tensor, tensor_seed
 

@@ -18,10 +18,19 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from .checkpoint import (INDEX_NAME, ITEMSIZE, PROGRESS_MIN_BYTES, SINGLE_NAME, TORCH_DTYPES,
-                         _block, _hc_head, _linear, expected_tensor_table)
-from .config import ModelConfig
 from ..errors import CheckpointError, ConfigError
+from .checkpoint import (
+    INDEX_NAME,
+    ITEMSIZE,
+    PROGRESS_MIN_BYTES,
+    SINGLE_NAME,
+    TORCH_DTYPES,
+    _block,
+    _hc_head,
+    _linear,
+    expected_tensor_table,
+)
+from .config import ModelConfig
 from .formats import quantize_fp4_weight, quantize_fp8_weight
 
 WEIGHT_MODES = ("fp8", "bf16")

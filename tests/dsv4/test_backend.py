@@ -1,17 +1,22 @@
 """dsv4.backend on the CPU: the switches read once from the environment (Options.from_env), the
-decision per device (resolve) and per model (its config), the table the CLI reports, and a model
-that hands its backend to every layer and swaps it on request (Transformer.use_options)."""
+decision per device (resolve) and per model (its config), the table the CLI reports, and the
+binding of every sublayer to one implementation (dsv4.backend.bind), again on request."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from dsv4.backend import decision as backend
+from dsv4.backend.binding import bind, bind_block
+from dsv4.backend.ops import Ops
 from dsv4.backend.decision import BRANCHES, Options, resolve
-from dsv4.weights.device_weights import DeviceWeights
+from dsv4.backend.fused import attention as fused_attention
+from dsv4.backend.fused.linear import KernelLinear
 from dsv4.model.transformer import Transformer
-from dsv4.weights.presets import TINY
+from dsv4.runtime.build import build_model
 from dsv4.runtime.config import RuntimeConfig
+from dsv4.weights.device_weights import DeviceWeights
+from dsv4.weights.presets import TINY
 
 @pytest.fixture
 def gpu(monkeypatch):
@@ -64,7 +69,7 @@ def test_cpu_interpreter_runs_the_prefill_kernels(monkeypatch):
 def test_gpu_table(gpu):
     be = resolve("cuda:0", torch.bfloat16, TINY, Options())
     t = be.table()
-    assert be.kernels and be.prefill == "triton" and be.cuda == "ok" and be.pdl
+    assert be.kernels and be.prefill == "triton" and be.gemv == "cuda" and be.pdl
     assert be.branches == frozenset(BRANCHES) and t["launch.branches"] == "attn,mhc,moe"
     for op in ("decode.mhc", "decode.attention", "decode.compressor", "decode.indexer",
                "decode.linear_bf16", "decode.head", "speculative.journal"):
@@ -95,29 +100,72 @@ def test_model_decisions_follow_the_config(gpu):
     assert not resolve("cuda:0").fused_decode           # no config: no sublayer decisions
 
 
-def test_transformer_hands_its_backend_to_every_layer():
+def _bound(m) -> dict:
+    """sublayer op -> whether it is bound to its torch reference, over every layer."""
+    out = {}
+    for blk in m.layers:
+        a = blk.attn
+        pairs = {"block.decode_rows": (blk.decode_rows, blk.decode_rows_reference),
+                 "attn.decode_rows": (a.decode_rows, a.decode_rows_reference),
+                 "attn.prefill": (a.prefill, a.prefill_reference),
+                 "moe.decode_rows": (blk.ffn.decode_rows, blk.ffn.decode_rows_reference),
+                 "moe.prefill_experts": (blk.ffn.prefill_experts,
+                                         blk.ffn.prefill_experts_reference)}
+        for c in (a.compressor, a.indexer and a.indexer.compressor):
+            if c:
+                pairs["compressor.decode"] = (c.decode, c.decode_reference)
+                pairs["compressor.prefill"] = (c.prefill, c.prefill_reference)
+        for lin in blk.weights()[:-1]:
+            pairs["linear"] = (lin.forward, lin.reference)
+        for k, (bound, ref) in pairs.items():
+            out.setdefault(k, set()).add(bound == ref)
+    return {k: v.pop() if len(v) == 1 else None for k, v in out.items()}
+
+
+def test_build_binds_every_sublayer_once():
+    """On the CPU every sublayer runs its torch reference; the binding reports its table and
+    can be redone with other switches (captured steps keep what they were captured with)."""
     rt = RuntimeConfig(max_seq_len=64, options=Options())
-    m = Transformer(TINY.replace(vocab_size=512), rt)
-    assert m.options is rt.options and set(m.ops_on) == {torch.device("cpu")}
-    ops = m.ops
-    for blk in m.layers:
-        parts = [blk, blk.attn, blk.ffn, *blk.weights()]
-        assert all(getattr(p, "ops", ops) is ops for p in parts)
-    assert m.backend_table()["decode.mhc"] == "torch"
-    m.use_options(Options(pdl=False))
-    assert m.ops is not ops and m.options.pdl is False
-    for blk in m.layers:
-        for p in [blk, blk.attn, blk.ffn, *blk.weights()]:
-            assert getattr(p, "ops", m.ops) is m.ops
+    m = build_model(TINY.replace(vocab_size=512), rt)
+    assert m.binding.options is rt.options and set(m.binding.ops_on) == {torch.device("cpu")}
+    assert all(_bound(m).values()), _bound(m)
+    assert m.binding.table()["decode.mhc"] == "torch"
+    before = m.binding
+    bind(m, Options(pdl=False))
+    assert m.binding is not before and m.binding.options.pdl is False
     with pytest.raises(Exception, match="options"):
         RuntimeConfig(options={"pdl": False})
 
 
-def test_environment_read_once_at_construction(monkeypatch):
-    """The model reads the switches when it is built, not while it runs."""
-    monkeypatch.setenv("DSV4_PDL", "0")
+def test_a_transformer_alone_runs_the_reference():
+    """A Transformer built without the runtime is the torch math (no binding, nothing read)."""
     m = Transformer(TINY.replace(vocab_size=512), RuntimeConfig(max_seq_len=64))
-    assert m.options.pdl is False
+    assert m.binding is None and all(_bound(m).values())
+
+
+def test_gpu_binding_takes_the_fused_paths(gpu):
+    """As on a GPU with the kernels: each sublayer bound to its fused implementation once (the
+    model's math never asks the backend again); DSV4_KERNELS=0 binds the references back."""
+    m = Transformer(TINY.replace(vocab_size=512), RuntimeConfig(max_seq_len=64,
+                                                                devices=("meta",)))
+    be = resolve("cuda:0", torch.bfloat16, m.cfg, Options())   # a GPU's decision, bound by hand
+    for blk in m.layers:
+        bind_block(blk, Ops(be))
+    bound = _bound(m)
+    assert not any(bound.values()), bound
+    assert all(isinstance(blk.attn.wq_a.forward, KernelLinear) for blk in m.layers)
+    assert all(blk.attn.decode_rows.func is fused_attention.decode_rows for blk in m.layers)
+    off = resolve("cuda:0", torch.bfloat16, m.cfg, Options(kernels="0"))
+    for blk in m.layers:
+        bind_block(blk, Ops(off))
+    assert all(_bound(m).values())
+
+
+def test_environment_read_once_at_build(monkeypatch):
+    """The switches are read when the model is built, not while it runs."""
+    monkeypatch.setenv("DSV4_PDL", "0")
+    m = build_model(TINY.replace(vocab_size=512), RuntimeConfig(max_seq_len=64))
+    assert m.binding.options.pdl is False
     monkeypatch.setattr(Options, "from_env", classmethod(lambda cls, env=None: pytest.fail(
         "the environment was read again")))
     m.load(DeviceWeights(m.cfg, 0))

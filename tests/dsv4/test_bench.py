@@ -7,7 +7,9 @@ import json
 import pytest
 import torch
 
-from dsv4.bench import decode as bench
+from dsv4.bench import decode as bench_decode
+from dsv4.bench.decode import capacity_for
+from dsv4.cli import bench
 from dsv4.bench import memory
 from dsv4.weights.checkpoint import open_checkpoint
 from dsv4.weights.device_weights import DeviceWeights
@@ -164,9 +166,9 @@ def test_bad_arguments_exit_2(capsys):
 
 
 def test_capacity():
-    assert bench.capacity_for(40, 2, 1) == 256
-    assert bench.capacity_for(4096, 100, 10) == 4352          # 4207 rounded up to 256
-    assert bench.capacity_for(65536, 100, 10) % 256 == 0
+    assert capacity_for(40, 2, 1) == 256
+    assert capacity_for(4096, 100, 10) == 4352          # 4207 rounded up to 256
+    assert capacity_for(65536, 100, 10) % 256 == 0
 
 
 def test_prefill_bench_on_cpu(capsys):
@@ -248,7 +250,7 @@ def test_cpu_memory_check_counts_dequantized_copies(capsys, monkeypatch):
     assert cpu["cpu"]["reserve"] >= bank * memory.DEQUANT_FP4 > gpu["cuda:0"]["reserve"]
     monkeypatch.setattr(memory, "free_memory", lambda d: 24 * 2**30)   # the 24 GB machine
     generated = []
-    monkeypatch.setattr(bench, "DeviceWeights", lambda *a: generated.append(a))
+    monkeypatch.setattr(bench_decode, "DeviceWeights", lambda *a: generated.append(a))
     rc = bench.main(["--preset", "flash", "--devices", "cpu", "--layers", "1", "--steps", "2"])
     err = capsys.readouterr().err
     assert rc == 2 and not generated, err

@@ -1,4 +1,4 @@
-"""Captured prefill chunks (dsv4/prefill_graphs.py): the piece decomposition and knobs on the CPU;
+"""Captured prefill chunks (dsv4/runtime/prefill_graphs.py): the piece decomposition and knobs on the CPU;
 on a GPU, replay == the same pieces run eagerly, bit for bit (logits and every state row), at the
 start of a sequence and continuing it, with no host sync in warm-up, capture or replay."""
 import pytest

@@ -1,4 +1,4 @@
-"""The host rule that picks speculative or plain steps (dsv4/spec_policy.py): it backs off while
+"""The host rule that picks speculative or plain steps (dsv4/runtime/speculative/policy.py): it backs off while
 drafts fail, doubling the plain run up to its cap, keeps drafting while they pass, and decides from
 accepted counts alone."""
 import pytest

@@ -1,4 +1,4 @@
-"""The speculative step as segments (dsv4/spec_step.py): on the CPU, a step reads no tensor value
+"""The speculative step as segments (dsv4/runtime/speculative/step.py): on the CPU, a step reads no tensor value
 on the host and the journal puts back exactly the slots of dropped rows; on a GPU, the journal
 kernel equals its torch reference, graph replay equals the eager step bit for bit (greedy and
 sampled), greedy speculation in graph mode equals plain graph decoding bit for bit, the verify
@@ -11,7 +11,7 @@ from dsv4.backend.ops import Ops
 from dsv4.runtime.config import RuntimeConfig
 from dsv4.runtime.sampling import SamplingParams
 from dsv4.runtime.session import Session, load_model
-from dsv4.runtime.speculative.verify import Journal
+from dsv4.runtime.speculative.journal import Journal
 from dsv4.model.state import LayerState
 from helpers import SMALL, small_checkpoint
 
@@ -181,7 +181,7 @@ def test_decode_rows_equal_decode_steps(tmp_path_factory, T, weights):
     g = torch.Generator(device="cuda").manual_seed(T)
     h = torch.randn(T, c, D, generator=g, device="cuda").to(torch.bfloat16)
     ids = torch.randint(0, m.cfg.vocab_size, (T,), generator=g, device="cuda")
-    assert all(blk.ops.backend.mhc_decode for blk in m.layers)     # the fused path
+    assert all(m.binding.ops(blk.device).backend.mhc_decode for blk in m.layers)   # fused
     blocks = [(blk, st) for blk, st in zip(m.layers, m.states)] + [(m.mtp.block, m.mtp.state)]
     for p0 in (37, 38, 39):
         pos = torch.tensor([p0], device="cuda")

@@ -20,9 +20,8 @@ import math
 
 import torch
 
-from . import lib as cuda_lib
 from ..common import CudaConfig, MmaConfig, on_device, pdl
-
+from . import lib as cuda_cpp
 
 # CUDA C++ kernel configs measured best on an H200 (bench_kernels --sweep --backend cuda) for the
 # Flash shapes, keyed (rows, K, rows per x group or 0, matrices per row); others: cuda_config.
@@ -117,10 +116,10 @@ def _operands(x, w, s, w3, s3, out, quant, second):
     if out.dtype not in (torch.float32, torch.bfloat16) or x.dtype not in (torch.float32,
                                                                            torch.bfloat16):
         raise ValueError(f"fp8 GEMV: x {x.dtype} / out {out.dtype}; expected bfloat16 or float32")
-    flags = ((cuda_lib.FLAG_X_F32 if x.dtype == torch.float32 else 0)
-             | (cuda_lib.FLAG_Y_F32 if out.dtype == torch.float32 else 0)
-             | (cuda_lib.FLAG_QUANT if quant else 0)
-             | (cuda_lib.FLAG_TWO if second is not None else 0))
+    flags = ((cuda_cpp.FLAG_X_F32 if x.dtype == torch.float32 else 0)
+             | (cuda_cpp.FLAG_Y_F32 if out.dtype == torch.float32 else 0)
+             | (cuda_cpp.FLAG_QUANT if quant else 0)
+             | (cuda_cpp.FLAG_TWO if second is not None else 0))
     u8 = torch.uint8
     if second is not None:
         return flags, (second[0].view(u8), second[1].view(u8), second[2])
@@ -140,7 +139,7 @@ def launch_cuda(x, w, s, w3, s3, out, limit, quant, ng, rows, K, cfg: CudaConfig
     flags, (w1, s1, y1) = _operands(x, w, s, w3, s3, out, quant, second)
     u8 = torch.uint8
     with on_device(out):
-        cuda_lib.fp8_gemv(cuda_lib.lib_for(out.device), x, w.view(u8), s.view(u8), out, w1, s1, y1,
+        cuda_cpp.fp8_gemv(cuda_cpp.lib_for(out.device), x, w.view(u8), s.view(u8), out, w1, s1, y1,
                           n0=n0, rows=rows, K=K, ng=ng, limit=float(limit), flags=flags,
                           swiglu=w3 is not None, cfg=cfg, pdl=pdl(out, pdl_on), nx=T,
                           xs=x.numel() // T, ys0=out.numel() // T, ys1=y1.numel() // T)
@@ -160,11 +159,11 @@ def launch_mma(x, w, s, w3, s3, out, limit, quant, ng, rows, K, cfg: MmaConfig, 
     flags, (w1, s1, y1) = _operands(x, w, s, w3, s3, out, quant, second)
     u8 = torch.uint8
     xs, ys0, ys1 = x.numel() // T, out.numel() // T, y1.numel() // T
-    lib = cuda_lib.lib_for(out.device)
+    lib = cuda_cpp.lib_for(out.device)
     with on_device(out):
         for t0 in range(0, T, MMA_MAX_X):
             nx = min(MMA_MAX_X, T - t0)
-            cuda_lib.fp8_gemv_mma(lib, x.view(-1)[t0 * xs:], w.view(u8), s.view(u8),
+            cuda_cpp.fp8_gemv_mma(lib, x.view(-1)[t0 * xs:], w.view(u8), s.view(u8),
                                   out.view(-1)[t0 * ys0:], w1, s1, y1.view(-1)[t0 * ys1:], n0=n0,
                                   rows=rows, K=K, ng=ng, limit=float(limit), flags=flags,
                                   swiglu=w3 is not None, cfg=cfg, pdl=pdl(out, pdl_on), nx=nx,

@@ -164,17 +164,23 @@ def usable(*tensors: torch.Tensor) -> bool:
     return all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in tensors)
 
 
-def pick(what: str, backend: str | None, *tensors: torch.Tensor, fits: bool = True,
-         declined: bool = False, insisted: bool = False) -> bool:
-    """Whether one launch of `what` takes the CUDA C++ kernel (else the Triton one): not when the
-    caller asks for Triton (backend "triton", or `declined`: an option only Triton has); yes when
-    the kernel `fits` the launch and is usable(*tensors); a caller that insists on CUDA (backend
-    "cuda", or `insisted`: a CUDA config) and cannot have it gets a ValueError naming status()."""
-    if backend == "triton" or declined:
+IMPLS = ("cuda", "triton")   # who serves an op that has both (dsv4.backend: Backend.gemv)
+
+
+def pick(what: str, impl: str, *tensors: torch.Tensor, fits: bool = True,
+         declined: bool = False, strict: bool = False) -> bool:
+    """Whether one launch of `what` takes the CUDA C++ kernel (else the Triton one). impl: the
+    backend's decision for the device, "cuda" (the CUDA C++ library serves it) or "triton". Not
+    when impl is "triton" or the call is `declined` (an option only Triton has); with "cuda", yes
+    when the kernel `fits` this launch and is usable(*tensors), else Triton, unless `strict` (a
+    CUDA launch config was given, or a test insists): then a ValueError naming status()."""
+    if impl not in IMPLS:
+        raise ValueError(f"{what}: impl = {impl!r}; expected one of {IMPLS}")
+    if impl == "triton" or declined:
         return False
     if fits and usable(*tensors):
         return True
-    if backend == "cuda" or insisted:
+    if strict:
         raise ValueError(f"{what}: the CUDA kernel is unavailable for these tensors "
                          f"({status(tensors[0].device)})")
     return False

@@ -15,9 +15,21 @@ import triton.language as tl
 
 from ...numerics.rope import apply_rope, cos_sin
 from ...numerics.sparse import sparse_attention
+from ..common import (
+    NEG_INF,
+    dot_bf16,
+    from_pairs,
+    interpreting,
+    launch_args,
+    load_pos,
+    on_device,
+    pdl_wait,
+    rope_cos_sin,
+    rope_pairs,
+    round_bf16,
+    to_pairs,
+)
 from .attention_prep import HATCH
-from ..common import (NEG_INF, dot_bf16, from_pairs, interpreting, launch_args, load_pos,
-                      on_device, pdl_wait, rope_cos_sin, rope_pairs, round_bf16, to_pairs)
 
 MODE_WINDOW, MODE_RATIO, MODE_INDEXED = 0, 1, 2   # compressed entries: none / implicit / top-k
 

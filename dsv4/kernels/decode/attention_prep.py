@@ -1,4 +1,4 @@
-"""Fused q/kv prep kernels for decode tokens, ahead of the sparse attention (attention_decode.py):
+"""Fused q/kv prep kernels for decode tokens, ahead of the sparse attention (attention.py):
 q_norm RMSNorm (1 launch), then q's per-head RMSNorm + RoPE and kv's RMSNorm + RoPE + FP8
 fake-quant with the ring write (1; the verify rows: every row's q and kv without the ring write).
 References: dsv4.model.attention (_q_kv), attention_prep_reference below.
@@ -13,8 +13,18 @@ import triton.language as tl
 from ...numerics.mhc import rms_norm
 from ...numerics.quant import fp8_quant_dequant
 from ...numerics.rope import apply_rope, cos_sin
-from ..common import (fp8_fake_quant_rows, from_pairs, launch_args, load_pos, on_device, pdl_wait,
-                      rope_cos_sin, rope_pairs, round_bf16, to_pairs)
+from ..common import (
+    fp8_fake_quant_rows,
+    from_pairs,
+    launch_args,
+    load_pos,
+    on_device,
+    pdl_wait,
+    rope_cos_sin,
+    rope_pairs,
+    round_bf16,
+    to_pairs,
+)
 
 HATCH = "DSV4_KERNELS=0 runs the torch path"
 

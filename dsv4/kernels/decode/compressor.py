@@ -8,9 +8,21 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common import (NEG_INF, fp4_fake_quant_rows, fp8_fake_quant_rows, from_pairs,
-                      hadamard_pairs_row, launch_args, load_pos, on_device, pdl_wait, rope_cos_sin,
-                      rope_pairs, round_bf16, to_pairs)
+from ..common import (
+    NEG_INF,
+    fp4_fake_quant_rows,
+    fp8_fake_quant_rows,
+    from_pairs,
+    hadamard_pairs_row,
+    launch_args,
+    load_pos,
+    on_device,
+    pdl_wait,
+    rope_cos_sin,
+    rope_pairs,
+    round_bf16,
+    to_pairs,
+)
 
 # ---- the compressor step --------------------------------------------------------------------
 

@@ -2,10 +2,11 @@
 route weight) -> a [k, I] bf16, and `fp4_experts_down` (w2, per-expert bf16, fp32 sum in order) ->
 y [1, D] float32. Weights [E, out, in/2] int8 (e2m1 pairs) + [E, out, in/32] ue8m0.
 Two implementations: the CUDA C++ kernels on tensor cores (csrc/fp4_up.cu, fp4_down.cu via
-dsv4.kernels.cuda_lib; the default where available: e2m1 decoded to f16 in registers, f16 MMAs
+dsv4.kernels.cuda.lib; the default where available: e2m1 decoded to f16 in registers, f16 MMAs
 with float32 accumulation per 32-group, the group scale applied in float32) and the Triton kernels
-below (the fallback, and the interpreter tests). `backend=` / the config type pick one.
-The CUDA kernels' launch configs: dsv4/kernels/expert_cuda.py.
+below (the fallback, and the interpreter tests). `impl=` (the backend's decision: "cuda" or
+"triton") / the config type pick one.
+The CUDA kernels' launch configs: dsv4/kernels/cuda/experts.py.
 Test: `python -m pytest tests/dsv4/kernels/test_decode_kernels.py`; bench: `python scripts/bench_kernels.py`.
 """
 from __future__ import annotations
@@ -17,15 +18,32 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ...weights.formats import FP4_BLOCK, dequantize_fp4_weight
 from ...numerics.quant import fp8_quant_dequant
-from ..cuda import lib as cuda_lib
-from ..common import (Config, block_exponent, e2m1_word_to_f32, e8m0_to_f32, interpreting,
-                     launch_args, on_device, pdl_wait, pick_config, quant_dequant, round_bf16)
+from ...weights.formats import FP4_BLOCK, dequantize_fp4_weight
+from ..common import (
+    Config,
+    block_exponent,
+    e2m1_word_to_f32,
+    e8m0_to_f32,
+    interpreting,
+    launch_args,
+    on_device,
+    pdl_wait,
+    pick_config,
+    quant_dequant,
+    round_bf16,
+)
 from ..common import pdl as pdl_on
-from ..cuda.experts import (TUNED_CUDA_UP, UP_STREAM_MAX_K, UP_STREAM_ROWS, ExpertCudaConfig,
-                          cuda_down_config, cuda_expert_config, down_workspace)
-
+from ..cuda import lib as cuda_cpp
+from ..cuda.experts import (
+    TUNED_CUDA_UP,
+    UP_STREAM_MAX_K,
+    UP_STREAM_ROWS,
+    ExpertCudaConfig,
+    cuda_down_config,
+    cuda_expert_config,
+    down_workspace,
+)
 
 # The e2m1 decode (e2m1_word_to_f32): 4 nibbles become e4m3 bytes in three 32-bit ops (inline PTX),
 # then hardware e4m3x2 -> f16x2 -> f32 casts, then one FMA per weight.
@@ -210,7 +228,7 @@ def fp4_experts_up(x: torch.Tensor, idx: torch.Tensor, route_w: torch.Tensor, w1
                    s1: torch.Tensor, w3: torch.Tensor, s3: torch.Tensor, limit: float, *,
                    out: torch.Tensor | None = None,
                    config: Config | ExpertCudaConfig | None = None,
-                   backend: str | None = None, pdl: bool = True) -> torch.Tensor:
+                   impl: str = "cuda", strict: bool = False, pdl: bool = True) -> torch.Tensor:
     """x [1, D] bf16, idx [k] int64 (device), route_w [k] f32 -> a [k, I] bf16 with
     a[j] = bf16(silu(g) * u * route_w[j]), g/u = bf16(W8A8 w1/w3 of expert idx[j] at x), u clamped
     to +-limit and g from above (limit 0: none). Capture-safe (experts read on device).
@@ -225,8 +243,8 @@ def fp4_experts_up(x: torch.Tensor, idx: torch.Tensor, route_w: torch.Tensor, w1
     if out is None:
         out = torch.empty(k, I, dtype=torch.bfloat16, device=x.device)
     xc, rw = x.contiguous(), route_w.to(torch.float32).contiguous()
-    if (cuda_lib.pick("fp4 experts", backend, xc, w1, w3, out, declined=isinstance(config, Config),
-                      insisted=isinstance(config, ExpertCudaConfig))
+    if (cuda_cpp.pick("fp4 experts", impl, xc, w1, w3, out, declined=isinstance(config, Config),
+                      strict=strict or isinstance(config, ExpertCudaConfig))
             and I % 16 == 0 and idx.dtype == torch.int64):
         ccfg = config if isinstance(config, ExpertCudaConfig) else cuda_expert_config(
             D, TUNED_CUDA_UP, (k // T, I, D))
@@ -238,18 +256,18 @@ def fp4_experts_up(x: torch.Tensor, idx: torch.Tensor, route_w: torch.Tensor, w1
                 ccfg = replace(ccfg, ctas=min(ccfg.ctas, sms))
         if ccfg is not None:
             with on_device(out):
-                cuda_lib.fp4_up(cuda_lib.lib_for(out.device), xc, idx.contiguous(), rw,
+                cuda_cpp.fp4_up(cuda_cpp.lib_for(out.device), xc, idx.contiguous(), rw,
                                 w1, s1.view(torch.uint8), w3, s3.view(torch.uint8), out,
                                 float(limit), I, D, k, ccfg, pdl_on(out, pdl), kpr=k // T)
             return out
-        if backend == "cuda" or isinstance(config, ExpertCudaConfig):
+        if strict or isinstance(config, ExpertCudaConfig):
             raise ValueError(f"fp4_experts_up: no CUDA config for D = {D}")
     if T > 1:   # Triton: one launch per row
         n = k // T
         for t in range(T):
             fp4_experts_up(xc.view(T, D)[t:t + 1], idx[t * n:(t + 1) * n], rw[t * n:(t + 1) * n],
                            w1, s1, w3, s3, limit, out=out[t * n:(t + 1) * n], config=config,
-                           backend="triton")
+                           impl="triton")
         return out
     cfg = config or up_config(k, I, D)
     with on_device(out):
@@ -267,7 +285,7 @@ def fp4_experts_down(a: torch.Tensor, idx: torch.Tensor, w2: torch.Tensor, s2: t
                      add: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32,
                      out: torch.Tensor | None = None,
                      config: Config | ExpertCudaConfig | None = None,
-                     backend: str | None = None, workspace: tuple | None = None,
+                     impl: str = "cuda", strict: bool = False, workspace: tuple | None = None,
                      rows: int = 1, pdl: bool = True) -> torch.Tensor:
     """a [k, I] bf16, idx [k] int64 -> y [1, D] = sum_j bf16(W8A8 w2[idx[j]] @ a[j]), summed in fp32
     in slot order j = 0..k-1 (pass idx sorted to match the reference), plus `add` ([1, D], e.g. the
@@ -291,9 +309,9 @@ def fp4_experts_down(a: torch.Tensor, idx: torch.Tensor, w2: torch.Tensor, s2: t
         raise ValueError(f"fp4_experts_down: out {tuple(out.shape)}; expected [{rows}, {D}]")
     ac = a.contiguous()
     addc = None if add is None else add.contiguous()
-    if (cuda_lib.pick("fp4 experts", backend, ac, w2, out, *(() if addc is None else (addc,)),
+    if (cuda_cpp.pick("fp4 experts", impl, ac, w2, out, *(() if addc is None else (addc,)),
                       declined=isinstance(config, Config),
-                      insisted=isinstance(config, ExpertCudaConfig))
+                      strict=strict or isinstance(config, ExpertCudaConfig))
             and D % 16 == 0 and idx.dtype == torch.int64
             and (addc is None or addc.dtype == torch.bfloat16)):
         ccfg = config if isinstance(config, ExpertCudaConfig) else cuda_down_config(k // rows, I, D)
@@ -304,7 +322,7 @@ def fp4_experts_down(a: torch.Tensor, idx: torch.Tensor, w2: torch.Tensor, s2: t
                 raise ValueError(f"fp4_experts_down: workspace {tuple(ws.shape)} / {cnt.numel()} "
                                  f"does not fit k = {k}, D = {D}")
             with on_device(out):
-                cuda_lib.fp4_down(cuda_lib.lib_for(out.device), ac, idx.contiguous(), w2,
+                cuda_cpp.fp4_down(cuda_cpp.lib_for(out.device), ac, idx.contiguous(), w2,
                                   s2.view(torch.uint8), addc, out, ws, cnt, D, I, k // rows,
                                   out.dtype == torch.float32, ccfg, pdl_on(out, pdl), rows=rows)
             return out
@@ -314,7 +332,7 @@ def fp4_experts_down(a: torch.Tensor, idx: torch.Tensor, w2: torch.Tensor, s2: t
             fp4_experts_down(ac[t * n:(t + 1) * n], idx[t * n:(t + 1) * n], w2, s2,
                              add=None if addc is None else addc.view(rows, D)[t:t + 1],
                              out_dtype=out_dtype, out=out.view(rows, D)[t:t + 1], config=config,
-                             backend=backend, workspace=workspace, pdl=pdl)
+                             impl=impl, strict=strict, workspace=workspace, pdl=pdl)
         return out
     cfg = config or down_config(k, I, D)
     with on_device(out):

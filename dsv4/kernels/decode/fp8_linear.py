@@ -3,9 +3,9 @@ shared-expert `fp8_swiglu`, and grouped wo_a (no act quant). x [T, K] -> y [T, N
 s [N/128, K/128] (T = 1 in decoding; T > 1, the speculative verify rows, reads each weight once in
 the CUDA kernels). Implementations with the same semantics (float32 sums of the exact products, in
 different orders): the CUDA C++ kernels (csrc/fp8_gemv.cu, fp8_mma.cu; configs and launchers in
-fp8_cuda.py: the tensor-core kernel for the shapes it fits, else the CUDA-core one; the default
+kernels/cuda/fp8.py: the tensor-core kernel for the shapes it fits, else the CUDA-core one; the default
 where the library is available) and the Triton kernel below (the fallback, and the interpreter
-tests). `backend=` / the config type pick one.
+tests). `impl=` (the backend's decision: "cuda" or "triton") / the config type pick one.
 Test: `python -m pytest tests/dsv4/kernels/test_decode_kernels.py`; bench: `python scripts/bench_kernels.py`.
 """
 from __future__ import annotations
@@ -14,12 +14,24 @@ import torch
 import triton
 import triton.language as tl
 
-from ...weights.formats import FP8_BLOCK, dequantize_fp8_weight
 from ...numerics.quant import fp8_quant_dequant
-from ..cuda import lib as cuda_lib
-from ..common import (Config, CudaConfig, MmaConfig, block_exponent, e4m3_to_f32, e8m0_to_f32,
-                     interpreting, launch_args, on_device, pdl_wait, pick_config, quant_dequant,
-                     round_bf16)
+from ...weights.formats import FP8_BLOCK, dequantize_fp8_weight
+from ..common import (
+    Config,
+    CudaConfig,
+    MmaConfig,
+    block_exponent,
+    e4m3_to_f32,
+    e8m0_to_f32,
+    interpreting,
+    launch_args,
+    on_device,
+    pdl_wait,
+    pick_config,
+    quant_dequant,
+    round_bf16,
+)
+from ..cuda import lib as cuda_cpp
 from ..cuda.fp8 import cuda_config, launch_cuda, launch_mma, mma_config
 
 TILE_BYTES = 16384   # weight bytes per program and step (one matrix); half of it for fp8_swiglu
@@ -171,7 +183,7 @@ def _check(w, s, what="fp8 GEMV"):
 
 
 def _launch(x, w, s, w3, s3, out, limit, quant, group_k, out_dtype, config, native, second=None,
-            add=None, backend=None, pdl=True):
+            add=None, impl="cuda", strict=False, pdl=True):
     """One launch: y = x @ w (+ w3 SwiGLU, + add); second = (wb, sb, outb): programs past the
     first matrix's compute wb on the same x into outb. x [T, G*K]: T activation rows (T > 1: the
     CUDA kernel reads each weight once for all rows; Triton launches once per row)."""
@@ -203,9 +215,9 @@ def _launch(x, w, s, w3, s3, out, limit, quant, group_k, out_dtype, config, nati
     extra = (() if second is None else second) + (() if w3 is None else (w3,))
     # the bit-path decode (native) and the add epilogue are Triton-only
     cuda_cfg = isinstance(config, (CudaConfig, MmaConfig))
-    if cuda_lib.pick("fp8 GEMV", backend, xc, w, out, *extra,
+    if cuda_cpp.pick("fp8 GEMV", impl, xc, w, out, *extra,
                      declined=isinstance(config, Config) or native is not None or add is not None,
-                     insisted=cuda_cfg):
+                     strict=strict or cuda_cfg):
         nm = 1 if w3 is None else 2
         seg = (N,) if second is None else (N, nb_rows - N)
         ccfg = config if cuda_cfg else (
@@ -219,7 +231,7 @@ def _launch(x, w, s, w3, s3, out, limit, quant, group_k, out_dtype, config, nati
             launch_cuda(xc, w, s, w3, s3, out, limit, quant, ng if G > 1 else 0, nb_rows, K,
                         ccfg, second, T, pdl)
             return out
-        if cuda_cfg or backend == "cuda":
+        if cuda_cfg or strict:
             raise ValueError(f"fp8 GEMV: no CUDA config for {nb_rows} rows, K = {K}")
     if T > 1:   # Triton: one launch per activation row (each weight read T times)
         xr, o2 = xc.view(T, L), out.view(T, N)
@@ -253,7 +265,7 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, *, quant_act: 
                out_dtype: torch.dtype = torch.bfloat16, group_k: int | None = None,
                out: torch.Tensor | None = None, config: Config | CudaConfig | None = None,
                native: bool | None = None, add: torch.Tensor | None = None,
-               backend: str | None = None, pdl: bool = True) -> torch.Tensor:
+               impl: str = "cuda", strict: bool = False, pdl: bool = True) -> torch.Tensor:
     """y [T, N] = x [T, K] @ dequant(w)^T with float32 accumulation, rounded to out_dtype (T
     activation rows, each with the bits of a one-row call: the speculative step's verify rows).
 
@@ -261,36 +273,38 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, *, quant_act: 
     group_k: rows [g*N/G, (g+1)*N/G) read x[g*group_k, (g+1)*group_k) (x [1, G*group_k], w
     [N, group_k]): the grouped wo_a in one launch. x bf16 or float32. Capture-safe, deterministic.
     add ([1, N] float32): y = out_dtype(add + bf16(x @ w^T)) (Triton only).
-    backend: None (the CUDA kernel where available, else Triton), "cuda" or "triton". pdl: launch
-    with PDL where the device has it (the backend's switch).
+    impl: "cuda" (the CUDA kernel where it serves this launch, else Triton) or "triton"; strict:
+    the CUDA kernel or a ValueError. pdl: launch with PDL where the device has it (the backend's
+    switch).
     """
     return _launch(x, w, s, None, None, out, 0.0, quant_act, group_k, out_dtype, config, native,
-                   add=add, backend=backend, pdl=pdl)
+                   add=add, impl=impl, strict=strict, pdl=pdl)
 
 
 def fp8_linear2(x: torch.Tensor, wa: torch.Tensor, sa: torch.Tensor, wb: torch.Tensor,
                 sb: torch.Tensor, *, config: Config | CudaConfig | None = None,
-                native: bool | None = None, backend: str | None = None, pdl: bool = True
+                native: bool | None = None, impl: str = "cuda", strict: bool = False,
+                pdl: bool = True
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(x @ wa^T, x @ wb^T), both W8A8 bf16 [T, N], in one launch (wq_a and wkv read the same x).
     Equal to two fp8_linear calls with the same config."""
     yb = torch.empty(x.numel() // x.shape[-1], wb.shape[0], dtype=torch.bfloat16,
                      device=x.device)
     ya = _launch(x, wa, sa, None, None, None, 0.0, True, None, torch.bfloat16, config, native,
-                 second=(wb, sb, yb), backend=backend, pdl=pdl)
+                 second=(wb, sb, yb), impl=impl, strict=strict, pdl=pdl)
     return ya, yb
 
 
 def fp8_swiglu(x: torch.Tensor, w1: torch.Tensor, s1: torch.Tensor, w3: torch.Tensor,
                s3: torch.Tensor, limit: float, *, out: torch.Tensor | None = None,
                config: Config | CudaConfig | None = None, native: bool | None = None,
-               backend: str | None = None, pdl: bool = True) -> torch.Tensor:
+               impl: str = "cuda", strict: bool = False, pdl: bool = True) -> torch.Tensor:
     """a [T, I] bf16 (x [T, K]) = bf16(silu(g) * u), g = bf16(w1 x), u = bf16(w3 x) (W8A8), clamped as the
     shared expert (u to +-limit, g from above; limit 0 = none). One launch. Capture-safe."""
     if w3.shape != w1.shape or s3.shape != s1.shape:
         raise ValueError(f"fp8_swiglu: w1 {tuple(w1.shape)} / w3 {tuple(w3.shape)} differ")
     return _launch(x, w1, s1, w3, s3, out, limit, True, None, torch.bfloat16, config, native,
-                   backend=backend, pdl=pdl)
+                   impl=impl, strict=strict, pdl=pdl)
 
 
 # ---- plain-torch references ---------------------------------------------------------------------

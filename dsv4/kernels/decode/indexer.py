@@ -8,14 +8,27 @@ import torch
 import triton
 import triton.language as tl
 
+from ...numerics import sparse
 from ...numerics.quant import fp4_quant_dequant, hadamard, hadamard_matrix
 from ...numerics.rope import apply_rope, cos_sin
-from ...numerics import sparse
-from ..common import (NEG_INF, dot_bf16, fp4_fake_quant_rows, from_pairs, interpreting,
-                      launch_args, load_pos, on_device, pdl_wait, rope_cos_sin, rope_pairs,
-                      round_bf16, sylvester, to_pairs)
+from ..common import (
+    NEG_INF,
+    dot_bf16,
+    fp4_fake_quant_rows,
+    from_pairs,
+    interpreting,
+    launch_args,
+    load_pos,
+    on_device,
+    pdl_wait,
+    rope_cos_sin,
+    rope_pairs,
+    round_bf16,
+    sylvester,
+    to_pairs,
+)
 from ..common import pdl as pdl_on
-from ..cuda import lib as cuda_lib
+from ..cuda import lib as cuda_cpp
 
 BT = 64     # cache entries per program of the score kernel
 HATCH = "DSV4_KERNELS=0 runs the torch path"
@@ -118,21 +131,21 @@ def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, pos: torc
 
 
 def index_topk(scores: torch.Tensor, k: int, out: torch.Tensor | None = None,
-               backend: str | None = None, pdl: bool = True) -> torch.Tensor:
+               impl: str = "cuda", pdl: bool = True) -> torch.Tensor:
     """The k best entries of each row of index scores [T, n] bf16 -> [T, k] int64, unsorted (the
     set matters; among equal scores at the threshold the lowest entries). One CUDA launch (a radix
-    select per row in csrc/topk.cu) where the CUDA kernels serve the device (backend "triton":
-    not asked for), else dsv4.numerics.sparse.topk_lowest (the same tie rule). Capture-safe,
+    select per row in csrc/topk.cu) where the CUDA kernels serve the device (impl "cuda", the
+    backend's decision), else dsv4.numerics.sparse.topk_lowest (the same tie rule). Capture-safe,
     deterministic."""
     n = scores.shape[-1]
     if not 1 <= k <= n:
         raise ValueError(f"index_topk: k = {k} for {n} scores")
-    if backend != "triton" and scores.dtype == torch.bfloat16 and scores.dim() == 2 \
-            and scores.is_contiguous() and cuda_lib.usable(scores):
+    if impl == "cuda" and scores.dtype == torch.bfloat16 and scores.dim() == 2 \
+            and scores.is_contiguous() and cuda_cpp.usable(scores):
         out = torch.empty(scores.shape[0], k, dtype=torch.int64, device=scores.device) \
             if out is None else out
         with on_device(out):
-            cuda_lib.topk_bf16(cuda_lib.lib_for(out.device), scores, k, out, pdl_on(out, pdl))
+            cuda_cpp.topk_bf16(cuda_cpp.lib_for(out.device), scores, k, out, pdl_on(out, pdl))
         return out
     return sparse.topk_lowest(scores, k)
 

@@ -12,9 +12,9 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from ..cuda import lib as cuda_lib
 from ..common import interpreting, launch_args, on_device, pdl_wait
 from ..common import pdl as pdl_on
+from ..cuda import lib as cuda_cpp
 
 SCORE_FUNCS = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}
 
@@ -77,14 +77,14 @@ def _route_kernel(logits_ptr, bias_ptr, tid2eid_ptr, ids_ptr, w_ptr, idx_ptr, ro
 
 def route_decode(logits: torch.Tensor, k: int, score_func: str, route_scale: float, *,
                  bias: torch.Tensor | None = None, tid2eid: torch.Tensor | None = None,
-                 ids: torch.Tensor | None = None, backend: str | None = None,
+                 ids: torch.Tensor | None = None, impl: str = "cuda", strict: bool = False,
                  out: tuple | None = None, pdl: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [1, E] float32 (the gate's output) -> (weights [k] f32, experts [k] int64 ascending).
     Score routing (bias [E] f32) or hash routing (tid2eid [V, k] int64 and ids [1]: the token).
     Capture-safe, deterministic; expert ids are clamped into [0, E) (no out-of-range reads).
     One launch: the CUDA C++ kernel (csrc/route.cu: warp-shuffle top-k, the same libdevice
     math) where the CUDA kernels serve the device and E <= 512, k <= 16, else the Triton kernel
-    below; backend "cuda" / "triton" picks one. T tokens (the speculative verify rows): logits
+    below; impl (the backend's decision: "cuda" or "triton") picks one. T tokens (the speculative verify rows): logits
     [T, E], ids [T] -> [T * k] each (token t's k in slots t*k ..), each token as its own call, in
     one launch on CUDA. out: (weights, experts) to write (contiguous float32 / int64)."""
     E = logits.shape[-1]
@@ -109,9 +109,9 @@ def route_decode(logits: torch.Tensor, k: int, score_func: str, route_scale: flo
     tensors = [logits] + [t for t in (bias, tid2eid, ids) if t is not None]
     fits = (E <= 512 and k <= 16 and (bias is None or bias.dtype == torch.float32)
             and (tid2eid is None or (tid2eid.dtype == ids.dtype == torch.int64)))
-    if cuda_lib.pick("route_decode", backend, *tensors, fits=fits):
+    if cuda_cpp.pick("route_decode", impl, *tensors, fits=fits, strict=strict):
         with on_device(w):
-            cuda_lib.route(cuda_lib.lib_for(w.device), logits, bias, tid2eid, ids, k,
+            cuda_cpp.route(cuda_cpp.lib_for(w.device), logits, bias, tid2eid, ids, k,
                            SCORE_FUNCS[score_func], float(route_scale), idx, w, pdl_on(w, pdl),
                            rows=T)
         return w, idx
@@ -119,7 +119,7 @@ def route_decode(logits: torch.Tensor, k: int, score_func: str, route_scale: flo
         for t in range(T):
             route_decode(logits.reshape(T, E)[t:t + 1], k, score_func, route_scale, bias=bias,
                          tid2eid=tid2eid, ids=None if ids is None else ids.reshape(-1)[t:t + 1],
-                         backend="triton", out=(w[t * k:(t + 1) * k], idx[t * k:(t + 1) * k]),
+                         impl="triton", out=(w[t * k:(t + 1) * k], idx[t * k:(t + 1) * k]),
                          pdl=pdl)
         return w, idx
     with on_device(w):

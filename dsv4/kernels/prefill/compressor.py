@@ -17,9 +17,18 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common import (NEG_INF, fp4_fake_quant_rows, fp8_fake_quant_rows, from_pairs,
-                      hadamard_pairs_row, on_device, rope_cos_sin, rope_pairs, round_bf16,
-                      to_pairs)
+from ..common import (
+    NEG_INF,
+    fp4_fake_quant_rows,
+    fp8_fake_quant_rows,
+    from_pairs,
+    hadamard_pairs_row,
+    on_device,
+    rope_cos_sin,
+    rope_pairs,
+    round_bf16,
+    to_pairs,
+)
 from ..decode.compressor import _pool
 
 

@@ -10,7 +10,7 @@ for a bf16 MMA with float32 accumulation. Products are exact either way; only th
 summation order differs from the reference.
 
 Both GEMMs take rows directly or gathered (`rows`), and row tiles of one expert each (`tiles`, the
-grouped experts of prefill_moe.py), with the SwiGLU epilogue (clamped, route weight, and for FP8
+grouped experts of kernels/prefill/moe.py), with the SwiGLU epilogue (clamped, route weight, and for FP8
 the next act quant). Two library paths compute the same thing faster where they serve: an FP8
 weight over plain rows goes through torch._scaled_mm's blockwise (DeepSeek) recipe, which gives
 gemm8's bits (`scaled_mm`, checked once per device); the grouped wo_a over many rows through
@@ -26,11 +26,22 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from ...weights.formats import FP8_BLOCK, dequantize_fp4_weight, dequantize_fp8_weight, e8m0_to_float
 from ...numerics.quant import fp8_quant_dequant
+from ...weights.formats import (
+    FP8_BLOCK,
+    dequantize_fp4_weight,
+    dequantize_fp8_weight,
+    e8m0_to_float,
+)
 from ..common import interpreting, on_device
-from .gemm_kernels import (_act_quant8_kernel, _act_quant_kernel, _gemm8_kernel, _gemm16_kernel,
-                           _splitk_kernel, _swiglu_quant8_kernel)
+from .gemm_kernels import (
+    _act_quant8_kernel,
+    _act_quant_kernel,
+    _gemm8_kernel,
+    _gemm16_kernel,
+    _splitk_kernel,
+    _swiglu_quant8_kernel,
+)
 
 FORMATS = {"bf16": 0, "fp8": 1, "fp4": 2}
 BM, BN, BK = 64, 128, 64          # row tile, output-feature tile (= the act-quant block), bf16 K step

@@ -10,9 +10,18 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..common import (AMAX_FLOOR, E4M3_MAX_INV, block_exponent, e2m1_word_to_f32, e4m3_to_f32,
-                      e8m0_to_f32, pow2, quant_dequant, round_bf16, round_e4m3)
-
+from ..common import (
+    AMAX_FLOOR,
+    E4M3_MAX_INV,
+    block_exponent,
+    e2m1_word_to_f32,
+    e4m3_to_f32,
+    e8m0_to_f32,
+    pow2,
+    quant_dequant,
+    round_bf16,
+    round_e4m3,
+)
 
 # ---- pieces shared by both GEMMs --------------------------------------------------------------
 

@@ -18,11 +18,22 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ...weights.formats import FP8_BLOCK
 from ...numerics.quant import fp8_quant_dequant
+from ...weights.formats import FP8_BLOCK
 from ..common import on_device, round_bf16
-from .gemm import (DEFAULT, Tile, Tuning, act_quant, act_quant8, dequantize, gemm8, gemm16,
-                   mma_path, pick_bm, tile16)
+from .gemm import (
+    DEFAULT,
+    Tile,
+    Tuning,
+    act_quant,
+    act_quant8,
+    dequantize,
+    gemm8,
+    gemm16,
+    mma_path,
+    pick_bm,
+    tile16,
+)
 
 
 @dataclass
@@ -195,6 +206,27 @@ def moe_combine(o: torch.Tensor, plan: ExpertPlan, shared: torch.Tensor | None) 
         _combine_kernel[(T, D // bd)](o, plan.inv, shared if shared is not None else o, y, D=D,
                                       KE=k, BD=bd, SHARED=shared is not None, num_warps=4)
     return y
+
+
+def grouped_moe(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, bank: tuple, fmt: str,
+                shared: tuple, shared_fmt: str, limit: float,
+                tuning: Tuning = DEFAULT) -> torch.Tensor:
+    """A prefill chunk's MoE: rows x [t, D] bf16 routed to idx [t, k] with weights w [t, k]; bank
+    (w1, s1, w3, s3, w2, s2) the routed experts in `fmt`, shared the shared expert's in
+    `shared_fmt`. x is act-quantized once where routed and shared use one tensor-core path; the
+    (token, expert) pairs grouped by expert through routed up (w1, w3, SwiGLU, route weight,
+    act quant) and down per expert tile, the shared expert, then each token's sum in ascending
+    expert order plus the shared output, as the reference's loop -> [t, D] bf16. No host sync."""
+    w1, s1, w3, s3, w2, s2 = bank
+    idx, order = idx.sort(dim=1)              # the reference adds experts in ascending id
+    plan = expert_plan(idx, w.gather(1, order), w1.shape[0], fmt, tuning=tuning)
+    xr = Rows.of(x, fmt, tuning)
+    n = x.shape[0]
+    same = Rows.kind(shared_fmt, n, tuning) == Rows.kind(fmt, n, tuning)
+    xs = xr if same else Rows.of(x, shared_fmt, tuning)
+    o = moe_down(moe_up(xr, plan, w1, s1, w3, s3, fmt, limit), plan, w2, s2, fmt)
+    y_sh = shared_expert(xs, *shared, shared_fmt, limit, tuning=tuning)
+    return moe_combine(o, plan, y_sh)
 
 
 # ---- plain-torch reference (the code the kernels replace) --------------------------------------

@@ -23,10 +23,11 @@ from graphs import BufferSpec, CUDAGraphDecoder, Segment
 
 from ...errors import ConfigError
 from ...model.transformer import Transformer
-from ..sampling import SamplingKnobs, SamplingParams, fixed
 from ..passes import DecodeBuffers, DeviceBuffers, pass_segments
+from ..sampling import SamplingKnobs, SamplingParams, fixed
+from .journal import Journal
 from .policy import DEFAULT_MIN_ACCEPTANCE, SpecPolicy
-from .verify import Journal, accept, draft, oracle_draft
+from .verify import accept, draft, oracle_draft
 
 
 @dataclass
@@ -215,7 +216,7 @@ def plain_segments(model: Transformer, bufs: SpecBuffers, plain: DecodeBuffers, 
 
 def layer_journals(model: Transformer, T: int) -> list[Journal]:
     """One journal per main layer for a pass of T rows (on the layer's device)."""
-    return [Journal([(st, blk.ratio)], model.cfg.window_size, T, blk.ops)
+    return [Journal([(st, blk.ratio)], model.cfg.window_size, T, model.binding.ops(blk.device))
             for blk, st in zip(model.layers, model.states)]
 
 
@@ -261,7 +262,7 @@ class SpecStep:
         self.bufs = SpecBuffers.allocate(model, k)
         self.journals = layer_journals(model, T)
         self.mtp_journal = Journal([(model.mtp.state, model.mtp.block.ratio)],
-                                   model.cfg.window_size, T, model.mtp.block.ops)
+                                   model.cfg.window_size, T, model.binding.ops(model.head_device))
         b = self.bufs
         segs = build_spec_segments(model, b, params, self.journals, self.mtp_journal)
         kw = dict(mode=mode, granularity=granularity, reset_fn=reset_fn or model.reset,

@@ -204,9 +204,12 @@ def _compressor(cfg, ratio, dc, rotate, dev, g):
 
 
 def check_compressor(dev, g, cfg, ratio, dc, rotate, capacity, starts, steps):
-    from dsv4.numerics.rope import rope_frequencies
+    from dsv4.backend.fused import compressor as fused_compressor
+    from dsv4.backend.ops import Ops
     from dsv4.model.state import CompressorState
+    from dsv4.numerics.rope import rope_frequencies
     comp = _compressor(cfg, ratio, dc, rotate, dev, g)
+    ops = Ops.for_device(dev, cfg=cfg)
     freqs = rope_frequencies(cfg, ratio, dev)
     n = capacity // ratio
     for start in starts:
@@ -224,8 +227,8 @@ def check_compressor(dev, g, cfg, ratio, dc, rotate, capacity, starts, steps):
             emit = (p + 1) % ratio == 0
             if emit:
                 cache_f[p // ratio] = float("nan")
-            comp.decode(x, pos, st_f, cache_f, freqs, fused=True)
-            comp.decode(x, pos, st_r, cache_r, freqs, fused=False)
+            fused_compressor.decode(comp, ops, x, pos, st_f, cache_f, freqs)
+            comp.decode_reference(x, pos, st_r, cache_r, freqs)
             what = f"compressor r={ratio} dc={dc} p={p}"
             assert torch.equal(st_f.kv, st_r.kv) and torch.equal(st_f.score, st_r.score), what
             if emit:
@@ -266,7 +269,7 @@ def check_indexer(dev, g, cfg, capacity, positions):
         assert ((vals - best)[fin].abs() <= tol).all(), f"index top-k p={p}: different selection"
 
 
-# ---- Attention.decode: fused vs torch ----------------------------------------------------------
+# ---- Attention decode: fused (dsv4.backend.fused.attention) vs torch -------------------------
 
 def clone_state(st):
     """A deep copy of a LayerState."""
@@ -282,55 +285,71 @@ def check_attention_decode(dev, g, capacity=64, steps=36, layers=(0, 1, 2), seed
     rounding, the layer output within the FP8 act-quant of wo_b (a 1-ulp input change can move an
     e4m3 step), and the caches and compressor states of the two paths agree (states to float32
     summation order)."""
+    from dsv4.backend.binding import bind_attention
+    from dsv4.backend.fused import attention as FA
+    from dsv4.backend.ops import Ops
     from dsv4.model.attention import Attention
-    from dsv4.weights.device_weights import DeviceWeights
-    from dsv4.numerics.quant import hadamard_matrix
     from dsv4.model.state import LayerState
+    from dsv4.numerics.quant import hadamard_matrix
+    from dsv4.weights.device_weights import DeviceWeights
     from helpers import SMALL
     cfg = SMALL.replace(index_topk=capacity // 4)      # select every visible entry: no near-ties
     src = DeviceWeights(cfg, seed)
     had = hadamard_matrix(cfg.index_head_dim, dev)
-    for l in layers:
-        r = cfg.ratio(l)
-        attn = Attention(cfg, r, "fp8", dev, had)
-        for name, dst in attn.tensors(f"layers.{l}.attn").items():
-            src.load_into(name, dst)
-        seen, outs = [], []
-        wo_b, project = attn.wo_b, attn._project_out
-        attn.wo_b = lambda z, act: (seen.append(z), wo_b(z, act))[1]
-        attn._project_out = lambda o, **kw: (outs.append(o.reshape(1, -1)), project(o, **kw))[1]
-        G = cfg.o_groups
-        wo_a = attn.wo_a.dense(torch.float32).view(G, cfg.o_lora_rank, -1)
-        st_r = LayerState.allocate(cfg, r, capacity, torch.bfloat16, dev)
-        s0 = int(torch.randint(1, 7, (1,), generator=g))
-        with torch.inference_mode():
-            attn.prefill(randn(g, s0, cfg.dim, device=dev), st_r)
-            st_f = clone_state(st_r)
-            for p in range(s0, min(s0 + steps, capacity)):
-                x, pos = randn(g, 1, cfg.dim, device=dev), torch.tensor([p], device=dev)
-                y_r = attn.decode(x, pos, st_r, fused=False)
-                y_f = attn.decode(x, pos, st_f, fused=True)
-                (o_r, o_f), z_f = outs[-2:], seen[-1]
-                what = f"Attention.decode layer {l} (r={r}) p={p}"
-                vis = [st_r.kv_cache[:min(p + 1, cfg.window_size)]]
-                if r:
-                    vis.append(st_r.kv_cache[cfg.window_size:][:(p + 1) // r])
-                assert_attention_close(o_f, o_r, torch.cat(vis), what + " attention output")
-                z_ref = torch.einsum("sgd,grd->sgr", o_f.float().view(1, G, -1), wo_a).flatten(1)
-                assert_bf16_close(z_f, z_ref, what + " wo_a", ulps=4)
-                rel = (y_f.float() - y_r.float()).norm() / y_r.float().norm()
-                assert rel <= 0.05, f"{what}: output rel. error {rel:.3g}"
-        scratch = -1 if r else None
-        assert_quant_close(st_f.kv_cache[:scratch], st_r.kv_cache[:scratch], "kv_cache", 3)
-        if r == 4:
-            assert_quant_close(st_f.index_cache[:-1], st_r.index_cache[:-1], "index_cache", 1)
-        for c in ("compressor", "index_compressor"):
-            a, b = getattr(st_f, c), getattr(st_r, c)
-            if a is not None:
-                # the fused path computes the projections in one multi-matrix launch: float32
-                # summation order differs from the torch path's separate linears
-                torch.testing.assert_close(a.kv, b.kv, rtol=1e-5, atol=1e-5, msg=c)
-                torch.testing.assert_close(a.score, b.score, rtol=1e-5, atol=1e-5, msg=c)
+    ops = Ops.for_device(dev, cfg=cfg)
+    fused_out = FA.project_out
+    try:
+        for l in layers:
+            r = cfg.ratio(l)
+            attn = Attention(cfg, r, "fp8", dev, had)
+            bind_attention(attn, ops)        # the device's own choice for the sublayers inside
+            for name, dst in attn.tensors(f"layers.{l}.attn").items():
+                src.load_into(name, dst)
+            seen, outs, ref = [], [], []
+            wo_b, project = attn.wo_b, attn.project_out
+            attn.wo_b = lambda z, act: (seen.append(z), wo_b(z, act))[1]
+            # the attention output (wo_a's input) of each path: torch (project_out, while in the
+            # torch path) and fused (the fused project_out)
+            attn.project_out = lambda o: ((outs.append(o.reshape(1, -1)) if ref else None),
+                                          project(o))[1]
+            FA.project_out = lambda a, ops_, o, rows=False: (
+                outs.append(o.reshape(1, -1)), ref.clear(), fused_out(a, ops_, o, rows))[2]
+            G = cfg.o_groups
+            wo_a = attn.wo_a.dense(torch.float32).view(G, cfg.o_lora_rank, -1)
+            st_r = LayerState.allocate(cfg, r, capacity, torch.bfloat16, dev)
+            s0 = int(torch.randint(1, 7, (1,), generator=g))
+            with torch.inference_mode():
+                attn.prefill(randn(g, s0, cfg.dim, device=dev), st_r)
+                st_f = clone_state(st_r)
+                for p in range(s0, min(s0 + steps, capacity)):
+                    x, pos = randn(g, 1, cfg.dim, device=dev), torch.tensor([p], device=dev)
+                    ref.append(True)
+                    y_r = attn.decode_one(x, pos, st_r)
+                    ref.clear()
+                    y_f = FA.decode_rows(attn, ops, x, pos, st_f)
+                    (o_r, o_f), z_f = outs[-2:], seen[-1]
+                    what = f"Attention.decode layer {l} (r={r}) p={p}"
+                    vis = [st_r.kv_cache[:min(p + 1, cfg.window_size)]]
+                    if r:
+                        vis.append(st_r.kv_cache[cfg.window_size:][:(p + 1) // r])
+                    assert_attention_close(o_f, o_r, torch.cat(vis), what + " attention output")
+                    z_ref = torch.einsum("sgd,grd->sgr", o_f.float().view(1, G, -1), wo_a).flatten(1)
+                    assert_bf16_close(z_f, z_ref, what + " wo_a", ulps=4)
+                    rel = (y_f.float() - y_r.float()).norm() / y_r.float().norm()
+                    assert rel <= 0.05, f"{what}: output rel. error {rel:.3g}"
+            scratch = -1 if r else None
+            assert_quant_close(st_f.kv_cache[:scratch], st_r.kv_cache[:scratch], "kv_cache", 3)
+            if r == 4:
+                assert_quant_close(st_f.index_cache[:-1], st_r.index_cache[:-1], "index_cache", 1)
+            for c in ("compressor", "index_compressor"):
+                a, b = getattr(st_f, c), getattr(st_r, c)
+                if a is not None:
+                    # the fused path computes the projections in one multi-matrix launch: float32
+                    # summation order differs from the torch path's separate linears
+                    torch.testing.assert_close(a.kv, b.kv, rtol=1e-5, atol=1e-5, msg=c)
+                    torch.testing.assert_close(a.score, b.score, rtol=1e-5, atol=1e-5, msg=c)
+    finally:
+        FA.project_out = fused_out
 
 
 def check_attention_decode_rows(dev, g, capacity=64, seed=0):
@@ -338,17 +357,22 @@ def check_attention_decode_rows(dev, g, capacity=64, seed=0):
     prep and attention in one launch each) == T one-row decode_rows calls, bit for bit: the layer
     output and every state tensor, for each compress ratio, with the ring wrapping inside the
     rows."""
+    from dsv4.backend.binding import bind_attention
+    from dsv4.backend.fused import attention as FA
+    from dsv4.backend.ops import Ops
     from dsv4.model.attention import Attention
-    from dsv4.weights.device_weights import DeviceWeights
-    from dsv4.numerics.quant import hadamard_matrix
     from dsv4.model.state import LayerState
+    from dsv4.numerics.quant import hadamard_matrix
+    from dsv4.weights.device_weights import DeviceWeights
     from helpers import SMALL
     cfg = SMALL.replace(index_topk=4)          # fewer than the visible entries: a real top-k
+    ops = Ops.for_device(dev, cfg=cfg)
     src = DeviceWeights(cfg, seed)
     had = hadamard_matrix(cfg.index_head_dim, dev)
     for l in (0, 1, 2):
         r = cfg.ratio(l)
         attn = Attention(cfg, r, "fp8", dev, had)
+        bind_attention(attn, ops)
         for name, dst in attn.tensors(f"layers.{l}.attn").items():
             src.load_into(name, dst)
         st = LayerState.allocate(cfg, r, capacity, torch.bfloat16, dev)
@@ -357,8 +381,8 @@ def check_attention_decode_rows(dev, g, capacity=64, seed=0):
             for T, p in ((2, 13), (4, 15), (3, 30)):
                 a, b = clone_state(st), clone_state(st)
                 x = randn(g, T, cfg.dim, device=dev)
-                y = attn.decode_rows(x, torch.tensor([p], device=dev), b)
-                ones = [attn.decode_rows(x[t:t + 1], torch.tensor([p + t], device=dev), a)
+                y = FA.decode_rows(attn, ops, x, torch.tensor([p], device=dev), b)
+                ones = [FA.decode_rows(attn, ops, x[t:t + 1], torch.tensor([p + t], device=dev), a)
                         for t in range(T)]
                 what = f"Attention.decode_rows layer {l} (r={r}) T={T} p={p}"
                 assert torch.equal(y, torch.cat(ones)), what
@@ -451,13 +475,16 @@ def test_attention_decode_fused_cuda():
 
 
 def _flash_layer(ratio: int, capacity: int, dev="cuda"):
+    from dsv4.backend.binding import bind_attention
+    from dsv4.backend.ops import Ops
     from dsv4.model.attention import Attention
+    from dsv4.model.state import LayerState
+    from dsv4.numerics.quant import hadamard_matrix
     from dsv4.weights.device_weights import DeviceWeights
     from dsv4.weights.presets import FLASH
-    from dsv4.numerics.quant import hadamard_matrix
-    from dsv4.model.state import LayerState
     l = FLASH.compress_ratios.index(ratio)
     attn = Attention(FLASH, ratio, "fp8", dev, hadamard_matrix(FLASH.index_head_dim, dev))
+    bind_attention(attn, Ops.for_device(dev, cfg=FLASH))
     DeviceWeights(FLASH, 0).load_many(attn.tensors(f"layers.{l}.attn").items(), progress=False)
     return attn, LayerState.allocate(FLASH, ratio, capacity, torch.bfloat16, dev)
 
@@ -499,8 +526,9 @@ def test_attention_decode_bench(ratio):
     res = {}
     with torch.inference_mode():
         for fused in (False, True):
-            graph, _ = capture_step(lambda: attn.decode(x, pos, st, fused=fused), strict=False)
-            n = count_kernels(lambda: attn.decode(x, pos, st, fused=fused), dev)
+            step = attn.decode_rows if fused else attn.decode_one     # bound: the fused path
+            graph, _ = capture_step(lambda: step(x, pos, st), strict=False)
+            n = count_kernels(lambda: step(x, pos, st), dev)
             res[fused] = (n, statistics.median(time_steps(graph.replay, 200, dev)) * 1e3)
     print(f"\nattention decode r={ratio}: torch {res[False][0]} kernels {res[False][1]:.1f} us | "
           f"fused {res[True][0]} kernels {res[True][1]:.1f} us (graph replay, median of 200)")

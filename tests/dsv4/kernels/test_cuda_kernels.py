@@ -13,7 +13,7 @@ import torch
 pytest.importorskip("triton", reason="triton is not installed (the 'dev' extra brings it)")
 
 from dsv4.kernels import common  # noqa: E402
-from dsv4.kernels.cuda import lib as cuda_lib  # noqa: E402
+from dsv4.kernels.cuda import lib as cuda_cpp  # noqa: E402
 from dsv4.kernels.common import CudaConfig  # noqa: E402
 
 from test_decode_kernels import (EXPERTS, FP8_SHAPES, SEED, assert_close_bf16, capture_step,
@@ -22,7 +22,7 @@ from test_decode_kernels import (EXPERTS, FP8_SHAPES, SEED, assert_close_bf16, c
 
 
 def _need_lib():
-    st = cuda_lib.status("cuda")
+    st = cuda_cpp.status("cuda")
     if st != "ok":
         pytest.skip(f"CUDA C++ kernels unavailable: {st}")
 
@@ -52,8 +52,8 @@ def test_expert_config_and_cpu_fallback():
     assert cuda_expert_config(7168, {}, ()).spw == 4          # Pro up: 14 warps
     assert cuda_expert_config(384, {}, ()).spw == 1           # 3 warps
     assert cuda_expert_config(100, {}, ()) is None
-    assert cuda_lib.status("cpu") == "not a CUDA device"
-    assert not cuda_lib.usable(torch.zeros(4))
+    assert cuda_cpp.status("cpu") == "not a CUDA device"
+    assert not cuda_cpp.usable(torch.zeros(4))
 
 
 def test_switch_turns_the_library_off(monkeypatch):
@@ -66,37 +66,39 @@ def test_switch_turns_the_library_off(monkeypatch):
     monkeypatch.setattr(backend, "_triton_importable", lambda: True)
     monkeypatch.setattr(backend, "_cuda_status", lambda *a: pytest.fail("library loaded"))
     be = backend.resolve(torch.device("cuda", 0), options=opts)
-    assert be.kernels and be.cuda == "DSV4_CUDA_KERNELS=0" and be.gemv == "triton"
+    assert be.kernels and be.cuda_status == "DSV4_CUDA_KERNELS=0" and be.gemv == "triton"
 
 
 def test_pick_cuda_or_triton_on_cpu():
-    """One choice for every kernel: Triton when asked or when the CUDA kernel does not fit or is not
-    usable; a caller that insists on CUDA gets a ValueError naming the reason, from each entry."""
+    """One choice for every kernel: Triton when asked ("triton") or when the CUDA kernel does not fit
+    or is not usable; a strict caller (a CUDA config, a test) gets a ValueError naming the reason,
+    from each entry."""
     from dsv4.kernels.cuda.experts import ExpertCudaConfig
     from dsv4.kernels.decode.fp4_experts import fp4_experts_down, fp4_experts_up
     from dsv4.kernels.decode.fp8_linear import fp8_linear
     from dsv4.kernels.decode.route import route_decode
     t = torch.zeros(4)
-    for backend in ("triton", None):
-        assert not cuda_lib.pick("x", backend, t)
-        assert not cuda_lib.pick("x", backend, t, fits=False)
-    assert not cuda_lib.pick("x", "cuda", t, declined=True)
-    for backend, insisted in (("cuda", False), (None, True)):
-        with pytest.raises(ValueError, match="x: the CUDA kernel is unavailable.*not a CUDA"):
-            cuda_lib.pick("x", backend, t, insisted=insisted)
+    for impl in ("triton", "cuda"):                  # CPU tensors: never the CUDA kernel
+        assert not cuda_cpp.pick("x", impl, t)
+        assert not cuda_cpp.pick("x", impl, t, fits=False)
+    assert not cuda_cpp.pick("x", "cuda", t, declined=True, strict=True)
+    with pytest.raises(ValueError, match="x: the CUDA kernel is unavailable.*not a CUDA"):
+        cuda_cpp.pick("x", "cuda", t, strict=True)
+    with pytest.raises(ValueError, match="impl = 'auto'; expected one of"):
+        cuda_cpp.pick("x", "auto", t)
     w, s = fp8_weight(128, 128, fresh_gen())
     with pytest.raises(ValueError, match="fp8 GEMV: the CUDA kernel is unavailable"):
-        fp8_linear(torch.zeros(1, 128, dtype=torch.bfloat16), w, s, backend="cuda")
+        fp8_linear(torch.zeros(1, 128, dtype=torch.bfloat16), w, s, impl="cuda", strict=True)
     with pytest.raises(ValueError, match="route_decode: the CUDA kernel is unavailable"):
         route_decode(torch.zeros(1, 8), 2, "sqrtsoftplus", 1.0, bias=torch.zeros(8),
-                     backend="cuda")
+                     impl="cuda", strict=True)
     with pytest.raises(ValueError, match="route_decode: the CUDA kernel is unavailable"):
         route_decode(torch.zeros(1, 1024), 2, "sqrtsoftplus", 1.0, bias=torch.zeros(1024),
-                     backend="cuda")       # E > 512: does not fit either
+                     impl="cuda", strict=True)       # E > 512: does not fit either
     e = torch.zeros(2, 128, 64, dtype=torch.int8), torch.zeros(2, 128, 4, dtype=torch.int8)
     idx, x = torch.zeros(1, dtype=torch.int64), torch.zeros(1, 128, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="fp4 experts: the CUDA kernel is unavailable"):
-        fp4_experts_up(x, idx, torch.ones(1), *e, *e, 0.0, backend="cuda")
+        fp4_experts_up(x, idx, torch.ones(1), *e, *e, 0.0, impl="cuda", strict=True)
     with pytest.raises(ValueError, match="fp4 experts: the CUDA kernel is unavailable"):
         fp4_experts_down(x, idx, *e, config=ExpertCudaConfig(1))
 
@@ -221,24 +223,24 @@ def test_rows_equal_one_row_launches_cuda(T):
         gk = k if G > 1 else None
         x = torch.cat([spiky_x(k * G, gen, torch.bfloat16, dev) for _ in range(T)])
         for odt in (torch.bfloat16, torch.float32):
-            y = fp8_linear(x, w, s, quant_act=G == 1, group_k=gk, out_dtype=odt, backend="cuda",
-                           out=poisoned(T, n, dtype=odt, device=dev))
+            y = fp8_linear(x, w, s, quant_act=G == 1, group_k=gk, out_dtype=odt, impl="cuda",
+                           strict=True, out=poisoned(T, n, dtype=odt, device=dev))
             for t in range(T):
                 one = fp8_linear(x[t:t + 1], w, s, quant_act=G == 1, group_k=gk, out_dtype=odt,
-                                 backend="cuda")
+                                 impl="cuda", strict=True)
                 assert torch.equal(y[t:t + 1], one), (name, t)
     (wa, sa), (wb, sb) = fp8_weight(1024, 4096, gen, device=dev), fp8_weight(512, 4096, gen,
                                                                               device=dev)
     (w1, s1), (w3, s3) = fp8_weight(2048, 4096, gen, 8.0, dev), fp8_weight(2048, 4096, gen, 8.0,
                                                                             dev)
     x = torch.cat([spiky_x(4096, gen, torch.bfloat16, dev) for _ in range(T)])
-    ya, yb = fp8_linear2(x, wa, sa, wb, sb, backend="cuda")
-    a = fp8_swiglu(x, w1, s1, w3, s3, 10.0, backend="cuda")
+    ya, yb = fp8_linear2(x, wa, sa, wb, sb, impl="cuda", strict=True)
+    a = fp8_swiglu(x, w1, s1, w3, s3, 10.0, impl="cuda", strict=True)
     for t in range(T):
-        oa, ob = fp8_linear2(x[t:t + 1], wa, sa, wb, sb, backend="cuda")
+        oa, ob = fp8_linear2(x[t:t + 1], wa, sa, wb, sb, impl="cuda", strict=True)
         assert torch.equal(ya[t:t + 1], oa) and torch.equal(yb[t:t + 1], ob)
         assert torch.equal(a[t:t + 1], fp8_swiglu(x[t:t + 1], w1, s1, w3, s3, 10.0,
-                                                  backend="cuda"))
+                                                  impl="cuda", strict=True))
     from dsv4.kernels.cuda.experts import ExpertCudaConfig
     from dsv4.kernels.decode.fp4_experts import fp4_experts_down, fp4_experts_up
     E, I, D = EXPERTS["flash"]
@@ -289,7 +291,7 @@ def test_fp8_two_matrices_and_swiglu_cuda():
     ya, yb = fp8_linear2(x, wa, sa, wb, sb, config=cfg)
     assert torch.equal(ya, fp8_linear(x, wa, sa, config=cfg))
     assert torch.equal(yb, fp8_linear(x, wb, sb, config=cfg))
-    ya2, yb2 = fp8_linear2(x, wa, sa, wb, sb, backend="cuda")       # the default config
+    ya2, yb2 = fp8_linear2(x, wa, sa, wb, sb, impl="cuda", strict=True)       # the default config
     assert_close_bf16(ya2, fp8_linear_reference(x, wa, sa), x, wa, sa)
     assert_close_bf16(yb2, fp8_linear_reference(x, wb, sb), x, wb, sb)
     for n, k in [(2048, 4096), (3072, 7168), (128, 128)]:
@@ -297,7 +299,7 @@ def test_fp8_two_matrices_and_swiglu_cuda():
         xs = spiky_x(k, gen, torch.bfloat16, dev)
         for limit in (0.0, 10.0):
             got = fp8_swiglu(xs, w1, s1, w3, s3, limit, out=poisoned(1, n, device=dev),
-                             backend="cuda")
+                             impl="cuda", strict=True)
             assert_close_bf16(got, fp8_swiglu_reference(xs, w1, s1, w3, s3, limit),
                               rtol=2 ** -5, min_equal=0.9,
                               absdot=swiglu_absdot(xs, w1, s1, w3, s3, limit))

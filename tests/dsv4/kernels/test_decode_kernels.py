@@ -149,7 +149,7 @@ def test_available_needs_cuda_and_the_switch(monkeypatch):
     monkeypatch.setattr(backend, "_cuda_status", lambda *a: "ok")
     assert backend.resolve("cuda:0", options=backend.Options()).kernels
     off = backend.resolve("cuda:0", options=backend.Options.from_env({"DSV4_KERNELS": "0"}))
-    assert not off.kernels and off.prefill == "torch" and off.cuda == "DSV4_KERNELS=0"
+    assert not off.kernels and off.prefill == "torch" and off.cuda_status == "DSV4_KERNELS=0"
 
 
 @pytest.mark.skipif(not kernels.triton_importable(), reason="triton is not installed")
@@ -230,15 +230,15 @@ EXPERTS = {"flash": (256, 2048, 4096), "pro": (384, 3072, 7168), "small": (16, 2
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("name", list(FP8_SHAPES))
-@pytest.mark.parametrize("backend", ["triton", "cuda"])
-def test_fp8_linear_cuda(name, backend):
+@pytest.mark.parametrize("impl", ["triton", "cuda"])
+def test_fp8_linear_cuda(name, impl):
     """Both GPU implementations (Triton; CUDA C++ where it is available) against the reference:
     W8A8 and no act quant, bf16 and float32 activations, bf16 and float32 outputs; deterministic;
     Triton's hardware e4m3 cast equals its bit-path decode."""
-    from dsv4.kernels.cuda import lib as cuda_lib
+    from dsv4.kernels.cuda import lib as cuda_cpp
     from dsv4.kernels.decode.fp8_linear import fp8_linear, fp8_linear_reference
-    if backend == "cuda" and cuda_lib.status("cuda") != "ok":
-        pytest.skip(f"CUDA C++ kernels unavailable: {cuda_lib.status('cuda')}")
+    if impl == "cuda" and cuda_cpp.status("cuda") != "ok":
+        pytest.skip(f"CUDA C++ kernels unavailable: {cuda_cpp.status('cuda')}")
     n, k, G = FP8_SHAPES[name]
     dev, gen = torch.device("cuda"), fresh_gen("cuda")
     w, s = fp8_weight(n, k, gen, device=dev)
@@ -247,17 +247,17 @@ def test_fp8_linear_cuda(name, backend):
         for xdt in (torch.bfloat16, torch.float32):
             x = spiky_x(k * G, gen, xdt, dev)
             y = fp8_linear(x, w, s, quant_act=quant, group_k=gk, out=poisoned(1, n, device=dev),
-                           backend=backend)
+                           impl=impl, strict=True)
             ref = fp8_linear_reference(x, w, s, quant_act=quant, group_k=gk)
             assert_close_bf16(y, ref, x, w, s, quant, group_k=gk)
-            again = fp8_linear(x, w, s, quant_act=quant, group_k=gk, backend=backend)
+            again = fp8_linear(x, w, s, quant_act=quant, group_k=gk, impl=impl, strict=True)
             assert torch.equal(y, again), "not deterministic"
-            if backend == "triton":
+            if impl == "triton":
                 bits = fp8_linear(x, w, s, quant_act=quant, group_k=gk, native=False)
                 assert torch.equal(y, bits), "native e4m3 cast and the bit path disagree"
     x = spiky_x(k * G, gen, torch.bfloat16, dev)                   # float32 output
     y = fp8_linear(x, w, s, quant_act=G == 1, group_k=gk, out_dtype=torch.float32,
-                   out=poisoned(1, n, dtype=torch.float32, device=dev), backend=backend)
+                   out=poisoned(1, n, dtype=torch.float32, device=dev), impl=impl, strict=True)
     ref = fp8_linear_reference(x, w, s, quant_act=G == 1, group_k=gk, out_dtype=torch.float32)
     assert_close_f32(y, ref, x, w, s, G == 1, group_k=gk)
 
@@ -272,10 +272,10 @@ def test_fp8_swiglu_cuda(name, limit):
     dev, gen = torch.device("cuda"), fresh_gen("cuda")
     (w1, s1), (w3, s3) = fp8_weight(n, k, gen, 8.0, dev), fp8_weight(n, k, gen, 8.0, dev)
     x = spiky_x(k, gen, torch.bfloat16, dev)
-    a = fp8_swiglu(x, w1, s1, w3, s3, limit, out=poisoned(1, n, device=dev), backend="triton")
+    a = fp8_swiglu(x, w1, s1, w3, s3, limit, out=poisoned(1, n, device=dev), impl="triton")
     assert_close_bf16(a, fp8_swiglu_reference(x, w1, s1, w3, s3, limit), rtol=2 ** -5,
                       min_equal=0.9, absdot=swiglu_absdot(x, w1, s1, w3, s3, limit))
-    assert torch.equal(a, fp8_swiglu(x, w1, s1, w3, s3, limit, backend="triton"))
+    assert torch.equal(a, fp8_swiglu(x, w1, s1, w3, s3, limit, impl="triton"))
 
 
 @pytest.mark.cuda
@@ -308,9 +308,9 @@ def bank(request):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("limit", [10.0, 0.0])
-@pytest.mark.parametrize("backend", ["triton", None])
-def test_fp4_experts_cuda(bank, limit, backend):
-    """Both implementations (None: the default, the CUDA C++ kernels where available)."""
+@pytest.mark.parametrize("impl", ["triton", "cuda"])
+def test_fp4_experts_cuda(bank, limit, impl):
+    """Both implementations ("cuda": the CUDA C++ kernels where available)."""
     from dsv4.kernels.decode.fp4_experts import (fp4_experts_down, fp4_experts_down_reference,
                                           fp4_experts_up, fp4_experts_up_reference)
     _, (E, inter, dim), (w1, s1, w3, s3, w2, s2) = bank
@@ -321,24 +321,24 @@ def test_fp4_experts_cuda(bank, limit, backend):
     rw = torch.rand(k, generator=gen, device=dev) + 0.5
     x = spiky_x(dim, gen, torch.bfloat16, dev)
     a = fp4_experts_up(x, idx, rw, w1, s1, w3, s3, limit, out=poisoned(k, inter, device=dev),
-                       backend=backend)
+                       impl=impl)
     a_ref = fp4_experts_up_reference(x, idx, rw, w1, s1, w3, s3, limit)
     # where g or u nearly cancel, float32 summation order moves the tiny result by ~eps * |x||W|
     # (of the sums before the clamp, which can be far above the clamped row's largest value)
     assert_close_bf16(a, a_ref, rtol=2 ** -5, min_equal=0.9,
                       absdot=fp4_swiglu_absdot(x, idx, rw, w1, s1, w3, s3, limit))
-    assert torch.equal(a, fp4_experts_up(x, idx, rw, w1, s1, w3, s3, limit, backend=backend)), \
+    assert torch.equal(a, fp4_experts_up(x, idx, rw, w1, s1, w3, s3, limit, impl=impl)), \
         "not deterministic"
     y = fp4_experts_down(a, idx, w2, s2, out=poisoned(1, dim, dtype=torch.float32, device=dev),
-                         backend=backend)
+                         impl=impl)
     ref = fp4_experts_down_reference(a, idx, w2, s2)
     scale = sum(fp4_experts_down_reference(a[j:j + 1], idx[j:j + 1], w2, s2).abs()
                 for j in range(k))
     assert not y.isnan().any() and ((y - ref).abs() <= 2 ** -7 * scale + 1e-30).all(), SEED
     assert (y == ref).float().mean() >= 0.8, SEED
-    assert torch.equal(y, fp4_experts_down(a, idx, w2, s2, backend=backend)), "not deterministic"
+    assert torch.equal(y, fp4_experts_down(a, idx, w2, s2, impl=impl)), "not deterministic"
     add = spiky_x(dim, gen, torch.bfloat16, dev)       # the shared expert's output, in the epilogue
-    yb = fp4_experts_down(a, idx, w2, s2, add=add, out_dtype=torch.bfloat16, backend=backend)
+    yb = fp4_experts_down(a, idx, w2, s2, add=add, out_dtype=torch.bfloat16, impl=impl)
     assert torch.equal(yb, (y + add.float()).to(torch.bfloat16))
 
 
@@ -387,9 +387,12 @@ def test_kernels_capture_in_a_cuda_graph():
 
 
 def _fill_moe(cfg, layer_id, dev, ops=None):
-    from dsv4.weights.device_weights import DeviceWeights
+    from dsv4.backend.binding import bind_moe
     from dsv4.model.moe import MoE
-    moe = MoE(cfg, layer_id, "fp8", cfg.expert_format, dev, ops)
+    from dsv4.weights.device_weights import DeviceWeights
+    moe = MoE(cfg, layer_id, "fp8", cfg.expert_format, dev)
+    if ops is not None:
+        bind_moe(moe, ops)
     src = DeviceWeights(cfg, seed=SEED)
     for name, t in moe.tensors(f"layers.{layer_id}.ffn").items():
         src.load_into(name, t)
@@ -400,18 +403,22 @@ def _fill_moe(cfg, layer_id, dev, ops=None):
 def test_linear_and_moe_dispatch_match_the_torch_path():
     """The same weights with the backend's kernels and with DSV4_KERNELS=0 (the torch path):
     Linear and MoE.decode agree within rounding."""
+    from dsv4.backend.binding import bind_moe
     from dsv4.backend.decision import Options
+    from dsv4.backend.fused import linear as fused_linear
+    from dsv4.backend.ops import Ops
     from dsv4.kernels.decode.fp8_linear import fp8_linear
     from dsv4.model.linear import Linear
-    from dsv4.backend.ops import Ops
     from dsv4.weights.presets import get_preset
     dev, gen = torch.device("cuda"), fresh_gen("cuda")
     cfg = get_preset("flash", n_layers=4)
     on = Ops.for_device(dev, cfg=cfg, options=Options())
     off = Ops.for_device(dev, cfg=cfg, options=Options.from_env({"DSV4_KERNELS": "0"}))
-    lin = Linear(1024, 4096, "fp8", dev, on)
+    lin = Linear(1024, 4096, "fp8", dev)
     lin.weight, lin.scale = fp8_weight(1024, 4096, gen, device=dev)
-    gate = Linear(256, 4096, "bf16", dev, on)
+    gate = Linear(256, 4096, "bf16", dev)
+    fused_linear.bind(lin, on)
+    fused_linear.bind(gate, on)
     gate.weight = (torch.randn(256, 4096, generator=gen, device=dev) / 64).to(torch.bfloat16)
     x = torch.randn(1, 4096, generator=gen, device=dev).to(torch.bfloat16)
     y = lin(x, torch.bfloat16)
@@ -420,12 +427,13 @@ def test_linear_and_moe_dispatch_match_the_torch_path():
     moes = [_fill_moe(cfg, layer, dev, on) for layer in (0, 3)]   # a hash layer and a scored one
     ids = torch.tensor([1234], device=dev)
     got = [m.decode(x, ids) for m in moes]
-    lin.ops = gate.ops = off                     # the same weights, the torch path
+    fused_linear.bind(lin, off)                  # the same weights, the torch path
+    fused_linear.bind(gate, off)
     assert_close_bf16(y, lin(x, torch.bfloat16), x, lin.weight, lin.scale, True, min_equal=0.9)
     gt = gate(x, torch.float32)
     assert ((g - gt).abs() <= 1e-5 * (gate.weight.float().abs() @ x.float().abs()[0])).all()
     for m, k in zip(moes, got):
-        m.set_ops(off)
+        bind_moe(m, off)
         t = m.decode(x, ids)
         assert k.dtype == t.dtype == torch.bfloat16 and not k.isnan().any()
         rel = ((k.float() - t.float()).norm() / t.float().norm()).item()
@@ -434,8 +442,8 @@ def test_linear_and_moe_dispatch_match_the_torch_path():
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("preset", ["flash", "pro"])
-@pytest.mark.parametrize("backend", ["triton", None])
-def test_route_decode_cuda(preset, backend):
+@pytest.mark.parametrize("impl", ["triton", "cuda"])
+def test_route_decode_cuda(preset, impl):
     """The routing kernels at the real expert counts (libdevice exp/log1p, IEEE sqrt/div; the
     Triton one and the default, the CUDA C++ one where available) pick the torch path's experts,
     in id order, with its weights to float32 rounding."""
@@ -449,13 +457,13 @@ def test_route_decode_cuda(preset, backend):
         logits = torch.randn(1, E, generator=gen, device=dev) * 4
         bias = torch.randn(E, generator=gen, device=dev) * 0.05
         for func in ("sqrtsoftplus", "sigmoid", "softmax"):
-            w, idx = route_decode(logits, k, func, cfg.route_scale, bias=bias, backend=backend)
+            w, idx = route_decode(logits, k, func, cfg.route_scale, bias=bias, impl=impl)
             rw, ridx = route_reference(logits, k, func, cfg.route_scale, bias=bias)
             assert torch.equal(idx, ridx), (func, idx, ridx, SEED)
             assert torch.allclose(w, rw, rtol=1e-6, atol=0), (func, SEED)
         ids = torch.tensor([trial], device=dev)
         w, idx = route_decode(logits, k, cfg.score_func, cfg.route_scale, tid2eid=tid2eid, ids=ids,
-                              backend=backend)
+                              impl=impl)
         rw, ridx = route_reference(logits, k, cfg.score_func, cfg.route_scale, tid2eid=tid2eid,
                                    ids=ids)
         assert torch.equal(idx, ridx) and torch.allclose(w, rw, rtol=1e-6, atol=0), SEED
@@ -480,7 +488,7 @@ def test_multi_matrix_launches_equal_separate_calls_cuda():
     a = spiky_x(2048, gen, torch.bfloat16, dev)
     add = torch.randn(1, 4096, generator=gen, device=dev)
     got = fp8_linear(a, w2, s2, add=add)                    # the add epilogue: Triton only
-    assert torch.equal(got, (add + fp8_linear(a, w2, s2, backend="triton").float()
+    assert torch.equal(got, (add + fp8_linear(a, w2, s2, impl="triton").float()
                              ).to(torch.bfloat16))
     ns = [1024, 1024, 256, 256, 64]
     ws = [(torch.randn(n, 4096, generator=gen, device=dev) / 64).to(torch.bfloat16) for n in ns]
@@ -497,9 +505,10 @@ def test_pdl_and_branches_change_no_bit():
     give the same bits with PDL and branches on, and with DSV4_PDL=0 / DSV4_OVERLAP=0 (the
     layer's backend resolved with those switches)."""
     from dsv4.backend import branches
+    from dsv4.backend.binding import bind_block
     from dsv4.backend.decision import Options
-    from dsv4.model.block import Block
     from dsv4.backend.ops import Ops
+    from dsv4.model.block import Block
     from dsv4.weights.device_weights import DeviceWeights
     from dsv4.kernels import common
     from dsv4.weights.presets import get_preset
@@ -518,7 +527,7 @@ def test_pdl_and_branches_change_no_bit():
           for _ in range(12)]
 
     def run(graph: bool, **switches):
-        blk.set_ops(Ops.for_device(dev, cfg=cfg, options=Options.from_env(switches)))
+        bind_block(blk, Ops.for_device(dev, cfg=cfg, options=Options.from_env(switches)))
         st = LayerState.allocate(cfg, cfg.ratio(layer), 256, torch.bfloat16, dev)
         h_in = hs[0].clone()
         pos, ids = torch.zeros(1, dtype=torch.int64, device=dev), torch.tensor([7], device=dev)

@@ -360,9 +360,12 @@ def test_fp4_experts_down(cfg):
 # ---- the dispatch points' kernel paths (called directly: dispatch itself needs CUDA) -------------
 
 def test_moe_and_linear_kernel_paths_match_the_torch_path(monkeypatch):
-    from dsv4.weights.device_weights import DeviceWeights
+    from dsv4.backend.fused.linear import KernelLinear
+    from dsv4.backend.fused.moe import DecodeKernels
+    from dsv4.backend.ops import Ops
     from dsv4.kernels.decode import bf16_linear as bl, fp4_experts as fe, fp8_linear as fl
     from dsv4.model.moe import MoE
+    from dsv4.weights.device_weights import DeviceWeights
     from dsv4.weights.presets import get_preset
     from test_decode_kernels import SEED
     for mod, name in ((fe, "up_config"), (fe, "down_config"), (fl, "fp8_config"),
@@ -377,19 +380,22 @@ def test_moe_and_linear_kernel_paths_match_the_torch_path(monkeypatch):
     x = torch.randn(1, cfg.dim, generator=GEN).to(torch.bfloat16)
     ids = torch.tensor([7])
     ref = moe.decode(x, ids)                                    # CPU: the torch loop
-    w, idx = moe.route_decode(x, ids)                           # gate GEMV + route kernel
+    ops = Ops.for_device("cpu", cfg=cfg)                        # the kernels, interpreted
+    kernels = DecodeKernels(moe, ops)
+    w, idx = kernels.route(x, ids)                              # gate GEMV + route kernel
     rw, ridx = moe.route(x, ids)
     ridx, order = ridx[0].sort()
     assert torch.equal(idx, ridx)
     assert torch.allclose(w, rw[0].index_select(0, order), rtol=1e-6, atol=0)
-    got = moe._decode_kernels(x, ids)                          # routing again, then the experts
+    got = kernels(x, ids)                                       # routing again, then the experts
     assert got.dtype == ref.dtype == torch.bfloat16 and not got.isnan().any()
     rel = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
     assert rel < 1e-2 and (got == ref).float().mean() >= 0.8, (rel, SEED)
     lin = moe.shared["w2"]
     a = torch.randn(1, lin.in_features, generator=GEN).to(torch.bfloat16)
-    assert_close_bf16(lin._kernel(a, torch.bfloat16), lin(a, torch.bfloat16), a, lin.weight,
-                      lin.scale, True)
-    g = moe.gate._kernel(x, torch.float32)
+    assert_close_bf16(KernelLinear(lin, ops, True, False)._gemv(a, torch.bfloat16),
+                      lin(a, torch.bfloat16), a, lin.weight, lin.scale, True)
+    gate = KernelLinear(moe.gate, ops, True, False)
+    g = gate._gemv(x, torch.float32)
     assert torch.allclose(g, moe.gate(x, torch.float32), rtol=1e-5, atol=1e-6)
-    assert moe.gate._kernel(x.float(), torch.float32) is None   # float32 mode stays on torch
+    assert gate._gemv(x.float(), torch.float32) is None          # float32 mode stays on torch

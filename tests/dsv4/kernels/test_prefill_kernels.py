@@ -1,4 +1,4 @@
-"""The prefill kernels (dsv4/kernels/prefill/gemm.py, prefill_moe.py, attention_prefill.py, the row
+"""The prefill kernels (dsv4/kernels/prefill/gemm.py, moe.py, attention.py, the row
 variants in mhc.py) against their torch references: bit for bit where the arithmetic allows it, else within
 the stated float32 / rounding bound; and the whole chunk path of each layer against the torch path
 on the same inputs. Triton interpreter on the CPU (a subprocess: TRITON_INTERPRET must be set
@@ -337,8 +337,10 @@ def check_compressor_rows(dev, gen):
     rows within bf16 rounding (plus an e4m3 / e2m1 step where a rounding flips), state within
     float32 noise."""
     from dsv4.backend.decision import Options
-    from dsv4.model.compressor import Compressor
+    from dsv4.backend.fused import compressor as fused_compressor
+    from dsv4.backend.fused import linear as fused_linear
     from dsv4.backend.ops import Ops
+    from dsv4.model.compressor import Compressor
     from dsv4.weights.presets import TINY
     from dsv4.numerics.quant import hadamard_matrix
     from dsv4.numerics.rope import rope_frequencies
@@ -363,7 +365,9 @@ def check_compressor_rows(dev, gen):
             st0.score.normal_()
             out = {}
             for mode in ("torch", "kernel"):
-                comp.set_ops(ops[mode])
+                fused_compressor.bind(comp, ops[mode])
+                for lin in comp.linears():
+                    fused_linear.bind(lin, ops[mode])
                 st = CompressorState(st0.kv.clone(), st0.score.clone())
                 cache = torch.zeros(64, dc, dtype=torch.bfloat16, device=dev)
                 comp.prefill(x, st, cache, freqs, start)
@@ -409,6 +413,7 @@ def check_layers(dev, tmp, seed):
                                                                   dtype=torch.bfloat16,
                                                                   devices=(dev,)))
     ck.close()
+    from dsv4.backend.binding import bind
     from dsv4.backend.decision import Options
     env = Options.from_env()              # TRITON_INTERPRET as this process runs
     torch_path = env.replace(kernels="0")
@@ -419,13 +424,13 @@ def check_layers(dev, tmp, seed):
         hin = (torch.randn(s, m.cfg.hc_mult, m.cfg.dim, generator=gen) * 0.5).bfloat16().to(dev)
         for blk, st in zip(m.layers, m.states):
             saved = {k: v.clone() for k, v in st.buffers().items()}
-            m.use_options(torch_path)           # the same weights on the torch path
+            bind(m, torch_path)                 # the same weights on the torch path
             ref = blk.prefill(hin, ids[start:start + s], st, start).float()
             ref_state = {k: v.clone() for k, v in st.buffers().items()}
             for k, v in saved.items():
                 st.buffers()[k].copy_(v)
-            m.use_options(kernel_path)
-            assert blk.ops.backend.rows
+            bind(m, kernel_path)
+            assert m.binding.ops(blk.device).backend.rows
             got = blk.prefill(hin, ids[start:start + s], st, start).float()
             # the capture-safe form (start on the device: every cache entry a masked candidate)
             # computes the same bits

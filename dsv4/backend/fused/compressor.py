@@ -1,0 +1,64 @@
+"""A compressor's kernels: the decode step as one Triton launch after the projections
+(dsv4/kernels/decode/compressor.py; it leaves the scratch row alone) and a chunk's entries and
+state rows from a device start (dsv4/kernels/prefill/compressor.py: fixed shapes, no host sync,
+capture-safe). Same state and cache as the torch reference (dsv4.model.compressor)."""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ..ops import Ops
+
+
+def decode(comp, ops: Ops, x: torch.Tensor, pos: torch.Tensor, st, cache: torch.Tensor,
+           freqs: torch.Tensor, proj: list | None = None) -> None:
+    """Compressor.decode_reference's step for one token at pos ([1] int64), the pooling, norm,
+    RoPE and fake-quant in one launch. proj: (wkv(x), wgate(x)) float32 when computed already."""
+    kv, sc = comp.project(x) if proj is None else proj               # [1, c*dc] f32
+    ops.compressor_decode(kv, sc, comp.ape, st.kv, st.score, comp.norm, freqs, pos, cache,
+                          comp.cfg.norm_eps, comp.ratio, comp.rotate,
+                          comp.dc - comp.cfg.rope_head_dim)
+
+
+def prefill(comp, ops: Ops, x: torch.Tensor, st, cache: torch.Tensor, freqs: torch.Tensor,
+            start) -> None:
+    """Compressor.prefill_reference of the chunk x [s, D] at positions start.. (an int or a [1]
+    int64 device tensor), on the kernels: every block completed in the chunk pooled into cache,
+    the state as s decode steps leave it. Capture-safe with a device start."""
+    kv, sc = comp.project(x)                                         # [s, c*dc] f32
+    pos0 = start if isinstance(start, torch.Tensor) else torch.full(
+        (1,), start, dtype=torch.int64, device=x.device)
+    r, s, dev = comp.ratio, kv.shape[0], kv.device
+    cur = r if comp.overlap else 0
+    j = torch.arange(r, device=dev)
+    o = pos0 % r                                  # [1]: open block rows before the chunk
+    sc = sc + comp.ape.index_select(0, (pos0 + torch.arange(s, device=dev)) % r)
+    # ext: the open block's state rows rolled so that row r - o + i is block row i, then the
+    # chunk (rows r - o - 1 and before are stale rows no completed block reads)
+    roll = cur + (j + o) % r
+    ext_kv = torch.cat((st.kv.index_select(0, roll), kv))         # [r + s, c*dc]
+    ext_sc = torch.cat((st.score.index_select(0, roll), sc))
+    ops.compress_rows(ext_kv, ext_sc, st.kv, st.score, pos0, comp.norm, freqs, cache,
+                      comp.cfg.norm_eps, r, comp.rotate, comp.dc - comp.cfg.rope_head_dim)
+    if comp.overlap:                              # the last complete block -> "previous"
+        nb = (o + s) // r                                           # [1] blocks completed
+        last = (r - o + (nb - 1) * r).clamp_min(0) + j              # its ext rows
+        done = (nb > 0)[:, None]
+        st.kv[:r] = torch.where(done, ext_kv.index_select(0, last), st.kv[:r])
+        st.score[:r] = torch.where(done, ext_sc.index_select(0, last), st.score[:r])
+    # block row j as decode steps leave it: the chunk's latest position p == j (mod r), if any
+    d = (j - pos0) % r                                              # chunk offset of the first
+    has = (d < s)[:, None]
+    src = r + (d + r * ((s - 1 - d).clamp_min(0) // r)).clamp(max=s - 1)
+    st.kv[cur:cur + r] = torch.where(has, ext_kv.index_select(0, src), st.kv[cur:cur + r])
+    st.score[cur:cur + r] = torch.where(has, ext_sc.index_select(0, src), st.score[cur:cur + r])
+
+
+def bind(comp, ops: Ops) -> None:
+    """decode on its kernel where the backend has the fused decode, prefill where it has the
+    chunk's kernels; otherwise the torch reference."""
+    be = ops.backend
+    comp.decode = (functools.partial(decode, comp, ops) if be.fused_decode
+                   else comp.decode_reference)
+    comp.prefill = functools.partial(prefill, comp, ops) if be.rows else comp.prefill_reference

@@ -1,0 +1,70 @@
+"""The backend's runtime switches: `Options`, read from the DSV4_* environment variables in one
+place (`Options.from_env`), or given by a program (RuntimeConfig.options). ENV lists each variable
+and what it switches (docs/ARCHITECTURE.md's table).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+from typing import Mapping
+
+BRANCHES = ("attn", "mhc", "moe")      # the captured parallel branches (dsv4.backend.branches)
+SPLIT_PROGRAMS = 264                   # the prefill GEMMs' split-K target (~2 waves of 132 SMs)
+# variable -> what it switches (read by Options.from_env only)
+ENV = {
+    "DSV4_KERNELS": "0: every op on torch; interpret: the prefill kernels on the CPU in Triton's "
+                    "interpreter (with TRITON_INTERPRET=1)",
+    "DSV4_PREFILL_KERNELS": "0: a prefill chunk on torch (decode unchanged)",
+    "DSV4_CUDA_KERNELS": "0: the Triton kernels instead of the CUDA C++ ones",
+    "DSV4_CUDA_LIB": "a prebuilt CUDA C++ library (no nvcc build)",
+    "DSV4_PDL": "0: no programmatic dependent launch",
+    "DSV4_OVERLAP": "0: no parallel branches in captured steps; or the names to keep "
+                    "(attn, mhc, moe)",
+    "DSV4_PREFILL_MMA": "fp8=bf16,fp4=fp8: the prefill GEMMs' tensor-core path per weight format",
+    "DSV4_PREFILL_CUBLAS": "0: the FP8 prefill linears stay on the Triton GEMM",
+    "DSV4_SPLIT_PROGRAMS": f"the prefill GEMMs' split-K target in programs (default "
+                           f"{SPLIT_PROGRAMS})",
+    "TRITON_INTERPRET": "1: Triton's interpreter (Triton's own switch)",
+}
+
+
+@dataclass(frozen=True)
+class Options:
+    """The runtime switches of the backend, defaults = every switch unset (RuntimeConfig.options;
+    None there: Options.from_env() when the model is built)."""
+    kernels: str = "1"                   # DSV4_KERNELS: "0" off, "interpret" (CPU prefill)
+    prefill_kernels: bool = True         # DSV4_PREFILL_KERNELS
+    cuda_kernels: bool = True            # DSV4_CUDA_KERNELS
+    cuda_lib: str | None = None          # DSV4_CUDA_LIB
+    pdl: bool = True                     # DSV4_PDL
+    overlap: frozenset = frozenset(BRANCHES)   # DSV4_OVERLAP: the branch names that are on
+    prefill_mma: tuple = ()              # DSV4_PREFILL_MMA: ((format, "fp8" | "bf16"), ...)
+    prefill_cublas: bool = True          # DSV4_PREFILL_CUBLAS
+    split_programs: int = SPLIT_PROGRAMS  # DSV4_SPLIT_PROGRAMS
+    interpret: bool = False              # TRITON_INTERPRET == "1"
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> "Options":
+        """The switches from the environment (default os.environ), each as the runtime has
+        always read it: "0" turns a switch off, anything else (or unset) leaves it on."""
+        env = os.environ if env is None else env
+        off = lambda name: env.get(name, "1") == "0"          # noqa: E731
+        ov = env.get("DSV4_OVERLAP", "1").strip()
+        overlap = frozenset(BRANCHES) if ov == "1" else frozenset() if ov == "0" else \
+            frozenset(n.strip() for n in ov.split(",")) & frozenset(BRANCHES)
+        mma = []
+        for item in env.get("DSV4_PREFILL_MMA", "").split(","):
+            fmt, _, path = item.partition("=")
+            if path.strip() in ("fp8", "bf16"):
+                mma.append((fmt.strip(), path.strip()))
+        return cls(kernels=env.get("DSV4_KERNELS", "1"),
+                   prefill_kernels=not off("DSV4_PREFILL_KERNELS"),
+                   cuda_kernels=not off("DSV4_CUDA_KERNELS"),
+                   cuda_lib=env.get("DSV4_CUDA_LIB") or None, pdl=not off("DSV4_PDL"),
+                   overlap=overlap, prefill_mma=tuple(mma),
+                   prefill_cublas=not off("DSV4_PREFILL_CUBLAS"),
+                   split_programs=int(env.get("DSV4_SPLIT_PROGRAMS", SPLIT_PROGRAMS)),
+                   interpret=env.get("TRITON_INTERPRET", "0") == "1")
+
+    def replace(self, **changes) -> "Options":
+        return replace(self, **changes)

@@ -1,0 +1,109 @@
+"""`dsv4 bench` (scripts/bench.py) and scripts/bench_serve.py: their flags and their output; the
+measurements are dsv4.bench.decode and dsv4.bench.serve (method and results: BENCHMARKS.md)."""
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+
+from ..bench import decode as bench_decode
+from ..bench import serve as bench_serve
+from ..errors import exit_code
+from ..runtime.config import DTYPES
+from ..weights.presets import PRESETS
+from .options import Parser, add_runtime_args, check_runtime_args
+
+MIN_STEPS = bench_decode.MIN_STEPS
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """`dsv4 bench`'s flags (defaults in --help, a usage error is one line)."""
+    p = Parser(prog="dsv4 bench", description="Batch-1 decode benchmark on device-generated weights "
+                "(method: BENCHMARKS.md).")
+    p.add_argument("--preset", required=True, choices=sorted(PRESETS), help="the model's shapes")
+    p.add_argument("--layers", type=int, default=None, help="first N layers (default: all)")
+    p.add_argument("--devices", default="auto", help="auto | cpu | cuda:0 | cuda:0,cuda:1")
+    p.add_argument("--context", type=int, default=4096, help="decode position L (state filled)")
+    p.add_argument("--steps", type=int, default=100, help=f"timed steps (>= {MIN_STEPS} to report)")
+    p.add_argument("--warmup", type=int, default=10, help="untimed steps first")
+    p.add_argument("--mode", default="both", choices=("both", "eager", "graph"),
+                   help="eager steps, CUDA graph replays, or both")
+    p.add_argument("--granularity", default="segment", choices=("segment", "device", "both"),
+                   help="graph mode: one graph per layer (segment), per device run, or both")
+    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES), help="activation dtype")
+    p.add_argument("--seed", type=int, default=0, help="weight / state seed")
+    p.add_argument("--json", default=None, metavar="PATH|-", help="write the report as JSON "
+                   "(- : stdout, the table then goes to stderr)")
+    p.add_argument("--reserve-gib", type=float, default=2.0, help="per-device workspace assumed "
+                   "by the memory check (besides weights, state, generation temporaries)")
+    p.add_argument("--no-kernels", action="store_true", help="skip the profiled kernel count")
+    p.add_argument("--prefill", default=None, metavar="N[,N...]",
+                   help="also time prefill of prompts of these lengths (TTFT, tok/s, floors)")
+    p.add_argument("--prefill-reps", type=int, default=3, help="timed prefills per length")
+    p.add_argument("--prefill-chunk", type=int, default=None, help="prefill chunk (default: "
+                   "the runtime's)")
+    p.add_argument("--prefill-kernels", default="on", choices=("on", "off"),
+                   help="off: the torch prefill path (the state before the prefill kernels)")
+    p.add_argument("--no-decode", action="store_true", help="skip the decode measurement")
+    p.add_argument("--speculative", action="store_true",
+                   help="also measure the speculative mechanism (MTP block loaded): verify pass "
+                        "T = 1..4, the speculative step, end-to-end tok/s with an oracle drafting right at "
+                        "rates a")
+    p.add_argument("--spec-tokens", type=int, default=256, metavar="N",
+                   help="with --speculative: tokens per end-to-end run (default 256)")
+    p.add_argument("--prefill-graphs", type=int, default=0, metavar="N",
+                   help="CUDA: capture prefill chunk graphs of 1..N tokens (a power of two) and "
+                        "time prompts up to N through them (capture time, each chunk's replay and eager time in the JSON)")
+    p.add_argument("--prefill-profile", action="store_true",
+                   help="CUDA: one profiled prefill per length (kernel count, top kernels)")
+    p.add_argument("--trace", metavar="PREFIX", default=None,
+                   help="write the Chrome trace of the profiled step to PREFIX-<mode>[-<granularity>]"
+                        ".json (needs the kernel count)")
+    p.add_argument("--layer-kernels", action="store_true",
+                   help="CUDA: for the first layer of each kind, each kernel op replayed alone (PDL "
+                        "off, L2 flushed) with the bytes it reads, against the layer replayed "
+                        "whole: what the kernel boundaries cost")
+    return p
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    return exit_code(lambda: _main(argv))
+
+
+def _main(argv) -> int:
+    args = build_parser().parse_args(argv)
+    rep = bench_decode.run(args, command="python scripts/bench.py " + shlex.join(argv))
+    table = bench_decode.format_table(rep)
+    if args.json == "-":
+        print(table, file=sys.stderr)
+        print(json.dumps(rep))
+    else:
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump(rep, fh, indent=1)
+        print(table)
+    return 0
+
+
+def serve_parser() -> argparse.ArgumentParser:
+    """scripts/bench_serve.py's flags."""
+    p = Parser(prog="bench_serve.py", description=bench_serve.__doc__.split("\n\n")[0])
+    p.add_argument("--ckpt", required=True, help="checkpoint directory")
+    p.add_argument("--prompt-tokens", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--port", type=int, default=8471)
+    p.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    add_runtime_args(p, 4096, "cache capacity (default 4096)")
+    return p
+
+
+def serve_main(argv=None) -> int:
+    """scripts/bench_serve.py."""
+    def run():
+        args = serve_parser().parse_args(argv)
+        devices, mode = check_runtime_args(args)
+        return bench_serve.run(args, devices, mode)
+    return exit_code(run)
