@@ -95,7 +95,7 @@ def launch(fn: Callable, devices: Sequence, *args, timeout_s: float = DEFAULT_TI
     procs, pipes = [], []
     for rank, dev in enumerate(devices):
         recv, send = ctx.Pipe(duplex=False)
-        p = ctx.Process(target=_child, name=f"dsv4-rank{rank}", daemon=True,
+        p = ctx.Process(target=_child, name=f"dsv4-rank{rank}",
                         args=(fn, rank, world, dev, master_addr, port, timeout_s, send, args))
         procs.append(p)
         pipes.append(recv)

@@ -187,3 +187,59 @@ def gpu_checks(group, prefer: str) -> dict:
     group.barrier()
     ar.close()
     return res
+
+
+class FakeLib:
+    """The CUDA library's buffer calls on the CPU, one of them failing on one rank: what the
+    one-shot all-reduce's host side does with a failure (every rank agrees, every rank frees)."""
+
+    def __init__(self, rank: int, fail: tuple[str, int]):
+        self.rank, self.fail, self.calls = rank, fail, []
+
+    def dsv4_ar_buffer_bytes(self, cap, chunk):
+        return 4096
+
+    def dsv4_ar_ipc_handle_bytes(self):
+        return 64
+
+    def dsv4_error_string(self, code):
+        return b"out of memory"
+
+    def dsv4_ar_alloc(self, dev, nbytes, ptr, handle):
+        if self.fail == ("alloc", self.rank):
+            return 2
+        ptr._obj.value = 0x1000 + self.rank
+        self.calls.append("alloc")
+        return 0
+
+    def dsv4_ar_status_alloc(self, host, dev):
+        return 0                        # left null: check() has nothing to read
+
+    def dsv4_ar_open(self, dev, handle, ptr):
+        if self.fail == ("open", self.rank):
+            return 2
+        ptr._obj.value = 0x2000
+        self.calls.append("open")
+        return 0
+
+    def dsv4_ar_close(self, dev, ptr):
+        self.calls.append("close")
+        return 0
+
+    def dsv4_ar_free(self, dev, ptr):
+        self.calls.append("free")
+        return 0
+
+
+def oneshot_failures_agreed(group) -> list:
+    """The default plan with the one-shot kernel's buffer calls faked, failing (a) the allocation
+    on rank 1, (b) the mapping on rank 0: per case, the plan's row and this rank's calls."""
+    from dsv4.parallel import oneshot
+    oneshot.OneShotAllReduce.unavailable = staticmethod(lambda g, m: None)
+    out = []
+    for fail in (("alloc", 1), ("open", 0)):
+        fake = FakeLib(group.rank, fail)
+        oneshot.cuda_lib.lib_for = lambda dev, fake=fake: fake
+        ar = plan_allreduce(group)
+        out.append((ar.table()["parallel.allreduce.oneshot"], ar.name, fake.calls))
+    return out

@@ -46,3 +46,18 @@ def test_the_choice_is_agreed_and_ordered():
     assert _agreed([None, None]) is None
     assert _agreed(["no GPU", "no GPU"]) == "no GPU"
     assert _agreed([None, "no peer access"]) == "rank 1: no peer access"
+
+
+def test_a_failure_of_one_rank_building_the_kernel_is_agreed_and_freed():
+    got = launch(parallel_ranks.oneshot_failures_agreed, ["cpu", "cpu"], timeout_s=30,
+                 deadline_s=60)
+    (alloc0, name0, calls0), (open0, _, calls0b) = got[0]
+    (alloc1, name1, calls1), (open1, _, calls1b) = got[1]
+    assert alloc0 == alloc1 == ("unavailable: rank 1: allocating the buffer: allocation failed "
+                                "(out of memory)")
+    assert name0 == name1 == "nccl"             # both fell back, none waits on the other
+    assert calls0 == ["alloc", "free"] and calls1 == []
+    assert open0 == open1 == ("unavailable: rank 0: mapping the peers' buffers: opening rank 1's "
+                              "buffer (cuda:None) failed (out of memory)")
+    assert calls0b == ["alloc", "free"]         # rank 0 mapped nothing, freed its own
+    assert calls1b == ["alloc", "open", "close", "free"]
