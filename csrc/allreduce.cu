@@ -46,11 +46,21 @@ struct ArPeers {
   char* base[AR_MAX_RANKS];            // rank r's buffer as this process maps it (own: its own)
 };
 
+struct ArCall {                  // one launch: the message, the buffers' sizes, the timeout
+  const uint4* x;
+  uint4* out;
+  int n16, rank, cap, chunk;     // 16-byte vectors of the message; this rank; buffer sizes
+  uint64_t timeout_ns;
+  int* status;                   // host-mapped status words (device address)
+};
+
 struct ArLayout {
   size_t flags, data, total;           // byte offsets of the flags and the data; buffer bytes
 };
 
-__host__ __device__ inline size_t ar_round(size_t n) { return (n + AR_ALIGN - 1) / AR_ALIGN * AR_ALIGN; }
+__host__ __device__ inline size_t ar_round(size_t n) {
+  return (n + AR_ALIGN - 1) / AR_ALIGN * AR_ALIGN;
+}
 
 __host__ __device__ inline ArLayout ar_layout(int cap, int chunk) {
   const size_t blocks = size_t(cap) / size_t(chunk);
@@ -127,7 +137,7 @@ struct Lanes<__nv_bfloat16> {
     uint32_t w[4];
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      const __nv_bfloat162 h = __floats2bfloat162_rn(f[2 * j], f[2 * j + 1]);   // round to nearest even
+      const __nv_bfloat162 h = __floats2bfloat162_rn(f[2 * j], f[2 * j + 1]);   // nearest even
       w[j] = *reinterpret_cast<const uint32_t*>(&h);
     }
     return make_uint4(w[0], w[1], w[2], w[3]);
@@ -177,10 +187,12 @@ DEV void report_timeout(volatile int* status, int missing, uint32_t e, int b) {
 // The steps in the file's header; grid ceil(nbytes / chunk), block min(AR_THREADS, chunk / 16).
 template <typename T, int NR>
 __global__ void __launch_bounds__(AR_THREADS)
-    allreduce_oneshot_kernel(ArPeers peers, char* own, const uint4* x, uint4* out, int n16, int rank,
-                             int cap, int chunk, uint64_t timeout_ns, int* status) {
+    allreduce_oneshot_kernel(ArPeers peers, char* own, ArCall c) {
   pdl_wait();                    // the input (and the previous launch's buffer reads) complete
   using L = Lanes<T>;
+  const uint4* x = c.x;
+  uint4* out = c.out;
+  const int n16 = c.n16, rank = c.rank, cap = c.cap, chunk = c.chunk;
   const ArLayout lay = ar_layout(cap, chunk);
   const int b = blockIdx.x;
   uint32_t* epoch_p = reinterpret_cast<uint32_t*>(own) + b;
@@ -220,8 +232,8 @@ __global__ void __launch_bounds__(AR_THREADS)
     // (int)(flag - e) >= 0: rank r may already be one epoch ahead (it needs our flag of e + 1 to
     // go further); the difference keeps the test right across the 2^32 wrap
     for (uint32_t spins = 1; int(ld_acquire_sys(f) - e) < 0; ++spins) {
-      if ((spins & 255u) == 0 && global_ns() - t0 > timeout_ns) {
-        report_timeout(status, r, e, b);
+      if ((spins & 255u) == 0 && global_ns() - t0 > c.timeout_ns) {
+        report_timeout(c.status, r, e, b);
         s_failed = 1;
         break;
       }
@@ -235,7 +247,8 @@ __global__ void __launch_bounds__(AR_THREADS)
   }
 
   // 5. the sum in rank order 0..NR-1, float32, rounded once
-  const uint4* slots = reinterpret_cast<const uint4*>(own + slot_of_rank + par * AR_MAX_RANKS * size_t(cap));
+  const uint4* slots =
+      reinterpret_cast<const uint4*>(own + slot_of_rank + par * AR_MAX_RANKS * size_t(cap));
   const size_t stride = size_t(cap) / 16;           // vectors between two sources' slots
   for (int v = threadIdx.x; v < nv; v += blockDim.x) {
     float acc[L::E];
@@ -248,14 +261,14 @@ __global__ void __launch_bounds__(AR_THREADS)
 }
 
 template <typename T>
-cudaError_t launch_ar(int world, dim3 grid, dim3 block, cudaStream_t st, int pdl, const ArPeers& peers,
-                      const uint4* x, uint4* out, int n16, int rank, int cap, int chunk, uint64_t timeout_ns,
-                      int* status) {
+cudaError_t launch_ar(int world, cudaStream_t st, int pdl, const ArPeers& peers, const ArCall& c) {
+  const dim3 grid(unsigned((c.n16 * 16 + c.chunk - 1) / c.chunk));
+  const dim3 block(unsigned(std::min(AR_THREADS, c.chunk / 16)));
+  char* own = peers.base[c.rank];
   switch (world) {
 #define AR_CASE(N) \
   case N:          \
-    return launch(allreduce_oneshot_kernel<T, N>, grid, block, 0, st, pdl, peers, peers.base[rank], x, out, \
-                  n16, rank, cap, chunk, timeout_ns, status);
+    return launch(allreduce_oneshot_kernel<T, N>, grid, block, 0, st, pdl, peers, own, c);
     AR_CASE(2) AR_CASE(3) AR_CASE(4) AR_CASE(5) AR_CASE(6) AR_CASE(7) AR_CASE(8)
 #undef AR_CASE
     default:
@@ -324,7 +337,8 @@ int dsv4_ar_free(int device, void* ptr) {
 }
 
 int dsv4_ar_status_alloc(void** host, void** dev) {
-  cudaError_t err = cudaHostAlloc(host, 4 * sizeof(int), cudaHostAllocMapped | cudaHostAllocPortable);
+  const unsigned flags = cudaHostAllocMapped | cudaHostAllocPortable;
+  cudaError_t err = cudaHostAlloc(host, 4 * sizeof(int), flags);
   if (err != cudaSuccess) return err;
   memset(*host, 0, 4 * sizeof(int));
   err = cudaHostGetDevicePointer(dev, *host, 0);
@@ -337,29 +351,29 @@ int dsv4_ar_status_alloc(void** host, void** dev) {
 
 int dsv4_ar_status_free(void* host) { return cudaFreeHost(host); }
 
-int dsv4_allreduce(void* const* peers, int world, int rank, const void* x, void* out, long long nbytes,
-                   int dtype, int cap, int chunk, unsigned long long timeout_ns, void* status,
-                   void* stream, int pdl) {
+int dsv4_allreduce(void* const* peers, int world, int rank, const void* x, void* out,
+                   long long nbytes, int dtype, int cap, int chunk, unsigned long long timeout_ns,
+                   void* status, void* stream, int pdl) {
   if (world < 2 || world > AR_MAX_RANKS || rank < 0 || rank >= world || !ar_sizes_ok(cap, chunk) ||
       nbytes <= 0 || nbytes > cap || nbytes % 16 != 0 || dtype < 0 || dtype > 2 ||
       reinterpret_cast<uintptr_t>(x) % 16 != 0 || reinterpret_cast<uintptr_t>(out) % 16 != 0)
     return -1;
   ArPeers p = {};
   for (int r = 0; r < world; ++r) p.base[r] = static_cast<char*>(peers[r]);
-  const int n16 = int(nbytes / 16);
-  const dim3 grid(unsigned((nbytes + chunk - 1) / chunk));
-  const dim3 block(unsigned(std::min(AR_THREADS, chunk / 16)));
+  ArCall c;
+  c.x = static_cast<const uint4*>(x);
+  c.out = static_cast<uint4*>(out);
+  c.n16 = int(nbytes / 16);
+  c.rank = rank;
+  c.cap = cap;
+  c.chunk = chunk;
+  c.timeout_ns = timeout_ns;
+  c.status = static_cast<int*>(status);
   const cudaStream_t st = static_cast<cudaStream_t>(stream);
-  const uint4* xi = static_cast<const uint4*>(x);
-  uint4* o = static_cast<uint4*>(out);
-  int* s = static_cast<int*>(status);
   switch (dtype) {
-    case 0:
-      return launch_ar<float>(world, grid, block, st, pdl, p, xi, o, n16, rank, cap, chunk, timeout_ns, s);
-    case 1:
-      return launch_ar<__nv_bfloat16>(world, grid, block, st, pdl, p, xi, o, n16, rank, cap, chunk, timeout_ns, s);
-    default:
-      return launch_ar<__half>(world, grid, block, st, pdl, p, xi, o, n16, rank, cap, chunk, timeout_ns, s);
+    case 0: return launch_ar<float>(world, st, pdl, p, c);
+    case 1: return launch_ar<__nv_bfloat16>(world, st, pdl, p, c);
+    default: return launch_ar<__half>(world, st, pdl, p, c);
   }
 }
 

@@ -40,7 +40,7 @@ class AllReduce:
         return self.fast.name if self.fast is not None else self.fallback.name
 
     def impl_for(self, nbytes: int, dtype: torch.dtype):
-        """Who serves a message of nbytes of dtype: the same on every rank (sizes, not addresses)."""
+        """Who serves nbytes of dtype: the same on every rank (it goes by sizes, not addresses)."""
         if self.fast is not None and self.fast.supports(nbytes, dtype):
             return self.fast
         return self.fallback

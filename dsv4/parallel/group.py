@@ -103,14 +103,16 @@ def _device(device, rank: int) -> torch.device:
                           f"or no GPU visible); use cpu ranks or a CUDA machine")
     if dev.index >= torch.cuda.device_count():
         raise DeviceError(f"rank {rank}: {dev} asked, but only {torch.cuda.device_count()} GPU(s) "
-                          f"are visible (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')})")
+                          f"are visible (CUDA_VISIBLE_DEVICES="
+                          f"{os.environ.get('CUDA_VISIBLE_DEVICES')})")
     return dev
 
 
 def _form(rank: int, world_size: int, device, timeout_s: float, where: str, **init) -> TPGroup:
     """init_process_group with the device's backend; `where` names the rendezvous in errors."""
     if world_size < 1 or not 0 <= rank < world_size:
-        raise DeviceError(f"rank {rank} of world size {world_size}: expected 0 <= rank < world size")
+        raise DeviceError(f"rank {rank} of world size {world_size}: expected 0 <= rank < "
+                          f"world size")
     if not timeout_s > 0:
         raise DeviceError(f"timeout_s = {timeout_s}: expected a positive number of seconds")
     disable_multicast()
@@ -138,7 +140,8 @@ def start(rank: int, world_size: int, device, *, master_port: int, master_addr: 
     """Join the run as `rank` on `device` (cuda:N: NCCL; cpu: gloo); rank 0 hosts the rendezvous
     store at master_addr:master_port. Waits at most timeout_s for the others (ParallelError)."""
     if world_size < 1 or not 0 <= rank < world_size:
-        raise DeviceError(f"rank {rank} of world size {world_size}: expected 0 <= rank < world size")
+        raise DeviceError(f"rank {rank} of world size {world_size}: expected 0 <= rank < "
+                          f"world size")
     where = f"{master_addr}:{master_port}"
     try:
         # rank 0 waits here for every other rank to connect; the others retry until rank 0 listens

@@ -16,7 +16,7 @@ from ..errors import ParallelError
 from ..kernels.cuda import lib as cuda_lib
 from .group import TPGroup, Unavailable
 
-CHUNK_BYTES = 8192          # bytes per CTA: 512 threads of one 16-byte vector (one 4096-wide bf16 row)
+CHUNK_BYTES = 8192          # bytes a CTA: 512 threads of one 16-byte vector (a 4096-wide bf16 row)
 MAX_RANKS = 8               # AR_MAX_RANKS of the kernel
 DTYPES = tuple(cuda_lib.AR_DTYPES)
 
@@ -123,9 +123,9 @@ class OneShotAllReduce:
         if words[0]:
             raise ParallelError(
                 f"{self.group.describe()}: the one-shot all-reduce waited {self.timeout_s:g} s "
-                f"for rank {words[1]} (epoch {words[2]}, CTA {words[3]}) and gave up; its output is "
-                f"NaN. Rank {words[1]} died, stalled, or made a different sequence of all-reduces; "
-                f"the run cannot go on")
+                f"for rank {words[1]} (epoch {words[2]}, CTA {words[3]}) and gave up; its output "
+                f"is NaN. Rank {words[1]} died, stalled, or made a different sequence of "
+                f"all-reduces; the run cannot go on")
 
     def close(self) -> None:
         """Unmap and free (collective: every rank's work on the buffers done first)."""

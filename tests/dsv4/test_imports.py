@@ -93,3 +93,18 @@ def test_the_model_reaches_kernels_through_ops():
         if mod in MODEL:
             bad = {d for d in deps if d.startswith("dsv4.kernels")}
             assert not bad, f"{mod} imports {sorted(bad)}; call dsv4.backend.ops instead"
+
+
+def test_parallel_sits_between_the_model_and_the_kernels():
+    """dsv4.parallel (the model imports it) reaches below only to the kernels and the errors."""
+    graph = imports()
+    assert any(m.startswith("dsv4.parallel") for m in graph)
+    for mod, deps in graph.items():
+        if mod.startswith("dsv4.parallel"):
+            bad = {d for d in deps if not d.startswith(("dsv4.parallel", "dsv4.kernels"))
+                   and d != "dsv4.errors"}
+            assert not bad, f"{mod} imports {sorted(bad)} (parallel sees only kernels and errors)"
+        elif mod.startswith(("dsv4.kernels", "dsv4.numerics", "dsv4.weights", "dsv4.text")):
+            assert not {d for d in deps if d.startswith("dsv4.parallel")}, mod
+    src = "\n".join(p.read_text() for p in (PKG / "parallel").glob("*.py"))
+    assert "import graphs" not in src and "from graphs" not in src

@@ -7,13 +7,13 @@ from __future__ import annotations
 import pytest
 
 import parallel_ranks
-from dsv4.parallel import IMPLEMENTATIONS, PREFERENCE, launch
+from dsv4.parallel import IMPLEMENTATIONS, PREFERENCE
 from dsv4.parallel.allreduce import _agreed
 
 
 @pytest.fixture(scope="module")
 def two_ranks():
-    return launch(parallel_ranks.allreduce_checks, ["cpu", "cpu"], timeout_s=30, deadline_s=120)
+    return [r["allreduce"] for r in parallel_ranks.two_cpu_ranks()]
 
 
 def test_plan_on_the_cpu_is_torch_distributed(two_ranks):
@@ -49,8 +49,7 @@ def test_the_choice_is_agreed_and_ordered():
 
 
 def test_a_failure_of_one_rank_building_the_kernel_is_agreed_and_freed():
-    got = launch(parallel_ranks.oneshot_failures_agreed, ["cpu", "cpu"], timeout_s=30,
-                 deadline_s=60)
+    got = [r["agreed"] for r in parallel_ranks.two_cpu_ranks()]
     (alloc0, name0, calls0), (open0, _, calls0b) = got[0]
     (alloc1, name1, calls1), (open1, _, calls1b) = got[1]
     assert alloc0 == alloc1 == ("unavailable: rank 1: allocating the buffer: allocation failed "

@@ -14,12 +14,12 @@ import torch.distributed as dist
 import parallel_ranks
 from conftest import REPO
 from dsv4.errors import DeviceError, ParallelError
-from dsv4.parallel import MULTICAST_OFF, launch, start, start_from_env
+from dsv4.parallel import MULTICAST_OFF, start, start_from_env
 from dsv4.parallel.launch import free_port
 
 
 def test_two_cpu_ranks_form_a_group_with_multicast_off():
-    got = launch(parallel_ranks.describe, ["cpu", "cpu"], timeout_s=20, deadline_s=60)
+    got = [r["describe"] for r in parallel_ranks.two_cpu_ranks()]
     assert [g["rank"] for g in got] == [0, 1]
     for g in got:
         assert g["world"] == 2 and g["device"] == "cpu" and g["backend"] == "gloo"
@@ -45,7 +45,8 @@ def test_start_from_env_without_torchrun():
     with pytest.raises(DeviceError, match=r"RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT not set.*"
                                           r"torchrun --nproc-per-node"):
         start_from_env(device="cpu", environ={})
-    env = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "3", "MASTER_ADDR": "x", "MASTER_PORT": "1"}
+    env = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "3", "MASTER_ADDR": "x",
+           "MASTER_PORT": "1"}
     with pytest.raises(DeviceError, match="LOCAL_RANK 3 but only 2 device"):
         start_from_env(device=["cpu", "cpu"], environ=env)
     with pytest.raises(DeviceError, match="rank 5 of world size 2"):
