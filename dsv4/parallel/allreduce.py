@@ -8,6 +8,7 @@ and why each other one does not, like the backend's table.
 """
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass, field
 
 import torch
@@ -129,9 +130,15 @@ def plan_allreduce(group: TPGroup, max_bytes: int = MAX_BYTES, prefer: str | Non
     choice = {n: "not tried" for n in IMPLEMENTATIONS}
     fallback = NcclAllReduce(group)
     fast = None
+    # peer memory is one host's: ranks on several (torchrun across nodes) all-reduce through NCCL
+    hosts = set(group.all_gather_object(socket.gethostname())) if order != ("nccl",) else ()
     for name in order:
         if name == "nccl":
             break
+        if len(hosts) > 1:
+            choice[name] = (f"unavailable: the ranks span {len(hosts)} hosts (peer memory is "
+                            f"one host's)")
+            continue
         # rank 0 first: its check may build the CUDA library (once, cached), the others load it
         if group.rank == 0:
             why = _unavailable(name, group, max_bytes)

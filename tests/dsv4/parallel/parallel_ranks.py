@@ -253,7 +253,14 @@ def cpu_rank(group) -> dict:
     """Everything the CPU tests of the group and the all-reduce ask of one rank, in one start-up
     (the fakes of oneshot_failures_agreed last: they patch this process's modules)."""
     return {"describe": describe(group), "allreduce": allreduce_checks(group),
-            "agreed": oneshot_failures_agreed(group)}
+            "agreed": oneshot_failures_agreed(group), "hosts": two_hosts(group)}
+
+
+def two_hosts(group) -> dict:
+    """The plan when the ranks report different host names (torchrun across nodes)."""
+    import socket
+    socket.gethostname = lambda: f"node{group.rank}"
+    return plan_allreduce(group).table()
 
 
 @functools.cache

@@ -60,3 +60,11 @@ def test_a_failure_of_one_rank_building_the_kernel_is_agreed_and_freed():
                               "buffer (cuda:None) failed (out of memory)")
     assert calls0b == ["alloc", "free"]         # rank 0 mapped nothing, freed its own
     assert calls1b == ["alloc", "open", "close", "free"]
+
+
+def test_ranks_on_several_hosts_use_nccl_alone():
+    for t in (r["hosts"] for r in parallel_ranks.two_cpu_ranks()):
+        assert t["parallel.allreduce"] == "nccl"
+        for name in ("oneshot", "symm_one_shot", "symm_two_shot"):
+            assert t[f"parallel.allreduce.{name}"] == ("unavailable: the ranks span 2 hosts (peer "
+                                                       "memory is one host's)")
