@@ -23,6 +23,7 @@ IMPLEMENTATIONS = ("oneshot", "symm_one_shot", "symm_two_shot", "nccl")
 # scripts/bench_comm.py in a CUDA graph on the GPU hosts (BENCHMARKS.md)
 PREFERENCE = IMPLEMENTATIONS
 MAX_BYTES = 64 << 10        # the fast path's largest message: 8 rows of a 4096-wide bf16 state
+MAX_BYTES_LIMIT = 4 << 20   # what max_bytes may be (our kernel's buffer: 16 x max_bytes a rank)
 
 
 @dataclass
@@ -121,8 +122,10 @@ def plan_allreduce(group: TPGroup, max_bytes: int = MAX_BYTES, prefer: str | Non
     if prefer is not None and prefer not in IMPLEMENTATIONS:
         raise DeviceError(f"all-reduce implementation {prefer!r}: expected one of "
                           f"{', '.join(IMPLEMENTATIONS)} (or none: the plan chooses)")
-    if not 0 < max_bytes <= 64 << 20:
-        raise DeviceError(f"max_bytes = {max_bytes}: expected 1 .. 64 MiB")
+    if not 0 < max_bytes <= MAX_BYTES_LIMIT:
+        raise DeviceError(f"max_bytes = {max_bytes}: expected 1 .. {MAX_BYTES_LIMIT >> 20} MiB "
+                          f"(the fast path's buffers hold 16 messages a rank; larger ones go "
+                          f"through NCCL anyway)")
     timeout_s = group.timeout_s if timeout_s is None else timeout_s
     if not timeout_s > 0:
         raise DeviceError(f"timeout_s = {timeout_s}: expected a positive number of seconds")
