@@ -1,9 +1,11 @@
 // The C interface of the dsv4 CUDA C++ library (ctypes: dsv4/kernels/cuda/lib.py): plain
 // pointers, sizes, the CUDA stream and a PDL switch. Every launcher returns 0, a cudaError_t, or
 // -1 when no kernel is instantiated for the asked config. One file per kernel family implements
-// its launchers (fp8_gemv.cu, fp8_mma.cu, route.cu, fp4_experts.cu, topk.cu); dsv4_api.cu the
-// version and the error strings.
+// its launchers (fp8_gemv.cu, fp8_mma.cu, route.cu, fp4_experts.cu, topk.cu, allreduce.cu);
+// dsv4_api.cu the version and the error strings.
 #pragma once
+
+#include <cstddef>
 
 extern "C" {
 
@@ -63,5 +65,39 @@ int dsv4_route(const void* logits, const void* bias, const void* tid2eid, const 
 // out [rows, k] int64 = per row, the indices of the k largest of scores [rows, n] bf16
 // (1 <= k <= n), see topk_bf16_kernel. One CTA per row.
 int dsv4_topk_bf16(const void* scores, int n, int k, void* out, int rows, void* stream, int pdl);
+
+
+// ---- the one-shot all-reduce over peer memory (allreduce.cu; dsv4/parallel/oneshot.py) ----------
+
+// sizeof(cudaIpcMemHandle_t): the bytes of the handle dsv4_ar_alloc writes.
+int dsv4_ar_ipc_handle_bytes();
+
+// Bytes of one rank's buffer for messages of up to cap bytes in CTAs of chunk bytes; 0 when the
+// sizes are not supported (chunk a multiple of 512, cap a multiple of chunk).
+size_t dsv4_ar_buffer_bytes(int cap, int chunk);
+
+// On `device`: cudaMalloc `bytes` into *ptr, zeroed (synchronously), and its CUDA IPC handle into
+// ipc_handle (dsv4_ar_ipc_handle_bytes() bytes). The caller's current device is kept.
+int dsv4_ar_alloc(int device, size_t bytes, void** ptr, void* ipc_handle);
+
+// Map another process's buffer (its IPC handle) into this process on `device`; close it with
+// dsv4_ar_close, free one's own with dsv4_ar_free.
+int dsv4_ar_open(int device, const void* ipc_handle, void** ptr);
+int dsv4_ar_close(int device, void* ptr);
+int dsv4_ar_free(int device, void* ptr);
+
+// Four host-mapped int status words (zeroed): *host for the CPU, *dev for the kernel.
+int dsv4_ar_status_alloc(void** host, void** dev);
+int dsv4_ar_status_free(void* host);
+
+// out = the sum over the world ranks of x (nbytes, a multiple of 16, <= cap; dtype 0 float32,
+// 1 bf16, 2 fp16; x and out 16-byte aligned, out == x allowed). peers[r]: rank r's buffer as mapped
+// here (peers[rank]: this rank's own). Every rank makes the same sequence of calls (sizes and
+// order); the sum runs in rank order in float32 (the same bits on every rank). A rank that does
+// not arrive within timeout_ns: status = {1, that rank, epoch, CTA} and out = NaN. -1: not
+// supported (sizes, world outside 2..8, alignment).
+int dsv4_allreduce(void* const* peers, int world, int rank, const void* x, void* out,
+                   long long nbytes, int dtype, int cap, int chunk, unsigned long long timeout_ns,
+                   void* status, void* stream, int pdl);
 
 }  // extern "C"

@@ -46,6 +46,12 @@ class DeviceError(UserInputError, RuntimeError):
     device on a CPU-only torch)."""
 
 
+class ParallelError(RuntimeError):
+    """A tensor-parallel run that cannot go on: a rank that did not join, died, raised or stalled
+    past the timeout, or a collective that failed (dsv4.parallel). Names the rank and the cause;
+    the run ends (every rank stops), it never hangs."""
+
+
 # API parameter -> CLI flag. The library's errors name what an embedder passes
 # (RuntimeConfig.max_seq_len, max_new_tokens, mode='eager'); the CLI shows the flag instead.
 API_FLAGS = {"max_seq_len": "--max-seq-len", "max_new_tokens": "--max-new-tokens",

@@ -1,5 +1,6 @@
 """The CUDA C++ decode kernels (`csrc/`: FP8 GEMV on CUDA cores and on tensor cores, the MoE
-routing, the routed FP4 experts on tensor cores, the indexer's top-k; the C interface in
+routing, the routed FP4 experts on tensor cores, the indexer's top-k, the one-shot all-reduce over
+peer memory of dsv4.parallel; the C interface in
 csrc/dsv4_api.h) through ctypes. Every source is built into one library, once per set of sources,
 GPU architecture and nvcc, with `nvcc` (about a minute) into `~/.cache/dsv4/cuda/`, or taken from a
 prebuilt .so (DSV4_CUDA_LIB, read by dsv4.backend). Where neither works (no nvcc, GPU older than
@@ -22,11 +23,11 @@ from pathlib import Path
 
 import torch
 
-ABI = 5
+ABI = 6
 CSRC = Path(__file__).resolve().parents[3] / "csrc"
 # the kernel families and the C interface, compiled into one library (the headers are in the key)
 SOURCES = ("fp8_gemv.cu", "fp8_mma.cu", "route.cu", "fp4_up.cu", "fp4_down.cu", "topk.cu",
-           "dsv4_api.cu")
+           "allreduce.cu", "dsv4_api.cu")
 HEADERS = ("dsv4_common.cuh", "fp8.cuh", "fp4_experts.cuh", "dsv4_api.h")
 MIN_CAPABILITY = (8, 9)        # cvt e4m3x2 (sm_89); PDL needs sm_90 and is compiled out below
 
@@ -102,6 +103,25 @@ def _declare(lib) -> None:
     lib.dsv4_topk_bf16.argtypes = [p, i, i, p, i, p, i]
     lib.dsv4_fp4_down.restype = i
     lib.dsv4_fp4_down.argtypes = [p, p, p, p, p, p, p, p, i, i, i, i, i, i, i, i, i, p, i]
+    # the all-reduce (allreduce.cu; its host side: dsv4/parallel/oneshot.py)
+    pp = ctypes.POINTER(p)
+    lib.dsv4_ar_ipc_handle_bytes.restype = i
+    lib.dsv4_ar_buffer_bytes.restype = ctypes.c_size_t
+    lib.dsv4_ar_buffer_bytes.argtypes = [i, i]
+    lib.dsv4_ar_alloc.restype = i
+    lib.dsv4_ar_alloc.argtypes = [i, ctypes.c_size_t, pp, p]
+    lib.dsv4_ar_open.restype = i
+    lib.dsv4_ar_open.argtypes = [i, p, pp]
+    for fn in (lib.dsv4_ar_close, lib.dsv4_ar_free):
+        fn.restype = i
+        fn.argtypes = [i, p]
+    lib.dsv4_ar_status_alloc.restype = i
+    lib.dsv4_ar_status_alloc.argtypes = [pp, pp]
+    lib.dsv4_ar_status_free.restype = i
+    lib.dsv4_ar_status_free.argtypes = [p]
+    lib.dsv4_allreduce.restype = i
+    lib.dsv4_allreduce.argtypes = [pp, i, i, p, p, ctypes.c_longlong, i, i, i, ctypes.c_ulonglong,
+                                   p, p, i]
 
 
 def _load(arch: str, path: str | None):
@@ -258,6 +278,20 @@ def fp4_down(lib, a, idx, w2, s2, add, y, ws, cnt, D: int, I: int, k: int, y_f32
                             cfg.spw, cfg.dec, cfg.depth, int(cfg.all_experts), rows, _stream(y),
                             int(pdl))
     _check(err, "fp4 experts down (CUDA)", lib)
+
+
+AR_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}   # dsv4_allreduce's dtype
+
+
+def allreduce(lib, peers, world: int, rank: int, x, out, cap: int, chunk: int, timeout_ns: int,
+              status: int, pdl: bool) -> None:
+    """dsv4_allreduce (see csrc/allreduce.cu): out = the sum over the ranks of x (contiguous,
+    16-byte aligned, x.nbytes a multiple of 16 and <= cap); peers: a ctypes array of the world's
+    buffer pointers; status: the device address of the host-mapped status words."""
+    err = lib.dsv4_allreduce(peers, world, rank, x.data_ptr(), out.data_ptr(),
+                             x.numel() * x.element_size(), AR_DTYPES[x.dtype], cap, chunk,
+                             timeout_ns, status, _stream(out), int(pdl))
+    _check(err, "all-reduce (CUDA, one-shot)", lib)
 
 
 def main(argv=None) -> int:

@@ -1,0 +1,166 @@
+"""The all-reduce of a tensor-parallel run, planned once (FlashInfer's plan / run split): which
+implementation serves the small messages of decode (a few KB a layer: latency-bound) -- our
+one-shot kernel over peer memory (`oneshot`), PyTorch's symmetric-memory one-shot or two-shot
+(`symm_one_shot`, `symm_two_shot`) or NCCL -- while torch.distributed (NCCL; gloo on the CPU)
+serves the rest (larger messages, other dtypes). `plan_allreduce` tries them in PREFERENCE order
+(or only the one asked), every rank agreeing on each step; `AllReduce.table()` says what serves
+and why each other one does not, like the backend's table.
+"""
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import DeviceError
+from .group import TPGroup, Unavailable
+from .nccl import NcclAllReduce
+
+IMPLEMENTATIONS = ("oneshot", "symm_one_shot", "symm_two_shot", "nccl")
+# the order tried when none is asked. Our kernel first: one launch, a push of the message and a
+# flag to each peer, no second barrier; to be confirmed or reordered by the latencies of
+# scripts/bench_comm.py in a CUDA graph on the GPU hosts (BENCHMARKS.md)
+PREFERENCE = IMPLEMENTATIONS
+MAX_BYTES = 64 << 10        # the fast path's largest message: 8 rows of a 4096-wide bf16 state
+MAX_BYTES_LIMIT = 4 << 20   # what max_bytes may be (our kernel's buffer: 16 x max_bytes a rank)
+
+
+@dataclass
+class AllReduce:
+    """The planned all-reduce of one rank. Call it as `ar(x)` (in place) or `ar(x, out)`; every
+    rank must make the same calls, in the same order, with the same shapes and dtypes.
+    Capture-safe where the serving implementation is (all of them on CUDA)."""
+    group: TPGroup
+    fast: object | None             # the small-message implementation, None: NCCL serves all
+    fallback: NcclAllReduce
+    max_bytes: int
+    choice: dict[str, str] = field(default_factory=dict)   # implementation -> outcome
+
+    @property
+    def name(self) -> str:
+        return self.fast.name if self.fast is not None else self.fallback.name
+
+    def impl_for(self, nbytes: int, dtype: torch.dtype):
+        """Who serves nbytes of dtype: the same on every rank (it goes by sizes, not addresses)."""
+        if self.fast is not None and self.fast.supports(nbytes, dtype):
+            return self.fast
+        return self.fallback
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """out (default x) = the sum over the ranks of x; returns out. x, out: contiguous, on the
+        group's device, the same shape and dtype (out may be x)."""
+        out = x if out is None else out
+        if x.device != self.group.device or out.device != self.group.device:
+            raise ValueError(f"all-reduce on {self.group.describe()}: x on {x.device}, out on "
+                             f"{out.device}; expected both on {self.group.device}")
+        if out.shape != x.shape or out.dtype != x.dtype:
+            raise ValueError(f"all-reduce: out {tuple(out.shape)} {out.dtype} does not match x "
+                             f"{tuple(x.shape)} {x.dtype}")
+        if not (x.is_contiguous() and out.is_contiguous()):
+            raise ValueError(f"all-reduce: x and out must be contiguous (x strides {x.stride()}, "
+                             f"out strides {out.stride()}); pass x.contiguous()")
+        if x.numel():
+            self.impl_for(x.numel() * x.element_size(), x.dtype)(x, out)
+        return out
+
+    def check(self) -> None:
+        """Raise ParallelError if an earlier call gave up waiting for a rank (no sync)."""
+        if self.fast is not None:
+            self.fast.check()
+
+    def close(self) -> None:
+        """Free the buffers (collective: every rank calls it, after its last all-reduce)."""
+        if self.fast is not None:
+            self.fast.close()
+            self.fast = None
+
+    def table(self) -> dict[str, str]:
+        """What serves the all-reduce (`parallel.allreduce`) and each implementation's outcome."""
+        g = self.group
+        head = (f"{self.fast.name} up to {self.max_bytes >> 10} KB, nccl above"
+                if self.fast is not None else "nccl")
+        rows = {"parallel.group": f"{g.world_size} ranks, {g.backend}, timeout {g.timeout_s:g} s",
+                "parallel.allreduce": head}
+        rows.update({f"parallel.allreduce.{k}": v for k, v in self.choice.items()})
+        return rows
+
+
+def _unavailable(name: str, group: TPGroup, max_bytes: int) -> str | None:
+    if name == "oneshot":
+        from .oneshot import OneShotAllReduce
+        return OneShotAllReduce.unavailable(group, max_bytes)
+    from .symm import SymmMemAllReduce
+    return SymmMemAllReduce.unavailable(group, max_bytes, name.removeprefix("symm_"))
+
+
+def _build(name: str, group: TPGroup, max_bytes: int, pdl: bool, timeout_s: float):
+    if name == "oneshot":
+        from .oneshot import OneShotAllReduce
+        return OneShotAllReduce(group, max_bytes, pdl=pdl, timeout_s=timeout_s)
+    from .symm import SymmMemAllReduce
+    return SymmMemAllReduce(group, max_bytes, name.removeprefix("symm_"))
+
+
+def _agreed(reasons: list) -> str | None:
+    """One line for every rank's reason (None where all ranks can)."""
+    bad = [(r, why) for r, why in enumerate(reasons) if why]
+    if not bad:
+        return None
+    if len(bad) == len(reasons) and len({w for _, w in bad}) == 1:
+        return bad[0][1]
+    return "; ".join(f"rank {r}: {w}" for r, w in bad)
+
+
+def plan_allreduce(group: TPGroup, max_bytes: int = MAX_BYTES, prefer: str | None = None,
+                   pdl: bool = False, timeout_s: float | None = None) -> AllReduce:
+    """Choose, once and on every rank alike, the implementation of messages up to max_bytes:
+    the first of PREFERENCE (or only `prefer`) that every rank can run; NCCL (gloo) serves the
+    rest. Collective (host-side, may sync: call it before capturing). pdl: our kernel launches
+    with programmatic dependent launch (it waits for its predecessor before touching memory);
+    timeout_s: how long our kernel waits for a rank (default: the group's timeout)."""
+    if prefer is not None and prefer not in IMPLEMENTATIONS:
+        raise DeviceError(f"all-reduce implementation {prefer!r}: expected one of "
+                          f"{', '.join(IMPLEMENTATIONS)} (or none: the plan chooses)")
+    if not 0 < max_bytes <= MAX_BYTES_LIMIT:
+        raise DeviceError(f"max_bytes = {max_bytes}: expected 1 .. {MAX_BYTES_LIMIT >> 20} MiB "
+                          f"(the fast path's buffers hold 16 messages a rank; larger ones go "
+                          f"through NCCL anyway)")
+    timeout_s = group.timeout_s if timeout_s is None else timeout_s
+    if not timeout_s > 0:
+        raise DeviceError(f"timeout_s = {timeout_s}: expected a positive number of seconds")
+    order = PREFERENCE if prefer is None else (prefer,)
+    choice = {n: "not tried" for n in IMPLEMENTATIONS}
+    fallback = NcclAllReduce(group)
+    fast = None
+    # peer memory is one host's: ranks on several (torchrun across nodes) all-reduce through NCCL
+    hosts = set(group.all_gather_object(socket.gethostname())) if order != ("nccl",) else ()
+    for name in order:
+        if name == "nccl":
+            break
+        if len(hosts) > 1:
+            choice[name] = (f"unavailable: the ranks span {len(hosts)} hosts (peer memory is "
+                            f"one host's)")
+            continue
+        # rank 0 first: its check may build the CUDA library (once, cached), the others load it
+        if group.rank == 0:
+            why = _unavailable(name, group, max_bytes)
+        group.barrier()
+        if group.rank != 0:
+            why = _unavailable(name, group, max_bytes)
+        why = _agreed(group.all_gather_object(why))
+        if why is None:
+            try:
+                fast = _build(name, group, max_bytes, pdl, timeout_s)
+            except Unavailable as e:
+                why = str(e)
+        if fast is not None:
+            choice[name] = f"chosen: {fast.describe()}"
+            break
+        choice[name] = f"unavailable: {why}"
+    choice["nccl"] = ("chosen: " if fast is None else "fallback: ") + fallback.describe()
+    if prefer not in (None, "nccl") and fast is None:
+        raise DeviceError(f"all-reduce implementation {prefer!r} is unavailable on "
+                          f"{group.describe()}: {choice[prefer].removeprefix('unavailable: ')}. "
+                          f"Ask for 'nccl' (always there) or let the plan choose")
+    return AllReduce(group, fast, fallback, fast.max_bytes if fast is not None else 0, choice)

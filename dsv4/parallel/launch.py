@@ -1,0 +1,181 @@
+"""Our own launcher of a tensor-parallel run: one process per device (multiprocessing spawn), each
+joining the group (group.start) and calling fn(group, *args); the parent joins them and returns
+their results, or ends every rank when one fails and raises a ParallelError naming the rank that
+failed first and why. torchrun users skip this and call group.start_from_env in each process.
+"""
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.connection
+import os
+import pickle
+import signal
+import socket
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from ..errors import ParallelError
+from .group import DEFAULT_TIMEOUT_S, disable_multicast, start
+
+# after the first failure, the other ranks get this long to end by themselves (their own errors
+# then reach the report) before they are terminated
+GRACE_S = 10.0
+POLL_S = 0.1
+EXIT_WAIT_S = 30.0          # a rank that reported its result gets this long to exit
+# what ranks a failure first: a rank that died or raised its own error over one whose collective
+# failed because of another rank (ParallelError from the group or a collective)
+DIED, RAISED, COLLECTIVE = 0, 0, 1
+
+
+@dataclass(frozen=True)
+class RankFailure:
+    rank: int
+    device: str
+    text: str               # one line: the error or how the process ended
+    order: int              # DIED / RAISED / COLLECTIVE
+    at: float               # time.monotonic() when the parent saw it
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on `host` now (for rank 0's rendezvous store)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _child(fn, rank: int, world: int, device: str, addr: str, port: int, timeout_s: float,
+           conn, args) -> None:
+    """A rank's process: multicast off before anything starts CUDA or NCCL, join, run, report."""
+    disable_multicast()
+    try:
+        group = start(rank, world, device, master_addr=addr, master_port=port, timeout_s=timeout_s)
+        result = fn(group, *args)
+        group.close()              # not after an error: a peer may be gone, do not wait on it
+        conn.send_bytes(pickle.dumps(("ok", result)))
+    except BaseException as e:     # noqa: BLE001: every failure goes to the parent, then exit 1
+        kind = COLLECTIVE if isinstance(e, ParallelError) else RAISED
+        text = f"{type(e).__name__}: {e}".strip()
+        try:
+            conn.send_bytes(pickle.dumps(("error", kind, text)))
+        except (OSError, pickle.PicklingError):
+            pass
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)                # no atexit: a NCCL teardown with a dead peer may never return
+    conn.close()
+
+
+def _ended(proc) -> str:
+    code = proc.exitcode
+    if code is not None and code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code} without a result"
+
+
+def launch(fn: Callable, devices: Sequence, *args, timeout_s: float = DEFAULT_TIMEOUT_S,
+           grace_s: float = GRACE_S, deadline_s: float | None = None,
+           master_addr: str = "127.0.0.1") -> list:
+    """Run fn(group, *args) on one process per device (rank i on devices[i]) and return the
+    results in rank order. fn and args must be picklable (fn a module-level function); results
+    come back by pickle. timeout_s: the group's timeout (start-up and every collective);
+    deadline_s: the whole run's, if any. When a rank fails, the others get grace_s to end, then
+    are terminated, and ParallelError names the first failure (its traceback is on stderr)."""
+    devices = [str(d) for d in devices]
+    world = len(devices)
+    if world < 1:
+        raise ParallelError("launch: no devices given (expected e.g. cuda:0,cuda:1 or cpu,cpu)")
+    ctx = multiprocessing.get_context("spawn")      # a fresh interpreter: no inherited CUDA state
+    port = free_port(master_addr)
+    procs, pipes = [], []
+    for rank, dev in enumerate(devices):
+        recv, send = ctx.Pipe(duplex=False)
+        p = ctx.Process(target=_child, name=f"dsv4-rank{rank}",
+                        args=(fn, rank, world, dev, master_addr, port, timeout_s, send, args))
+        procs.append(p)
+        pipes.append(recv)
+    results: dict[int, object] = {}
+    failures: list[RankFailure] = []
+    stopped: list[int] = []
+    t0 = time.monotonic()
+    try:
+        for p in procs:
+            p.start()
+        pending = set(range(world))
+        stop_at = None
+        while pending:
+            multiprocessing.connection.wait(
+                [pipes[r] for r in pending] + [procs[r].sentinel for r in pending], timeout=POLL_S)
+            now = time.monotonic()
+            for r in sorted(pending):
+                msg = _poll(pipes[r])
+                if msg is None and not procs[r].is_alive():
+                    msg = _poll(pipes[r]) or ("died", _ended(procs[r]))  # sent just before exit
+                if msg is None:
+                    continue
+                pending.discard(r)
+                if msg[0] == "ok":
+                    results[r] = msg[1]
+                elif msg[0] == "error":
+                    failures.append(RankFailure(r, devices[r], msg[2], msg[1], now))
+                else:
+                    failures.append(RankFailure(r, devices[r], msg[1], DIED, now))
+            if failures and stop_at is None:
+                stop_at = now + grace_s
+            if stop_at is not None and now >= stop_at:
+                break
+            if deadline_s is not None and now - t0 > deadline_s and pending:
+                failures += [RankFailure(r, devices[r], f"did not finish within the "
+                                         f"{deadline_s:g} s deadline", RAISED, now)
+                             for r in sorted(pending)]
+                break
+        failed = {f.rank for f in failures}
+        stopped = [r for r in sorted(pending) if r not in failed]   # terminated below
+        for r in range(world):     # finished ranks exit by themselves; give them a moment
+            if r in results:
+                procs[r].join(EXIT_WAIT_S)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+        for p in procs:
+            p.join(5.0)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        for c in pipes:
+            c.close()
+    if failures:
+        raise _report(failures, stopped, world, time.monotonic() - t0)
+    return [results[r] for r in range(world)]
+
+
+def _poll(conn):
+    try:
+        if conn.poll():
+            return pickle.loads(conn.recv_bytes())
+    except (EOFError, OSError):
+        return None
+    return None
+
+
+def _report(failures: list[RankFailure], stopped: list[int], world: int,
+            elapsed: float) -> ParallelError:
+    first = min(failures, key=lambda f: (f.order, f.at, f.rank))
+    others = [f for f in sorted(failures, key=lambda f: f.rank) if f is not first]
+    msg = f"rank {first.rank} of {world} ({first.device}) failed first: {first.text}"
+    if others:
+        msg += "; then " + "; ".join(f"rank {f.rank}: {f.text}" for f in others)
+    if stopped:
+        msg += f"; rank(s) {', '.join(map(str, stopped))} still running were terminated"
+    msg += (f". The run stopped after {elapsed:.1f} s: when one rank fails every rank ends (the "
+            f"failed ranks' tracebacks are on stderr)")
+    err = ParallelError(msg)
+    err.failures = {f.rank: f.text for f in failures}
+    err.first_rank = first.rank
+    return err

@@ -1,0 +1,50 @@
+"""dsv4.parallel's all-reduce on 2 and 4 GPUs (one process a GPU, NCCL): every implementation gives
+the exact sum into poisoned (NaN) outputs, eager and inside a CUDA graph replayed with new inputs,
+the same bits on every rank and on a second run; messages past the fast path's size go through
+NCCL; our kernel gives up on a rank that never arrives, naming it, instead of hanging."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import parallel_ranks
+from dsv4.parallel import IMPLEMENTATIONS, launch
+
+
+def _devices(n: int) -> list[str]:
+    if torch.cuda.device_count() < n:
+        pytest.skip(f"needs {n} GPUs, {torch.cuda.device_count()} visible")
+    return [f"cuda:{i}" for i in range(n)]
+
+
+@pytest.mark.multigpu
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_every_implementation_sums_exactly_everywhere(impl, world):
+    # the group's default timeout: rank 0 may build the CUDA library first (about a minute)
+    got = launch(parallel_ranks.gpu_checks, _devices(world), impl, deadline_s=600)
+    if "skip" in got[0]:
+        assert impl != "nccl", got[0]["skip"]
+        pytest.skip(got[0]["skip"])
+    head = got[0]["table"]["parallel.allreduce"]
+    assert head == ("nccl" if impl == "nccl" else f"{impl} up to 64 KB, nccl above")
+    for r in got:
+        bad = [e for e in r["exact"] if not e[-1]]
+        assert not bad, f"rank {got.index(r)}: not the exact sum for {bad}"
+        assert all(r["repeat"]) and all(r["close"])
+        assert all(ok for ok, _ in r["graph"]), r["graph"]
+        assert r["digests"] == got[0]["digests"] and r["graph"] == got[0]["graph"]
+    served = {(dt, n): name for dt, n, name, _ in got[0]["exact"]}
+    assert served[("torch.bfloat16", 65536)] == "nccl"      # 128 KB: past the fast path
+    if impl != "nccl":
+        assert served[("torch.bfloat16", 4096)] == impl     # one 4096-wide row: the fast path
+
+
+@pytest.mark.multigpu
+def test_oneshot_gives_up_on_a_rank_that_never_arrives():
+    got = launch(parallel_ranks.oneshot_timeout, _devices(2), deadline_s=600)
+    if got[0].startswith("all-reduce implementation 'oneshot' is unavailable"):
+        pytest.skip(got[0])
+    assert got[1] == "skipped the call"
+    assert "waited 5 s for rank 1" in got[0] and "its output is NaN" in got[0], got[0]
+    assert got[0].endswith("| nan: True")

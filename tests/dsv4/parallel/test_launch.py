@@ -1,0 +1,47 @@
+"""dsv4.parallel.launch on the CPU: a rank that raises, exits or stalls ends every rank within a
+bounded time, and the error names the rank that failed first and how."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+import parallel_ranks
+from dsv4.errors import ParallelError
+from dsv4.parallel import launch
+
+
+@pytest.mark.parametrize("how, words", [
+    ("raise", "rank 1 of 2 (cpu) failed first: ValueError: boom at rank 1"),
+    ("exit", "rank 1 of 2 (cpu) failed first: exited with code 7 without a result"),
+])
+def test_a_rank_that_fails_ends_the_run(how, words):
+    t0 = time.monotonic()
+    with pytest.raises(ParallelError) as e:
+        launch(parallel_ranks.fail_after_start, ["cpu", "cpu"], how, timeout_s=30, grace_s=5,
+               deadline_s=60)
+    assert time.monotonic() - t0 < 30          # rank 0's all-reduce fails as rank 1 goes away
+    msg = str(e.value)
+    assert words in msg, msg
+    assert "when one rank fails every rank ends" in msg
+    assert e.value.first_rank == 1 and set(e.value.failures) <= {0, 1}
+
+
+def test_a_stalled_rank_times_out_and_is_ended():
+    t0 = time.monotonic()
+    with pytest.raises(ParallelError) as e:
+        launch(parallel_ranks.fail_after_start, ["cpu", "cpu"], "stall", timeout_s=3, grace_s=2,
+               deadline_s=60)
+    assert time.monotonic() - t0 < 30          # 3 s timeout + 2 s grace + start-up
+    msg = str(e.value)
+    assert ("rank 0 of 2 (cpu) failed first: ParallelError: rank 0 of 2 (cpu, gloo): "
+            "all-reduce") in msg
+    assert "stalled past the 3 s timeout" in msg
+    assert "rank(s) 1 still running were terminated" in msg, msg
+
+
+def test_results_come_back_in_rank_order():
+    got = parallel_ranks.two_cpu_ranks()          # launched for the group's and all-reduce's tests
+    assert [r["describe"]["rank"] for r in got] == [0, 1]
+    with pytest.raises(ParallelError, match="no devices given"):
+        launch(parallel_ranks.describe, [])
