@@ -39,6 +39,7 @@ class GenerationResult:
     logits: torch.Tensor | None = None     # [n_generated, V] f32 when requested
     timings: dict = field(default_factory=dict)
     logprobs: list | None = None           # TokenLogprobs per output token, with on_logprobs
+    prompt_logprobs: list | None = None    # [None, TokenLogprobs...] per prompt id (scored)
 
 
 def check_token_ids(ids: Sequence[int], vocab_size: int) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import threading
 
 from ..text.chat import THINK_END
@@ -72,8 +73,9 @@ class GrammarCompiler:
         try:
             return compiler.compile_json_schema(json.dumps(schema), any_whitespace=False)
         except Exception as e:          # the library's refusal: say which schema and why
-            raise ApiError(400, f"{param}: {PACKAGE} cannot compile this JSON schema "
-                                f"({type(e).__name__}: {e}); simplify the schema (supported: "
+            why = re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", str(e).strip()).splitlines()[0]
+            raise ApiError(400, f"{param}: {PACKAGE} cannot compile this JSON schema ({why}); "
+                                f"simplify the schema (what it supports: "
                                 f"https://xgrammar.mlc.ai/docs)", param) from None
 
 
