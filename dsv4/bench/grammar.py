@@ -2,11 +2,12 @@
 server could use (xgrammar, llguidance), over the real DeepSeek-V4 tokenizer's vocabulary:
 `python scripts/bench_grammar.py [--tokens 200] [--json]`.
 
-For each library and schema: the compile time, then a walk of `--tokens` steps that fills the
-next-token bitmask [ceil(V / 32)] int32 and accepts a token the mask allows (seeded choice among
-the allowed ones, EOS last), restarting at the end of a document; the per-token figure is the
-median time of fill + accept. Nothing of the model runs: this is the host work the server adds to
-each step of a constrained request.
+For each schema, both libraries walk the same path of `--tokens` tokens: at each step each fills
+its next-token bitmask [ceil(V / 32)] int32 (timed), a seeded choice among the tokens both allow
+is made, and each accepts it (timed); a finished document starts a new one. Interleaving the two
+per token makes a loaded machine slow both alike. The per-token figure is the median of fill +
+accept. Nothing of the model runs: this is the host work the server adds to each step of a
+constrained request.
 """
 from __future__ import annotations
 
@@ -46,8 +47,9 @@ class _Xgrammar:
         self.vocab = len(vocab)
 
     def start(self, schema):
-        g = (self.compiler.compile_builtin_json_grammar() if schema is None else
-             self.compiler.compile_json_schema(json.dumps(schema), any_whitespace=False))
+        # compact separators, as llguidance's non-flexible whitespace: the same documents
+        g = self.compiler.compile_json_schema(json.dumps(schema or {"type": "object"}),
+                                              any_whitespace=False, separators=(",", ":"))
         self.m = self.xgr.GrammarMatcher(g)
         self.mask = self.xgr.allocate_token_bitmask(1, self.vocab)
 
@@ -88,27 +90,42 @@ class _Llguidance:
         return self.m.is_stopped()
 
 
-def measure(lib, schema, tokens: int, seed: int = 0) -> dict:
+def measure(libs, schema, tokens: int, seed: int = 0) -> dict:
+    """The walk above -> {library: {compile_ms, median_us, p90_us, tokens, documents}}."""
     rng = random.Random(seed)
-    t = time.perf_counter()
-    lib.start(schema)
-    compile_s = time.perf_counter() - t
-    times, docs = [], 0
+    out = {}
+    for lib in libs:
+        t = time.perf_counter()
+        lib.start(schema)
+        out[lib.name] = {"compile_ms": (time.perf_counter() - t) * 1e3, "times": []}
+    docs = 0
     for _ in range(tokens):
-        t = time.perf_counter()
-        mask = lib.fill()
-        times.append(time.perf_counter() - t)
-        ok = _allowed(mask, lib.vocab)
-        tid = rng.choice(ok)
-        t = time.perf_counter()
-        done = lib.accept(tid)
-        times[-1] += time.perf_counter() - t
+        allowed = None
+        for lib in libs:
+            t = time.perf_counter()
+            mask = lib.fill()
+            out[lib.name]["times"].append(time.perf_counter() - t)
+            ok = set(_allowed(mask, lib.vocab))
+            allowed = ok if allowed is None else allowed & ok
+        if not allowed:             # the grammars disagree here: start a new document
+            for lib in libs:
+                lib.start(schema)
+            continue
+        tid = rng.choice(sorted(allowed))
+        done = False
+        for lib in libs:
+            t = time.perf_counter()
+            done |= lib.accept(tid)
+            out[lib.name]["times"][-1] += time.perf_counter() - t
         if done:
             docs += 1
-            lib.start(schema)
-    return {"compile_ms": compile_s * 1e3, "median_us": statistics.median(times) * 1e6,
-            "p90_us": sorted(times)[int(0.9 * len(times))] * 1e6, "tokens": tokens,
-            "documents": docs}
+            for lib in libs:
+                lib.start(schema)
+    for r in out.values():
+        times = sorted(r.pop("times"))
+        r.update(median_us=statistics.median(times) * 1e6,
+                 p90_us=times[int(0.9 * len(times))] * 1e6, tokens=tokens, documents=docs)
+    return out
 
 
 def main(argv=None) -> int:
@@ -118,17 +135,17 @@ def main(argv=None) -> int:
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     tok = load_tokenizer()
-    out = {}
+    out, libs = {}, []
     for cls in (_Xgrammar, _Llguidance):
         try:
             t = time.perf_counter()
-            lib = cls(tok)
-            setup_s = time.perf_counter() - t
+            libs.append(cls(tok))
+            out[cls.name] = {"tokenizer_setup_s": time.perf_counter() - t}
         except ImportError as e:
             out[cls.name] = {"error": f"not installed ({e})"}
-            continue
-        out[cls.name] = {"tokenizer_setup_s": setup_s,
-                         **{name: measure(lib, s, args.tokens) for name, s in SCHEMAS.items()}}
+    for name, schema in SCHEMAS.items():
+        for lib, r in measure(libs, schema, args.tokens).items():
+            out[lib][name] = r
     if args.json:
         print(json.dumps(out))
     else:
