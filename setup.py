@@ -22,14 +22,19 @@ setup(
         # 3.6 (the GPU machines' release, CUDA suite on H200) through 3.9 (the current release,
         # interpreter suite; 3.6's interpreter fails under NumPy >= 2.4, and those tests skip
         # there); no upper cap, as no release is known to break the kernels.
-        # the OpenAI-compatible server (scripts/serve.py, docs/SERVING.md)
-        "serve": ["fastapi>=0.100", "uvicorn>=0.29", "pydantic>=2"],
+        # the OpenAI-compatible server (scripts/serve.py, docs/SERVING.md); llguidance masks the
+        # tokens of structured output (response_format; without it such a request gets a 400
+        # naming it), tested with 1.9.1
+        "serve": ["fastapi>=0.100", "uvicorn>=0.29", "pydantic>=2", "llguidance>=1.0"],
         # dev: the server's packages too and the official openai client its tests drive it with;
         # transformers for the tests of examples/hf_decoder.py (a transformers model through
         # graphs/), tested with 5.24, whose StaticCache keeps a device-side length the embedding
-        # sets per step; capped below 6 as that internal may move in a major release
+        # sets per step; capped below 6 as that internal may move in a major release;
+        # lm-eval[api] for the test that scores through lm-evaluation-harness's OpenAI model
+        # (tested with 0.4.13; the test skips without it)
         "dev": ["pytest", "triton>=3.6", "fastapi>=0.100", "uvicorn>=0.29", "pydantic>=2",
-                "openai>=1.0", "httpx", "transformers>=5.24,<6"],
+                "llguidance>=1.0", "openai>=1.0", "httpx", "transformers>=5.24,<6",
+                "lm-eval[api]>=0.4.5"],
         "cuda": ["triton>=3.6"],
     },
 )

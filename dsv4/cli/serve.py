@@ -93,7 +93,9 @@ def _build(args, ckpt, cfg, tok, devices, mode, sampling):
     from ..runtime.config import DTYPES, RuntimeConfig
     from ..runtime.session import Session, load_model
     from ..server.engine import Engine
+    from ..server.logprobs_format import TokenTexts
     from ..server.openai_api import Defaults
+    from ..server.structured import GrammarCompiler
     t0 = time.perf_counter()
     rt = RuntimeConfig(max_seq_len=args.max_seq_len, dtype=DTYPES[args.dtype],
                        devices=tuple(devices), prefill_chunk=args.prefill_chunk,
@@ -115,7 +117,8 @@ def _build(args, ckpt, cfg, tok, devices, mode, sampling):
     defaults = Defaults(model=name, max_seq_len=args.max_seq_len, vocab_size=cfg.vocab_size,
                         sampling=sampling, seed=args.seed, speculative=bool(args.speculative),
                         prefix_snapshots=args.prefix_snapshots,
-                        allow_force_ids=args.allow_force_ids)
+                        allow_force_ids=args.allow_force_ids,
+                        grammar=GrammarCompiler(tok, cfg.vocab_size), texts=TokenTexts(tok))
     per_snapshot = engine.cache.nbytes() / max(1, args.prefix_snapshots) / 2 ** 20
     print(f"[dsv4] {name}: mode={mode} device={','.join(devices)} dtype={args.dtype} "
           f"max-seq-len={args.max_seq_len} speculative={args.speculative} | ready in "

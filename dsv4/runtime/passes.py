@@ -5,7 +5,8 @@ dsv4.runtime.prefill_graphs).
 
 A pass is: `embed` (head device) -> `layer{l}` (each on its device, the hidden rows handed off at
 device boundaries) -> `lm_head` (head device), plus what the caller adds. The plain decode step
-appends `sample` (writes the next token and position back into the static inputs). Every fn is
+appends `sample` (writes the next token and position back into the static inputs; with a token
+mask, dsv4.runtime.grammar, the logits it samples from carry the mask's bias). Every fn is
 capture-safe.
 """
 from __future__ import annotations
@@ -19,6 +20,7 @@ from graphs import BufferSpec, Segment
 
 from ..backend import branches as parallel_branches
 from ..model.transformer import Transformer
+from .grammar import TokenMask
 from .sampling import SamplingKnobs, SamplingParams, sample
 
 
@@ -105,9 +107,11 @@ class DecodeBuffers:
 
 
 def build_segments(model: Transformer, bufs: DecodeBuffers,
-                   params: SamplingParams | SamplingKnobs) -> list[Segment]:
+                   params: SamplingParams | SamplingKnobs,
+                   mask: TokenMask | None = None) -> list[Segment]:
     """The per-layer segments of one decode step (plus `embed` and `head` on the head device);
-    knobs: the sample segment reads the parameters from their device tensors."""
+    knobs: the sample segment reads the parameters from their device tensors; mask: it samples
+    from the logits plus the mask's bias (bufs.logits stay the model's)."""
     hd = model.head_device
     h = bufs.h[hd]
 
@@ -125,17 +129,18 @@ def build_segments(model: Transformer, bufs: DecodeBuffers,
     segs = pass_segments(model, bufs.device_buffers(), embed, ({"token": bufs.token}, {}),
                          layer, ("token", "pos"), lm_head, {"logits": bufs.logits},
                          branches=True)
-    segs.append(Segment("sample", hd, _sample_fn(bufs, params),
+    # the mask's bias is filled by the host before a step (like the weights, not a hand-off)
+    segs.append(Segment("sample", hd, _sample_fn(bufs, params, mask),
                         reads={"logits": bufs.logits, "pos": bufs.pos},
                         writes={"token": bufs.token, "pos": bufs.pos, "out_ids": bufs.out_ids}))
     return segs
 
 
-def _sample_fn(bufs, params):
+def _sample_fn(bufs, params, mask):
     pos, token = bufs.pos, bufs.token
 
     def fn():
-        nxt = sample(bufs.logits, pos, params)
+        nxt = sample(bufs.logits if mask is None else mask.apply(bufs.logits), pos, params)
         token.copy_(nxt)
         bufs.out_ids.index_copy_(0, pos + 1, nxt)
         pos.add_(1)

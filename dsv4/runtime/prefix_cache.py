@@ -15,7 +15,7 @@ saved beyond k are dropped; those at or before k stay exact.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 from ..errors import InputError
 from .session import GenerationResult, Session, check_token_ids
@@ -97,11 +97,16 @@ class PrefixCache:
 
     # ---- serving -----------------------------------------------------------------------------
     def generate(self, prompt: Sequence[int], max_new_tokens: int, *, use_cache: bool = True,
-                 save_before_last: bool = False, **kw) -> tuple[GenerationResult, int]:
+                 save_before_last: bool = False, score: bool = False,
+                 on_scored: Callable[[list], object] | None = None,
+                 **kw) -> tuple[GenerationResult, int]:
         """Generate after `prompt` (a whole sequence from position 0, as the request gives it)
         -> (the session's GenerationResult, the number of prompt ids reused). kw: Session.generate's
         (eos_id, on_token, sampling, speculative, force_ids...). save_before_last: also keep a
-        snapshot before the prompt's last token (costs that token's own prefill pass)."""
+        snapshot before the prompt's last token (costs that token's own prefill pass).
+        score: the result's prompt_logprobs hold each prompt id's log-probs (Session.score: the
+        whole prompt is read again, nothing reused), also given to on_scored before the first
+        token; max_new_tokens may then be 0."""
         prompt = list(prompt)
         s, n = self.session, len(prompt)
         if not prompt:
@@ -109,6 +114,12 @@ class PrefixCache:
         forced = kw.get("force_ids")
         check_token_ids(prompt + list(forced or []), s.model.cfg.vocab_size)  # before any change
         s.model.check_capacity(n, len(forced) if forced else max_new_tokens)
+        if score:
+            try:
+                return self._score(prompt, max_new_tokens, on_scored, kw), 0
+            except BaseException:
+                self.forget()
+                raise
         plan = self.plan(prompt, use_cache)
         try:
             return self._serve(prompt, plan, max_new_tokens, save_before_last, kw), plan.cached
@@ -138,6 +149,24 @@ class PrefixCache:
             self._save(prompt)
         res = s.generate([], max_new_tokens, continue_sequence=True, **kw)
         self.ids = prompt + res.output_ids[:s.length - n]
+        return res
+
+    def _score(self, prompt, max_new_tokens, on_scored, kw) -> GenerationResult:
+        s = self.session
+        s.pending = None
+        self._drop_beyond(0)
+        entries = s.score(prompt)
+        self.ids = list(prompt)
+        self._save(prompt)
+        if on_scored is not None:
+            on_scored(entries)
+        if max_new_tokens == 0:
+            res = GenerationResult(list(prompt), [], "length")
+        else:       # the MTP block did not follow the prompt's pass: plain steps
+            res = s.generate([], max_new_tokens, continue_sequence=True,
+                             **{**kw, "speculative": False})
+            self.ids = prompt + res.output_ids[:s.length - len(prompt)]
+        res.prompt_logprobs = entries
         return res
 
     def _prefill(self, prompt, at: int, end: int) -> None:

@@ -19,6 +19,9 @@ from ..errors import InputError
 from ..model.transformer import Transformer
 from .build import load_model
 from .config import resolve_mode
+from .decode_loop import DecodeLoop, LoopRequest
+from .grammar import Constraint, TokenMask
+from .logprobs import LogprobStep, TokenLogprobs, prompt_logprobs
 from .passes import DecodeBuffers, build_segments
 from .prefill import prefill
 from .profiling import nvtx_range
@@ -38,6 +41,8 @@ class GenerationResult:
     finish_reason: str                     # "eos" | "length" | "stopped" (on_token said so)
     logits: torch.Tensor | None = None     # [n_generated, V] f32 when requested
     timings: dict = field(default_factory=dict)
+    logprobs: list | None = None           # TokenLogprobs per output token, with on_logprobs
+    prompt_logprobs: list | None = None    # [None, TokenLogprobs...] per prompt id (scored)
 
 
 def check_token_ids(ids: Sequence[int], vocab_size: int) -> None:
@@ -75,13 +80,20 @@ class Session:
         sampler = self.knobs if self.knobs is not None else params
         self._sampler = sampler
         self.bufs = DecodeBuffers.allocate(model)
-        segs = build_segments(model, self.bufs, sampler)
+        # per-request sessions (the server) also serve token masks and log-probabilities: the
+        # mask's bias is added in the sample segment (0 when off), the log-probs are a pass of
+        # their own run only for the requests that ask
+        self.mask = (TokenMask(model.head_device, model.cfg.vocab_size, graph=mode == "graph")
+                     if per_request_sampling else None)
+        segs = build_segments(model, self.bufs, sampler, self.mask)
         self.decoder = CUDAGraphDecoder(
             segs, inputs={"token": self.bufs.token, "pos": self.bufs.pos},
             outputs={"logits": self.bufs.logits, "token": self.bufs.token},
             mode=mode, granularity=granularity, reset_fn=self.reset, debug=debug,
             nvtx_domain=nvtx_domain, fix_hints=FIX_HINTS)
         self.decoder.allocate()
+        self.lp = (LogprobStep(self.bufs.logits, self.bufs.token, mode)
+                   if per_request_sampling else None)
         if speculative:
             from .speculative.step import SpecStep
             self.spec = SpecStep(model, sampler, speculative, plain=(self.decoder, self.bufs),
@@ -147,6 +159,8 @@ class Session:
     def close(self) -> None:
         """Free the graphs and pools (idempotent); the model and its weights stay."""
         self.decoder.close()
+        if self.lp is not None:
+            self.lp.close()
         if self.spec is not None:
             self.spec.close()
 
@@ -159,9 +173,11 @@ class Session:
     # ---- the sequence ------------------------------------------------------------------------
     # `length`: positions the model state holds (tokens fed); `pending`: the last token chosen by
     # generate() and not fed yet (None after a prefill). A continuation feeds pending first.
-    def _feed(self, ids: Sequence[int], continue_sequence: bool, n_new: int = 0):
+    def _feed(self, ids: Sequence[int], continue_sequence: bool, n_new: int = 0,
+              speculate: bool = True):
         """Validate ids; -> (tokens to prefill, their first position). Raises before any state
-        changes: a bad request loses nothing. An empty result: go on from the held logits."""
+        changes: a bad request loses nothing. An empty result: go on from the held logits.
+        speculate: what follows decodes speculatively (the MTP block must have followed)."""
         cfg = self.model.cfg
         ids = list(ids)
         if not ids and not (continue_sequence and self.pending is None and
@@ -175,7 +191,7 @@ class Session:
             start = self.length
             m = self.model
             # a speculative session's prefill runs the MTP block, which must have followed
-            if self.spec is not None and start and not (
+            if speculate and self.spec is not None and start and not (
                     m.mtp_len == start or (m.mtp_len == start - 1 and m.h_last is not None)):
                 raise InputError("this sequence cannot be continued with speculative decoding: "
                                  "its last tokens were not decoded with it (forced ids); start a "
@@ -199,118 +215,99 @@ class Session:
         self.length, self.pending, self._logits = start + len(feed), None, logits
         return logits.clone()
 
+    def score(self, ids: Sequence[int]) -> list:
+        """Feed ids as a new sequence (the state then holds them, as after prefill(ids)) and
+        return each one's TokenLogprobs given the ids before it: [None, entry(ids[1]), ...]
+        (dsv4.runtime.logprobs.prompt_logprobs: every row's logits of the prompt's pass). The
+        next generate([], ..., continue_sequence=True, speculative=False) goes on from there."""
+        feed, _ = self._feed(ids, False, speculate=False)
+        self.reset()
+        entries, logits = prompt_logprobs(self.model, feed, self.model.rt.prefill_chunk)
+        self.length, self.pending, self._logits = len(feed), None, logits
+        return entries
+
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int,
                  force_ids: Sequence[int] | None = None, eos_id: int | None = None,
                  on_token: Callable[[int], object] | None = None,
                  keep_logits: bool = False, continue_sequence: bool = False,
                  progress: bool = False, sampling: SamplingParams | None = None,
-                 speculative: bool | None = None) -> GenerationResult:
+                 speculative: bool | None = None,
+                 on_logprobs: Callable[[TokenLogprobs], object] | None = None,
+                 constraint: Constraint | None = None) -> GenerationResult:
         """Prefill prompt_ids, then decode up to max_new_tokens (stop at eos_id unless forced).
         continue_sequence: the prompt follows the sequence so far (its tokens stay in the state
         and are not read again; the last generated token is fed first), e.g. a new chat turn;
-        empty, it goes on from a prefill() or restore() without feeding anything again.
+        empty, it goes on from a prefill(), score() or restore() without feeding anything again.
         on_token(tid): each token as it reaches the host; a truthy return ends the generation
         there (finish_reason "stopped"; the state may hold one more token, or, in a speculative
         step, the step's later ones, which output_ids then ends with: length / pending say).
         sampling: this call's parameters (per_request_sampling sessions; default the session's).
         speculative=False: plain steps in a speculative session (the MTP block follows the
         prompt, not the steps: a later continuation of this sequence cannot speculate).
+        on_logprobs(entry): each token's TokenLogprobs (dsv4.runtime.logprobs), just before
+        on_token; constraint: a grammar's mask on every token (dsv4.runtime.grammar). Both need
+        a per_request_sampling session and take plain steps.
         progress: a bar on stderr for a prompt of many prefill chunks."""
-        model = self.model
         self._set_sampling(sampling)
+        force_ids, max_new_tokens = self._check_request(force_ids, max_new_tokens, speculative,
+                                                        on_logprobs, constraint)
+        speculate = (self.spec is not None and force_ids is None and speculative is not False
+                     and on_logprobs is None and constraint is None)
+        feed, start = self._feed(prompt_ids, continue_sequence, max_new_tokens, speculate)
+        if speculate:
+            return self._generate_speculative(feed, start, list(prompt_ids), max_new_tokens,
+                                              eos_id, on_token, keep_logits, progress)
+        hd, p0 = self.model.head_device, start + len(feed)     # p0: position after the prompt
+        sync = torch.cuda.synchronize if hd.type == "cuda" else (lambda: None)
+        if start == 0:
+            self.reset()
+        loop = DecodeLoop(self, LoopRequest(max_new_tokens, force_ids, eos_id, on_token,
+                                            keep_logits, on_logprobs, constraint), p0)
+        try:
+            sync()
+            t0 = time.perf_counter()
+            loop.first(self._prefill_or_held(feed, start, progress))
+            self.length, self.pending = p0, None
+            sync()
+            t1 = time.perf_counter()
+            res = loop.steps()
+            sync()
+            t2 = time.perf_counter()
+        finally:
+            if self.mask is not None:
+                self.mask.clear()
+        # the state now holds tokens 0..steps-1 of `out` (a step one late may have fed the EOS)
+        out = res.out
+        self.length = p0 + res.steps
+        self.pending = out[-1] if len(out) > res.steps else None
+        timings = _timings(len(feed), max(len(out) - 1, 0), t0, t1, t2)
+        return GenerationResult(list(prompt_ids), out, res.finish,
+                                torch.stack(res.rows[:len(out)]) if keep_logits else None,
+                                timings, res.logprobs)
+
+    def _check_request(self, force_ids, max_new_tokens: int, speculative, on_logprobs,
+                       constraint) -> tuple[list | None, int]:
+        """generate()'s arguments checked before any state changes -> (force_ids as a list or
+        None, the number of tokens to produce)."""
         if speculative and self.spec is None:
             raise InputError("speculative decoding was asked for a session built without it; "
                              "build the Session with speculative=1 (a checkpoint with an MTP "
                              "block, RuntimeConfig(mtp=True))")
+        if (on_logprobs is not None or constraint is not None) and self.knobs is None:
+            raise InputError("log-probabilities and token masks need a Session built with "
+                             "per_request_sampling=True")
         if force_ids is not None:
             force_ids = list(force_ids)
             if not force_ids:
                 raise InputError("force_ids is empty; give at least one token id")
+            if on_logprobs is not None or constraint is not None:
+                raise InputError("force_ids decides every token: leave out log-probabilities "
+                                 "and the token mask (score forced ids with score())")
             max_new_tokens = len(force_ids)
-            check_token_ids(force_ids, model.cfg.vocab_size)
+            check_token_ids(force_ids, self.model.cfg.vocab_size)
         if max_new_tokens < 1:
             raise InputError(f"max_new_tokens = {max_new_tokens}: must be >= 1")
-        speculate = self.spec is not None and force_ids is None and speculative is not False
-        feed, start = self._feed(prompt_ids, continue_sequence, max_new_tokens)
-        if speculate:
-            return self._generate_speculative(feed, start, list(prompt_ids), max_new_tokens,
-                                              eos_id, on_token, keep_logits, progress)
-        hd, p0 = model.head_device, start + len(feed)          # p0: position after the prompt
-        sync = torch.cuda.synchronize if hd.type == "cuda" else (lambda: None)
-
-        if start == 0:
-            self.reset()
-        sync()
-        t0 = time.perf_counter()
-        logits = self._prefill_or_held(feed, start, progress)
-        b = self.bufs
-        b.pos.fill_(p0 - 1)
-        first = sample(logits, b.pos, self._sampler)
-        b.token.copy_(first if force_ids is None else
-                      torch.tensor(force_ids[:1], dtype=torch.int64, device=hd))
-        b.out_ids[p0:p0 + 1].copy_(b.token)
-        b.pos.fill_(p0)
-        self.length, self.pending = p0, None
-        rows = [logits.to("cpu", copy=True)] if keep_logits else None
-        sync()
-        t1 = time.perf_counter()
-
-        pinned = hd.type == "cuda"
-        host = torch.empty(max_new_tokens, dtype=torch.int64, pin_memory=pinned)
-        host[0:1].copy_(b.out_ids[p0:p0 + 1])
-        out = []
-
-        stopped = []                    # on_token asked to stop
-
-        def take(i, ev=None) -> bool:   # token i reached the host: stream it; stop here?
-            if ev is not None:
-                ev.synchronize()
-            tid = int(host[i])
-            out.append(tid)
-            if on_token is not None and on_token(tid):
-                stopped.append(i)
-                return True
-            return force_ids is None and eos_id is not None and tid == eos_id
-
-        stop = take(0)
-        pending = None                  # step whose token copy to the host is in flight
-        steps = 0
-        for i in range(1, max_new_tokens):
-            if stop:
-                break
-            # step i feeds token i-1 (already in b.token unless forced) and chooses token i
-            if self.step_hook is not None:
-                self.step_hook(i, True)
-            with nvtx_range(f"decode/step{i}"):
-                self.decoder.step(**({"token": [force_ids[i - 1]]} if force_ids is not None else {}))
-            steps += 1
-            if self.step_hook is not None:
-                self.step_hook(i, False)
-            if keep_logits:
-                rows.append(b.logits.to("cpu", copy=True))
-            ev = None
-            if force_ids is not None:   # the output is the forced id, whatever was sampled
-                host[i] = force_ids[i]
-            else:
-                host[i:i + 1].copy_(b.out_ids[p0 + i:p0 + i + 1], non_blocking=pinned)
-                if pinned:
-                    ev = torch.cuda.Event()
-                    ev.record()
-            if pending is not None:     # one step late: the next launch is already queued
-                stop = take(*pending)
-            pending = (i, ev)
-        if pending is not None and not stop:
-            stop = take(*pending)
-        finish = "stopped" if stopped else "eos" if stop else "length"
-        sync()
-        t2 = time.perf_counter()
-        # the state now holds tokens 0..steps-1 of `out` (a step one late may have fed the EOS)
-        self.length = p0 + steps
-        self.pending = out[-1] if len(out) > steps else None
-        n_dec = max(len(out) - 1, 0)
-        timings = _timings(len(feed), n_dec, t0, t1, t2)
-        return GenerationResult(list(prompt_ids), out, finish,
-                                torch.stack(rows[:len(out)]) if keep_logits else None, timings)
+        return force_ids, max_new_tokens
 
     @torch.inference_mode()
     def _generate_speculative(self, feed, start, prompt_ids, max_new_tokens, eos_id, on_token,

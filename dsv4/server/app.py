@@ -108,7 +108,9 @@ def create_app(engine: Engine, tokenizer, defaults: Defaults) -> FastAPI:
     async def _serve(request: Request, endpoint: str, parse_model, make_job, respond):
         try:
             req = await _parse(request, parse_model)
-            job = make_job(req, tokenizer, defaults, asyncio.get_running_loop())
+            # off the event loop: a prompt's encoding, a schema's compilation take time
+            job = await asyncio.to_thread(make_job, req, tokenizer, defaults,
+                                          asyncio.get_running_loop())
             engine.submit(job)
         except ApiError as err:
             metrics.request(endpoint, _outcome(err.status))

@@ -42,11 +42,18 @@ class Job:
     force_ids: list | None = None
     skip_special: bool = True
     ignore_eos: bool = False
+    top: int | None = None          # log-probs of the generated tokens, with top alternatives
+    score: bool = False             # log-probs of the prompt's tokens (completions' echo)
+    constraint: object = None       # a token mask's Constraint (structured output)
+    echo: str | None = None         # completions' echo: the prompt's text the reply starts with
+    texts: object = None            # the tokenizer's TokenTexts (log-probs' token strings)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancel: threading.Event = field(default_factory=threading.Event)
     # filled by the worker
     output_ids: list = field(default_factory=list)   # the tokens delivered (EOS included)
     cached: int = 0
+    logprobs: list = field(default_factory=list)     # TokenLogprobs per delivered token
+    prompt_logprobs: list | None = None              # [None, TokenLogprobs...] when scored
     finish: str = ""                                 # eos | length | stop | cancelled
     t_submit: float = 0.0
     t_start: float = 0.0
@@ -167,6 +174,7 @@ class Engine:
         self.metrics.queue_wait.observe(job.t_start - job.t_submit)
         detok = IncrementalDetokenizer(self.tok)
         eos = self.tok.eos_id
+        unsent = []                 # log-probs of tokens whose text was not delivered yet
 
         def on_token(tid: int) -> bool:
             if not job.output_ids:
@@ -175,30 +183,41 @@ class Engine:
             if tid != eos and not (job.skip_special and tid in self.special):
                 piece = detok.push(tid)
                 if piece:
-                    self._deliver(job, job.parser.push(piece))
+                    self._deliver(job, job.parser.push(piece), unsent)
             return job.cancel.is_set() or job.parser.done
 
-        try:
-            res, job.cached = self.cache.generate(
-                job.prompt, job.max_tokens, use_cache=job.use_cache,
-                save_before_last=job.save_before_last,
-                eos_id=None if job.ignore_eos else eos, on_token=on_token,
-                sampling=job.sampling, speculative=job.speculative, force_ids=job.force_ids)
-        except UserInputError as e:
-            job.post("error", ApiError(400, str(e)))
-            return
-        except Exception as e:                    # a bug or a device fault: say so, self-check
-            job.post("error", ApiError(500, f"decode failed: {type(e).__name__}: {e}",
-                                       kind="server_error"))
-            self._self_check(e)
-            return
+        def on_logprobs(e) -> None:
+            job.logprobs.append(e)
+            unsent.append(e)
+
+        if job.max_tokens == 0 and not job.score:        # nothing to compute
+            res = None
+        else:
+            try:
+                res, job.cached = self.cache.generate(
+                    job.prompt, job.max_tokens, use_cache=job.use_cache,
+                    save_before_last=job.save_before_last, score=job.score,
+                    on_scored=self._scored(job),
+                    eos_id=None if job.ignore_eos else eos, on_token=on_token,
+                    sampling=job.sampling, speculative=job.speculative, force_ids=job.force_ids,
+                    on_logprobs=on_logprobs if job.top is not None else None,
+                    constraint=job.constraint)
+            except UserInputError as e:
+                job.post("error", ApiError(400, str(e)))
+                return
+            except Exception as e:                # a bug or a device fault: say so, self-check
+                job.post("error", ApiError(500, f"decode failed: {type(e).__name__}: {e}",
+                                           kind="server_error"))
+                self._self_check(e)
+                return
         tail = detok.flush()
-        self._deliver(job, (job.parser.push(tail) if tail else []) + job.parser.finish())
+        self._deliver(job, (job.parser.push(tail) if tail else []) + job.parser.finish(), unsent,
+                      last=True)
         job.t_end = time.perf_counter()
         job.finish = ("cancelled" if job.cancel.is_set() and not job.parser.done else
                       "stop" if job.parser.done else
-                      "eos" if res.finish_reason == "eos" or (job.force_ids and
-                                                              job.output_ids[-1:] == [eos])
+                      "eos" if res is not None and (res.finish_reason == "eos" or (
+                          job.force_ids and job.output_ids[-1:] == [eos]))
                       else "length")
         self.metrics.record_job(job)
         if job.finish == "cancelled" and self._closing.is_set():
@@ -208,7 +227,19 @@ class Engine:
             return
         job.post("done", job)
 
-    def _deliver(self, job: Job, deltas: list[Delta]) -> None:
+    def _scored(self, job: Job):
+        def on_scored(entries: list) -> None:     # before any token: a stream's echo needs them
+            job.prompt_logprobs = entries
+        return on_scored
+
+    def _deliver(self, job: Job, deltas: list[Delta], unsent: list, last: bool = False) -> None:
+        """Post text pieces; the log-probs of the tokens since the last post ride on the first
+        piece (at the end, on an empty content piece if no text is left)."""
+        if unsent and (deltas or last):
+            if not deltas:
+                deltas = [Delta("content", "")]
+            deltas[0].logprobs = list(unsent)
+            unsent.clear()
         if deltas:
             job.post("deltas", deltas)
 

@@ -1,7 +1,8 @@
 """From an OpenAI request to a decode job, and from the job's events to the OpenAI response: the
 chat prompt (the DSV4 encoding, as decode.py builds it), the checks against the context length,
-the sampling parameters (the request's, else the command line's), the response objects, the
-server-sent event chunks and `usage` (with prompt_tokens_details.cached_tokens).
+the sampling parameters (the request's, else the command line's), log-probabilities, echo and
+structured output, the response objects, the server-sent event chunks and `usage` (with
+prompt_tokens_details.cached_tokens).
 """
 from __future__ import annotations
 
@@ -9,15 +10,17 @@ import json
 import secrets
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..errors import UserInputError
 from ..runtime.sampling import SamplingParams
 from ..text.chat import THINK_START
 from ..text.tokenizer import build_prompt_ids
 from .engine import Job
-from .reply import ReplyParser
+from .logprobs_format import CompletionLogprobs, TokenTexts, chat_entry, chat_logprobs
+from .reply import REASONING, ReplyParser
 from .schemas import ApiError, ChatRequest, CompletionRequest
+from .structured import GrammarCompiler, constraint_for
 
 
 @dataclass(frozen=True)
@@ -31,6 +34,9 @@ class Defaults:
     speculative: bool = False
     prefix_snapshots: int = 4
     allow_force_ids: bool = False
+    # per tokenizer, made by the command: response_format grammars, token texts of log-probs
+    grammar: GrammarCompiler | None = field(default=None, compare=False)
+    texts: TokenTexts | None = field(default=None, compare=False)
 
 
 def check_model(name: str | None, d: Defaults) -> None:
@@ -53,13 +59,14 @@ def _sampling(req, d: Defaults) -> SamplingParams:
         raise ApiError(400, str(e)) from None
 
 
-def _limits(n_prompt: int, limit: int | None, d: Defaults) -> int:
-    """max_tokens for a prompt of n_prompt ids: the request's, else what the context leaves."""
+def _limits(n_prompt: int, limit: int | None, d: Defaults, param: str) -> int:
+    """max_tokens for a prompt of n_prompt ids: the request's, else what the context leaves.
+    param: the field that holds the prompt ("messages" or "prompt")."""
     cap = d.max_seq_len
     if n_prompt >= cap:
         raise ApiError(400, f"the prompt has {n_prompt} tokens and the context length is {cap} "
                             f"(--max-seq-len): shorten the prompt, or restart the server with "
-                            f"--max-seq-len above {n_prompt}", "messages",
+                            f"--max-seq-len above {n_prompt}", param,
                        code="context_length_exceeded")
     n = cap - n_prompt if limit is None else limit
     if n_prompt + n > cap:
@@ -70,7 +77,18 @@ def _limits(n_prompt: int, limit: int | None, d: Defaults) -> int:
     return n
 
 
-def _job_common(req, d: Defaults, loop, prompt: list, limit, parser) -> Job:
+def _constraint(req, d: Defaults, tok, thinking: bool):
+    """The token mask's Constraint of the request's response_format (None for text / none)."""
+    if req.response_format is None or req.response_format.get("type") == "text":
+        return None
+    if req.force_ids is not None:
+        raise ApiError(400, "force_ids decides every token: leave response_format out",
+                       "response_format")
+    grammar = d.grammar or GrammarCompiler(tok, d.vocab_size)
+    return constraint_for(grammar.compile(req.response_format), tok, thinking)
+
+
+def _job_common(req, d: Defaults, loop, prompt: list, limit, parser, param: str) -> Job:
     if req.speculative and not d.speculative:
         raise ApiError(400, "speculative = true, but the server was started without "
                             "--speculative 1; leave the field out", "speculative")
@@ -80,8 +98,10 @@ def _job_common(req, d: Defaults, loop, prompt: list, limit, parser) -> Job:
         bad = [t for t in req.force_ids if not 0 <= t < d.vocab_size]
         if bad or not req.force_ids:
             raise ApiError(400, f"force_ids: give 1+ ids in 0..{d.vocab_size - 1}", "force_ids")
+        if req.logprobs:
+            raise ApiError(400, "force_ids decides every token: leave logprobs out", "logprobs")
         limit = len(req.force_ids)
-    return Job(prompt=prompt, max_tokens=_limits(len(prompt), limit, d),
+    return Job(prompt=prompt, max_tokens=_limits(len(prompt), limit, d, param), texts=d.texts,
                sampling=_sampling(req, d), parser=parser, loop=loop,
                use_cache=req.use_cache, speculative=req.speculative, force_ids=req.force_ids,
                skip_special=req.skip_special_tokens, ignore_eos=req.ignore_eos)
@@ -93,11 +113,13 @@ def chat_job(req: ChatRequest, tok, d: Defaults, loop) -> Job:
     tools = req.tools if req.tool_choice != "none" else None
     try:
         ids = build_prompt_ids(tok, messages={"messages": req.dsv4_messages(), "tools": tools},
-                               thinking=req.thinking, reasoning_effort=req.effort)
+                               thinking=req.thinking, reasoning_effort=req.encoding_effort)
     except UserInputError as e:
         raise ApiError(400, f"messages: {e}", "messages") from None
     parser = ReplyParser(thinking=req.thinking, stop=tuple(req.stop), tools=True)
-    job = _job_common(req, d, loop, ids, req.limit, parser)
+    job = _job_common(req, d, loop, ids, req.limit, parser, "messages")
+    job.top = req.top
+    job.constraint = _constraint(req, d, tok, req.thinking)
     # a thinking-mode follow-up re-encodes this turn with "</think>" where the prompt ends with
     # "<think>": keep a snapshot before that last token
     job.save_before_last = (d.prefix_snapshots > 0 and req.thinking and
@@ -120,7 +142,14 @@ def completion_job(req: CompletionRequest, tok, d: Defaults, loop) -> Job:
             raise ApiError(400, f"prompt token id {bad[0]} is out of range: the vocabulary has "
                                 f"{d.vocab_size} ids (0..{d.vocab_size - 1})", "prompt")
     parser = ReplyParser(thinking=False, stop=tuple(req.stop), tools=False)
-    return _job_common(req, d, loop, ids, req.max_tokens, parser)
+    job = _job_common(req, d, loop, ids, req.max_tokens, parser, "prompt")
+    if req.echo:
+        special = tok.special_ids() if req.skip_special_tokens else frozenset()
+        job.echo = tok.decode([t for t in ids if t not in special])
+    job.top = req.logprobs
+    job.score = req.echo and req.logprobs is not None
+    job.constraint = _constraint(req, d, tok, False)
+    return job
 
 
 # ---- responses -------------------------------------------------------------------------------
@@ -146,6 +175,14 @@ def tool_call(call: dict, index: int) -> dict:
             "function": dict(call["function"])}
 
 
+def _content(job: Job, content: str, calls: list) -> str | None:
+    """message.content: the text, or null when there is none because the reply is tool calls or
+    a reasoning that max_tokens cut before it closed."""
+    if content:
+        return content
+    return None if calls or job.parser.state == REASONING else ""
+
+
 def chat_response(job: Job, deltas: list, rid: str, model: str, token_ids: bool) -> dict:
     reasoning = "".join(x.text for x in deltas if x.kind == "reasoning")
     content = "".join(x.text for x in deltas if x.kind == "content")
@@ -153,11 +190,13 @@ def chat_response(job: Job, deltas: list, rid: str, model: str, token_ids: bool)
              enumerate(x for x in deltas if x.kind == "tool_call")]
     for c in calls:
         del c["index"]
-    msg = {"role": "assistant", "content": content if content or not calls else None,
+    msg = {"role": "assistant", "content": _content(job, content, calls),
            "reasoning_content": reasoning if job.parser.thinking else None}
     if calls:
         msg["tool_calls"] = calls
-    choice = {"index": 0, "message": msg, "logprobs": None,
+    choice = {"index": 0, "message": msg,
+              "logprobs": (chat_logprobs(job.logprobs, job.top, job.texts)
+                           if job.top is not None else None),
               "finish_reason": finish_reason(job, len(calls))}
     out = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
            "choices": [choice], "usage": usage(job)}
@@ -166,8 +205,20 @@ def chat_response(job: Job, deltas: list, rid: str, model: str, token_ids: bool)
     return out
 
 
+def _echo_ids(job: Job) -> list:
+    return job.prompt if job.echo is not None else []
+
+
 def completion_response(job: Job, deltas: list, rid: str, model: str, token_ids: bool) -> dict:
-    choice = {"index": 0, "text": "".join(x.text for x in deltas), "logprobs": None,
+    text = (job.echo or "") + "".join(x.text for x in deltas)
+    logprobs = None
+    if job.top is not None:
+        prompt = _echo_ids(job)
+        entries = ((job.prompt_logprobs or [None] * len(prompt)) if prompt else []) + \
+            job.logprobs
+        logprobs = CompletionLogprobs(job.top, job.texts, skip_special=job.skip_special).build(
+            prompt + job.output_ids, entries)
+    choice = {"index": 0, "text": text, "logprobs": logprobs,
               "finish_reason": finish_reason(job)}
     out = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
            "choices": [choice], "usage": usage(job)}
@@ -177,11 +228,17 @@ def completion_response(job: Job, deltas: list, rid: str, model: str, token_ids:
 
 
 class ChunkWriter:
-    """The server-sent events of one streamed response ("data: {json}\\n\\n" ... "data: [DONE]")."""
+    """The server-sent events of one streamed response ("data: {json}\\n\\n" ... "data: [DONE]");
+    a piece's log-probs ride in its chunk (chat: logprobs.content; completions: the legacy
+    object for its tokens; an echo's prompt and its log-probs come first)."""
 
     def __init__(self, job: Job, rid: str, model: str, chat: bool, include_usage: bool):
         self.job, self.rid, self.model, self.chat = job, rid, model, chat
         self.include_usage, self.created, self.calls = include_usage, int(time.time()), 0
+        self._echo = job.echo is not None and not chat          # the echo is still to send
+        self._n = 0                                             # generated tokens sent
+        self._lp = (CompletionLogprobs(job.top, job.texts, skip_special=job.skip_special)
+                    if job.top is not None and not chat else None)
 
     def _event(self, choices: list, **extra) -> bytes:
         obj = {"id": self.rid, "object": "chat.completion.chunk" if self.chat else
@@ -189,32 +246,50 @@ class ChunkWriter:
                "choices": choices, **extra}
         return b"data: " + _json(obj) + b"\n\n"
 
-    def _choice(self, delta: dict | str, finish: str | None = None) -> dict:
+    def _choice(self, delta: dict | str, finish: str | None = None, entries=None) -> dict:
         if self.chat:
-            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-        return {"index": 0, "text": delta, "logprobs": None, "finish_reason": finish}
+            lp = None
+            if entries is not None and self.job.top is not None:
+                lp = {"content": [chat_entry(e, self.job.top, self.job.texts) for e in entries]}
+            return {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}
+        lp = None
+        if entries is not None and self._lp is not None:
+            lp = self._lp.build([e.token for e in entries], entries)
+        return {"index": 0, "text": delta, "logprobs": lp, "finish_reason": finish}
 
     def start(self) -> bytes:
         return self._event([self._choice({"role": "assistant", "content": ""})]) if self.chat \
             else b""
 
+    def _echo_chunk(self) -> bytes:
+        """Completions with echo: the prompt's text (and log-probs), before any generated text."""
+        if not self._echo:
+            return b""
+        self._echo, job = False, self.job
+        lp = None
+        if self._lp is not None:
+            entries = job.prompt_logprobs or [None] * len(job.prompt)
+            lp = self._lp.build(job.prompt, entries)
+        return self._event([{"index": 0, "text": job.echo, "logprobs": lp,
+                             "finish_reason": None}])
+
     def deltas(self, deltas: list) -> bytes:
-        out = []
+        out = [self._echo_chunk()]
         for d in deltas:
             if not self.chat:
-                out.append(self._event([self._choice(d.text)]))
+                out.append(self._event([self._choice(d.text, entries=d.logprobs)]))
             elif d.kind == "tool_call":
                 out.append(self._event([self._choice(
-                    {"tool_calls": [tool_call(d.call, self.calls)]})]))
+                    {"tool_calls": [tool_call(d.call, self.calls)]}, entries=d.logprobs)]))
                 self.calls += 1
             else:
                 key = "reasoning_content" if d.kind == "reasoning" else "content"
-                out.append(self._event([self._choice({key: d.text})]))
+                out.append(self._event([self._choice({key: d.text}, entries=d.logprobs)]))
         return b"".join(out)
 
     def end(self) -> bytes:
         fin = finish_reason(self.job, self.calls)
-        out = self._event([self._choice({} if self.chat else "", fin)])
+        out = self._echo_chunk() + self._event([self._choice({} if self.chat else "", fin)])
         if self.include_usage:
             out += self._event([], usage=usage(self.job))
         return out + b"data: [DONE]\n\n"

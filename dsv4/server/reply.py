@@ -30,6 +30,7 @@ class Delta:
     kind: str
     text: str = ""
     call: dict | None = None
+    logprobs: list | None = None      # TokenLogprobs of the tokens since the previous piece
 
 
 @dataclass

@@ -3,7 +3,7 @@ object every refusal answers with.
 
 Unknown fields are refused, as the OpenAI API refuses them ("Unrecognized request argument"), so
 that a misspelt parameter is never ignored silently; fields the API defines that the runtime
-cannot honour (n > 1, logprobs, penalties, constrained decoding) get a 400 naming them. dsv4's
+cannot honour (n > 1, penalties, logit_bias, suffix, best_of) get a 400 naming them. dsv4's
 own fields: top_k, use_cache, speculative, chat_template_kwargs {thinking, reasoning_effort},
 return_token_ids, skip_special_tokens, ignore_eos (benchmarks); force_ids only on a server
 started with the test option --allow-force-ids.
@@ -16,6 +16,12 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_STOP = 16
+MAX_TEMPERATURE = 2.0       # the OpenAI API's range is 0..2
+MAX_LOGPROBS = 20           # top_logprobs (chat) and logprobs (completions): 0..20
+# OpenAI's reasoning efforts -> the DSV4 encoding's: "max" adds the official preamble; the
+# encoding has no lower effort than its default ("high"), so low and medium think as high does
+EFFORTS = {"low": "high", "medium": "high", "high": "high", "max": "max"}
+Effort = Literal["low", "medium", "high", "max"]
 
 
 class ApiError(Exception):
@@ -76,8 +82,8 @@ class Message(BaseModel):
 
 
 class TemplateKwargs(_Strict):
-    thinking: bool = False
-    reasoning_effort: Literal["high", "max"] | None = None
+    thinking: bool | None = None
+    reasoning_effort: Effort | None = None
 
 
 class StreamOptions(_Strict):
@@ -109,8 +115,9 @@ class _Sampling(_Strict):
     @field_validator("temperature")
     @classmethod
     def _temperature(cls, v):
-        if v is not None and v < 0:
-            raise ValueError(f"temperature {v}: must be >= 0 (0 = greedy)")
+        if v is not None and not 0 <= v <= MAX_TEMPERATURE:
+            raise ValueError(f"temperature {v}: must be in 0..{MAX_TEMPERATURE:g} (0 = greedy), "
+                             f"as in the OpenAI API")
         return v
 
     @field_validator("top_p")
@@ -165,7 +172,7 @@ class ChatRequest(_Sampling):
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     chat_template_kwargs: TemplateKwargs | None = None
-    reasoning_effort: Literal["high", "max"] | None = None
+    reasoning_effort: Effort | None = None
     response_format: dict | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
@@ -177,17 +184,22 @@ class ChatRequest(_Sampling):
     def _chat(self):
         if not self.messages:
             raise ApiError(400, "messages is empty: give at least one user message", "messages")
-        if self.logprobs or self.top_logprobs:
-            raise ApiError(400, "logprobs are not implemented; leave logprobs / top_logprobs "
-                                "out", "logprobs")
+        if self.top_logprobs is not None:
+            if not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+                raise ApiError(400, f"top_logprobs = {self.top_logprobs}: must be in "
+                                    f"0..{MAX_LOGPROBS}", "top_logprobs")
+            if not self.logprobs:
+                raise ApiError(400, "top_logprobs needs logprobs = true; set both",
+                               "top_logprobs")
+        kw = self.chat_template_kwargs
+        if kw is not None and kw.thinking is False and self.effort is not None:
+            raise ApiError(400, f"reasoning_effort {self.effort!r} asks for thinking, but "
+                                f"chat_template_kwargs.thinking is false; drop one of them",
+                           "reasoning_effort")
         if self.tool_choice not in (None, "auto", "none"):
             raise ApiError(400, f"tool_choice {self.tool_choice!r}: only 'auto' and 'none' are "
                                 f"supported (decoding is not constrained to call a tool); use "
                                 f"'auto'", "tool_choice")
-        if self.response_format not in (None, {"type": "text"}):
-            raise ApiError(400, "response_format other than {'type': 'text'} needs constrained "
-                                "decoding, which is not implemented; describe the format in the "
-                                "prompt", "response_format")
         for name in ("max_tokens", "max_completion_tokens"):
             v = getattr(self, name)
             if v is not None and v < 1:
@@ -201,13 +213,29 @@ class ChatRequest(_Sampling):
 
     @property
     def thinking(self) -> bool:
-        return bool(self.chat_template_kwargs and self.chat_template_kwargs.thinking)
+        """chat_template_kwargs.thinking, else on when a reasoning_effort is given (what OpenAI
+        clients mean by it: reason, with this effort)."""
+        kw = self.chat_template_kwargs
+        if kw is not None and kw.thinking is not None:
+            return kw.thinking
+        return self.effort is not None
 
     @property
     def effort(self) -> str | None:
+        """The request's reasoning effort, in OpenAI's words (low / medium / high / max)."""
         kw = self.chat_template_kwargs
         return (kw.reasoning_effort if kw and kw.reasoning_effort else None) or \
             self.reasoning_effort
+
+    @property
+    def encoding_effort(self) -> str | None:
+        """The effort as the DSV4 encoding takes it (EFFORTS)."""
+        return EFFORTS[self.effort] if self.effort is not None else None
+
+    @property
+    def top(self) -> int | None:
+        """Alternatives per token when log-probabilities are asked for (else None)."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def dsv4_messages(self) -> list[dict]:
         """The messages as dsv4.text.chat takes them (text content, tool calls as name + arguments)."""
@@ -234,20 +262,27 @@ class CompletionRequest(_Sampling):
     logprobs: int | None = None
     suffix: str | None = None
     best_of: int | None = None
+    response_format: dict | None = None
 
     @model_validator(mode="after")
     def _completion(self):
-        if self.echo or self.logprobs is not None or self.suffix is not None or \
-                self.best_of not in (None, 1):
-            raise ApiError(400, "echo, logprobs, suffix and best_of > 1 are not implemented; "
-                                "leave them out", "echo")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise ApiError(400, f"max_tokens = {self.max_tokens}: must be >= 1", "max_tokens")
+        for name, bad in (("suffix", self.suffix is not None),
+                          ("best_of", self.best_of not in (None, 1))):
+            if bad:
+                raise ApiError(400, f"{name} is not implemented (batch 1, no infilling); leave "
+                                    f"it out", name)
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ApiError(400, f"logprobs = {self.logprobs}: must be in 0..{MAX_LOGPROBS} (the "
+                                f"alternatives returned per token)", "logprobs")
+        if self.max_tokens is not None and self.max_tokens < 0:
+            raise ApiError(400, f"max_tokens = {self.max_tokens}: must be >= 0 (0 with echo: "
+                                f"score the prompt only)", "max_tokens")
         p = self.prompt
         if isinstance(p, list) and p and isinstance(p[0], (str, list)):
             if len(p) != 1:
                 raise ApiError(400, f"prompt is a batch of {len(p)} prompts: this server takes "
-                                    f"one prompt per request (batch 1)", "prompt")
+                                    f"one prompt per request (batch 1); send them one by one "
+                                    f"(lm-evaluation-harness: batch_size=1)", "prompt")
             self.prompt = p[0]
         if not self.prompt:
             raise ApiError(400, "prompt is empty: give some text or token ids", "prompt")

@@ -56,6 +56,15 @@ class Tokenizer:
     def id_to_token(self, tid: int) -> str | None:
         return self._tok.id_to_token(tid)
 
+    def vocab_list(self) -> list[str]:
+        """Every token as the tokenizer stores it (byte-level BPE form), by id: what grammar
+        libraries build their token tables from. Ids the tokenizer lacks are ""."""
+        out = [""] * self.vocab_size
+        for text, tid in self._tok.get_vocab(with_added_tokens=True).items():
+            if 0 <= tid < self.vocab_size:
+                out[tid] = text
+        return out
+
     def special_ids(self) -> frozenset[int]:
         """Ids of the tokens the tokenizer marks special (BOS, EOS, placeholders): what an API
         reply leaves out of its text by default. The chat markup ("<think>", "｜DSML｜"...) is
