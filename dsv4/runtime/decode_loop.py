@@ -83,6 +83,7 @@ class DecodeLoop:
         force, p0 = req.force_ids, self.p0
         stop = self._take(0)
         pending = None                  # step whose token copy to the host is in flight
+        decoder = s.plain_decoder()     # greedy requests of a per-request session: no sampling
         for i in range(1, req.max_new_tokens):
             if stop:
                 break
@@ -92,7 +93,7 @@ class DecodeLoop:
             if s.step_hook is not None:
                 s.step_hook(i, True)
             with nvtx_range(f"decode/step{i}"):
-                s.decoder.step(**({"token": [force[i - 1]]} if force is not None else {}))
+                decoder.step(**({"token": [force[i - 1]]} if force is not None else {}))
             if self.lp is not None:
                 self.lp.run()
             res.steps += 1

@@ -63,9 +63,10 @@ class Session:
 
     per_request_sampling: each generate() may pass its own parameters (`sampling=`), the same
     tokens as a session built with them. Captured steps read them from device tensors
-    (dsv4.runtime.sampling.SamplingKnobs) and pay for the sampling ops on every step, greedy included;
-    eager steps branch on the host as fixed parameters do. Off, the parameters are fixed when
-    the steps are captured."""
+    (dsv4.runtime.sampling.SamplingKnobs) and pay for the sampling ops on every step; a greedy
+    request replays a twin of the step captured with an argmax instead (`greedy`: the same
+    layer graphs' work, a second capture), so it pays none of them. Eager steps branch on the
+    host as fixed parameters do. Off, the parameters are fixed when the steps are captured."""
 
     def __init__(self, model: Transformer, params: SamplingParams, mode: str = "eager",
                  granularity: str = "segment", debug: bool = False, nvtx_domain: str = "dsv4",
@@ -85,13 +86,19 @@ class Session:
         # their own run only for the requests that ask
         self.mask = (TokenMask(model.head_device, model.cfg.vocab_size, graph=mode == "graph")
                      if per_request_sampling else None)
-        segs = build_segments(model, self.bufs, sampler, self.mask)
-        self.decoder = CUDAGraphDecoder(
-            segs, inputs={"token": self.bufs.token, "pos": self.bufs.pos},
-            outputs={"logits": self.bufs.logits, "token": self.bufs.token},
-            mode=mode, granularity=granularity, reset_fn=self.reset, debug=debug,
-            nvtx_domain=nvtx_domain, fix_hints=FIX_HINTS)
+        kw = dict(inputs={"token": self.bufs.token, "pos": self.bufs.pos},
+                  outputs={"logits": self.bufs.logits, "token": self.bufs.token}, mode=mode,
+                  granularity=granularity, reset_fn=self.reset, debug=debug,
+                  nvtx_domain=nvtx_domain, fix_hints=FIX_HINTS)
+        self.decoder = CUDAGraphDecoder(build_segments(model, self.bufs, sampler, self.mask), **kw)
         self.decoder.allocate()
+        # per-request sampling in graph mode: the twin a greedy request replays (an argmax over
+        # the same logits and mask: the knobs' greedy token, bit for bit)
+        self.greedy = None
+        if self.knobs is not None and mode == "graph":
+            self.greedy = CUDAGraphDecoder(
+                build_segments(model, self.bufs, SamplingParams(), self.mask), **kw)
+            self.greedy.allocate()
         self.lp = (LogprobStep(self.bufs.logits, self.bufs.token, mode)
                    if per_request_sampling else None)
         if speculative:
@@ -106,8 +113,10 @@ class Session:
         self.step_hook = None           # profiling: hook(step, before: bool)
         if mode == "graph":
             t = time.perf_counter()
-            self.decoder.warmup()
-            self.decoder.capture()
+            for dec in (self.decoder, self.greedy):
+                if dec is not None:
+                    dec.warmup()
+                    dec.capture()
             if self.spec is not None:
                 self.spec.capture()
             self.capture_s = time.perf_counter() - t
@@ -159,10 +168,19 @@ class Session:
     def close(self) -> None:
         """Free the graphs and pools (idempotent); the model and its weights stay."""
         self.decoder.close()
+        if self.greedy is not None:
+            self.greedy.close()
         if self.lp is not None:
             self.lp.close()
         if self.spec is not None:
             self.spec.close()
+
+    def plain_decoder(self) -> CUDAGraphDecoder:
+        """The decoder of this request's plain steps: the greedy twin for a greedy request (a
+        per-request session in graph mode), else the one that samples as the parameters say."""
+        if self.greedy is not None and self.knobs.params.greedy:
+            return self.greedy
+        return self.decoder
 
     def __enter__(self) -> "Session":
         return self

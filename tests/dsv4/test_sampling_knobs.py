@@ -131,3 +131,26 @@ def test_top_p_gives_the_same_bits_every_run_on_cuda(top_p):
     first = filtered_probs(lg, params)
     for _ in range(30):
         assert torch.equal(filtered_probs(lg, params), first)
+
+
+@pytest.mark.cuda
+def test_greedy_requests_replay_the_greedy_twin_on_cuda(tmp_path_factory):
+    """A per-request session in graph mode captures a greedy twin of the step: a greedy request
+    replays it (no softmax, sort or scan), with the tokens of a fixed-greedy session; a sampled
+    request replays the step that samples, with a fixed session's tokens."""
+    path = small_checkpoint(tmp_path_factory.mktemp("twin"), "fp8")
+    m, ck = load_model(path, RuntimeConfig(max_seq_len=96, devices=("cuda:0",)))
+    ck.close()
+    knob_s = Session(m, SamplingParams(), mode="graph", per_request_sampling=True)
+    assert knob_s.greedy is not None and knob_s.greedy.mode == "graph"
+    prompt, n = list(range(40, 52)), 8
+    for params in (SamplingParams(), SamplingParams(0.9, top_p=0.8, seed=3), SamplingParams()):
+        twin, sampler = knob_s.greedy.steps_run, knob_s.decoder.steps_run
+        got = knob_s.generate(prompt, n, sampling=params).output_ids
+        ran = knob_s.greedy if params.greedy else knob_s.decoder
+        idle = knob_s.decoder if params.greedy else knob_s.greedy
+        assert ran.steps_run - (twin if params.greedy else sampler) == n - 1
+        assert idle.steps_run == (sampler if params.greedy else twin)
+        with Session(m, params, mode="graph") as fixed:
+            assert fixed.generate(prompt, n).output_ids == got, params
+    knob_s.close()
