@@ -6,8 +6,9 @@ a head over `max_header_bytes` gets 431, a malformed one 400; a connection beyon
 before the connection closes; the connection then lingers a moment, reading and dropping what the
 client still sends, so that a client still writing reads the answer instead of a reset.
 
-Built on uvicorn's H11Protocol (uvicorn >= 0.29: `conn`, `cycle`, `transport`, `connections` and
-the hooks overridden below); tests/dsv4/server/test_exposed.py drives each bound through a socket.
+Built on uvicorn's H11Protocol (uvicorn >= 0.29: `conn`, `cycle`, `transport`, `connections`,
+`timeout_keep_alive_task` and the hooks overridden below; tested with uvicorn 0.54, h11 0.16);
+tests/dsv4/server/test_exposed.py drives each bound through a socket.
 """
 from __future__ import annotations
 
@@ -91,7 +92,7 @@ class BoundedH11Protocol(H11Protocol):
     def shutdown(self) -> None:
         """Server shutdown: a request still arriving gets 503 (the client may retry elsewhere)
         instead of holding the shutdown up to read_timeout; the rest as uvicorn does."""
-        if self._lingering:
+        if self._lingering or self._replied_early():
             self.transport.close()
         elif self._arriving():
             self._answer(ApiError(503, "the server is shutting down", kind="server_error",
@@ -119,19 +120,28 @@ class BoundedH11Protocol(H11Protocol):
         state = self.conn.their_state
         return state is h11.SEND_BODY or (state is h11.IDLE and bool(self.conn.trailing_data[0]))
 
+    def _replied_early(self) -> bool:
+        """Answered (a 401, a 413) while the body still comes: uvicorn reads and drops it."""
+        return (self.conn.their_state is h11.SEND_BODY and self.cycle is not None
+                and self.cycle.response_started)
+
     def _timed_out(self) -> None:
         self._deadline = None
         if self.transport.is_closing():
             return
-        replied = self.cycle is not None and self.cycle.response_started
-        if self.conn.their_state is h11.SEND_BODY and replied:
-            self.transport.close()       # answered early (401, 413): the rest never came
+        if self._replied_early():
+            self.transport.close()       # the rest of the body never came
         elif self._arriving():
             self.on_refuse("timeout")
             self._answer(ApiError(408, f"the request did not arrive whole within "
                                        f"{self.limits.read_timeout:g} s (--read-timeout): send "
                                        f"it at once; a request that stalls holds a connection",
                                   code="request_timeout"))
+        elif self._served and self.timeout_keep_alive_task is not None:
+            # idle between requests: uvicorn's keep-alive timeout closes it. Closing it here too
+            # (a --read-timeout below that timeout) races a client reusing the connection: its
+            # request meets the close (a pooled httpx client then fails the request)
+            return
         else:                            # nothing of a request: close quietly
             if not self._served:
                 self.on_refuse("timeout")
