@@ -4,13 +4,17 @@ short generation runs before the port opens, so GET /health answers 200 as soon 
 
 Exit status: 0 after SIGTERM / Ctrl-C (the running request stops at its next token, the session is
 closed: graphs and memory released); 2 bad usage (one stderr line naming the problem and the fix);
-1 runtime failure. Endpoints, fields and limits: docs/SERVING.md.
+1 runtime failure. Endpoints, fields and limits: docs/SERVING.md. The server's environment (the
+API key) is read here, by `server_env`, and nowhere else.
 """
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import ipaddress
+import os
 import signal
+import socket
 import sys
 import time
 
@@ -34,8 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
                                              "request decodes at a time, the others queue).")
     add_model_args(p)
     s = p.add_argument_group("server")
-    s.add_argument("--host", default="127.0.0.1", help="address to listen on ("
-                                                       "0.0.0.0 for every interface)")
+    s.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (0.0.0.0: every interface; give it an API key)")
     s.add_argument("--port", type=int, default=8000, help="port to listen on")
     s.add_argument("--max-queue", type=int, default=16, metavar="N",
                    help="requests that may wait while one decodes; beyond, 503 "
@@ -46,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decode-state snapshots kept for prefix reuse (the ends of "
                         "recent prompts; 0 = reuse the live sequence only); each costs a window "
                         "ring and the compressors' open rows per layer")
+    add_exposure_args(s)
     s.add_argument("--log-level", default="info",
                    choices=("critical", "error", "warning", "info", "debug"),
                    help="uvicorn's log level (info: one access line per request)")
@@ -55,6 +60,73 @@ def build_parser() -> argparse.ArgumentParser:
                      f"cache capacity: the context length (prompt + max_tokens) of every request "
                      f"(default {DEFAULT_MAX_SEQ_LEN})")
     return p
+
+
+def add_exposure_args(s) -> None:
+    """The API key and the bounds on what one client may send (dsv4.server.limits)."""
+    from ..server.limits import HEADER_BYTES, MAX_CONNECTIONS, READ_TIMEOUT_S
+    s.add_argument("--api-key", metavar="KEY",
+                   help="every route but /health and /metrics answers 401 unless the request "
+                        "has `Authorization: Bearer KEY` (default: $DSV4_API_KEY, else no key)")
+    s.add_argument("--api-key-all-routes", action="store_true",
+                   help="with a key: /health and /metrics ask for it too")
+    s.add_argument("--max-request-bytes", metavar="SIZE",
+                   help="largest request body (e.g. 4M), refused with 413 while it is read "
+                        "(default: 128 bytes a token of --max-seq-len, at least 1M: any prompt "
+                        "that fits the context fits)")
+    s.add_argument("--max-header-bytes", default=str(HEADER_BYTES), metavar="SIZE",
+                   help="largest request line + headers; beyond, 431")
+    s.add_argument("--read-timeout", type=float, default=READ_TIMEOUT_S, metavar="S",
+                   help="seconds a client may take to send a whole request (from connecting, or "
+                        "from the previous reply); beyond, 408 and the connection closes")
+    s.add_argument("--max-connections", type=int, default=MAX_CONNECTIONS, metavar="N",
+                   help="open connections at once; a connection beyond gets 503 with Retry-After")
+
+
+def server_env(args, env=None) -> str | None:
+    """The API key: --api-key, else $DSV4_API_KEY, else None (checked: InputError names the
+    source). The one place the server's environment is read; the key is never printed."""
+    from ..server.auth import check_key
+    env = os.environ if env is None else env
+    if args.api_key is not None:
+        return check_key(args.api_key, "--api-key")
+    if "DSV4_API_KEY" in env:
+        return check_key(env["DSV4_API_KEY"], "DSV4_API_KEY")
+    return None
+
+
+def limits_of(args):
+    """dsv4.server.limits.Limits of the flags (InputError naming the flag)."""
+    from ..server.limits import Limits, parse_size
+    if args.max_connections < args.max_queue + 2:
+        raise InputError(f"--max-connections {args.max_connections}: must be >= --max-queue + 2 "
+                         f"= {args.max_queue + 2} (the waiting requests, the running one and a "
+                         f"look at /health)")
+    return Limits.for_context(
+        args.max_seq_len,
+        max_request_bytes=None if args.max_request_bytes is None else
+        parse_size(args.max_request_bytes, "--max-request-bytes"),
+        max_header_bytes=parse_size(args.max_header_bytes, "--max-header-bytes"),
+        read_timeout=args.read_timeout, max_connections=args.max_connections)
+
+
+def loopback(host: str) -> bool:
+    """Whether every address `host` names is a loopback one (127.0.0.0/8, ::1)."""
+    try:
+        addrs = {info[4][0] for info in socket.getaddrinfo(host, None)}
+    except (OSError, UnicodeError):
+        return False
+    return bool(addrs) and all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addrs)
+
+
+def exposure_warning(host: str, port: int, key: str | None) -> str | None:
+    """The stderr warning for a server that anyone on the network can use, or None."""
+    if key is not None or loopback(host):
+        return None
+    return (f"[dsv4] warning: --host {host} without an API key: anyone who can reach port {port} "
+            f"can generate with the model (/v1/chat/completions, /v1/completions) and read "
+            f"/metrics; set DSV4_API_KEY (or --api-key), and put TLS in front (docs/SERVING.md, "
+            f"\"Running it exposed\")")
 
 
 def main(argv=None) -> int:
@@ -75,6 +147,7 @@ def run(args) -> int:
     if args.max_seq_len < 16:
         raise InputError(f"--max-seq-len {args.max_seq_len}: must be >= 16 (the context of "
                          f"every request: prompt + max_tokens)")
+    key, limits = server_env(args), limits_of(args)   # before the model loads
     devices, mode = check_runtime_args(args)
     from ..runtime.sampling import SamplingParams
     from ..text.tokenizer import load_tokenizer
@@ -85,7 +158,7 @@ def run(args) -> int:
     check_checkpoint_args(args, cfg)
     tok = load_tokenizer(ckpt)
     engine, defaults = _build(args, ckpt, cfg, tok, devices, mode, defaults_sampling)
-    return _listen(args, engine, tok, defaults)
+    return _listen(args, engine, tok, defaults, key, limits)
 
 
 def _build(args, ckpt, cfg, tok, devices, mode, sampling):
@@ -127,19 +200,29 @@ def _build(args, ckpt, cfg, tok, devices, mode, sampling):
     return engine, defaults
 
 
-def _listen(args, engine, tok, defaults) -> int:
+def _listen(args, engine, tok, defaults, key, limits) -> int:
     import uvicorn
 
     from ..server.app import create_app
+    from ..server.connection import bounded_protocol
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):        # stop the running request at its next token
             engine.shutdown()
             super().handle_exit(sig, frame)
 
-    app = create_app(engine, tok, defaults)
+    app = create_app(engine, tok, defaults, limits, key, args.api_key_all_routes)
     server = Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                   lifespan="off", timeout_graceful_shutdown=30))
+                                   lifespan="off", timeout_graceful_shutdown=30,
+                                   http=bounded_protocol(limits, engine.metrics.refuse),
+                                   h11_max_incomplete_event_size=limits.max_header_bytes))
+    warning = exposure_warning(args.host, args.port, key)
+    if warning:
+        print(warning, file=sys.stderr)
+    print(f"[dsv4] listening on {args.host}:{args.port} | API key: "
+          f"{'required' if key else 'none'} | bodies <= {limits.max_request_bytes} bytes, "
+          f"heads <= {limits.max_header_bytes}, requests within {limits.read_timeout:g} s, "
+          f"<= {limits.max_connections} connections", file=sys.stderr)
     engine.start()
     # uvicorn re-raises the signal it shut down on once its own handlers are gone: let these
     # no-op handlers take it, so that the session below is closed and the exit status is 0

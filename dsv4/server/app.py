@@ -4,6 +4,7 @@ Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /he
 /metrics. A request is parsed and checked on the event loop (a bad one costs no decoder time),
 queued on the engine, and answered from the job's events: all at once, or as server-sent events.
 A client that goes away cancels its job (stopped at the next token, or skipped while queued).
+In front of the routes: the API key (auth.py), then the body's size (body.py).
 """
 from __future__ import annotations
 
@@ -16,7 +17,10 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from .auth import ApiKeyAuth
+from .body import BodyLimit
 from .engine import Engine, Job
+from .limits import Limits
 from .openai_api import (
     ChunkWriter,
     Defaults,
@@ -59,12 +63,28 @@ async def _parse(request: Request, model):
                        loc or None) from None
 
 
-def create_app(engine: Engine, tokenizer, defaults: Defaults) -> FastAPI:
-    """The app over a started engine (model loaded, graphs captured)."""
+def create_app(engine: Engine, tokenizer, defaults: Defaults, limits: Limits | None = None,
+               api_key: str | None = None, key_all_routes: bool = False) -> FastAPI:
+    """The app over a started engine (model loaded, graphs captured). limits: bodies over
+    limits.max_request_bytes are refused (413) while they are read (the other bounds are the
+    connection's: connection.bounded_protocol); api_key: every route but /health and /metrics
+    (all, with key_all_routes) answers 401 without `Authorization: Bearer <api_key>`."""
     app = FastAPI(title="dsv4", docs_url=None, redoc_url=None, openapi_url=None)
-    metrics = engine.metrics
-    created = int(time.time())
+    _add_error_handlers(app)
+    _add_info_routes(app, engine, defaults)
+    _add_generation_routes(app, _Generation(engine, tokenizer, defaults))
+    # the middleware added last runs first: the key is checked before a byte of the body is read
+    if limits is not None:
+        app.add_middleware(BodyLimit, max_bytes=limits.max_request_bytes,
+                           on_refuse=engine.metrics.refuse)
+    if api_key is not None:
+        app.add_middleware(ApiKeyAuth, key=api_key, all_routes=key_all_routes,
+                           on_refuse=engine.metrics.refuse)
+    return app
 
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every refusal as the OpenAI error object, an unknown route naming the routes there are."""
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, err: ApiError):
         return _error_response(err)
@@ -79,6 +99,11 @@ def create_app(engine: Engine, tokenizer, defaults: Defaults) -> FastAPI:
     async def _internal(request: Request, exc: Exception):
         return _error_response(ApiError(500, f"internal error: {type(exc).__name__}: {exc}",
                                         kind="server_error"))
+
+
+def _add_info_routes(app: FastAPI, engine: Engine, defaults: Defaults) -> None:
+    """GET /health, /v1/models, /v1/models/{name}, /metrics."""
+    created = int(time.time())
 
     @app.get("/health")
     async def health():
@@ -103,28 +128,56 @@ def create_app(engine: Engine, tokenizer, defaults: Defaults) -> FastAPI:
 
     @app.get("/metrics")
     async def prometheus():
-        return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(engine.metrics.render(), media_type="text/plain; version=0.0.4")
 
-    async def _serve(request: Request, endpoint: str, parse_model, make_job, respond):
+
+def _add_generation_routes(app: FastAPI, gen: "_Generation") -> None:
+    """POST /v1/chat/completions, /v1/completions."""
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        return await gen.serve(request, "chat", ChatRequest, chat_job, chat_response)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await gen.serve(request, "completions", CompletionRequest, completion_job,
+                               completion_response)
+
+
+class _Generation:
+    """A generation request from its body to its answer: parsed and checked on the event loop,
+    queued on the engine, answered from the job's events (all at once, or as server-sent events),
+    cancelled when its client goes away; its outcome counted in the metrics."""
+
+    def __init__(self, engine: Engine, tokenizer, defaults: Defaults):
+        self.engine, self.tokenizer, self.defaults = engine, tokenizer, defaults
+        self.metrics = engine.metrics
+
+    async def serve(self, request: Request, endpoint: str, parse_model, make_job, respond):
         try:
             req = await _parse(request, parse_model)
             # off the event loop: a prompt's encoding, a schema's compilation take time
-            job = await asyncio.to_thread(make_job, req, tokenizer, defaults,
+            job = await asyncio.to_thread(make_job, req, self.tokenizer, self.defaults,
                                           asyncio.get_running_loop())
-            engine.submit(job)
+            self.engine.submit(job)
         except ApiError as err:
-            metrics.request(endpoint, _outcome(err.status))
+            self.metrics.request(endpoint, _outcome(err.status))
             raise
         except Exception:
-            metrics.request(endpoint, "error")
+            self.metrics.request(endpoint, "error")
             raise
         rid = new_id("chatcmpl" if endpoint == "chat" else "cmpl")
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            writer = ChunkWriter(job, rid, defaults.model, endpoint == "chat", include_usage)
-            return StreamingResponse(_stream(request, job, writer, endpoint),
+            writer = ChunkWriter(job, rid, self.defaults.model, endpoint == "chat", include_usage)
+            return StreamingResponse(self._stream(request, job, writer, endpoint),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
+        deltas = await self._collect(request, job, endpoint)
+        self.metrics.request(endpoint, "cancelled" if job.finish == "cancelled" else "ok")
+        return respond(job, deltas, rid, self.defaults.model, req.return_token_ids)
+
+    async def _collect(self, request: Request, job: Job, endpoint: str) -> list:
+        """The job's deltas, once it is done (ApiError if it failed)."""
         watcher = asyncio.create_task(_watch_disconnect(request, job))
         try:
             deltas = []
@@ -133,17 +186,15 @@ def create_app(engine: Engine, tokenizer, defaults: Defaults) -> FastAPI:
                 if kind == "deltas":
                     deltas += payload
                 elif kind == "error":
-                    metrics.request(endpoint, _outcome(payload.status))
+                    self.metrics.request(endpoint, _outcome(payload.status))
                     raise payload
                 else:
-                    break
+                    return deltas
         finally:
             watcher.cancel()
             job.cancel.set()                  # a no-op once done; stops it if we were cancelled
-        metrics.request(endpoint, "cancelled" if job.finish == "cancelled" else "ok")
-        return respond(job, deltas, rid, defaults.model, req.return_token_ids)
 
-    async def _stream(request: Request, job: Job, writer: ChunkWriter, endpoint: str):
+    async def _stream(self, request: Request, job: Job, writer: ChunkWriter, endpoint: str):
         outcome = "cancelled"
         # a stream that waits in the queue sends nothing, so a failed send cannot tell that its
         # client left: watch the connection too
@@ -165,18 +216,7 @@ def create_app(engine: Engine, tokenizer, defaults: Defaults) -> FastAPI:
         finally:
             watcher.cancel()
             job.cancel.set()                  # the client went away: stop at the next token
-            metrics.request(endpoint, outcome)
-
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request):
-        return await _serve(request, "chat", ChatRequest, chat_job, chat_response)
-
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        return await _serve(request, "completions", CompletionRequest, completion_job,
-                            completion_response)
-
-    return app
+            self.metrics.request(endpoint, outcome)
 
 
 async def _watch_disconnect(request: Request, job: Job) -> None:

@@ -1,8 +1,9 @@
 """Prometheus metrics of the server, in the text exposition format (no client library needed).
 
-Counters: requests by endpoint and outcome, prompt / cached prompt / generated tokens, speculative
-drafts proposed and accepted. Histograms: time to first token (from arrival, queue included),
-time per output token (after the first), queue wait. Gauges: requests waiting, requests running.
+Counters: requests by endpoint and outcome, requests refused before any route by reason, prompt /
+cached prompt / generated tokens, speculative drafts proposed and accepted. Histograms: time to
+first token (from arrival, queue included), time per output token (after the first), queue wait.
+Gauges: requests waiting, requests running.
 Updated from the worker and the event loop under one lock; memory does not grow with requests.
 """
 from __future__ import annotations
@@ -14,6 +15,8 @@ PREFIX = "dsv4"
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.1, 0.25, 0.5, 1.0)
 OUTCOMES = ("ok", "cancelled", "bad_request", "rejected", "error")
+# requests refused before any route sees them (auth.py, limits.py, connection.py)
+REFUSALS = ("api_key", "too_large", "timeout", "header", "connections")
 
 
 class Histogram:
@@ -49,6 +52,7 @@ class Metrics:
     def __init__(self):
         self._lock = threading.Lock()
         self.requests: dict[tuple[str, str], int] = {}
+        self.refused = dict.fromkeys(REFUSALS, 0)
         self.prompt_tokens = self.cached_tokens = self.generated_tokens = 0
         self.ttft = Histogram(TTFT_BUCKETS, self._lock)
         self.tpot = Histogram(TPOT_BUCKETS, self._lock)
@@ -61,6 +65,12 @@ class Metrics:
         with self._lock:
             key = (endpoint, outcome)
             self.requests[key] = self.requests.get(key, 0) + 1
+
+    def refuse(self, reason: str) -> None:
+        """A request (or connection) refused before any route: a reason of REFUSALS."""
+        assert reason in REFUSALS, f"unknown refusal {reason!r}; expected one of {REFUSALS}"
+        with self._lock:
+            self.refused[reason] += 1
 
     def record_job(self, job) -> None:
         """A finished generation: its token counts and latencies."""
@@ -83,6 +93,10 @@ class Metrics:
                      f"# TYPE {p}_requests_total counter"]
             for (ep, outcome), v in sorted(self.requests.items()):
                 lines.append(f'{p}_requests_total{{endpoint="{ep}",outcome="{outcome}"}} {v}')
+            lines += [f"# HELP {p}_refused_total Requests refused before any route, by reason.",
+                      f"# TYPE {p}_refused_total counter"]
+            for reason, v in self.refused.items():
+                lines.append(f'{p}_refused_total{{reason="{reason}"}} {v}')
             for name, v, what in (("prompt_tokens", self.prompt_tokens, "Prompt tokens"),
                                   ("cached_prompt_tokens", self.cached_tokens,
                                    "Prompt tokens reused from the session's state"),

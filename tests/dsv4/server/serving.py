@@ -30,13 +30,16 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    """A server started with `args` (scripts/serve.py, or `launcher`), ready when /health is 200."""
+    """A server started with `args` (scripts/serve.py, or `launcher`) and `env` added to the
+    environment (without the runner's own DSV4_API_KEY), ready when /health is 200."""
 
-    def __init__(self, args, launcher: Path | None = None, log: Path | None = None):
+    def __init__(self, args, launcher: Path | None = None, log: Path | None = None,
+                 env: dict | None = None):
         import httpx
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        inherited = {k: v for k, v in os.environ.items() if k != "DSV4_API_KEY"}
+        env = dict(inherited, **(env or {}), PYTHONPATH=os.pathsep.join(
             [str(REPO), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]))
         self.log = log
         self._err = open(log, "w") if log else subprocess.DEVNULL
@@ -83,5 +86,5 @@ class ServerProcess:
 
 def openai_client(server, **kw):
     import openai
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
-                         timeout=kw.pop("timeout", 300), **kw)
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=kw.pop("api_key", "unused"),
+                         max_retries=0, timeout=kw.pop("timeout", 300), **kw)
