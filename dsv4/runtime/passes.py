@@ -17,7 +17,7 @@ import torch
 
 from graphs import BufferSpec, Segment
 
-from ..backend import branches
+from ..backend import branches as side_streams   # not `branches`: pass_segments' flag
 from ..model.transformer import Transformer
 from .sampling import SamplingKnobs, SamplingParams, sample
 
@@ -63,7 +63,7 @@ def pass_segments(model: Transformer, bufs: DeviceBuffers, embed: Callable, embe
     hd = model.head_device
     if branches:
         for dev in pass_devices(model):
-            branches.prepare(dev)
+            side_streams.prepare(dev)
     reads, writes = embed_io
     segs = [Segment("embed", hd, embed, reads=reads, writes={**writes, "h": bufs.h[hd]})]
     for l, (blk, st) in enumerate(zip(model.layers, model.states)):
