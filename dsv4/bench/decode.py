@@ -112,14 +112,14 @@ def measure(model: Transformer, mode: str, granularity: str, context: int, steps
 
 def run(args, command: str = "") -> dict:
     """The whole benchmark for parsed `args`; returns the report (JSON-ready dict)."""
-    devices = [torch.device(d) for d in resolve_devices(args.devices)]
+    devices = [torch.device(d) for d in resolve_devices(args.device)]
     on_cuda = devices[0].type == "cuda"
     modes = ["eager", "graph"] if args.mode == "both" else [args.mode]
     grans = ["segment", "device"] if args.granularity == "both" else [args.granularity]
     notes = []
     if "graph" in modes and not on_cuda:
         if args.mode == "graph":
-            raise DeviceError("--mode graph needs CUDA devices; use --mode eager or --devices cuda:0")
+            raise DeviceError("--mode graph needs CUDA devices; use --mode eager or --device cuda:0")
         modes = ["eager"]
         notes.append("graph mode needs CUDA: not measured")
     for flag, v, lo in (("--steps", args.steps, 1), ("--warmup", args.warmup, 0),
@@ -318,7 +318,10 @@ def build_parser() -> argparse.ArgumentParser:
                 "(method: BENCHMARKS.md).")
     p.add_argument("--preset", required=True, choices=sorted(PRESETS), help="the model's shapes")
     p.add_argument("--layers", type=int, default=None, help="first N layers (default: all)")
-    p.add_argument("--devices", default="auto", help="auto | cpu | cuda:0 | cuda:0,cuda:1")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda:0 | cuda:0,cuda:1 (the "
+                   "layers split over several, as in dsv4 decode)")
+    # the spelling of earlier releases (every other command says --device): still read, not shown
+    p.add_argument("--devices", dest="device", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     p.add_argument("--context", type=int, default=4096, help="decode position L (state filled)")
     p.add_argument("--steps", type=int, default=100, help=f"timed steps (>= {MIN_STEPS} to report)")
     p.add_argument("--warmup", type=int, default=10, help="untimed steps first")
