@@ -1,6 +1,7 @@
 """The `scripts/serve.py` (`dsv4 serve`) command: an OpenAI-compatible HTTP server over one decode
-session (FastAPI + uvicorn, the `serve` extra). The model loads, the graphs are captured and one
-short generation runs before the port opens, so GET /health answers 200 as soon as it answers.
+session (FastAPI + uvicorn, the `serve` extra). The port is bound first (a busy one is an error
+before anything loads), then the model loads, the graphs are captured and one short generation
+runs, and only then does the port listen, so GET /health answers 200 as soon as it answers.
 
 Exit status: 0 after SIGTERM / Ctrl-C (the running request stops at its next token, the session is
 closed: graphs and memory released); 2 bad usage (one stderr line naming the problem and the fix);
@@ -9,13 +10,15 @@ closed: graphs and memory released); 2 bad usage (one stderr line naming the pro
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib.util
 import signal
+import socket
 import sys
 import time
 
 from .options import Parser, add_model_args, add_runtime_args, add_sampling_args, \
-    check_checkpoint_args, check_runtime_args, checkpoint_dir
+    check_checkpoint_args, check_runtime_args, checkpoint_dir, model_name
 from ..errors import InputError, exit_code
 
 DEFAULT_MAX_SEQ_LEN = 4096
@@ -34,7 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests that may wait while one decodes; beyond, 503 "
                         "with Retry-After")
     s.add_argument("--served-model-name", metavar="NAME",
-                   help="the model name requests give (default: the checkpoint folder's name)")
+                   help="the model name requests give (default: the --ckpt repo id, or the "
+                        "checkpoint folder's name)")
     s.add_argument("--prefix-snapshots", type=int, default=4, metavar="N",
                    help="decode-state snapshots kept for prefix reuse (the ends of "
                         "recent prompts; 0 = reuse the live sequence only); each costs a window "
@@ -73,12 +77,39 @@ def run(args) -> int:
     from ..runtime.sampling import SamplingParams
     from ..text.tokenizer import load_tokenizer
     defaults_sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed or 0)
-    ckpt = checkpoint_dir(args)
-    cfg = ModelConfig.from_json(ckpt)
-    check_checkpoint_args(args, cfg)
-    tok = load_tokenizer(ckpt)
-    engine, defaults = _build(args, ckpt, cfg, tok, devices, mode, defaults_sampling)
-    return _listen(args, engine, tok, defaults)
+    sock = bind(args.host, args.port)     # a busy port: an error now, not after the load
+    try:
+        ckpt = checkpoint_dir(args)
+        cfg = ModelConfig.from_json(ckpt)
+        check_checkpoint_args(args, cfg)
+        tok = load_tokenizer(ckpt)
+        engine, defaults = _build(args, ckpt, cfg, tok, devices, mode, defaults_sampling)
+        return _listen(args, sock, engine, tok, defaults)
+    finally:
+        sock.close()
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """The server's socket, bound (not yet listening: connections are refused until the model is
+    ready) as uvicorn binds it; InputError naming --port / --host when that fails."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise InputError(f"--port {port}: {host}:{port} is already in use (another server?); "
+                             f"pick a free port with --port N, or stop the process that holds "
+                             f"it") from None
+        if e.errno == errno.EACCES:
+            raise InputError(f"--port {port}: permission denied (ports below 1024 need "
+                             f"privileges); use a port such as 8000") from None
+        raise InputError(f"--host {host}: cannot listen there ({e.strerror or e}); use "
+                         f"127.0.0.1, 0.0.0.0 or an address of this machine") from None
+    sock.set_inheritable(True)
+    return sock
 
 
 def _build(args, ckpt, cfg, tok, devices, mode, sampling):
@@ -104,7 +135,7 @@ def _build(args, ckpt, cfg, tok, devices, mode, sampling):
     session.reset()
     engine = Engine(session, tok, max_queue=args.max_queue,
                     prefix_snapshots=args.prefix_snapshots)
-    name = args.served_model_name or ckpt.name
+    name = args.served_model_name or model_name(args, ckpt)
     defaults = Defaults(model=name, max_seq_len=args.max_seq_len, vocab_size=cfg.vocab_size,
                         sampling=sampling, seed=args.seed, speculative=bool(args.speculative),
                         prefix_snapshots=args.prefix_snapshots,
@@ -117,7 +148,7 @@ def _build(args, ckpt, cfg, tok, devices, mode, sampling):
     return engine, defaults
 
 
-def _listen(args, engine, tok, defaults) -> int:
+def _listen(args, sock, engine, tok, defaults) -> int:
     import uvicorn
 
     from ..server.app import create_app
@@ -135,8 +166,20 @@ def _listen(args, engine, tok, defaults) -> int:
     # no-op handlers take it, so that the session below is closed and the exit status is 0
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
+    host, port = sock.getsockname()[:2]
+    where = f"[{host}]" if ":" in host else host
+    # (uvicorn logs its "running on" line only for a socket it bound itself)
+    print(f"[dsv4] listening on http://{where}:{port} (Ctrl-C or SIGTERM stops)", file=sys.stderr)
     try:
-        server.run()
+        server.run(sockets=[sock])        # the socket bound before the load: it listens now
+    except OSError as e:
+        if e.errno != errno.EADDRINUSE:
+            raise
+        # two servers bound the port while neither listened yet (SO_REUSEADDR allows that);
+        # the other one listens now
+        raise InputError(f"--port {args.port}: {args.host}:{args.port} was taken while the model "
+                         f"loaded (another server started on it); pick a free port with "
+                         f"--port N") from None
     finally:
         engine.close()
     print("[dsv4] server stopped, session closed", file=sys.stderr)
