@@ -232,7 +232,7 @@ def test_terminal_line_editing_history_and_ctrl_c(demo, tmp_path):
     assert hist.read_text().splitlines() == ["Tell me a story", "/exit"]
 
 
-def test_the_demos_answers_end_in_seconds(demo):
+def test_the_demos_answers_are_short_by_default(demo):
     """The README's pipe example: two messages to `dsv4 chat --demo` with the default answer
     length, which the demo keeps short (its text is random and a CPU decodes it slowly)."""
     env = dict(os.environ, XDG_CACHE_HOME=str(demo[1]))
