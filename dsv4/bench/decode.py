@@ -31,6 +31,7 @@ from ..runtime.sampling import SamplingParams
 from ..runtime.session import Session
 from ..weights.device_weights import DeviceWeights
 from ..weights.presets import get_preset
+from . import MIN_STEPS
 from . import prefill as bench_prefill
 from . import speculative as bench_spec
 from .common import (
@@ -46,7 +47,6 @@ from .common import (
 from .memory import check_memory, token_bytes
 
 CAPACITY_ALIGN = 256          # capacity = max(context + steps + warmup + 1, 256), rounded up to this
-MIN_STEPS = 50                # PERFORMANCE.md: median of >= 50 steps
 KERNELS_METHOD = ("CUDA kernel events (memcpy/memset excluded) of one profiled step, minus those of "
                   "one profiled step of an embed+head-only decoder in the same mode, / layers")
 EXTRAPOLATION = ("(step - head/embed) / layers x full_layers + head/embed; head/embed timed with an "
@@ -123,7 +123,7 @@ def measure(model: Transformer, mode: str, granularity: str, context: int, steps
 
 def run(args, command: str = "") -> dict:
     """The whole benchmark for parsed `args` (dsv4.cli.bench); returns the report (JSON-ready)."""
-    devices = [torch.device(d) for d in resolve_devices(args.devices)]
+    devices = [torch.device(d) for d in resolve_devices(args.device)]
     on_cuda = devices[0].type == "cuda"
     modes, grans, lengths, notes = _plan(args, on_cuda)
     full, cfg = get_preset(args.preset), get_preset(args.preset, args.layers)
@@ -203,7 +203,7 @@ def _plan(args, on_cuda: bool) -> tuple[list, list, list, list]:
     notes = []
     if "graph" in modes and not on_cuda:
         if args.mode == "graph":
-            raise DeviceError("--mode graph needs CUDA devices; use --mode eager or --devices cuda:0")
+            raise DeviceError("--mode graph needs CUDA devices; use --mode eager or --device cuda:0")
         modes = ["eager"]
         notes.append("graph mode needs CUDA: not measured")
     for flag, v, lo in (("--steps", args.steps, 1), ("--warmup", args.warmup, 0),

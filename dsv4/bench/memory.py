@@ -167,4 +167,4 @@ def check_memory(meta: Transformer, n_layers: int, devices, reserve: int, capaci
         f"{e['reserve'] / GIB:.1f}: --reserve-gib {reserve / GIB:g} and the largest {temps}'s "
         f"temporaries) but has {free[d] / GIB:.1f} GiB "
         f"{'host memory available (MemAvailable)' if cpu else 'free'}. Fix: {more}, more "
-        f"--devices (e.g. cuda:0,cuda:1), or a smaller --context; escape hatch: --reserve-gib 0")
+        f"devices (--device cuda:0,cuda:1), or a smaller --context; escape hatch: --reserve-gib 0")

@@ -15,7 +15,6 @@ kinds is drawn from a seed, so two runs send the same requests.
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -29,8 +28,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..cli.options import Parser
-from ..errors import InputError, exit_code
+from ..errors import InputError
 
 REPO = Path(__file__).resolve().parents[2]
 CUT_AFTER = 50                        # bytes of a stream the client reads before it hangs up
@@ -310,38 +308,15 @@ def start_server(args: list, key: str, log=subprocess.DEVNULL, timeout: float = 
         time.sleep(0.25)
 
 
-# ---- the command -------------------------------------------------------------------------------
+# ---- the run -------------------------------------------------------------------------------------
 
-def build_parser() -> argparse.ArgumentParser:
-    p = Parser(prog="bench_soak.py", description=__doc__.split("\n\n")[0])
-    p.add_argument("--ckpt", help="checkpoint directory (default: the demo checkpoint)")
-    p.add_argument("--requests", type=int, default=10000, metavar="N")
-    p.add_argument("--duration", type=float, metavar="S",
-                   help="send no new request after S seconds (default: until --requests)")
-    p.add_argument("--concurrency", type=int, default=8, metavar="C",
-                   help="clients sending at once")
-    p.add_argument("--warmup", type=int, default=500, metavar="W",
-                   help="requests before the memory baseline")
-    p.add_argument("--solo", type=int, default=20, metavar="K",
-                   help="short chats sent one at a time first (the latency alone)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--max-seq-len", type=int, default=512)
-    p.add_argument("--read-timeout", type=float, default=2.0,
-                   help="the server's --read-timeout (each slow client waits this long)")
-    p.add_argument("--max-request-bytes", type=int, default=65536,
-                   help="the server's --max-request-bytes (the oversized bodies go one past it)")
-    p.add_argument("--json", action="store_true", help="one JSON object on stdout")
-    return p
-
-
-def run(args) -> int:
+def run(args, ckpt) -> int:
+    """The soak for the flags of scripts/bench_soak.py (dsv4.cli.bench.soak_parser) against a
+    server of `ckpt`; prints the summary (or the JSON); -> the exit status (1 on any error)."""
     if args.concurrency < 1 or args.solo < 1 or not 0 <= args.warmup < args.requests:
         raise InputError(f"--concurrency {args.concurrency}, --solo {args.solo}, --warmup "
                          f"{args.warmup}, --requests {args.requests}: need concurrency and solo "
                          f">= 1 and 0 <= warmup < requests")
-    from ..cli.options import demo_checkpoint
-    ckpt = args.ckpt or demo_checkpoint()
     key = secrets.token_hex(16)
     # Ctrl-C or SIGTERM (also where a background job ignores SIGINT): stop the server below too
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -397,7 +372,3 @@ def _machine() -> str:
                 .splitlines() if ln.startswith("model name")), platform.processor()) \
         if Path("/proc/cpuinfo").exists() else platform.processor()
     return f"{cpu}, {os.cpu_count()} cores visible"
-
-
-def main(argv=None) -> int:
-    return exit_code(lambda: run(build_parser().parse_args(argv)))

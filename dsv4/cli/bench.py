@@ -7,14 +7,13 @@ import json
 import shlex
 import sys
 
-from ..bench import decode as bench_decode
-from ..bench import serve as bench_serve
+from ..bench import MIN_STEPS
 from ..errors import exit_code
-from ..runtime.config import DTYPES
 from ..weights.presets import PRESETS
-from .options import Parser, add_runtime_args, check_runtime_args
+from .options import Parser, add_runtime_args, check_runtime_args, demo_checkpoint
 
-MIN_STEPS = bench_decode.MIN_STEPS
+# the measurements import torch: each command imports its own when it runs (--help needs none)
+DTYPES = ("bfloat16", "float32")     # dsv4.runtime.config.DTYPES' names (a test keeps them equal)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -23,7 +22,10 @@ def build_parser() -> argparse.ArgumentParser:
                 "(method: BENCHMARKS.md).")
     p.add_argument("--preset", required=True, choices=sorted(PRESETS), help="the model's shapes")
     p.add_argument("--layers", type=int, default=None, help="first N layers (default: all)")
-    p.add_argument("--devices", default="auto", help="auto | cpu | cuda:0 | cuda:0,cuda:1")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda:0 | cuda:0,cuda:1 (the "
+                   "layers split over several, as in dsv4 decode)")
+    # the spelling of earlier releases (every other command says --device): still read, not shown
+    p.add_argument("--devices", dest="device", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     p.add_argument("--context", type=int, default=4096, help="decode position L (state filled)")
     p.add_argument("--steps", type=int, default=100, help=f"timed steps (>= {MIN_STEPS} to report)")
     p.add_argument("--warmup", type=int, default=10, help="untimed steps first")
@@ -74,6 +76,7 @@ def main(argv=None) -> int:
 
 def _main(argv) -> int:
     args = build_parser().parse_args(argv)
+    from ..bench import decode as bench_decode
     rep = bench_decode.run(args, command="python scripts/bench.py " + shlex.join(argv))
     table = bench_decode.format_table(rep)
     if args.json == "-":
@@ -89,7 +92,10 @@ def _main(argv) -> int:
 
 def serve_parser() -> argparse.ArgumentParser:
     """scripts/bench_serve.py's flags."""
-    p = Parser(prog="bench_serve.py", description=bench_serve.__doc__.split("\n\n")[0])
+    p = Parser(prog="bench_serve.py",
+               description="What the server adds to decoding: time to first token and time per "
+                           "streamed token through scripts/serve.py, against the in-process "
+                           "Session on the same checkpoint and flags.")
     p.add_argument("--ckpt", required=True, help="checkpoint directory")
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=256)
@@ -104,6 +110,42 @@ def serve_main(argv=None) -> int:
     """scripts/bench_serve.py."""
     def run():
         args = serve_parser().parse_args(argv)
+        from ..bench import serve as bench_serve
         devices, mode = check_runtime_args(args)
         return bench_serve.run(args, devices, mode)
+    return exit_code(run)
+
+
+def soak_parser() -> argparse.ArgumentParser:
+    """scripts/bench_soak.py's flags."""
+    p = Parser(prog="bench_soak.py",
+               description="A soak of the server: mixed requests from concurrent clients on "
+                           "loopback; errors, memory over time, short-request latency.")
+    p.add_argument("--ckpt", help="checkpoint directory (default: the demo checkpoint)")
+    p.add_argument("--requests", type=int, default=10000, metavar="N")
+    p.add_argument("--duration", type=float, metavar="S",
+                   help="send no new request after S seconds (default: until --requests)")
+    p.add_argument("--concurrency", type=int, default=8, metavar="C",
+                   help="clients sending at once")
+    p.add_argument("--warmup", type=int, default=500, metavar="W",
+                   help="requests before the memory baseline")
+    p.add_argument("--solo", type=int, default=20, metavar="K",
+                   help="short chats sent one at a time first (the latency alone)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--max-seq-len", type=int, default=512)
+    p.add_argument("--read-timeout", type=float, default=2.0,
+                   help="the server's --read-timeout (each slow client waits this long)")
+    p.add_argument("--max-request-bytes", type=int, default=65536,
+                   help="the server's --max-request-bytes (the oversized bodies go one past it)")
+    p.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    return p
+
+
+def soak_main(argv=None) -> int:
+    """scripts/bench_soak.py."""
+    def run():
+        args = soak_parser().parse_args(argv)
+        from ..bench import soak as bench_soak
+        return bench_soak.run(args, args.ckpt or demo_checkpoint())
     return exit_code(run)

@@ -3,11 +3,17 @@
 Each turn continues the sequence the session holds (`build_followup_ids` +
 `Session.generate(..., continue_sequence=True)`): earlier turns are never read again. Answers
 stream; thinking mode's reasoning is shown apart from the answer; a stats line per turn goes to
-stderr. Commands: /reset, /thinking on|off, /exit. Exit status as `dsv4 decode` (docs/CLI.md).
+stderr. Commands: /reset, /thinking on|off, /exit. On a terminal: line editing and history
+(readline); Ctrl-C stops the answer, not the conversation. On a pipe: each answer ends with the
+line END_OF_ANSWER. Exit status as `dsv4 decode` (docs/CLI.md).
 """
 from __future__ import annotations
 
+import os
+import signal
 import sys
+import threading
+from pathlib import Path
 
 from ..errors import InputError, UserInputError, exit_code, in_cli_words
 from .options import (
@@ -19,24 +25,36 @@ from .options import (
     check_runtime_args,
     checkpoint_dir,
     load_session,
+    model_name,
     sampling_params,
 )
 
 CHAT_CONTEXT = 8192        # default capacity of a conversation (tokens)
+MAX_NEW = 512              # default answer length (tokens)
+DEMO_MAX_NEW = 16          # ... with the demo: random text at ~1-20 tok/s on a CPU, so an answer
+                           # that ends in seconds (the README's pipe example: two of them)
 COMMANDS = "/reset (new conversation), /thinking on|off, /exit"
 DIM, PLAIN = "\x1b[2m", "\x1b[0m"
+END_OF_ANSWER = "[end of answer]"   # on a pipe: the line after each answer (or refused turn)
+HISTORY_LINES = 1000
 
 
 def build_parser() -> Parser:
     p = Parser(prog="dsv4 chat", description="Multi-turn chat with a DeepSeek-V4 checkpoint: each "
                "turn continues the sequence (earlier turns are not read again). Type a message "
-               f"per line; commands: {COMMANDS}. On a pipe: one message per line, EOF ends.")
+               f"per line; commands: {COMMANDS}. Ctrl-C stops an answer (the conversation "
+               f"keeps it), at the prompt it leaves. On a pipe: one message per line, EOF ends, "
+               f"each answer ends with a line {END_OF_ANSWER}.")
     add_model_args(p)
     p.add_argument("--system", help="system prompt of each conversation")
     p.add_argument("--thinking", action="store_true",
                    help="start in thinking mode (the reasoning shows apart from the answer; "
                         "/thinking on|off switches from the next turn)")
-    add_sampling_args(p, max_new_tokens=512)
+    g = p.add_argument_group("generation")
+    g.add_argument("--max-new-tokens", type=int, default=None,
+                   help=f"most tokens per answer (default: {MAX_NEW}; {DEMO_MAX_NEW} with the "
+                        f"demo, whose random text is slow on a CPU)")
+    add_sampling_args(g)
     add_runtime_args(p, max_seq_len=CHAT_CONTEXT, max_seq_len_help="cache capacity: the longest "
                      "conversation in tokens (then /reset)")
     return p
@@ -87,6 +105,33 @@ class ReplyStream:
         return msg
 
 
+class StopOnInterrupt:
+    """Ctrl-C (SIGINT) while an answer streams: the first one asks the answer to stop at its next
+    token (`requested`, read by the token callback: the session stops there cleanly, its state
+    whole); a second one, before that happens, raises KeyboardInterrupt at once. Outside the
+    `with` block SIGINT is what it was. Only the main thread can take signals: elsewhere a no-op."""
+
+    def __init__(self):
+        self.requested = False
+        self._old = None
+
+    def _handler(self, sig, frame):
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+
+    def __enter__(self) -> "StopOnInterrupt":
+        self.requested = False
+        if threading.current_thread() is threading.main_thread():
+            self._old = signal.signal(signal.SIGINT, self._handler)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._old is not None:
+            signal.signal(signal.SIGINT, self._old)
+            self._old = None
+
+
 class Conversation:
     """The messages a session holds and the next turn's ids; one turn at a time."""
 
@@ -97,6 +142,7 @@ class Conversation:
         self.out, self.err, self.tty = out, err, tty
         self.messages: list[dict] = []
         self.needs_eos = False         # the last reply was cut before its EOS
+        self.interrupt = StopOnInterrupt()
 
     @property
     def capacity(self) -> int:
@@ -120,7 +166,18 @@ class Conversation:
         return ([self.tok.eos_id] if self.needs_eos else []) + ids
 
     def turn(self, text: str) -> dict | None:
-        """Answer one user message (streamed); the stats dict, or None when it did not fit."""
+        """Answer one user message (streamed); the stats dict, or None when it did not fit or a
+        second Ctrl-C broke it off. A first Ctrl-C stops the answer at its next token: the
+        conversation keeps it, cut, as an answer cut by --max-new-tokens
+        (finish_reason "interrupted")."""
+        try:
+            return self._turn(text)
+        finally:
+            if not self.tty:           # one block per message on a pipe, refused ones too
+                self.out.write(END_OF_ANSWER + "\n")
+                self.out.flush()
+
+    def _turn(self, text: str) -> dict | None:
         user = {"role": "user", "content": text}
         ids = self._ids(user)
         cached = self.session.length if self.messages else 0      # held, not read again
@@ -133,28 +190,38 @@ class Conversation:
                       f"new conversation (or restart with a larger --max-seq-len)")
             return None
         stream = ReplyStream(self.out, self.tok, self.thinking, self.tty)
+        stop = self.interrupt
+
+        def push(tid: int) -> bool:    # truthy: the session stops after this token
+            stream.push(tid)
+            return stop.requested
         try:
-            res = self.session.generate(ids, n_new, eos_id=self.tok.eos_id, on_token=stream.push,
-                                        continue_sequence=bool(self.messages))
-        except KeyboardInterrupt:
+            with stop:
+                res = self.session.generate(ids, n_new, eos_id=self.tok.eos_id, on_token=push,
+                                            continue_sequence=bool(self.messages))
+        except KeyboardInterrupt:      # a second Ctrl-C: the state may be mid-step
             stream.finish()
-            self.reset()               # the state is mid-step: start afresh
-            self._say("interrupted: the conversation was reset")
+            self.reset()
+            self._say("interrupted twice: the conversation was reset")
             return None
         stream.finish()
+        finish = "interrupted" if res.finish_reason == "stopped" else res.finish_reason
         if self.system and not self.messages:
             self.messages.append({"role": "system", "content": self.system})
         self.messages += [user, stream.message()]
         self.needs_eos = res.finish_reason != "eos"
         t = res.timings
-        stats = {"tokens": len(res.output_ids), "finish_reason": res.finish_reason,
+        stats = {"tokens": len(res.output_ids), "finish_reason": finish,
                  "decode_tok_per_s": t["decode_tok_per_s"], "cached": cached,
                  "prefilled": prefilled, "prefill_tok_per_s": t["prefill_tok_per_s"],
                  "context": self.used}
-        self._say(f"{stats['tokens']} tokens ({res.finish_reason}) | decode "
+        self._say(f"{stats['tokens']} tokens ({finish}) | decode "
                   f"{stats['decode_tok_per_s']:.1f} tok/s | prompt {stats['cached']} cached + "
                   f"{stats['prefilled']} prefilled ({stats['prefill_tok_per_s']:.0f} tok/s) | "
                   f"context {stats['context']}/{self.capacity}")
+        if finish == "interrupted":
+            self._say("answer stopped (Ctrl-C); the conversation keeps it as it stands. Ctrl-C "
+                      "at the prompt, /exit or Ctrl-D leaves")
         if res.finish_reason == "length" and n_new < self.max_new:
             self._say(f"the context is full ({self.capacity} tokens, --max-seq-len): the answer "
                       f"was cut. /reset starts a new conversation")
@@ -185,6 +252,48 @@ class Conversation:
         self.err.flush()
 
 
+def history_file() -> Path:
+    """Where the terminal chat keeps its input history (readline's format)."""
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return root / "dsv4" / "chat_history"
+
+
+class LineEditing:
+    """On a terminal: readline's line editing (arrows, Ctrl-A/E, Ctrl-R) for input() and the
+    history of earlier sessions, saved on exit. Optional: without the readline module, or with a
+    history file that cannot be read or written, input() works as before (one notice)."""
+
+    def __init__(self, err=sys.stderr):
+        self.err, self.path, self.readline = err, history_file(), None
+
+    def __enter__(self) -> "LineEditing":
+        try:
+            import readline
+        except ImportError:          # e.g. a Python built without it
+            return self
+        self.readline = readline
+        readline.set_history_length(HISTORY_LINES)
+        try:
+            if self.path.is_file():
+                readline.read_history_file(str(self.path))
+        except OSError as e:
+            self._notice(f"chat history not read ({self.path}: {e.strerror or e})")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.readline is None:
+            return
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.readline.write_history_file(str(self.path))
+        except OSError as e:
+            self._notice(f"chat history not saved ({self.path}: {e.strerror or e})")
+
+    def _notice(self, text: str) -> None:
+        self.err.write(f"[dsv4] {text}\n")
+        self.err.flush()
+
+
 def _lines(tty: bool):
     """The user's lines: input() with a prompt on a terminal, stdin's lines on a pipe."""
     while True:
@@ -206,9 +315,14 @@ def run(args) -> int:
     from ..weights.config import ModelConfig
     devices, mode = check_runtime_args(args)
     sampling, seed = sampling_params(args)
+    if args.max_new_tokens is not None and args.max_new_tokens < 1:
+        raise InputError(f"--max-new-tokens {args.max_new_tokens}: must be >= 1")
     cap = args.max_seq_len
     if cap is None or cap < 2:
         raise InputError(f"--max-seq-len {cap}: must be >= 2 (the longest conversation in tokens)")
+    max_new = args.max_new_tokens
+    if max_new is None:
+        max_new = DEMO_MAX_NEW if (args.demo or not args.ckpt) else MAX_NEW
     ckpt = checkpoint_dir(args)
     cfg = ModelConfig.from_json(ckpt)
     check_checkpoint_args(args, cfg)
@@ -216,12 +330,13 @@ def run(args) -> int:
     session, load_s = load_session(args, ckpt, cap, devices, mode, sampling)
     tty = sys.stdin.isatty() and sys.stdout.isatty()
     chat = Conversation(session, tok, system=args.system, thinking=args.thinking,
-                        max_new=args.max_new_tokens, tty=tty)
+                        max_new=max_new, tty=tty)
     how = "greedy" if seed is None else f"seed={seed}"
-    chat._say(f"chat: {ckpt.name} mode={mode} device={','.join(devices)} {how} | capacity {cap} "
-              f"tokens | load {load_s:.1f} s | thinking {'on' if args.thinking else 'off'} | "
-              f"{COMMANDS}")
-    with session:
+    chat._say(f"chat: {model_name(args, ckpt)} mode={mode} device={','.join(devices)} {how} | "
+              f"capacity {cap} tokens | --max-new-tokens {max_new} | "
+              f"load {load_s:.1f} s | thinking {'on' if args.thinking else 'off'} | {COMMANDS}"
+              + (" | Ctrl-C stops an answer" if tty else ""))
+    with session, (LineEditing() if tty else _Nothing()):
         for line in _lines(tty):
             if not line:
                 continue
@@ -234,6 +349,14 @@ def run(args) -> int:
             except UserInputError as e:          # a bad message loses nothing: say so, go on
                 chat._say(f"error: {in_cli_words(str(e))}")
     return 0
+
+
+class _Nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
 
 
 def main(argv=None) -> int:

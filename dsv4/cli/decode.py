@@ -11,8 +11,6 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 from ..errors import InputError, exit_code
 from .options import (
     Parser,
@@ -20,6 +18,8 @@ from .options import (
     add_runtime_args,
     add_sampling_args,
     check_checkpoint_args,
+    check_output_dir,
+    check_output_path,
     check_runtime_args,
     checkpoint_dir,
     demo_checkpoint,
@@ -135,6 +135,12 @@ def run(args) -> int:
         parse_steps(args.profile_steps)
         if args.profile == "nsys" and not devices[0].startswith("cuda"):
             raise InputError("--profile nsys needs CUDA; use --profile torch on the CPU")
+    # every output path before anything is downloaded or loaded (a failed write after the
+    # whole generation would lose it)
+    dump = check_output_path(args.dump_logits, "--dump-logits", ".npy")
+    if args.profile == "torch":
+        from ..runtime.profiling import PROFILES_DIR
+        check_output_dir(PROFILES_DIR, "--profile torch")
     demo = args.demo or not args.ckpt
     ckpt = checkpoint_dir(args)
     cfg = ModelConfig.from_json(ckpt)
@@ -174,9 +180,9 @@ def run(args) -> int:
             res = GenerationResult(prompt_ids, list(stream.ids), "interrupted", None,
                                    stream.timings(len(prompt_ids)))
         stream.finish()
-        if args.dump_logits and res.logits is not None:
+        if dump is not None and res.logits is not None:
             import numpy as np
-            np.save(args.dump_logits, res.logits.numpy().astype("float32"))
+            np.save(dump, res.logits.numpy().astype("float32"))
         text_ids = res.output_ids[:-1] if res.finish_reason == "eos" else res.output_ids
         timings = {"load_s": load_s, "capture_s": session.capture_s, **res.timings}
         mem = _memory(session)
@@ -197,6 +203,7 @@ def run(args) -> int:
 
 
 def _memory(session) -> dict:
+    import torch
     decs = [session.decoder] + (session.spec.decoders() if session.spec is not None else [])
     graph = {}
     for dec in decs:

@@ -57,7 +57,6 @@ def make_checkpoint(argv=None) -> int:
     from ..errors import exit_code
     from ..weights.config import ModelConfig
     from ..weights.presets import PRESETS, get_preset, truncate_layers
-    from ..weights.synthetic import WEIGHT_MODES, write_checkpoint
     from .options import Parser
 
     p = Parser(prog="dsv4 make-checkpoint",
@@ -69,7 +68,9 @@ def make_checkpoint(argv=None) -> int:
     p.add_argument("--out", required=True, help="output folder (earlier checkpoint files there "
                    "are replaced)")
     p.add_argument("--layers", type=int, help="keep only the first N main layers")
-    p.add_argument("--weights", default="fp8", choices=WEIGHT_MODES,
+    # dsv4.weights.synthetic.WEIGHT_MODES (spelled out: that module imports torch, and --help
+    # must not; a test keeps the two equal)
+    p.add_argument("--weights", default="fp8", choices=("fp8", "bf16"),
                    help="fp8: FP8 linears + FP4 experts (the release format); bf16: plain BF16")
     p.add_argument("--seed", type=int, default=0, help="weight seed (values depend only on it "
                    "and the tensor name)")
@@ -78,6 +79,7 @@ def make_checkpoint(argv=None) -> int:
 
     def body() -> int:
         a = p.parse_args(argv)
+        from ..weights.synthetic import write_checkpoint
         if a.preset is not None:
             cfg = get_preset(a.preset)
         else:

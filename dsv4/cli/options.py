@@ -1,6 +1,8 @@
-"""What `dsv4 decode` and `dsv4 chat` share: the parser style (defaults in --help, one-line
-errors), the model / sampling / runtime flags and their checks, the demo checkpoint, and loading
-a checkpoint for a command (tokenizer, notice, model, session).
+"""What `dsv4 decode`, `chat` and `serve` share: the parser style (defaults in --help, one-line
+errors), the model / sampling / runtime flags and their checks (output paths included), the
+checkpoint of --ckpt (a folder or a Hugging Face repo id) or --demo, and loading it for a command
+(tokenizer, notice, model, session). Imports nothing heavy at module level: `dsv4 X --help`
+never imports torch (tests/test_cli_startup.py).
 """
 from __future__ import annotations
 
@@ -8,11 +10,12 @@ import argparse
 import os
 import secrets
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 from ..errors import InputError, MissingFileError
-from ..runtime.config import PREFILL_CHUNK
+from ..runtime.defaults import PREFILL_CHUNK
 from ..runtime.speculative.policy import DEFAULT_MIN_ACCEPTANCE, check_min_acceptance
 
 
@@ -44,7 +47,9 @@ class Parser(argparse.ArgumentParser):
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     src = p.add_argument_group("model")
-    src.add_argument("--ckpt", help="checkpoint directory in the released DSV4 format")
+    src.add_argument("--ckpt", help="checkpoint folder in the released DSV4 format, or a Hugging "
+                     "Face repo id (deepseek-ai/DeepSeek-V4-Flash: the local Hugging Face cache "
+                     "first, downloaded into it otherwise; HF_HUB_OFFLINE=1: the cache only)")
     src.add_argument("--demo", action="store_true",
                      help="build (once, cached) and run a tiny random-weight model (the default "
                           "when no --ckpt is given)")
@@ -133,7 +138,9 @@ def sampling_params(args):
 
 
 def checkpoint_dir(args) -> Path:
-    """The checkpoint folder of --ckpt / --demo (the demo when neither is given)."""
+    """The checkpoint folder of --ckpt / --demo (the demo when neither is given): --ckpt is a
+    folder, or else a Hugging Face repo id (owner/name) resolved through huggingface_hub (the
+    cache first; dsv4.weights.hub)."""
     demo = args.demo or not args.ckpt
     if demo and not args.demo:
         print("[dsv4] no --ckpt given: running the demo (tiny model, random weights)", file=sys.stderr)
@@ -142,8 +149,60 @@ def checkpoint_dir(args) -> Path:
         raise MissingFileError(f"--ckpt {ckpt} is not a directory (it is a file); pass the "
                                f"checkpoint folder that holds config.json and the shards")
     if not ckpt.is_dir():
-        raise MissingFileError(f"checkpoint directory not found: {ckpt} (--ckpt)")
+        from ..weights.hub import looks_like_repo_id, resolve_checkpoint
+        if not demo and looks_like_repo_id(args.ckpt):
+            return resolve_checkpoint(args.ckpt)
+        raise MissingFileError(f"checkpoint directory not found: {ckpt} (--ckpt takes a folder "
+                               f"or a Hugging Face repo id such as deepseek-ai/DeepSeek-V4-Flash)")
     return ckpt
+
+
+def model_name(args, ckpt: Path) -> str:
+    """What the checkpoint is called in messages and by the server: the repo id that --ckpt
+    gave (its snapshot folder is named by a commit hash), else the folder's name."""
+    given = getattr(args, "ckpt", None)
+    return given if given and not args.demo and not Path(given).exists() else ckpt.name
+
+
+def check_output_path(path: str | None, flag: str, suffix: str = "") -> Path | None:
+    """An output file's path, checked before anything loads: its folder exists and takes a new
+    file, and the path is not a folder; InputError naming `flag` otherwise. suffix: what the
+    writer appends when the path lacks it (numpy's .npy)."""
+    if path is None:
+        return None
+    out = Path(path).expanduser()
+    if out.is_dir() or not out.name:
+        raise InputError(f"{flag} {path}: is a directory; give a file path such as "
+                         f"{Path(path) / ('out' + suffix)}")
+    if suffix and out.suffix != suffix:
+        out = out.with_name(out.name + suffix)
+    folder = out.parent
+    if out.is_dir():
+        raise InputError(f"{flag} {path}: {out} is a directory; give another file name")
+    if not folder.is_dir():
+        raise InputError(f"{flag} {path}: the folder {folder} does not exist; create it first "
+                         f"or give a path in an existing folder")
+    try:                   # the one test that holds for root and read-only mounts alike
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".dsv4-write-check-"):
+            pass
+        if out.exists() and not os.access(out, os.W_OK):
+            raise PermissionError(13, "Permission denied")
+    except OSError as e:
+        raise InputError(f"{flag} {path}: cannot write there ({e.strerror or e}); give a writable "
+                         f"path") from None
+    return out
+
+
+def check_output_dir(folder: Path, flag: str) -> None:
+    """A folder a command will write into (made now if missing), checked before anything loads;
+    InputError naming `flag` otherwise."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".dsv4-write-check-"):
+            pass
+    except OSError as e:
+        raise InputError(f"{flag}: cannot write into {folder} ({e.strerror or e}); run from a "
+                         f"checkout you can write to") from None
 
 
 def check_checkpoint_args(args, cfg) -> None:

@@ -1,6 +1,7 @@
 """The `scripts/serve.py` (`dsv4 serve`) command: an OpenAI-compatible HTTP server over one decode
-session (FastAPI + uvicorn, the `serve` extra). The model loads, the graphs are captured and one
-short generation runs before the port opens, so GET /health answers 200 as soon as it answers.
+session (FastAPI + uvicorn, the `serve` extra). The port is bound first (a busy one is an error
+before anything loads), then the model loads, the graphs are captured and one short generation
+runs, and only then does the port listen, so GET /health answers 200 as soon as it answers.
 
 Exit status: 0 after SIGTERM / Ctrl-C (the running request stops at its next token, the session is
 closed: graphs and memory released); 2 bad usage (one stderr line naming the problem and the fix);
@@ -10,6 +11,7 @@ API key) is read here, by `server_env`, and nowhere else.
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib.util
 import ipaddress
 import os
@@ -27,6 +29,7 @@ from .options import (
     check_checkpoint_args,
     check_runtime_args,
     checkpoint_dir,
+    model_name,
 )
 
 DEFAULT_MAX_SEQ_LEN = 4096
@@ -45,7 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests that may wait while one decodes; beyond, 503 "
                         "with Retry-After")
     s.add_argument("--served-model-name", metavar="NAME",
-                   help="the model name requests give (default: the checkpoint folder's name)")
+                   help="the model name requests give (default: the --ckpt repo id, or the "
+                        "checkpoint folder's name)")
     s.add_argument("--prefix-snapshots", type=int, default=4, metavar="N",
                    help="decode-state snapshots kept for prefix reuse (the ends of "
                         "recent prompts; 0 = reuse the live sequence only); each costs a window "
@@ -153,12 +157,39 @@ def run(args) -> int:
     from ..text.tokenizer import load_tokenizer
     from ..weights.config import ModelConfig
     defaults_sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed or 0)
-    ckpt = checkpoint_dir(args)
-    cfg = ModelConfig.from_json(ckpt)
-    check_checkpoint_args(args, cfg)
-    tok = load_tokenizer(ckpt)
-    engine, defaults = _build(args, ckpt, cfg, tok, devices, mode, defaults_sampling)
-    return _listen(args, engine, tok, defaults, key, limits)
+    sock = bind(args.host, args.port)     # a busy port: an error now, not after the load
+    try:
+        ckpt = checkpoint_dir(args)
+        cfg = ModelConfig.from_json(ckpt)
+        check_checkpoint_args(args, cfg)
+        tok = load_tokenizer(ckpt)
+        engine, defaults = _build(args, ckpt, cfg, tok, devices, mode, defaults_sampling)
+        return _listen(args, sock, engine, tok, defaults, key, limits)
+    finally:
+        sock.close()
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """The server's socket, bound (not yet listening: connections are refused until the model is
+    ready) as uvicorn binds it; InputError naming --port / --host when that fails."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise InputError(f"--port {port}: {host}:{port} is already in use (another server?); "
+                             f"pick a free port with --port N, or stop the process that holds "
+                             f"it") from None
+        if e.errno == errno.EACCES:
+            raise InputError(f"--port {port}: permission denied (ports below 1024 need "
+                             f"privileges); use a port such as 8000") from None
+        raise InputError(f"--host {host}: cannot listen there ({e.strerror or e}); use "
+                         f"127.0.0.1, 0.0.0.0 or an address of this machine") from None
+    sock.set_inheritable(True)
+    return sock
 
 
 def _build(args, ckpt, cfg, tok, devices, mode, sampling):
@@ -186,7 +217,7 @@ def _build(args, ckpt, cfg, tok, devices, mode, sampling):
     session.reset()
     engine = Engine(session, tok, max_queue=args.max_queue,
                     prefix_snapshots=args.prefix_snapshots)
-    name = args.served_model_name or ckpt.name
+    name = args.served_model_name or model_name(args, ckpt)
     defaults = Defaults(model=name, max_seq_len=args.max_seq_len, vocab_size=cfg.vocab_size,
                         sampling=sampling, seed=args.seed, speculative=bool(args.speculative),
                         prefix_snapshots=args.prefix_snapshots,
@@ -200,7 +231,7 @@ def _build(args, ckpt, cfg, tok, devices, mode, sampling):
     return engine, defaults
 
 
-def _listen(args, engine, tok, defaults, key, limits) -> int:
+def _listen(args, sock, engine, tok, defaults, key, limits) -> int:
     import uvicorn
 
     from ..server.app import create_app
@@ -219,17 +250,28 @@ def _listen(args, engine, tok, defaults, key, limits) -> int:
     warning = exposure_warning(args.host, args.port, key)
     if warning:
         print(warning, file=sys.stderr)
-    print(f"[dsv4] listening on {args.host}:{args.port} | API key: "
-          f"{'required' if key else 'none'} | bodies <= {limits.max_request_bytes} bytes, "
-          f"heads <= {limits.max_header_bytes}, requests within {limits.read_timeout:g} s, "
-          f"<= {limits.max_connections} connections", file=sys.stderr)
     engine.start()
     # uvicorn re-raises the signal it shut down on once its own handlers are gone: let these
     # no-op handlers take it, so that the session below is closed and the exit status is 0
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
+    host, port = sock.getsockname()[:2]
+    where = f"[{host}]" if ":" in host else host
+    # (uvicorn logs its "running on" line only for a socket it bound itself)
+    print(f"[dsv4] listening on http://{where}:{port} (Ctrl-C or SIGTERM stops) | API key: "
+          f"{'required' if key else 'none'} | bodies <= {limits.max_request_bytes} bytes, "
+          f"heads <= {limits.max_header_bytes}, requests within {limits.read_timeout:g} s, "
+          f"<= {limits.max_connections} connections", file=sys.stderr)
     try:
-        server.run()
+        server.run(sockets=[sock])        # the socket bound before the load: it listens now
+    except OSError as e:
+        if e.errno != errno.EADDRINUSE:
+            raise
+        # two servers bound the port while neither listened yet (SO_REUSEADDR allows that);
+        # the other one listens now
+        raise InputError(f"--port {args.port}: {args.host}:{args.port} was taken while the model "
+                         f"loaded (another server started on it); pick a free port with "
+                         f"--port N") from None
     finally:
         engine.close()
     print("[dsv4] server stopped, session closed", file=sys.stderr)

@@ -5,6 +5,9 @@ decode step), `prefill` (a prompt in chunks, eager or replayed), `prefill_graphs
 (the MTP self-speculative step), `sampling`, `snapshot` and `prefix_cache` (saved points),
 `profiling`. Imports the backend, the model, weights, graphs/ and below; never the commands,
 the server or the benchmarks.
+
+`DTYPES` and `RuntimeConfig` are imported on first use, so that a torch-free submodule
+(`defaults`, `speculative.policy`) imports without torch (the command's --help).
 """
 import importlib
 

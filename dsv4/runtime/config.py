@@ -14,9 +14,9 @@ from graphs import balanced_placement
 
 from ..backend.decision import Options
 from ..errors import ConfigError, DeviceError, InputError
+from .defaults import PREFILL_CHUNK   # noqa: F401  (re-exported: the default prefill chunk)
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
-PREFILL_CHUNK = 4096  # default prompt tokens per prefill pass: activations scale with it
 PREFILL_GRAPHS_EXPECTED = "expected 0 (off) or a power of two"
 
 

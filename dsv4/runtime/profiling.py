@@ -17,7 +17,7 @@ import torch
 
 from ..errors import InputError
 
-PROFILES_DIR = Path(__file__).resolve().parents[1] / "profiles"
+PROFILES_DIR = Path(__file__).resolve().parents[2] / "profiles"   # the repository's profiles/
 DOMAIN = "dsv4"
 
 try:  # pragma: no cover - depends on the image

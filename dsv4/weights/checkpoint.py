@@ -26,6 +26,7 @@ from ..errors import (
 )
 from . import dspark
 from .config import FP4_BLOCK, FP8_BLOCK, ModelConfig
+from .values import check_values
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -480,7 +481,9 @@ class Checkpoint:
         """Copy tensor `name` into `dst` (any device; may be a view, e.g. one slot of a stack).
 
         `dst` must have the stored shape, and the stored dtype or an exact widening of it
-        (EXACT_CASTS: e.g. BF16 -> float32, I64 -> int32 when the values fit).
+        (EXACT_CASTS: e.g. BF16 -> float32, I64 -> int32 when the values fit). The values are
+        checked first where that is cheap (dsv4.weights.values: scales, routing table, small
+        float tensors): a corrupt shard is a CorruptFileError naming the tensor and the file.
         """
         info = self.info(name)
         allowed = EXACT_CASTS.get(info.dtype, (info.torch_dtype,))
@@ -490,6 +493,8 @@ class Checkpoint:
                 f"holds {list(info.shape)} {info.dtype}; allocate the destination with shape "
                 f"{list(info.shape)} and dtype {' or '.join(str(d) for d in allowed)}")
         src = self._handle(info.file).get_tensor(name)
+        check_values(name, info.dtype, src, str(self.path / info.file),
+                     self.config.n_routed_experts)
         if dst.dtype != src.dtype and not dst.is_floating_point() and src.numel():
             lo, hi = torch.iinfo(dst.dtype).min, torch.iinfo(dst.dtype).max
             if src.min().item() < lo or src.max().item() > hi:

@@ -25,7 +25,7 @@ KEYS = ("eager_ms_per_token", "graph_ms_per_token", "bytes_per_token", "floor_ms
         "ratio_to_floor", "tokens_per_s", "spread_ms", "preset", "layers", "full_layers",
         "partial", "devices", "context", "steps", "gpu_name", "torch", "triton", "date",
         "command", "bytes_breakdown", "per_granularity", "runs", "extrapolated")
-FAST = ["--devices", "cpu", "--steps", "2", "--warmup", "1", "--context", "40", "--json", "-"]
+FAST = ["--device", "cpu", "--steps", "2", "--warmup", "1", "--context", "40", "--json", "-"]
 
 
 def _raw(t: torch.Tensor) -> torch.Tensor:
@@ -153,14 +153,14 @@ def test_memory_check_names_device_and_fixes(capsys, monkeypatch):
     out, err = capsys.readouterr()
     assert rc == 2 and out == "" and len(err.strip().splitlines()) == 1
     for part in ("cpu needs an estimated", "GiB host memory available", "--layers 2 (the most that fit here)",
-                 "more --devices", "smaller --context", "--reserve-gib 0"):
+                 "more devices (--device", "smaller --context", "--reserve-gib 0"):
         assert part in err, part
 
 
 def test_bad_arguments_exit_2(capsys):
-    assert bench.main(["--preset", "tiny", "--devices", "cpu", "--mode", "graph"]) == 2
+    assert bench.main(["--preset", "tiny", "--device", "cpu", "--mode", "graph"]) == 2
     assert "needs CUDA" in capsys.readouterr().err
-    assert bench.main(["--preset", "tiny", "--devices", "cpu", "--layers", "9"]) == 2
+    assert bench.main(["--preset", "tiny", "--device", "cpu", "--layers", "9"]) == 2
     assert "layers = 9" in capsys.readouterr().err
     assert bench.main(["--preset", "nope"]) == 2
 
@@ -202,7 +202,7 @@ def test_prefill_bench_on_cpu(capsys):
     assert rep["prefill_kernels"] == "off" and rep["eager_ms_per_token"] > 0
     import os
     assert "DSV4_PREFILL_KERNELS" not in os.environ
-    assert bench.main(["--preset", "tiny", "--devices", "cpu", "--prefill", "0"]) == 2
+    assert bench.main(["--preset", "tiny", "--device", "cpu", "--prefill", "0"]) == 2
 
 
 def test_speculative_bench_on_cpu(capsys):
@@ -230,7 +230,7 @@ def test_speculative_bench_on_cpu(capsys):
 def test_prefill_profile_cuda(capsys):
     """--prefill-profile: the kernel table, the host ops, and the unprofiled host issue time vs
     the device's span over the same prefill."""
-    rep = _run(capsys, "--devices", "cuda:0", "--prefill", "32", "--prefill-reps", "1",
+    rep = _run(capsys, "--device", "cuda:0", "--prefill", "32", "--prefill-reps", "1",
                "--prefill-profile", "--no-decode", "--no-kernels", "--json", "-")
     pr = rep["prefill_runs"][0]["profile"]
     assert pr["kernels"] > 0 and pr["device_ms"] > 0 and pr["top"] and pr["host_top"]
@@ -251,7 +251,7 @@ def test_cpu_memory_check_counts_dequantized_copies(capsys, monkeypatch):
     monkeypatch.setattr(memory, "free_memory", lambda d: 24 * 2**30)   # the 24 GB machine
     generated = []
     monkeypatch.setattr(bench_decode, "DeviceWeights", lambda *a: generated.append(a))
-    rc = bench.main(["--preset", "flash", "--devices", "cpu", "--layers", "1", "--steps", "2"])
+    rc = bench.main(["--preset", "flash", "--device", "cpu", "--layers", "1", "--steps", "2"])
     err = capsys.readouterr().err
     assert rc == 2 and not generated, err
     for part in ("cpu needs an estimated", "dequantized copies", "host memory available",

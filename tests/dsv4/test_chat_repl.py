@@ -1,17 +1,23 @@
 """`dsv4 chat`: the reply stream (reasoning apart), the conversation continuing its sequence,
-a full context, the commands, and the command through a pipe."""
+a full context, the commands, Ctrl-C stopping one answer (in process, and at a real terminal
+with line editing and history), the command through a pipe (answers delimited) and the demo's
+short default answers."""
 from __future__ import annotations
 
 import io
 import os
+import re
+import select
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
 
 from conftest import REPO
-from dsv4.cli.chat import Conversation, ReplyStream
+from dsv4.cli.chat import DEMO_MAX_NEW, END_OF_ANSWER, Conversation, ReplyStream
 from dsv4.text.tokenizer import build_followup_ids, build_prompt_ids, load_tokenizer, \
     packaged_tokenizer_path
 
@@ -119,3 +125,124 @@ def test_chat_through_a_pipe(demo):
     assert len(turns) == 2 and "prompt 0 cached" in turns[0]   # the line after /exit: unread
     assert "prompt 0 cached" not in turns[1]                   # turn 2 continued the sequence
     assert "thinking mode off" in p.stderr and "Traceback" not in p.stderr
+    # each answer ends with the delimiter line: two answers, two blocks, nothing after
+    blocks = p.stdout.split(END_OF_ANSWER + "\n")
+    assert len(blocks) == 3 and blocks[2] == "", p.stdout
+    assert blocks[0].startswith("[thinking]\n") and "[thinking]" not in blocks[1]
+
+
+def test_ctrl_c_stops_the_answer_and_keeps_the_conversation(tok, demo):
+    """A SIGINT while an answer streams stops it at the next token: the conversation keeps the
+    cut answer (and its turn), the next turn continues the sequence; a refused turn on a pipe
+    still gets its delimiter."""
+    from dsv4.runtime.config import RuntimeConfig
+    from dsv4.runtime.sampling import SamplingParams
+    from dsv4.runtime.session import Session, load_model
+    model, ck = load_model(demo[0], RuntimeConfig(max_seq_len=128, dtype=torch.float32))
+    ck.close()
+    session = Session(model, SamplingParams(temperature=1.0, seed=3))
+    out, err = io.StringIO(), io.StringIO()
+    chat = Conversation(session, tok, system=None, thinking=False, max_new=6, out=out, err=err)
+    generate, seen = session.generate, []
+
+    def interrupting(ids, n, on_token, **kw):
+        def push(tid):
+            seen.append(tid)
+            if len(seen) == 3:         # what a terminal's Ctrl-C delivers, mid-answer
+                signal.raise_signal(signal.SIGINT)
+            return on_token(tid)
+        return generate(ids, n, on_token=push, **kw)
+    session.generate = interrupting
+    stats = chat.turn("Tell me a long story.")
+    assert stats["finish_reason"] == "interrupted" and stats["tokens"] == 3 == len(seen)
+    assert "answer stopped (Ctrl-C)" in err.getvalue()
+    assert [m["role"] for m in chat.messages] == ["user", "assistant"] and chat.needs_eos
+    assert chat.messages[1]["content"] == tok.decode(seen)
+    # SIGINT is back to what it was: a KeyboardInterrupt at the prompt leaves
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    session.generate = generate
+    held = session.length
+    again = chat.turn("Go on.")
+    assert again["cached"] == held > 0 and again["finish_reason"] in ("eos", "length")
+    # a pipe (not a terminal): every message gets exactly one delimiter line
+    assert out.getvalue().count(END_OF_ANSWER + "\n") == 2
+    assert chat.turn("x " * 200) is None and out.getvalue().count(END_OF_ANSWER + "\n") == 3
+    session.close()
+
+
+def _read_until(fd, pattern: str, seen: bytearray, timeout: float = 300) -> str:
+    """Read the terminal's output into `seen` until `pattern` (a regex) matches the text after
+    the previous match; -> that text (ANSI sequences and \\r removed)."""
+    start = len(seen)
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]|\r", "", seen[start:].decode(errors="replace"))
+        if re.search(pattern, text):
+            return text
+        ready, _, _ = select.select([fd], [], [], 1.0)
+        if ready:
+            try:
+                seen += os.read(fd, 65536)
+            except OSError:            # the child closed the terminal
+                break
+    raise AssertionError(f"no {pattern!r} on the terminal in {timeout} s; it showed: "
+                         f"{seen[start:].decode(errors='replace')[-2000:]!r}")
+
+
+def test_terminal_line_editing_history_and_ctrl_c(demo, tmp_path):
+    """At a real terminal (a pty): Ctrl-C stops the answer and the chat goes on, the up arrow
+    recalls the last message (readline), the history is saved under the cache folder."""
+    import pty
+    pytest.importorskip("readline", reason="this Python has no readline module")
+    cache = demo[1]
+    hist = cache / "dsv4" / "chat_history"
+    hist.unlink(missing_ok=True)
+    pid, fd = pty.fork()
+    if pid == 0:                       # the child: the chat on the terminal
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.environ.update(XDG_CACHE_HOME=str(cache), TERM="xterm")
+        os.chdir(REPO)
+        os.execv(sys.executable, [sys.executable, "-m", "dsv4", "chat", "--demo", "--device",
+                                  "cpu", "--dtype", "float32", "--temperature", "1", "--seed",
+                                  "5", "--max-new-tokens", "2000"])
+    seen = bytearray()
+    try:
+        _read_until(fd, r"you> ", seen)
+        os.write(fd, b"Tell me a story\r")
+        _read_until(fd, r"Tell me a story\n.*\S", seen)     # the answer streams
+        os.write(fd, b"\x03")                                 # Ctrl-C, as the terminal sends it
+        text = _read_until(fd, r"you> ", seen)
+        assert "(interrupted)" in text and "answer stopped (Ctrl-C)" in text, text
+        os.write(fd, b"\x1b[A\r")                            # up arrow: the same message again
+        text = _read_until(fd, r"Tell me a story\n.*\S", seen)
+        os.write(fd, b"\x03")
+        text = _read_until(fd, r"you> ", seen)
+        m = re.search(r"prompt (\d+) cached", text)
+        assert "(interrupted)" in text and m and int(m.group(1)) > 0, text   # same conversation
+        os.write(fd, b"/exit\r")
+        _, status = os.waitpid(pid, 0)
+        pid = None
+        assert os.waitstatus_to_exitcode(status) == 0, seen.decode(errors="replace")[-2000:]
+    finally:
+        if pid is not None:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        os.close(fd)
+    # (readline keeps one copy of a line repeated at once)
+    assert hist.read_text().splitlines() == ["Tell me a story", "/exit"]
+
+
+def test_the_demos_answers_are_short_by_default(demo):
+    """`dsv4 chat --demo` through a pipe (the README's example, one message of its two) with the
+    default answer length, which the demo keeps short (its text is random and a CPU decodes it
+    slowly)."""
+    env = dict(os.environ, XDG_CACHE_HOME=str(demo[1]))
+    p = subprocess.run([sys.executable, "-m", "dsv4", "chat", "--demo"], input="Hello\n",
+                       capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
+    assert p.returncode == 0, p.stderr
+    turns = [ln for ln in p.stderr.splitlines() if " tokens (" in ln]
+    assert len(turns) == 1, p.stderr
+    for ln in turns:
+        n = int(ln.split("[dsv4] ")[1].split()[0])
+        assert 1 <= n <= DEMO_MAX_NEW, ln
+    assert f"| --max-new-tokens {DEMO_MAX_NEW} |" in p.stderr
