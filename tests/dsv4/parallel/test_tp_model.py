@@ -139,13 +139,17 @@ def test_the_degrees_a_model_takes():
 
 
 def test_a_rank_shapes_on_the_meta_device():
-    m = Transformer(TP_CFG, RuntimeConfig(max_seq_len=64, devices=("meta",), tp=2))
+    m = Transformer(TP_CFG, RuntimeConfig(max_seq_len=64, devices=("meta",), tp=2, mtp=True))
     a, f = m.layers[1].attn, m.layers[1].ffn
     assert m.head.shape == (1024, TP_CFG.dim) and m.embed.shape == (2047, TP_CFG.dim)
     assert (a.n_heads, a.n_groups, tuple(a.wq_b.weight.shape)) == (2, 1, (256, TP_CFG.q_lora_rank))
     assert f.experts.w2.shape == (TP_CFG.n_routed_experts, TP_CFG.dim, 64)   # FP4: 2 a byte
     assert tuple(a.wkv.weight.shape) == (TP_CFG.head_dim, TP_CFG.dim)        # replicated
-    assert m.parts()["layers.1.attn.wq_b.weight"] == Part(0, 0, 256)
+    parts = m.parts()
+    assert parts["layers.1.attn.wq_b.weight"] == Part(0, 0, 256)
+    assert parts["mtp.0.ffn.shared_experts.w2.scale"] == Part(1, 0, 1)   # the MTP block: alike
+    assert "mtp.0.e_proj.weight" not in parts and "embed.weight" not in parts
+    assert set(parts) <= set(m.tensors())
 
 
 def test_parts_of_the_stored_formats():
