@@ -15,9 +15,9 @@ from ..numerics.quant import fp8_quant_dequant
 from ..numerics.rope import apply_rope, cos_sin, rope_frequencies
 from ..numerics.sparse import sparse_attention, visible_bound
 from ..weights.config import ModelConfig
+from ..weights.parts import Part
 from .compressor import Compressor
 from .indexer import Indexer
-from ..weights.parts import Part
 from .linear import Linear
 from .sharding import TensorParallel, same
 from .state import LayerState
