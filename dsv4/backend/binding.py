@@ -48,7 +48,9 @@ def bind(model, options: Options | None = None) -> Binding:
     sublayer to its implementation. -> the Binding, also kept as model.binding."""
     if options is None:
         options = model.rt.options if model.rt.options is not None else Options.from_env()
-    ops_on = {dev: Ops(resolve(dev, model.act, model.cfg, options)) for dev in model.devices}
+    # a tensor-parallel rank's kernels see its shard's shapes (its heads, its inter slice)
+    cfg = model.cfg if model.tp is None else model.tp.shapes(model.cfg)
+    ops_on = {dev: Ops(resolve(dev, model.act, cfg, options)) for dev in model.devices}
     head = ops_on[model.head_device]
     fused_head.bind(model, head)
     for blk in model.layers:

@@ -61,6 +61,37 @@ def token_bytes(model: Transformer, context: int) -> dict[str, int]:
     return out
 
 
+def rank_token_bytes(cfg, tp: int, context: int, dtype: torch.dtype = torch.bfloat16
+                     ) -> dict[str, int]:
+    """token_bytes of one rank of a tensor-parallel run over `tp` ranks (rank 0's shard, built
+    on the meta device from the shapes; every rank reads as much, the head's last rank up to one
+    pad row less): each rank reads its heads' wq_b / wo_a / wo_b, its inter slice of the k
+    experts and of the shared expert and its vocabulary rows of the head; the replicated rest
+    (wq_a, wkv, compressors, indexer, gate, mHC, norms, KV) whole. tp = 1: one process."""
+    from ..runtime.config import RuntimeConfig
+    meta = Transformer(cfg, RuntimeConfig(context + 1, dtype, ("meta",), tp=tp))
+    return token_bytes(meta, context)
+
+
+def tp_floor_table(cfg, degrees, context: int, copy_tb_s: float | None = None) -> list[dict]:
+    """Per degree tp: the bytes each rank reads per decode token (`bytes_per_rank`, its
+    `by_component`), the part of them every rank reads whole (`replicated` = R, from one
+    process's T1 = R + S and a rank's Ttp = R + S / tp) and, given a copy bandwidth in TB/s, the
+    byte floor in ms (the ranks read at once: a rank's bytes over one GPU's bandwidth; the
+    collectives not counted)."""
+    t1 = sum(rank_token_bytes(cfg, 1, context).values())
+    rows = []
+    for tp in degrees:
+        b = rank_token_bytes(cfg, tp, context)
+        total = sum(b.values())
+        split = (t1 - total) * tp // (tp - 1) if tp > 1 else 0
+        row = {"tp": tp, "bytes_per_rank": total, "replicated": t1 - split, "by_component": b}
+        if copy_tb_s:
+            row["floor_ms"] = total / (copy_tb_s * 1e12) * 1e3
+        rows.append(row)
+    return rows
+
+
 # ---- memory -----------------------------------------------------------------------------------
 
 DEQUANT_FP4 = 21   # peak bytes per value while dequantizing FP4: uint8 + 2 x int64 codes + float32

@@ -15,9 +15,11 @@ from ..numerics.quant import fp8_quant_dequant
 from ..numerics.rope import apply_rope, cos_sin, rope_frequencies
 from ..numerics.sparse import sparse_attention, visible_bound
 from ..weights.config import ModelConfig
+from ..weights.parts import Part
 from .compressor import Compressor
 from .indexer import Indexer
 from .linear import Linear
+from .sharding import TensorParallel, same
 from .state import LayerState
 
 QUERY_BLOCK = 64  # prefill queries per torch sparse-attention call (bounds the gathered KV)
@@ -27,20 +29,32 @@ class Attention:
     """Weights of one layer's attention (its compressor and indexer by ratio).
 
     Bound ops (the torch reference below until the backend binds kernels): `decode_rows`
-    (decode_rows_reference) and `prefill` (prefill_reference)."""
+    (decode_rows_reference) and `prefill` (prefill_reference); `reduce`, the sum of wo_b's
+    output over the tensor-parallel ranks (none in one process).
+    tp: this rank's place (dsv4.model.sharding): it holds n_heads / world heads (wq_b rows,
+    attn_sink) and o_groups / world output groups (wo_a rows, wo_b columns); None: all."""
 
     def __init__(self, cfg: ModelConfig, ratio: int, fmt: str, device,
-                 hadamard_matrix: torch.Tensor | None = None):
+                 hadamard_matrix: torch.Tensor | None = None, tp: TensorParallel | None = None):
         self.cfg, self.ratio = cfg, ratio
-        H, Dh, G = cfg.n_heads, cfg.head_dim, cfg.o_groups
-        self.attn_sink = torch.empty(H, dtype=torch.float32, device=device)
+        H, Dh, G, R = cfg.n_heads, cfg.head_dim, cfg.o_groups, cfg.o_lora_rank
+        h0, h1 = tp.split(H) if tp else (0, H)                 # this rank's heads
+        g0, g1 = tp.split(G) if tp else (0, G)                 # and output groups
+        self.n_heads, self.n_groups = h1 - h0, g1 - g0
+        cut = tp is not None and tp.world > 1
+        self.heads = (h0, h1) if cut else None
+        self.attn_sink = torch.empty(self.n_heads, dtype=torch.float32, device=device)
         self.wq_a = Linear(cfg.q_lora_rank, cfg.dim, fmt, device)
         self.q_norm = torch.empty(cfg.q_lora_rank, dtype=torch.float32, device=device)
-        self.wq_b = Linear(H * Dh, cfg.q_lora_rank, fmt, device)
+        self.wq_b = Linear(self.n_heads * Dh, cfg.q_lora_rank, fmt, device,
+                           split=(0, h0 * Dh, h1 * Dh) if cut else None)
         self.wkv = Linear(Dh, cfg.dim, fmt, device)
         self.kv_norm = torch.empty(Dh, dtype=torch.float32, device=device)
-        self.wo_a = Linear(G * cfg.o_lora_rank, H * Dh // G, fmt, device)
-        self.wo_b = Linear(cfg.dim, G * cfg.o_lora_rank, fmt, device)
+        self.wo_a = Linear(self.n_groups * R, H * Dh // G, fmt, device,
+                           split=(0, g0 * R, g1 * R) if cut else None)
+        self.wo_b = Linear(cfg.dim, self.n_groups * R, fmt, device,
+                           split=(1, g0 * R, g1 * R) if cut else None)
+        self.reduce = tp.reduce if cut else same
         self.compressor = (Compressor(cfg, ratio, Dh, rotate=False, device=device)
                            if ratio else None)
         self.indexer = Indexer(cfg, fmt, device, hadamard_matrix) if ratio == 4 else None
@@ -59,6 +73,15 @@ class Attention:
             d.update(self.indexer.tensors(f"{prefix}.indexer"))
         return d
 
+    def parts(self, prefix: str) -> dict[str, Part]:
+        """Checkpoint name -> the Part of it this rank holds (heads, output groups); {} whole."""
+        if self.heads is None:
+            return {}
+        d = {f"{prefix}.attn_sink": Part(0, *self.heads)}
+        for n in ("wq_b", "wo_a", "wo_b"):
+            d.update(getattr(self, n).parts(f"{prefix}.{n}"))
+        return d
+
     def linears(self) -> list:
         """Every Linear of the attention (its compressors' and the indexer's included)."""
         out = [self.wq_a, self.wq_b, self.wkv, self.wo_a, self.wo_b]
@@ -74,7 +97,7 @@ class Attention:
         """x [s, D] act -> qr [s, Rq], q [s, h, d] (RMS + RoPE), kv [s, d] (norm, RoPE, FP8 fake-quant)."""
         cfg, act = self.cfg, x.dtype
         qr = rms_norm(self.wq_a(x, act), self.q_norm, cfg.norm_eps)
-        q = self.wq_b(qr, act).unflatten(-1, (cfg.n_heads, cfg.head_dim))
+        q = self.wq_b(qr, act).unflatten(-1, (self.n_heads, cfg.head_dim))
         q = q * torch.rsqrt(q.square().mean(-1, keepdim=True) + cfg.norm_eps)   # in act dtype
         q = apply_rope(q, cs)
         kv = rms_norm(self.wkv(x, act), self.kv_norm, cfg.norm_eps)
@@ -89,12 +112,13 @@ class Attention:
 
     def project_out(self, o: torch.Tensor) -> torch.Tensor:
         """Grouped low-rank output projection of the de-rotated o ([s, h, d] or [s, h*d]): wo_a
-        per group on the unquantized activation, then wo_b -> [s, D]."""
-        cfg, act, G = self.cfg, o.dtype, self.cfg.o_groups
+        per group on the unquantized activation, then wo_b -> [s, D] (summed over the ranks:
+        each holds its heads' groups)."""
+        cfg, act, G = self.cfg, o.dtype, self.n_groups
         o = o.reshape(o.shape[0], -1)                                           # [s, h*d]
         wo_a = self.wo_a.dense(act).view(G, cfg.o_lora_rank, -1)               # [g, R, h/g*d]
         z = torch.einsum("sgd,grd->sgr", o.view(o.shape[0], G, -1), wo_a).flatten(1)
-        return self.wo_b(z, act)
+        return self.reduce(self.wo_b(z, act))
 
     # ---- prefill -----------------------------------------------------------------------------
     def prefill_reference(self, x: torch.Tensor, st: LayerState, start=0,

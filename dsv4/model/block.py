@@ -13,6 +13,7 @@ from ..numerics.mhc import hc_post, hc_pre, rms_norm
 from ..weights.config import ModelConfig
 from .attention import Attention
 from .moe import MoE
+from .sharding import TensorParallel
 from .state import LayerState
 
 
@@ -23,12 +24,15 @@ class Block:
     (decode_rows_reference) and, for a prefill chunk's rows, `mix_rows` (mix) and `post_rows`
     (numerics.mhc.hc_post)."""
 
-    def __init__(self, cfg: ModelConfig, layer_id: int, device, hadamard_matrix=None):
+    def __init__(self, cfg: ModelConfig, layer_id: int, device, hadamard_matrix=None,
+                 tp: TensorParallel | None = None):
         self.cfg, self.layer_id, self.device = cfg, layer_id, torch.device(device)
         self.ratio = cfg.ratio(layer_id)
         fmt = "fp8" if cfg.quantized else "bf16"
-        self.attn = Attention(cfg, self.ratio, fmt, device, hadamard_matrix)
-        self.ffn = MoE(cfg, layer_id, fmt, cfg.expert_format, device)
+        # tp: this rank's heads and expert slices (dsv4.model.sharding); the mix weights and
+        # norms are whole on every rank
+        self.attn = Attention(cfg, self.ratio, fmt, device, hadamard_matrix, tp)
+        self.ffn = MoE(cfg, layer_id, fmt, cfg.expert_format, device, tp)
         D, mix = cfg.dim, cfg.mix_hc
         f32 = dict(dtype=torch.float32, device=device)
         self.attn_norm = torch.empty(D, **f32)
@@ -45,6 +49,10 @@ class Block:
         d.update(self.attn.tensors(f"{prefix}.attn"))
         d.update(self.ffn.tensors(f"{prefix}.ffn"))
         return d
+
+    def parts(self, prefix: str) -> dict:
+        """Checkpoint name -> the Part of it this rank holds ({} in one process)."""
+        return {**self.attn.parts(f"{prefix}.attn"), **self.ffn.parts(f"{prefix}.ffn")}
 
     def weights(self) -> list:
         """Every Linear / ExpertBank of the block (for per-weight settings such as dense caching)."""

@@ -19,6 +19,7 @@ from ..weights.formats import (
     dequantize_fp4_weight,
     dequantize_fp8_weight,
 )
+from ..weights.parts import Part, weight_parts
 
 FORMATS = ("bf16", "fp8", "fp4", "f32")
 
@@ -32,13 +33,19 @@ class Linear:
 
     Bound ops (the torch reference below until the backend binds kernels): `forward` (what
     a call runs) and `forward_rows` (what `rows` runs).
+
+    split: (dim, start, stop): the weight held is elements [start, stop) of dim 0 (output rows)
+    or 1 (input columns) of the checkpoint's (a tensor-parallel shard); out_features /
+    in_features are the held sizes. None: the whole weight.
     """
 
-    def __init__(self, out_features: int, in_features: int, fmt: str, device):
+    def __init__(self, out_features: int, in_features: int, fmt: str, device,
+                 split: tuple[int, int, int] | None = None):
         if fmt not in FORMATS:
             raise ValueError(f"unknown weight format {fmt!r}; allowed {FORMATS}")
         self.out_features, self.in_features, self.fmt = out_features, in_features, fmt
         self.weight, self.scale = _alloc(fmt, (), out_features, in_features, device)
+        self.split = split
         self.dense_cache: dict | None = None   # dtype -> dense weight; set to {} to enable
         self.forward = self.reference
         self.forward_rows = self.reference_rows
@@ -53,6 +60,13 @@ class Linear:
         if self.scale is not None:
             d[f"{prefix}.scale"] = self.scale
         return d
+
+    def parts(self, prefix: str) -> dict[str, Part]:
+        """Checkpoint name -> the Part of it this weight (and its scale) holds; {} when whole."""
+        if self.split is None:
+            return {}
+        w, s = weight_parts(self.fmt, *self.split)
+        return {f"{prefix}.weight": w, **({f"{prefix}.scale": s} if s is not None else {})}
 
     def dense(self, dtype: torch.dtype) -> torch.Tensor:
         """The dequantized weight [out, in] in `dtype` (exact for bf16 and float32). Cached when
@@ -86,10 +100,13 @@ class Linear:
 
 
 class ExpertBank:
-    """The routed experts of one layer, stacked: w1/w3 [E, I, D], w2 [E, D, I] in a stored format."""
+    """The routed experts of one layer, stacked: w1/w3 [E, I, D], w2 [E, D, I] in a stored format.
+    split: (start, stop): every expert holds inter rows [start, stop) of its checkpoint weights
+    (w1 / w3 rows, w2 columns: a tensor-parallel shard; inter_dim = stop - start); None: whole."""
 
-    def __init__(self, n_experts: int, dim: int, inter_dim: int, fmt: str, device):
-        self.n_experts, self.fmt = n_experts, fmt
+    def __init__(self, n_experts: int, dim: int, inter_dim: int, fmt: str, device,
+                 split: tuple[int, int] | None = None):
+        self.n_experts, self.fmt, self.split = n_experts, fmt, split
         self.w1, self.w1_scale = _alloc(fmt, (n_experts,), inter_dim, dim, device)
         self.w3, self.w3_scale = _alloc(fmt, (n_experts,), inter_dim, dim, device)
         self.w2, self.w2_scale = _alloc(fmt, (n_experts,), dim, inter_dim, device)
@@ -103,6 +120,19 @@ class ExpertBank:
                 s = getattr(self, f"{w}_scale")
                 if s is not None:
                     d[f"{prefix}.{e}.{w}.scale"] = s[e]
+        return d
+
+    def parts(self, prefix: str) -> dict[str, Part]:
+        """Checkpoint name -> the Part of it each expert's weights hold; {} when whole."""
+        if self.split is None:
+            return {}
+        d = {}
+        for w, dim in (("w1", 0), ("w2", 1), ("w3", 0)):
+            wp, sp = weight_parts(self.fmt, dim, *self.split)
+            for e in range(self.n_experts):
+                d[f"{prefix}.{e}.{w}.weight"] = wp
+                if sp is not None:
+                    d[f"{prefix}.{e}.{w}.scale"] = sp
         return d
 
     def dense(self, which: str, idx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -11,28 +11,40 @@ import torch.nn.functional as F
 
 from ..numerics.quant import fp8_quant_dequant
 from ..weights.config import ModelConfig
+from ..weights.parts import Part
 from .linear import ExpertBank, Linear
+from .sharding import TensorParallel, same
 
 
 class MoE:
     """Weights of one layer's MoE.
 
     Bound ops (the torch reference below until the backend binds kernels): `decode_rows`
-    (decode_rows_reference) and `prefill_experts` (prefill_experts_reference)."""
+    (decode_rows_reference) and `prefill_experts` (prefill_experts_reference), each ending with
+    `reduce`: the sum of the output over the tensor-parallel ranks (none in one process).
+    tp: this rank's place (dsv4.model.sharding): every routed expert and the shared one hold
+    inter rows [start, stop) of moe_inter_dim (w1 / w3 rows, w2 columns); the gate is whole, so
+    every rank routes a token to the same experts. None: all of them."""
 
-    def __init__(self, cfg: ModelConfig, layer_id: int, fmt: str, expert_fmt: str, device):
+    def __init__(self, cfg: ModelConfig, layer_id: int, fmt: str, expert_fmt: str, device,
+                 tp: TensorParallel | None = None):
         self.cfg = cfg
         self.hash = layer_id < cfg.n_hash_layers
-        E, D, I = cfg.n_routed_experts, cfg.dim, cfg.moe_inter_dim
+        E, D = cfg.n_routed_experts, cfg.dim
+        cut = tp is not None and tp.world > 1
+        i0, i1 = tp.split(cfg.moe_inter_dim) if cut else (0, cfg.moe_inter_dim)
+        I, split = i1 - i0, ((i0, i1) if cut else None)
         self.gate = Linear(E, D, "bf16", device)
         # the file stores tid2eid as int64; the gate only gathers from it
         self.tid2eid = (torch.empty(cfg.vocab_size, cfg.n_activated_experts, dtype=torch.int64,
                                     device=device) if self.hash else None)
         self.bias = None if self.hash else torch.empty(E, dtype=torch.float32, device=device)
-        self.experts = ExpertBank(E, D, I, expert_fmt, device)
+        self.experts = ExpertBank(E, D, I, expert_fmt, device, split)
         self.hits: torch.Tensor | None = None   # [e] bool: set, prefill marks experts routed to
-        self.shared = {w: Linear(*((D, I) if w == "w2" else (I, D)), fmt, device)
+        self.shared = {w: Linear(*((D, I) if w == "w2" else (I, D)), fmt, device,
+                                 split=split and ((1 if w == "w2" else 0), *split))
                        for w in ("w1", "w2", "w3")}
+        self.reduce = tp.reduce if cut else same
         self.decode_rows = self.decode_rows_reference
         self.prefill_experts = self.prefill_experts_reference
 
@@ -48,6 +60,13 @@ class MoE:
         d.update(self.experts.tensors(f"{prefix}.experts"))
         for w, lin in self.shared.items():
             d.update(lin.tensors(f"{prefix}.shared_experts.{w}"))
+        return d
+
+    def parts(self, prefix: str) -> dict[str, Part]:
+        """Checkpoint name -> the Part of it this rank holds (the experts' inter rows)."""
+        d = self.experts.parts(f"{prefix}.experts")
+        for w, lin in self.shared.items():
+            d.update(lin.parts(f"{prefix}.shared_experts.{w}"))
         return d
 
     def route(self, x: torch.Tensor, ids: torch.Tensor):
@@ -108,14 +127,14 @@ class MoE:
 
     def decode_one(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """The torch math of one token: the routed experts in ascending id order, then the
-        shared one. Capture-safe."""
+        shared one, summed in float32 (over the ranks too). Capture-safe."""
         w, idx = self.route(x, ids)
         idx, order = idx[0].sort()              # the reference adds experts in ascending id order
         w = w[0].index_select(0, order)
         y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         for j in range(idx.shape[0]):
             y = y + self._routed(x, idx[j:j + 1], w[j:j + 1])
-        return (y + self.shared_expert(x)).to(x.dtype)
+        return self.reduce(y + self.shared_expert(x)).to(x.dtype)
 
     def prefill(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [t, D], ids [t] -> [t, D]: the routing, then prefill_experts."""
@@ -127,10 +146,11 @@ class MoE:
     def prefill_experts_reference(self, x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor
                                   ) -> torch.Tensor:
         """Rows x [t, D] routed to idx [t, k] with weights w -> [t, D]: a loop over the experts
-        that got rows (a host sync: prefill only), then the shared expert."""
+        that got rows (a host sync: prefill only), then the shared expert, summed in float32
+        (over the ranks too)."""
         y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         for e in torch.unique(idx).tolist():
             rows, slot = torch.where(idx == e)
             e_t = torch.tensor([e], device=x.device)
             y[rows] += self._routed(x[rows], e_t, w[rows, slot]).float()
-        return (y + self.shared_expert(x)).to(x.dtype)
+        return self.reduce(y + self.shared_expert(x)).to(x.dtype)

@@ -15,6 +15,7 @@ from ..numerics.mhc import rms_norm
 from ..weights.config import ModelConfig
 from .block import Block
 from .linear import Linear
+from .sharding import TensorParallel
 from .state import LayerState
 
 
@@ -22,13 +23,13 @@ class MTPBlock:
     """Weights and decode state of one MTP block; eager prefill over rows and a one-row decode."""
 
     def __init__(self, cfg: ModelConfig, index: int, device, capacity: int, act: torch.dtype,
-                 hadamard_matrix: torch.Tensor | None = None):
+                 hadamard_matrix: torch.Tensor | None = None, tp: TensorParallel | None = None):
         self.cfg, self.index, self.device, self.act = cfg, index, torch.device(device), act
         layer_id = cfg.n_layers + index
         fmt = "fp8" if cfg.quantized else "bf16"
         D = cfg.dim
         f32 = dict(dtype=torch.float32, device=device)
-        self.block = Block(cfg, layer_id, device, hadamard_matrix)
+        self.block = Block(cfg, layer_id, device, hadamard_matrix, tp)   # split as the layers
         self.e_proj = Linear(D, D, fmt, device)
         self.h_proj = Linear(D, D, fmt, device)
         self.enorm, self.hnorm, self.norm = (torch.empty(D, **f32) for _ in range(3))
@@ -46,6 +47,10 @@ class MTPBlock:
         d.update(self.h_proj.tensors(f"{p}.h_proj"))
         d.update(self.block.tensors(p))
         return d
+
+    def parts(self) -> dict:
+        """Checkpoint name -> the Part of it this rank holds (its block's; {} in one process)."""
+        return self.block.parts(f"mtp.{self.index}")
 
     def weights(self) -> list:
         return [self.e_proj, self.h_proj, *self.block.weights()]

@@ -19,7 +19,9 @@ from ..errors import CapacityError, ConfigError
 from ..numerics.mhc import hc_head, rms_norm
 from ..numerics.quant import hadamard_matrix
 from ..weights.config import ModelConfig
+from ..weights.parts import Part
 from .block import Block
+from .sharding import rank_place
 from .state import LayerState
 
 HEAD_CHUNK = 16384  # vocab rows per float32 head matmul (bounds the transient of the fp32 copy)
@@ -31,11 +33,14 @@ class Transformer:
     binding), then `load(source)`, then prefill / decode passes.
 
     rt: the runtime knobs (dsv4.runtime.RuntimeConfig: max_seq_len, dtype, devices, mtp,
-    cache_dense, prefill_chunk). Bound ops (the torch reference below until the backend binds
+    cache_dense, prefill_chunk, tp). Bound ops (the torch reference below until the backend binds
     kernels): `head_in_rows` (head_in_rows_reference) and `head_matmul` (head_matmul_reference).
-    `binding`: what the backend decided (dsv4/backend/binding.py; None before)."""
+    `binding`: what the backend decided (dsv4/backend/binding.py; None before).
+    comm: with rt.tp > 1, this rank's communicator (dsv4.parallel.Communicator): the model is
+    then the rank's shard (dsv4.model.sharding; `tp` its place, None in one process), its head
+    this rank's vocabulary rows, and `parts()` says which slice of each tensor it holds."""
 
-    def __init__(self, cfg: ModelConfig, rt, placement: Sequence | None = None):
+    def __init__(self, cfg: ModelConfig, rt, placement: Sequence | None = None, comm=None):
         self.cfg, self.rt = cfg, rt
         self.act = rt.dtype
         self.head_device = rt.devices[0]
@@ -43,13 +48,15 @@ class Transformer:
         if len(self.placement) != cfg.n_layers:
             raise ConfigError(f"placement has {len(self.placement)} entries; expected n_layers = "
                               f"{cfg.n_layers}")
+        self.tp = rank_place(cfg, rt.tp, comm, self.devices)
         self.binding = None
         self.head_in_rows = self.head_in_rows_reference
         self.head_matmul = self.head_matmul_reference
         hdev = self.head_device
         D, V = cfg.dim, cfg.vocab_size
+        v0, v1 = self.tp.vocab_rows(V) if self.tp else (0, V)   # the head's rows held here
         self.embed = torch.empty(V, D, dtype=torch.bfloat16, device=hdev)
-        self.head = torch.empty(V, D, dtype=torch.bfloat16, device=hdev)
+        self.head = torch.empty(v1 - v0, D, dtype=torch.bfloat16, device=hdev)
         self.norm = torch.empty(D, dtype=torch.float32, device=hdev)
         self.hc_head = {"hc_head_fn": torch.empty(cfg.hc_mult, cfg.hc_mult * D, dtype=torch.float32,
                                                   device=hdev),
@@ -61,7 +68,7 @@ class Transformer:
         for l, dev in enumerate(self.placement):
             if dev not in had:
                 had[dev] = hadamard_matrix(cfg.index_head_dim, dev)
-            self.layers.append(Block(cfg, l, dev, had[dev]))
+            self.layers.append(Block(cfg, l, dev, had[dev], self.tp))
             self.states.append(LayerState.allocate(cfg, cfg.ratio(l), rt.max_seq_len, self.act, dev))
         self.mtp = None                    # the MTP block on the head device (rt.mtp)
         if rt.mtp:
@@ -74,7 +81,7 @@ class Transformer:
                                   "(num_nextn_predict_layers = 0); use mtp=False")
             from .mtp import MTPBlock
             had.setdefault(hdev, hadamard_matrix(cfg.index_head_dim, hdev))
-            self.mtp = MTPBlock(cfg, 0, hdev, rt.max_seq_len, self.act, had[hdev])
+            self.mtp = MTPBlock(cfg, 0, hdev, rt.max_seq_len, self.act, had[hdev], self.tp)
         # the MTP block's rows follow the main model's by one (row t needs token t+1): it has read
         # positions < mtp_len; h_last = the main hidden stream of position mtp_len when pending
         self.mtp_len, self.h_last = 0, None
@@ -99,14 +106,29 @@ class Transformer:
             d.update(self.mtp.tensors())
         return d
 
+    def parts(self) -> dict[str, Part]:
+        """Checkpoint name -> the Part of it (dsv4.weights.parts) its destination in tensors()
+        holds, for each one that holds a slice: a tensor-parallel rank's shard ({} in one
+        process; the names absent here are held whole)."""
+        if self.tp is None:
+            return {}
+        d = {"head.weight": Part(0, *self.tp.vocab_rows(self.cfg.vocab_size))}
+        for l, blk in enumerate(self.layers):
+            d.update(blk.parts(f"layers.{l}"))
+        if self.mtp is not None:
+            d.update(self.mtp.parts())
+        return d
+
     def load(self, source, progress: bool | None = None) -> None:
-        """Fill every weight from `source` (a Checkpoint, or anything with get/load_into)."""
-        items = list(self.tensors().items())
+        """Fill every weight from `source` (a Checkpoint, or anything with get/load_into); a
+        tensor-parallel rank reads only its parts of the sliced tensors (load_into's part=)."""
+        items, parts = list(self.tensors().items()), self.parts()
         if hasattr(source, "load_many"):
-            source.load_many(items, desc="load", progress=progress)
+            source.load_many(items, desc="load", progress=progress,
+                             **({"parts": parts} if parts else {}))
         else:
             for name, dst in items:
-                source.load_into(name, dst)
+                source.load_into(name, dst, **({"part": parts[name]} if name in parts else {}))
         self._reset_dense_caches()
 
     def _reset_dense_caches(self) -> None:
@@ -143,25 +165,34 @@ class Transformer:
 
     def head_matmul_reference(self, x: torch.Tensor, out: torch.Tensor | None = None
                               ) -> torch.Tensor:
-        """x [T, D] float32 -> logits [T, V] float32 (the bf16 head in float32, row by row, in
-        pieces of HEAD_CHUNK vocabulary rows: bounds the transient of the float32 copy)."""
+        """x [T, D] float32 -> logits [T, Vh] float32 of the head's Vh rows held here (all V in
+        one process): the bf16 head in float32, row by row, in pieces of HEAD_CHUNK vocabulary
+        rows (bounds the transient of the float32 copy)."""
+        rows = self.head.shape[0]
         if out is None:
-            out = torch.empty(x.shape[0], self.cfg.vocab_size, dtype=torch.float32,
-                              device=x.device)
+            out = torch.empty(x.shape[0], rows, dtype=torch.float32, device=x.device)
         for t in range(x.shape[0]):
             out[t].copy_(torch.cat([self.head[i:i + HEAD_CHUNK].to(torch.float32) @ x[t]
-                                    for i in range(0, self.cfg.vocab_size, HEAD_CHUNK)]))
+                                    for i in range(0, rows, HEAD_CHUNK)]))
         return out
+
+    def vocab_logits(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The head's input x [T, D] float32 -> logits [T, V] float32 (into out if given): the
+        head's rows; a tensor-parallel rank computes its vocabulary rows and all-gathers the
+        others', so every rank holds every logit (the same bits everywhere)."""
+        if self.tp is None:
+            return self.head_matmul(x, out)
+        return self.tp.gather(self.head_matmul(x), self.cfg.vocab_size, out)
 
     def logits(self, h: torch.Tensor, head: tuple | None = None) -> torch.Tensor:
         """h [1, c, D] (last position) -> logits [V] f32 (hc_head, final norm, head in fp32).
         head: (hc_head_* tensors, norm) other than the model's (the MTP block's)."""
-        return self.head_matmul(self.head_in_rows(h, head))[0]
+        return self.vocab_logits(self.head_in_rows(h, head))[0]
 
     def logits_rows(self, h: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """h [T, c, D] (decode rows) -> logits [T, V] float32, row t with the bits of
         logits(h[t:t+1]) (bound kernels read the head once for all rows)."""
-        return self.head_matmul(self.head_in_rows(h), out)
+        return self.vocab_logits(self.head_in_rows(h), out)
 
     def reset(self) -> None:
         """Start a new sequence (all layer state back to its fill values, in place)."""

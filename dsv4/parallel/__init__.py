@@ -6,6 +6,7 @@ captured is the caller's business, and every op here says whether it is capture-
             CPU), started from torchrun's environment or by our launcher; multicast off; timeouts
   launch    one process per device (spawn), joined; the first failure ends every rank
   allreduce the all-reduce, planned once: which implementation serves small messages
+  comm      the communicator a tensor-parallel model holds: the all-reduce and an all-gather
   nccl      torch.distributed.all_reduce (the fallback; gloo on the CPU)
   symm      PyTorch symmetric memory: one-shot / two-shot over peer loads (never multimem)
   oneshot   our one-shot kernel over peer memory (CUDA IPC buffers, device-side epochs)
@@ -14,10 +15,11 @@ Tests: tests/dsv4/parallel/ (CPU: two gloo processes; GPUs: `multigpu`). Measure
 scripts/bench_comm.py.
 """
 from .allreduce import IMPLEMENTATIONS, MAX_BYTES, PREFERENCE, AllReduce, plan_allreduce
+from .comm import Communicator
 from .group import (DEFAULT_TIMEOUT_S, MULTICAST_OFF, TPGroup, disable_multicast, start,
                     start_from_env)
 from .launch import launch
 
-__all__ = ["AllReduce", "DEFAULT_TIMEOUT_S", "IMPLEMENTATIONS", "MAX_BYTES", "MULTICAST_OFF",
-           "PREFERENCE", "TPGroup", "disable_multicast", "launch", "plan_allreduce", "start",
+__all__ = ["AllReduce", "Communicator", "DEFAULT_TIMEOUT_S", "IMPLEMENTATIONS", "MAX_BYTES",
+           "MULTICAST_OFF", "PREFERENCE", "TPGroup", "disable_multicast", "launch", "plan_allreduce", "start",
            "start_from_env"]

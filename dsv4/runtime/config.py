@@ -14,6 +14,7 @@ from graphs import balanced_placement
 
 from ..backend.decision import Options
 from ..errors import ConfigError, DeviceError, InputError
+from ..model.sharding import TP_DEGREES
 from .defaults import PREFILL_CHUNK   # noqa: F401  (re-exported: the default prefill chunk)
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -38,6 +39,9 @@ class RuntimeConfig:
     # (a power of two; 0 = off): prompts up to it replay chunk graphs (dsv4.runtime.prefill_graphs)
     options: Options | None = None               # the backend's runtime switches
     # (dsv4.backend.Options); None: the DSV4_* environment variables, read once by Transformer
+    tp: int = 1                                  # tensor-parallel degree: ranks, one device
+    # each, every layer split over them (dsv4.model.sharding); devices then holds this rank's
+    # one device and build_model takes the rank's communicator (dsv4.runtime.tp does both)
 
     def __post_init__(self):
         if self.dtype not in (torch.bfloat16, torch.float32):
@@ -51,7 +55,15 @@ class RuntimeConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ConfigError(f"{name} = {v!r}; expected a positive integer")
+        if isinstance(self.tp, bool) or self.tp not in TP_DEGREES:
+            raise ConfigError(f"tp = {self.tp!r}; allowed: {', '.join(map(str, TP_DEGREES))} "
+                              f"(the tensor-parallel degree: ranks, one device each)")
         object.__setattr__(self, "devices", tuple(torch.device(d) for d in self.devices))
+        if self.tp > 1 and len(self.devices) != 1:
+            raise ConfigError(f"tp = {self.tp} with devices = {tuple(map(str, self.devices))}: a "
+                              f"tensor-parallel rank runs on one device; give this rank's device "
+                              f"only (dsv4.runtime.tp sets it from the process group), or tp = 1 "
+                              f"for the pipeline over these devices")
         cuda = [d for d in self.devices if d.type == "cuda"]
         if cuda and not torch.cuda.is_available():   # else torch raises a bare AssertionError
             raise DeviceError(f"devices = {tuple(map(str, self.devices))}: this torch build has "

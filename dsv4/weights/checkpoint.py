@@ -26,6 +26,7 @@ from ..errors import (
 )
 from . import dspark
 from .config import FP4_BLOCK, FP8_BLOCK, ModelConfig
+from .parts import Part
 from .values import check_values
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -399,17 +400,24 @@ def _names(items: list[str]) -> str:
 
 # ---- loading ---------------------------------------------------------------------------------
 
-def load_with_progress(source, items, desc: str, progress: bool | None) -> None:
+def load_with_progress(source, items, desc: str, progress: bool | None,
+                       parts: dict | None = None) -> None:
     """`source.load_into(name, dst)` for each (name, dst), with a progress bar over the stored
     bytes (`source.nbytes([name])`) on stderr; progress None shows it only above
-    PROGRESS_MIN_BYTES. Shared by Checkpoint and DeviceWeights."""
+    PROGRESS_MIN_BYTES. parts: name -> Part (dsv4.weights.parts) for the destinations that hold a
+    slice of their tensor (a tensor-parallel rank's shard), passed as `part=`. Shared by
+    Checkpoint and DeviceWeights."""
     items = list(items)
+    parts = parts or {}
     sizes = [source.nbytes([n]) for n, _ in items]
     show = progress if progress is not None else sum(sizes) > PROGRESS_MIN_BYTES
     with tqdm(total=sum(sizes), desc=desc, unit="B", unit_scale=True, unit_divisor=1024,
               file=sys.stderr, disable=not show) as bar:
         for (name, dst), n in zip(items, sizes):
-            source.load_into(name, dst)
+            if name in parts:
+                source.load_into(name, dst, part=parts[name])
+            else:
+                source.load_into(name, dst)
             bar.update(n)
 
 
@@ -477,22 +485,33 @@ class Checkpoint:
         t = self._handle(info.file).get_tensor(name)
         return t if torch.device(device).type == "cpu" else t.to(device)
 
-    def load_into(self, name: str, dst: torch.Tensor) -> torch.Tensor:
-        """Copy tensor `name` into `dst` (any device; may be a view, e.g. one slot of a stack).
+    def load_into(self, name: str, dst: torch.Tensor, part: Part | None = None) -> torch.Tensor:
+        """Copy tensor `name` (or its `part`: only those bytes are read) into `dst` (any device;
+        may be a view, e.g. one slot of a stack).
 
-        `dst` must have the stored shape, and the stored dtype or an exact widening of it
-        (EXACT_CASTS: e.g. BF16 -> float32, I64 -> int32 when the values fit). The values are
-        checked first where that is cheap (dsv4.weights.values: scales, routing table, small
-        float tensors): a corrupt shard is a CorruptFileError naming the tensor and the file.
+        `dst` must have the stored shape (the part's), and the stored dtype or an exact widening
+        of it (EXACT_CASTS: e.g. BF16 -> float32, I64 -> int32 when the values fit). A part past
+        the tensor's end is zeros there. The values read are checked first where that is cheap
+        (dsv4.weights.values: scales, routing table, small float tensors): a corrupt shard is a
+        CorruptFileError naming the tensor and the file.
         """
         info = self.info(name)
         allowed = EXACT_CASTS.get(info.dtype, (info.torch_dtype,))
-        if tuple(dst.shape) != info.shape or dst.dtype not in allowed:
+        try:
+            want = info.shape if part is None else part.shape(info.shape)
+        except ValueError as e:
+            raise TensorMismatchError(f"load_into({name}): {e}; the model was built for another "
+                                      f"config or tensor-parallel degree") from None
+        if tuple(dst.shape) != want or dst.dtype not in allowed:
+            held = "holds" if part is None else f"holds {list(info.shape)}, whose part {part} is"
             raise TensorMismatchError(
                 f"load_into({name}): destination is {list(dst.shape)} {dst.dtype}, but {info.file} "
-                f"holds {list(info.shape)} {info.dtype}; allocate the destination with shape "
-                f"{list(info.shape)} and dtype {' or '.join(str(d) for d in allowed)}")
-        src = self._handle(info.file).get_tensor(name)
+                f"{held} {list(want)} {info.dtype}; allocate the destination with shape "
+                f"{list(want)} and dtype {' or '.join(str(d) for d in allowed)}")
+        if part is None:
+            src = self._handle(info.file).get_tensor(name)
+        else:          # only the part's bytes are read (safetensors reads a slice of the map)
+            src = self._handle(info.file).get_slice(name)[part.index(info.shape[part.dim])]
         check_values(name, info.dtype, src, str(self.path / info.file),
                      self.config.n_routed_experts)
         if dst.dtype != src.dtype and not dst.is_floating_point() and src.numel():
@@ -501,12 +520,19 @@ class Checkpoint:
                 raise TensorMismatchError(f"load_into({name}): values span [{src.min().item()}, "
                                           f"{src.max().item()}], outside {dst.dtype}; use an "
                                           f"{src.dtype} destination")
-        dst.copy_(src)
+        into = dst
+        if part is not None and src.shape != dst.shape:    # past the end: zeros
+            n = src.shape[part.dim]
+            dst.narrow(part.dim, n, dst.shape[part.dim] - n).zero_()
+            into = dst.narrow(part.dim, 0, n)
+        into.copy_(src)
         return dst
 
-    def load_many(self, items, desc: str = "load", progress: bool | None = None) -> None:
-        """load_into for each (name, dst) with a byte progress bar on stderr."""
-        load_with_progress(self, items, desc, progress)
+    def load_many(self, items, desc: str = "load", progress: bool | None = None,
+                  parts: dict | None = None) -> None:
+        """load_into for each (name, dst) with a byte progress bar on stderr; parts: name ->
+        Part for the destinations that hold a slice."""
+        load_with_progress(self, items, desc, progress, parts)
 
     # ---- lifetime ----------------------------------------------------------------------------
     def close(self) -> None:

@@ -20,6 +20,7 @@ from .checkpoint import (
 )
 from .config import ModelConfig
 from .formats import FP8_BLOCK, quantize_fp4_weight, quantize_fp8_weight
+from .parts import Part
 from .synthetic import init_tensor, tensor_seed
 
 SCALE_CACHE_BYTES = 64 * 2**20   # scales kept from their weight's quantization until requested
@@ -97,19 +98,33 @@ class DeviceWeights:
             _, old = self._scales.popitem(last=False)
             self._scale_bytes -= old.numel()
 
-    def _check_dst(self, name: str, dst: torch.Tensor) -> None:
+    def _check_dst(self, name: str, dst: torch.Tensor, part: Part | None = None) -> None:
         shape, dtype = self._spec(name)
         allowed = EXACT_CASTS.get(dtype, (TORCH_DTYPES[dtype],))
-        if tuple(dst.shape) != tuple(shape) or dst.dtype not in allowed:
+        try:
+            want = tuple(shape) if part is None else part.shape(tuple(shape))
+        except ValueError as e:
+            raise TensorMismatchError(f"load_into({name}): {e}; the model was built for another "
+                                      f"config or tensor-parallel degree") from None
+        if tuple(dst.shape) != want or dst.dtype not in allowed:
+            of = "" if part is None else f" (part {part} of {list(shape)})"
             raise TensorMismatchError(
                 f"load_into({name}): destination is {list(dst.shape)} {dst.dtype}, but the "
-                f"config stores {list(shape)} {dtype}; allocate the destination with shape "
-                f"{list(shape)} and dtype {' or '.join(str(d) for d in allowed)}")
+                f"config stores {list(want)} {dtype}{of}; allocate the destination with shape "
+                f"{list(want)} and dtype {' or '.join(str(d) for d in allowed)}")
 
-    def load_into(self, name: str, dst: torch.Tensor) -> torch.Tensor:
+    def load_into(self, name: str, dst: torch.Tensor, part: Part | None = None) -> torch.Tensor:
         """Generate tensor `name` into `dst` (stored shape; stored dtype or an exact widening,
-        e.g. a BF16-stored norm into float32: rounded through bf16 first). Asynchronous on CUDA."""
-        self._check_dst(name, dst)
+        e.g. a BF16-stored norm into float32: rounded through bf16 first). Asynchronous on CUDA.
+        part: dst holds only that slice (a tensor-parallel shard): the whole tensor is generated
+        on dst's device (a temporary) and the part kept, so the shard equals what a sliced load
+        of the written checkpoint gives."""
+        self._check_dst(name, dst, part)
+        if part is not None:
+            shape, dtype = self.table[name]
+            full = torch.empty(shape, dtype=TORCH_DTYPES[dtype], device=dst.device)
+            dst.copy_(part.take(self.load_into(name, full)))
+            return dst
         shape, dtype = self.table[name]
         dev = dst.device
         if name.endswith(".scale"):
@@ -140,9 +155,11 @@ class DeviceWeights:
         return self.load_into(name, torch.empty(shape, dtype=TORCH_DTYPES[dtype],
                                                 device=torch.device(device)))
 
-    def load_many(self, items, desc: str = "generate", progress: bool | None = None) -> None:
-        """load_into for each (name, dst), with a progress bar over stored bytes on stderr."""
-        load_with_progress(self, items, desc, progress)
+    def load_many(self, items, desc: str = "generate", progress: bool | None = None,
+                  parts: dict | None = None) -> None:
+        """load_into for each (name, dst), with a progress bar over stored bytes on stderr;
+        parts: name -> Part for the destinations that hold a slice."""
+        load_with_progress(self, items, desc, progress, parts)
 
 
 def _stored_bytes(spec) -> int:

@@ -257,3 +257,28 @@ def test_cpu_memory_check_counts_dequantized_copies(capsys, monkeypatch):
     for part in ("cpu needs an estimated", "dequantized copies", "host memory available",
                  "not even one layer fits"):
         assert part in err, (part, err)
+
+
+def test_bytes_a_tensor_parallel_rank_reads():
+    """Each rank of a TP run reads its shard of the split weights (attention's wq_b / wo_a /
+    wo_b, every expert's and the shared expert's inter slice, the head's vocabulary rows) and
+    the replicated rest whole: the byte floor per rank, from the shapes (printed with -s for
+    BENCHMARKS.md: full Flash at context 4,096, the H200's measured copy bandwidth 4.25 TB/s;
+    scripts/tp_bytes.py prints any preset's)."""
+    flash = get_preset("flash")
+    rows = memory.tp_floor_table(flash, (1, 2, 4), 4096, copy_tb_s=4.25)
+    one = memory.token_bytes(Transformer(flash, RuntimeConfig(4097, devices=("meta",))), 4096)
+    assert rows[0]["by_component"] == one and rows[0]["bytes_per_rank"] == sum(one.values())
+    for r in rows[1:]:
+        b, tp = r["by_component"], r["tp"]
+        for k in ("routed_experts", "shared_expert", "head"):             # split whole
+            assert b[k] * tp == one[k], k
+        for k in ("compressor", "indexer", "mhc", "router", "norms", "embed_row", "kv_window",
+                  "kv_compressed", "index_cache"):                      # replicated
+            assert b[k] == one[k] or (k == "norms" and b[k] < one[k]), k   # attn_sink is split
+        assert one["attention"] / tp < b["attention"] < one["attention"]  # wq_a, wkv replicated
+    assert rows[1]["replicated"] == rows[2]["replicated"]       # R + S / tp, the same R
+    for r in rows:
+        print(f"flash tp={r['tp']}: {r['bytes_per_rank'] / 1e9:.3f} GB a rank a token "
+              f"(replicated {r['replicated'] / 1e9:.3f} GB), floor {r['floor_ms']:.3f} ms at "
+              f"4.25 TB/s")

@@ -35,7 +35,7 @@ def decode_rows(attn, ops: Ops, x: torch.Tensor, pos: torch.Tensor, st) -> torch
     attention take all rows in one launch each. For T > 1 the ring is written after every row's
     attention (row t + 1's slot holds a position that row t's window reads): until then a row
     reads the slots of rows <= t from their prepped kv (sparse_attention_decode_rows)."""
-    cfg, act, H, T = attn.cfg, x.dtype, attn.cfg.n_heads, x.shape[0]
+    cfg, act, H, T = attn.cfg, x.dtype, attn.n_heads, x.shape[0]     # H: this rank's heads
     W, r, eps = cfg.window_size, attn.ratio, cfg.norm_eps
     ix = attn.indexer
     ps = pos if T == 1 else pos + torch.arange(T, device=x.device)   # the rows' positions
@@ -110,8 +110,8 @@ def side_projections(attn, ops: Ops, x: torch.Tensor) -> list:
 def project_out(attn, ops: Ops, o: torch.Tensor, rows: bool = False) -> torch.Tensor:
     """Attention.project_out on the kernels where the backend has them: the grouped wo_a of
     decode rows (rows: each row with the bits of a one-row call) in one FP8 GEMV launch, of a
-    chunk's rows on the prefill GEMM; then wo_b."""
-    be, act, G = ops.backend, o.dtype, attn.cfg.o_groups
+    chunk's rows on the prefill GEMM; then wo_b, summed over the tensor-parallel ranks."""
+    be, act, G = ops.backend, o.dtype, attn.n_groups
     o = o.reshape(o.shape[0], -1)                                           # [s, h*d]
     if rows and not be.wo_a_gemv:   # each row as decode's one-row path (not the prefill GEMM)
         return torch.cat([attn.project_out(o[t:t + 1]) for t in range(o.shape[0])])
@@ -123,7 +123,7 @@ def project_out(attn, ops: Ops, o: torch.Tensor, rows: bool = False) -> torch.Te
                                out_dtype=act, quant_act=False, group_k=o.shape[-1] // G)
     else:
         return attn.project_out(o)
-    return attn.wo_b.rows(z, act) if rows else attn.wo_b(z, act)
+    return attn.reduce(attn.wo_b.rows(z, act) if rows else attn.wo_b(z, act))
 
 
 def prefill(attn, ops: Ops, x: torch.Tensor, st, start=0, shared: dict | None = None
@@ -136,7 +136,7 @@ def prefill(attn, ops: Ops, x: torch.Tensor, st, start=0, shared: dict | None = 
     pos0 = pos[:1]
     qr = ops.rms_norm_rows(attn.wq_a(x, x.dtype), attn.q_norm, cfg.norm_eps)
     q, kv = ops.attention_prep_rows(attn.wq_b(qr, x.dtype), attn.wkv(x, x.dtype), attn.kv_norm,
-                                    pos0, attn.freqs, cfg.norm_eps, cfg.n_heads)
+                                    pos0, attn.freqs, cfg.norm_eps, attn.n_heads)
     idx, kv_all = attn.attended(x, qr, None, kv, st, start, pos, shared, pos0)
     o = ops.sparse_attention_rows(q, kv_all, idx, attn.attn_sink, cfg.head_dim ** -0.5,
                                   attn.freqs, pos0)                    # inverse RoPE done

@@ -20,8 +20,8 @@ def head_in_rows(model, ops: Ops, h: torch.Tensor, head: tuple | None = None) ->
 
 def head_matmul(model, ops: Ops, x: torch.Tensor, out: torch.Tensor | None = None
                 ) -> torch.Tensor:
-    """x [T, D] float32 -> logits [T, V] float32, one GEMV launch for all rows (row t with the
-    bits of a one-row launch)."""
+    """x [T, D] float32 -> logits [T, Vh] float32 of the head's rows held here (V in one
+    process), one GEMV launch for all rows (row t with the bits of a one-row launch)."""
     return ops.bf16_linear(x, model.head, out_dtype=torch.float32, out=out)
 
 
@@ -29,7 +29,7 @@ def head_matmul_per_row(model, ops: Ops, x: torch.Tensor, out: torch.Tensor | No
                         ) -> torch.Tensor:
     """head_matmul one row at a time."""
     if out is None:
-        out = torch.empty(x.shape[0], model.cfg.vocab_size, dtype=torch.float32, device=x.device)
+        out = torch.empty(x.shape[0], model.head.shape[0], dtype=torch.float32, device=x.device)
     for t in range(x.shape[0]):
         out[t].copy_(head_matmul(model, ops, x[t:t + 1])[0])
     return out

@@ -52,8 +52,10 @@ class DecodeKernels:
         br.join()
         if self.down_ws is None:
             self.down_ws = ops.down_workspace(idx.numel() // T, a.shape[-1], x)
-        return ops.fp4_experts_down(a, idx, bank.w2, bank.w2_scale, add=y_sh, out_dtype=x.dtype,
-                                    workspace=self.down_ws or None, rows=T)
+        # a tensor-parallel rank's part (its inter slice of every expert) summed over the ranks
+        return moe.reduce(ops.fp4_experts_down(a, idx, bank.w2, bank.w2_scale, add=y_sh,
+                                               out_dtype=x.dtype, workspace=self.down_ws or None,
+                                               rows=T))
 
 
 def prefill_experts(moe, ops: Ops, x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor
@@ -61,11 +63,11 @@ def prefill_experts(moe, ops: Ops, x: torch.Tensor, w: torch.Tensor, idx: torch.
     """MoE.prefill_experts_reference on the grouped GEMMs: the (token, expert) pairs grouped by
     expert through the stored formats (no host sync, no dense weight copy)."""
     bank, sh = moe.experts, moe.shared
-    return ops.prefill_moe(x, w, idx, (bank.w1, bank.w1_scale, bank.w3, bank.w3_scale, bank.w2,
-                                       bank.w2_scale), bank.fmt,
-                           (sh["w1"].weight, sh["w1"].scale, sh["w3"].weight, sh["w3"].scale,
-                            sh["w2"].weight, sh["w2"].scale), sh["w1"].fmt,
-                           moe.cfg.swiglu_limit)
+    return moe.reduce(ops.prefill_moe(x, w, idx, (bank.w1, bank.w1_scale, bank.w3, bank.w3_scale,
+                                                  bank.w2, bank.w2_scale), bank.fmt,
+                                      (sh["w1"].weight, sh["w1"].scale, sh["w3"].weight,
+                                       sh["w3"].scale, sh["w2"].weight, sh["w2"].scale),
+                                      sh["w1"].fmt, moe.cfg.swiglu_limit))
 
 
 def bind(moe, ops: Ops) -> None:

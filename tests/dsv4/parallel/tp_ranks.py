@@ -1,0 +1,130 @@
+"""What each rank runs in tests/dsv4/parallel/test_tp_model.py (module-level functions: the
+launcher pickles them into spawned processes, which import this module from the test folder on
+sys.path). One start-up of two gloo ranks runs every check and returns plain data."""
+from __future__ import annotations
+
+import types
+
+import torch
+
+import dsv4.model.attention as A
+import dsv4.model.compressor as C
+import dsv4.model.indexer as I
+from dsv4.runtime.build import build_model
+from dsv4.runtime.config import RuntimeConfig
+from dsv4.runtime.sampling import SamplingParams
+from dsv4.runtime.session import Session
+from dsv4.runtime.tp import load_rank
+from dsv4.weights.checkpoint import open_checkpoint
+from dsv4.weights.device_weights import DeviceWeights
+from helpers import NearTies, disable_fake_quant
+
+CAP = 64            # cache capacity of the runs
+CHUNK = 8           # prefill chunk: the prompt goes through in pieces, as a long one would
+N_NEW = 6           # decode steps after the prompt
+SAMPLED = SamplingParams(temperature=0.8, top_p=0.9, seed=5)
+
+
+def runtime(rt_kw: dict | None = None) -> RuntimeConfig:
+    return RuntimeConfig(max_seq_len=CAP, dtype=torch.float32, prefill_chunk=CHUNK,
+                         **(rt_kw or {}))
+
+
+def greedy_run(model, ids: torch.Tensor) -> dict:
+    """Prefill ids, then N_NEW greedy decode steps (eager decode_step) -> the logits [1 + N_NEW,
+    V] of the prompt's last token and of each step, and the tokens chosen."""
+    out, toks = [model.prefill(ids)], []
+    for p in range(ids.shape[0], ids.shape[0] + N_NEW):
+        toks.append(int(out[-1].argmax()))
+        out.append(model.decode_step(torch.tensor([toks[-1]]), torch.tensor([p])))
+    return {"logits": torch.stack(out), "tokens": toks}
+
+
+def session_tokens(model, ids: list) -> dict:
+    """A plain Session on the model (eager): greedy and seeded-sampled tokens."""
+    got = {}
+    for name, params in (("greedy", SamplingParams()), ("sampled", SAMPLED)):
+        with Session(model, params, mode="eager") as s:
+            got[name] = list(s.generate(ids, N_NEW).output_ids)
+    return got
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(
+        a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8))
+
+
+def shard_checks(model, ckpt_dir) -> dict:
+    """The rank's shard of an FP8 / FP4 model against the checkpoint: every destination holds
+    exactly the part of its tensor that parts() names (whole where none), read whole here and
+    cut; dequantized, the split weights equal the rows / columns of the whole weight."""
+    from dsv4.model.linear import dequantize
+    parts, bad, n_split = model.parts(), [], 0
+    with open_checkpoint(ckpt_dir) as ck:
+        for name, dst in model.tensors().items():
+            full = ck.get(name)
+            want = parts[name].take(full) if name in parts else full
+            n_split += name in parts
+            if not same_bits(dst, want.to(dst.dtype) if dst.dtype != want.dtype else want):
+                bad.append(name)
+        dense = {}
+        attn, ffn = model.layers[1].attn, model.layers[1].ffn
+        cases = {"wq_b": (attn.wq_b, "layers.1.attn.wq_b", 0),
+                 "wo_a": (attn.wo_a, "layers.1.attn.wo_a", 0),
+                 "wo_b": (attn.wo_b, "layers.1.attn.wo_b", 1),
+                 "shared.w1": (ffn.shared["w1"], "layers.1.ffn.shared_experts.w1", 0),
+                 "shared.w2": (ffn.shared["w2"], "layers.1.ffn.shared_experts.w2", 1)}
+        for key, (lin, prefix, dim) in cases.items():
+            whole = dequantize(lin.fmt, ck.get(prefix + ".weight"), ck.get(prefix + ".scale"),
+                               torch.float32)
+            a, b = lin.split[1:]
+            dense[key] = torch.equal(lin.dense(torch.float32), whole.narrow(dim, a, b - a))
+        e = torch.tensor([3])
+        for w, dim in (("w1", 0), ("w2", 1)):
+            p = f"layers.1.ffn.experts.3.{w}"
+            whole = dequantize(ffn.experts.fmt, ck.get(p + ".weight"), ck.get(p + ".scale"),
+                               torch.float32)
+            a, b = ffn.experts.split
+            dense[f"experts.{w}"] = torch.equal(ffn.experts.dense(w, e, torch.float32)[0],
+                                                whole.narrow(dim, a, b - a))
+        fp8_cfg = ck.config
+    # random weights made on the device (benchmarks) give the shard a sliced load gives
+    gen = build_model(fp8_cfg, model.rt, comm=model.tp.comm)
+    gen.load(DeviceWeights(fp8_cfg, seed=0))
+    theirs = gen.tensors()
+    synthetic = [n for n, t in model.tensors().items() if not same_bits(t, theirs[n])]
+    return {"bad": bad, "n_split": n_split, "n": len(model.tensors()), "dense": dense,
+            "synthetic": synthetic, "head_rows": model.head.shape[0],
+            "parts": {n: (p.dim, p.start, p.stop) for n, p in parts.items()
+                      if n in ("head.weight", "layers.1.attn.attn_sink", "layers.1.attn.wo_b.scale",
+                               "layers.1.ffn.experts.3.w2.weight",
+                               "layers.1.ffn.experts.3.w2.scale")}}
+
+
+def tp_rank(group, bf16_dir: str, fp8_dir: str, prompt: list) -> dict:
+    """Everything the TP tests ask of one rank, in one start-up: the bf16 model's logits and
+    tokens (fake-quant off, float32: comparable to one process to float32 noise), a Session's
+    tokens, the FP8 model's shard against the checkpoint and its logits (fake-quant on)."""
+    torch.set_num_threads(1)         # two ranks on two cores: one thread each (no oversubscription)
+    ties = NearTies().install(types.SimpleNamespace(setattr=setattr))
+    res = {"rank": group.rank}
+    model, ck = load_rank(group, bf16_dir, runtime())
+    ck.close()
+    res["rt"] = (model.rt.tp, tuple(map(str, model.rt.devices)))
+    res["table"] = model.tp.comm.table()
+    ids = torch.tensor(prompt)
+    saved = [(m, n, getattr(m, n)) for m, n in ((A, "fp8_quant_dequant"), (C, "fp8_quant_dequant"),
+                                                 (C, "fp4_quant_dequant"), (I, "fp4_quant_dequant"))]
+    disable_fake_quant()
+    res["greedy"] = greedy_run(model, ids)
+    res["session"] = session_tokens(model, prompt)
+    res["min_gap"] = ties.min_gap
+    for m, n, f in saved:                            # fake-quant back on for the FP8 model
+        setattr(m, n, f)
+    fp8, ck = load_rank(group, fp8_dir, runtime())
+    ck.close()
+    res["fp8_logits"] = fp8.prefill(ids)
+    res["shards"] = shard_checks(fp8, fp8_dir)
+    model.tp.comm.close()
+    fp8.tp.comm.close()
+    return res
