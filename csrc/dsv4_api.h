@@ -2,7 +2,7 @@
 // pointers, sizes, the CUDA stream and a PDL switch. Every launcher returns 0, a cudaError_t, or
 // -1 when no kernel is instantiated for the asked config. One file per kernel family implements
 // its launchers (fp8_gemv.cu, fp8_mma.cu, route.cu, fp4_experts.cu, topk.cu, allreduce.cu);
-// dsv4_api.cu the version and the error strings.
+// prefetch.cu the L2 prefetch; dsv4_api.cu the version and the error strings.
 #pragma once
 
 #include <cstddef>
@@ -99,5 +99,16 @@ int dsv4_ar_status_free(void* host);
 int dsv4_allreduce(void* const* peers, int world, int rank, const void* x, void* out,
                    long long nbytes, int dtype, int cap, int chunk, unsigned long long timeout_ns,
                    void* status, void* stream, int pdl);
+
+// ---- the L2 prefetch (prefetch.cu; dsv4/backend/fused/prefetch.py) -----------------------------
+
+#define DSV4_PREFETCH_MAX 8
+
+// Bring count <= DSV4_PREFETCH_MAX byte ranges (ptrs[i], bytes[i]; each trimmed to its 16-byte
+// aligned inside) into L2: ctas CTAs of `threads` threads, each thread a share of the ranges' pieces
+// of `piece` bytes (a multiple of 128), mode 0 as bulk prefetches (sm_90; older GPUs use mode 1),
+// 1 as a prefetch per 128-byte line. Writes nothing; a hint. No PDL (a side branch's launch).
+int dsv4_l2_prefetch(const void* const* ptrs, const unsigned long long* bytes, int count, int mode,
+                     int ctas, int threads, int piece, void* stream);
 
 }  // extern "C"

@@ -2,7 +2,8 @@
 current stream and joins back, so independent kernels of a layer become parallel branches of the
 CUDA graph: the shared expert beside routing and the routed experts, the compressors and the
 indexer beside wq_b and attention prep (lanes 0 and 1), each mHC Sinkhorn beside its sublayer
-(lane 2). Only while a graph is being captured: replay pays nothing for it on the host, while an
+(lane 2), the L2 prefetch of weights beside latency-bound kernels (lanes 3 and 4:
+dsv4.backend.fused.prefetch). Only while a graph is being captured: replay pays nothing for it on the host, while an
 eager step would pay stream switches and event records per branch, so eager runs keep one stream
 (the same kernels, the same bits; tests/dsv4/kernels/test_decode_kernels.py::
 test_pdl_and_branches_change_no_bit). Which branches are on is the backend's decision
@@ -16,7 +17,7 @@ import contextlib
 
 import torch
 
-LANES = 3
+LANES = 5
 _side: dict[torch.device, list] = {}
 
 

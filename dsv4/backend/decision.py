@@ -37,6 +37,7 @@ class Backend:
     cuda_status: str = "not a CUDA device"
     pdl: bool = False                    # launches with PDL (each also needs sm_90)
     branches: frozenset = frozenset()    # captured parallel branches that are on
+    prefetch: frozenset = frozenset()    # captured L2 prefetch points that are on (CUDA C++ lib)
     gemm_bk: int = 0                     # the prefill GEMM's K step (0: no prefill GEMM)
     mhc_decode: bool = False             # fused mHC of decode rows (and the head's hc_head)
     mhc_prefill: bool = False            # the mHC rows kernels of a prefill chunk
@@ -93,6 +94,7 @@ class Backend:
             "speculative.journal": "triton" if self.kernels else off,
             "launch.pdl": "on" if self.pdl else "off",
             "launch.branches": ",".join(sorted(self.branches)) or "none",
+            "launch.prefetch": ",".join(sorted(self.prefetch)) or "none",
             "cuda_cpp": self.cuda_status,
         }
 
@@ -124,7 +126,8 @@ def resolve(device, act: torch.dtype = torch.bfloat16, cfg=None,
         "DSV4_CUDA_KERNELS=0" if not opts.cuda_kernels else _cuda_status(device, opts.cuda_lib)
     be = Backend(device=device, act=act, options=opts, kernels=kernels, prefill=prefill,
                  gemv="cuda" if status == "ok" else "triton", cuda_status=status,
-                 pdl=opts.pdl and kernels, branches=opts.overlap if cuda_dev else frozenset())
+                 pdl=opts.pdl and kernels, branches=opts.overlap if cuda_dev else frozenset(),
+                 prefetch=opts.prefetch if status == "ok" else frozenset())
     if prefill != "torch":
         from ..kernels.prefill.gemm import BK
         be = replace(be, gemm_bk=BK)

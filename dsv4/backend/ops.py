@@ -230,6 +230,18 @@ class Ops:
         return self._moe.grouped_moe(x, w, idx, bank, fmt, shared, shared_fmt, limit,
                                      tuning=self.tuning)
 
+    # ---- the L2 prefetch of weights ----------------------------------------------------------
+    def l2_prefetch(self, tensors) -> None:
+        """Bring the tensors' bytes into L2 on the current stream (csrc/prefetch.cu; a hint:
+        nothing is written). Only where the CUDA C++ library serves the device (Backend.prefetch
+        is empty elsewhere)."""
+        from ..kernels.cuda import lib
+        mode, ctas, threads, piece = self.backend.options.prefetch_cfg
+        if torch.cuda.get_device_capability(tensors[0].device) < (9, 0):
+            mode = 1                  # the bulk prefetch is sm_90's
+        lib.l2_prefetch(lib.lib_for(tensors[0].device), tensors, mode=mode, ctas=ctas,
+                        threads=threads, piece=piece)
+
     # ---- speculative decoding ------------------------------------------------------------------
     def journal(self, entries):
         """The one-launch journal of a layer's state slots (dsv4.runtime.speculative.journal), or

@@ -9,6 +9,11 @@ from dataclasses import dataclass, replace
 from typing import Mapping
 
 BRANCHES = ("attn", "mhc", "moe")      # the captured parallel branches (dsv4.backend.branches)
+# the L2 prefetch points of a captured decode step (dsv4.backend.fused.prefetch): the layer's first
+# linears during its first mHC, wo_a during attention, the shared expert during the FFN's mHC and
+# routing
+PREFETCH = ("layer", "attn", "ffn")
+PREFETCH_CFG = (0, 16, 32, 16384)      # (mode, CTAs, threads, piece bytes) of dsv4_l2_prefetch
 SPLIT_PROGRAMS = 264                   # the prefill GEMMs' split-K target (~2 waves of 132 SMs)
 # variable -> what it switches (read by Options.from_env only)
 ENV = {
@@ -20,6 +25,10 @@ ENV = {
     "DSV4_PDL": "0: no programmatic dependent launch",
     "DSV4_OVERLAP": "0: no parallel branches in captured steps; or the names to keep "
                     "(attn, mhc, moe)",
+    "DSV4_PREFETCH": "1: the L2 prefetch of weights in captured steps (off by default: measured "
+                     "no faster, BENCHMARKS.md); or the points to take (layer, attn, ffn)",
+    "DSV4_PREFETCH_CFG": "mode,ctas,threads,piece: the L2 prefetch launch (mode 0 bulk, 1 per "
+                         "line; default " + ",".join(map(str, PREFETCH_CFG)) + ")",
     "DSV4_PREFILL_MMA": "fp8=bf16,fp4=fp8: the prefill GEMMs' tensor-core path per weight format",
     "DSV4_PREFILL_CUBLAS": "0: the FP8 prefill linears stay on the Triton GEMM",
     "DSV4_SPLIT_PROGRAMS": f"the prefill GEMMs' split-K target in programs (default "
@@ -38,6 +47,8 @@ class Options:
     cuda_lib: str | None = None          # DSV4_CUDA_LIB
     pdl: bool = True                     # DSV4_PDL
     overlap: frozenset = frozenset(BRANCHES)   # DSV4_OVERLAP: the branch names that are on
+    prefetch: frozenset = frozenset()    # DSV4_PREFETCH: the prefetch points that are on
+    prefetch_cfg: tuple = PREFETCH_CFG   # DSV4_PREFETCH_CFG
     prefill_mma: tuple = ()              # DSV4_PREFILL_MMA: ((format, "fp8" | "bf16"), ...)
     prefill_cublas: bool = True          # DSV4_PREFILL_CUBLAS
     split_programs: int = SPLIT_PROGRAMS  # DSV4_SPLIT_PROGRAMS
@@ -49,9 +60,12 @@ class Options:
         always read it: "0" turns a switch off, anything else (or unset) leaves it on."""
         env = os.environ if env is None else env
         off = lambda name: env.get(name, "1") == "0"          # noqa: E731
-        ov = env.get("DSV4_OVERLAP", "1").strip()
-        overlap = frozenset(BRANCHES) if ov == "1" else frozenset() if ov == "0" else \
-            frozenset(n.strip() for n in ov.split(",")) & frozenset(BRANCHES)
+        def names(var: str, every: tuple, default: str = "1") -> frozenset:
+            v = env.get(var, default).strip()
+            return frozenset(every) if v == "1" else frozenset() if v == "0" else \
+                frozenset(n.strip() for n in v.split(",")) & frozenset(every)
+        pcfg = env.get("DSV4_PREFETCH_CFG", "").split(",")
+        pcfg = tuple(int(v) for v in pcfg) if len(pcfg) == 4 else PREFETCH_CFG
         mma = []
         for item in env.get("DSV4_PREFILL_MMA", "").split(","):
             fmt, _, path = item.partition("=")
@@ -61,7 +75,9 @@ class Options:
                    prefill_kernels=not off("DSV4_PREFILL_KERNELS"),
                    cuda_kernels=not off("DSV4_CUDA_KERNELS"),
                    cuda_lib=env.get("DSV4_CUDA_LIB") or None, pdl=not off("DSV4_PDL"),
-                   overlap=overlap, prefill_mma=tuple(mma),
+                   overlap=names("DSV4_OVERLAP", BRANCHES),
+                   prefetch=names("DSV4_PREFETCH", PREFETCH, "0"), prefetch_cfg=pcfg,
+                   prefill_mma=tuple(mma),
                    prefill_cublas=not off("DSV4_PREFILL_CUBLAS"),
                    split_programs=int(env.get("DSV4_SPLIT_PROGRAMS", SPLIT_PROGRAMS)),
                    interpret=env.get("TRITON_INTERPRET", "0") == "1")

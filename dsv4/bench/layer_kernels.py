@@ -3,7 +3,10 @@ decode step replayed alone (PDL off, no parallel branches, in a CUDA graph, the 
 before it: the weights come from memory as in a step), the bytes it must read and its share of the
 copy bandwidth; against the same layer's step replayed whole (as decoding runs it, and with PDL and
 branches off). The layer's time minus the sum of its kernels alone is what its kernel boundaries
-cost (ramp-up, tail, the dependency wait of each launch).
+cost (ramp-up, tail, the dependency wait of each launch). Each op also replayed with what fits of
+its bytes already in L2 (back to back, no flush), and with its weights prefetched into L2
+(dsv4.backend.fused.prefetch's kernel, then a pause) after the flush: what reading the weights
+from L2 could win at most, and what the prefetch wins.
 
 The ops are the named kernel ops of dsv4.backend.ops: the layer is bound to a recording Ops for
 one eager step (every call and its arguments kept), then each call is captured alone. Torch glue
@@ -26,6 +29,7 @@ OPS = ("hc_pre_norm", "hc_post", "rms_norm_row", "attention_prep", "attention_pr
        "index_query", "index_scores", "index_topk", "fp8_linear", "fp8_linear2", "fp8_swiglu",
        "bf16_linear", "bf16_linear_multi", "route_decode", "fp4_experts_up", "fp4_experts_down")
 FLUSH_BYTES = 256 << 20      # read before each replay: evicts the 50-60 MB L2 of an H100 / H200
+PAUSE_CYCLES = 40_000        # ~20 us at 1.98 GHz: between a prefetch and its op
 
 
 class RecordingOps:
@@ -100,13 +104,16 @@ def _profiled(fn, reps: int, device) -> dict:
     return per
 
 
-def _kernel_us(fn, device, reps: int) -> tuple[dict, float]:
+def _kernel_us(fn, device, reps: int, before=None) -> tuple[dict, float]:
     """fn captured in a graph after an L2 flush (a read of FLUSH_BYTES: the cache then holds clean
     lines of other data, as after the layer's other kernels), replayed `reps` times under the
     profiler -> ({kernel name: median us}, the flush's kernels excluded), and the sum of those
-    medians."""
+    medians. before: "warm" (no flush: what fits of the op's bytes is in L2 from the replay
+    before), or a callable captured between the flush and fn (its kernels excluded too)."""
     flush = torch.ones(FLUSH_BYTES // 4, dtype=torch.float32, device=device)
-    flush_names = set(_profiled(lambda: flush.sum(), 1, device))
+    skip = set(_profiled(lambda: flush.sum(), 1, device))
+    if callable(before):
+        skip |= set(_profiled(before, 1, device))
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):            # warm: compiles, allocates
@@ -115,14 +122,28 @@ def _kernel_us(fn, device, reps: int) -> tuple[dict, float]:
     torch.cuda.current_stream(device).wait_stream(side)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        flush.sum()
+        if before != "warm":
+            flush.sum()
+        if callable(before):
+            before()
         fn()
     g.replay()
     torch.cuda.synchronize(device)
     per = _profiled(g.replay, reps, device)
     del g
-    med = {n: statistics.median(v) for n, v in per.items() if n not in flush_names}
+    med = {n: statistics.median(v) for n, v in per.items() if n not in skip}
     return med, sum(med.values())
+
+
+def _weights(args, kw, blk, st) -> list:
+    """The weights of a call that a prefetch could bring ahead: its tensors of 1 MB or more, not
+    an expert bank (which experts is known only after routing) nor a cache."""
+    bank = blk.ffn.experts
+    skip = {t.data_ptr() for t in (bank.w1, bank.w1_scale, bank.w2, bank.w2_scale, bank.w3,
+                                   bank.w3_scale, st.kv_cache, st.index_cache) if t is not None}
+    return [t for t in _tensors(list(args) + [v for key, v in kw.items() if key != "out"])
+            if t.is_contiguous() and t.numel() * t.element_size() >= 1 << 20
+            and t.data_ptr() not in skip]
 
 
 def _layer_us(step, device, reps: int) -> float:
@@ -158,7 +179,7 @@ def layer_kernels(model, layer: int, context: int, copy_tbps: float, reps: int =
     from . import common
     blk, st, dev = model.layers[layer], model.states[layer], model.layers[layer].device
     ops = model.binding.ops(dev)
-    quiet = Ops(replace(ops.backend, pdl=False, branches=frozenset()))
+    quiet = Ops(replace(ops.backend, pdl=False, branches=frozenset(), prefetch=frozenset()))
     cfg = model.cfg
     g = torch.Generator(device=dev).manual_seed(layer)
     h = torch.randn(1, cfg.hc_mult, cfg.dim, generator=g, device=dev).to(model.act)
@@ -181,10 +202,20 @@ def layer_kernels(model, layer: int, context: int, copy_tbps: float, reps: int =
     rows = []
     for name, args, kw in calls:
         fn = getattr(quiet, name)
-        kernels, us = _kernel_us(lambda: fn(*args, **kw), dev, reps)
+        call = lambda: fn(*args, **kw)                  # noqa: E731
+        kernels, us = _kernel_us(call, dev, reps)
         nbytes = op_bytes(name, args, kw, blk, st, context)
+        # the same op with what fits of its bytes in L2 (replayed back to back), and with its
+        # weights prefetched (dsv4.backend.fused.prefetch's kernel, then 20 us of nothing) after
+        # the flush: what an L2 prefetch could win at most, and what it wins
+        _, warm = _kernel_us(call, dev, reps, before="warm")
+        ws, pre = _weights(args, kw, blk, st), None
+        if ws and ops.backend.gemv == "cuda":
+            _, pre = _kernel_us(call, dev, reps, before=lambda: (ops.l2_prefetch(ws),
+                                                                 torch.cuda._sleep(PAUSE_CYCLES)))
         rows.append({"op": name, "kernels": sorted(kernels), "us": us, "bytes": nbytes,
-                     "pct_copy": 100 * nbytes / (us * 1e-6) / (copy_tbps * 1e12) if us else None})
+                     "pct_copy": 100 * nbytes / (us * 1e-6) / (copy_tbps * 1e12) if us else None,
+                     "us_l2_warm": warm, "us_prefetched": pre})
     common.fill_state(model, context, layer)            # the replays moved the state
     sum_us = sum(r["us"] for r in rows)
     nbytes = sum(r["bytes"] for r in rows)
@@ -211,9 +242,12 @@ def format_rows(rep: dict) -> list[str]:
     lines = [f"{kind}: whole {rep['layer_us']:.1f} us (PDL/branches off {rep['layer_quiet_us']:.1f}), "
              f"kernels alone {rep['ops_sum_us']:.1f} us, boundaries {rep['boundary_us']:.1f} us; "
              f"bytes {rep['bytes'] / 1e6:.1f} MB, floor {rep['floor_us']:.1f} us",
-             f"  {'op':<30}{'us':>8}{'MB':>9}{'% copy':>8}  kernels"]
+             f"  {'op':<30}{'us':>8}{'MB':>9}{'% copy':>8}{'L2 warm':>9}{'prefetched':>11}  "
+             f"kernels"]
+    f = lambda v: f"{v:.1f}" if v is not None else "-"         # noqa: E731
     for r in rep["ops"]:
         pct = f"{r['pct_copy']:.0f}" if r["pct_copy"] is not None else "-"
-        lines.append(f"  {r['op']:<30}{r['us']:>8.1f}{r['bytes'] / 1e6:>9.2f}{pct:>8}  "
+        lines.append(f"  {r['op']:<30}{r['us']:>8.1f}{r['bytes'] / 1e6:>9.2f}{pct:>8}"
+                     f"{f(r.get('us_l2_warm')):>9}{f(r.get('us_prefetched')):>11}  "
                      f"{', '.join(k[:40] for k in r['kernels'])}")
     return lines

@@ -90,6 +90,32 @@ def launch(fn: Callable, devices: Sequence, *args, timeout_s: float = DEFAULT_TI
     world = len(devices)
     if world < 1:
         raise ParallelError("launch: no devices given (expected e.g. cuda:0,cuda:1 or cpu,cpu)")
+    for attempt in range(PORT_TRIES):
+        # the port was free when chosen, but the ranks bind it seconds later (an interpreter
+        # each): another process may take it meanwhile; then every rank ends and all start again
+        # on another port
+        results, failures, stopped, took = _launch_once(fn, devices, args, timeout_s, grace_s,
+                                                        deadline_s, master_addr)
+        if not (failures and not results and attempt + 1 < PORT_TRIES
+                and any(_port_taken(f.text) for f in failures)):
+            break
+    if failures:
+        raise _report(failures, stopped, world, took)
+    return [results[r] for r in range(world)]
+
+
+PORT_TRIES = 3
+
+
+def _port_taken(text: str) -> bool:
+    return "EADDRINUSE" in text or "address already in use" in text.lower()
+
+
+def _launch_once(fn, devices: list, args: tuple, timeout_s: float, grace_s: float,
+                 deadline_s: float | None, master_addr: str):
+    """One start of every rank on a fresh port -> (results {rank: result}, failures, stopped
+    ranks, seconds)."""
+    world = len(devices)
     ctx = multiprocessing.get_context("spawn")      # a fresh interpreter: no inherited CUDA state
     port = free_port(master_addr)
     procs, pipes = [], []
@@ -150,9 +176,7 @@ def launch(fn: Callable, devices: Sequence, *args, timeout_s: float = DEFAULT_TI
                 p.join()
         for c in pipes:
             c.close()
-    if failures:
-        raise _report(failures, stopped, world, time.monotonic() - t0)
-    return [results[r] for r in range(world)]
+    return results, failures, stopped, time.monotonic() - t0
 
 
 def _poll(conn):

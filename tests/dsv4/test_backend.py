@@ -10,6 +10,7 @@ from dsv4.backend import decision as backend
 from dsv4.backend.binding import bind, bind_block
 from dsv4.backend.ops import Ops
 from dsv4.backend.decision import BRANCHES, Options, resolve
+from dsv4.backend.options import PREFETCH
 from dsv4.backend.fused import attention as fused_attention
 from dsv4.backend.fused.linear import KernelLinear
 from dsv4.model.transformer import Transformer
@@ -40,12 +41,19 @@ def test_options_from_env_as_the_runtime_read_them():
     # anything but "0" leaves a switch on (as before: DSV4_PDL=yes is on)
     assert Options.from_env({"DSV4_PDL": "yes", "DSV4_KERNELS": "interpret"}).pdl
     assert Options.from_env({"DSV4_OVERLAP": "0"}).overlap == frozenset()
+    # the L2 prefetch points and their launch
+    assert Options.from_env({}).prefetch == frozenset()          # off unless asked
+    assert Options.from_env({"DSV4_PREFETCH": "1"}).prefetch == frozenset(PREFETCH)
+    p = Options.from_env({"DSV4_PREFETCH": "attn, ffn,bad", "DSV4_PREFETCH_CFG": "1,132,128,4096"})
+    assert p.prefetch == {"attn", "ffn"} and p.prefetch_cfg == (1, 132, 128, 4096)
+    assert Options.from_env({"DSV4_PREFETCH": "0"}).prefetch == frozenset()
 
 
 def test_cpu_and_meta_take_torch_everywhere():
     for dev in ("cpu", "meta"):
         be = resolve(dev, torch.bfloat16, TINY, Options())
         assert not be.kernels and be.prefill == "torch" and be.branches == frozenset()
+        assert be.prefetch == frozenset() and be.table()["launch.prefetch"] == "none"
         table = be.table()
         assert all(v in ("torch", "-") for k, v in table.items() if k.startswith(("decode.",
                                                                                  "prefill.")))
@@ -71,6 +79,9 @@ def test_gpu_table(gpu):
     t = be.table()
     assert be.kernels and be.prefill == "triton" and be.gemv == "cuda" and be.pdl
     assert be.branches == frozenset(BRANCHES) and t["launch.branches"] == "attn,mhc,moe"
+    assert be.prefetch == frozenset() and t["launch.prefetch"] == "none"
+    be = resolve("cuda:0", torch.bfloat16, TINY, Options(prefetch=frozenset(PREFETCH)))
+    assert be.table()["launch.prefetch"] == "attn,ffn,layer"
     for op in ("decode.mhc", "decode.attention", "decode.compressor", "decode.indexer",
                "decode.linear_bf16", "decode.head", "speculative.journal"):
         assert t[op] == "triton", op

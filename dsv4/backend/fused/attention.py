@@ -17,6 +17,7 @@ from .. import branches
 from ..ops import Ops
 from . import compressor as fused_compressor
 from . import indexer as fused_indexer
+from .prefetch import LANE_ATTN, Prefetch
 
 
 def decode_rows(attn, ops: Ops, x: torch.Tensor, pos: torch.Tensor, st) -> torch.Tensor:
@@ -63,6 +64,8 @@ def decode_rows(attn, ops: Ops, x: torch.Tensor, pos: torch.Tensor, st) -> torch
             idx = fused_indexer.select(ix, ops, iq, pos, st, proj[4])      # [T, k], all rows
             n = idx.shape[-1]
     qb = attn.wq_b.rows(qr, act)
+    pf = Prefetch(ops, LANE_ATTN)   # wo_a into L2 while the top-k, prep and attention run
+    pf.start("attn", qb, [attn.wo_a.weight, attn.wo_a.scale])
     o = torch.empty(T, H * cfg.head_dim, dtype=act, device=x.device)
     scale = cfg.head_dim ** -0.5
     if T == 1:
@@ -80,7 +83,9 @@ def decode_rows(attn, ops: Ops, x: torch.Tensor, pos: torch.Tensor, st) -> torch
     else:
         ops.sparse_attention_decode_rows(q.view(T, -1), kv, st.kv_cache, attn.attn_sink, pos,
                                          attn.freqs, scale, H, W, r, n, idx, out=o)
-    return project_out(attn, ops, o, rows=T > 1)
+    y = project_out(attn, ops, o, rows=T > 1)
+    pf.join()
+    return y
 
 
 def q_kv_rows(attn, ops: Ops, x: torch.Tensor):

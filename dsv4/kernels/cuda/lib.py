@@ -1,6 +1,6 @@
 """The CUDA C++ decode kernels (`csrc/`: FP8 GEMV on CUDA cores and on tensor cores, the MoE
 routing, the routed FP4 experts on tensor cores, the indexer's top-k, the one-shot all-reduce over
-peer memory of dsv4.parallel; the C interface in
+peer memory of dsv4.parallel, the L2 prefetch of weights; the C interface in
 csrc/dsv4_api.h) through ctypes. Every source is built into one library, once per set of sources,
 GPU architecture and nvcc, with `nvcc` (about a minute) into `~/.cache/dsv4/cuda/`, or taken from a
 prebuilt .so (DSV4_CUDA_LIB, read by dsv4.backend). Where neither works (no nvcc, GPU older than
@@ -23,11 +23,11 @@ from pathlib import Path
 
 import torch
 
-ABI = 6
+ABI = 7
 CSRC = Path(__file__).resolve().parents[3] / "csrc"
 # the kernel families and the C interface, compiled into one library (the headers are in the key)
 SOURCES = ("fp8_gemv.cu", "fp8_mma.cu", "route.cu", "fp4_up.cu", "fp4_down.cu", "topk.cu",
-           "allreduce.cu", "dsv4_api.cu")
+           "allreduce.cu", "prefetch.cu", "dsv4_api.cu")
 HEADERS = ("dsv4_common.cuh", "fp8.cuh", "fp4_experts.cuh", "dsv4_api.h")
 MIN_CAPABILITY = (8, 9)        # cvt e4m3x2 (sm_89); PDL needs sm_90 and is compiled out below
 
@@ -122,6 +122,8 @@ def _declare(lib) -> None:
     lib.dsv4_allreduce.restype = i
     lib.dsv4_allreduce.argtypes = [pp, i, i, p, p, ctypes.c_longlong, i, i, i, ctypes.c_ulonglong,
                                    p, p, i]
+    lib.dsv4_l2_prefetch.restype = i
+    lib.dsv4_l2_prefetch.argtypes = [pp, ctypes.POINTER(ctypes.c_ulonglong), i, i, i, i, i, p]
 
 
 def _load(arch: str, path: str | None):
@@ -292,6 +294,21 @@ def allreduce(lib, peers, world: int, rank: int, x, out, cap: int, chunk: int, t
                              x.numel() * x.element_size(), AR_DTYPES[x.dtype], cap, chunk,
                              timeout_ns, status, _stream(out), int(pdl))
     _check(err, "all-reduce (CUDA, one-shot)", lib)
+
+
+PREFETCH_MAX = 8   # ranges per dsv4_l2_prefetch launch (DSV4_PREFETCH_MAX)
+
+
+def l2_prefetch(lib, tensors, *, mode: int, ctas: int, threads: int, piece: int) -> None:
+    """dsv4_l2_prefetch of the tensors' bytes (each contiguous, on one device) on the current
+    stream of their device, in launches of PREFETCH_MAX ranges: a hint, nothing is written."""
+    for i in range(0, len(tensors), PREFETCH_MAX):
+        part = tensors[i:i + PREFETCH_MAX]
+        ptrs = (ctypes.c_void_p * len(part))(*(t.data_ptr() for t in part))
+        nbytes = (ctypes.c_ulonglong * len(part))(*(t.numel() * t.element_size() for t in part))
+        err = lib.dsv4_l2_prefetch(ptrs, nbytes, len(part), mode, ctas, threads, piece,
+                                   _stream(part[0]))
+        _check(err, "L2 prefetch (CUDA)", lib)
 
 
 def main(argv=None) -> int:

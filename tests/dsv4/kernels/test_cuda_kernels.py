@@ -464,3 +464,28 @@ def test_index_topk_cuda_rows_and_crowded_scores():
         ties = (row == thr).nonzero().flatten().tolist()
         assert got[r].tolist() == above + ties[:k - len(above)], r
     assert torch.equal(got, index_topk(sc, k))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("mode", [0, 1])
+def test_l2_prefetch_is_a_hint(mode):
+    """dsv4_l2_prefetch (csrc/prefetch.cu) over more ranges than one launch takes, odd sizes and
+    unaligned starts, eager and captured: it runs without error and changes no byte; bad launch
+    configs are refused (ValueError)."""
+    _need_lib()
+    dev, gen = torch.device("cuda"), fresh_gen("cuda")
+    lib = cuda_cpp.lib_for(dev)
+    base = torch.randint(0, 255, (3 << 20,), generator=gen, device=dev, dtype=torch.uint8)
+    keep = base.clone()
+    ts = [base[i * 300_001 + i:(i + 1) * 300_001] for i in range(10)] + [base[-5:], base[:16]]
+    cfg = dict(mode=mode, ctas=4, threads=64, piece=4096)
+    cuda_cpp.l2_prefetch(lib, ts, **cfg)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        cuda_cpp.l2_prefetch(lib, ts, **cfg)
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(base, keep)
+    for bad in (dict(cfg, piece=100), dict(cfg, mode=2), dict(cfg, ctas=0)):
+        with pytest.raises(ValueError):
+            cuda_cpp.l2_prefetch(lib, ts, **bad)

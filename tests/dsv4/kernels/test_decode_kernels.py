@@ -500,10 +500,11 @@ def test_multi_matrix_launches_equal_separate_calls_cuda():
 
 @pytest.mark.cuda
 def test_pdl_and_branches_change_no_bit():
-    """Programmatic dependent launch and the captured parallel branches (dsv4.backend.branches) only
-    reorder launches: a Flash-shaped layer's decode steps (eager and replayed from a CUDA graph)
-    give the same bits with PDL and branches on, and with DSV4_PDL=0 / DSV4_OVERLAP=0 (the
-    layer's backend resolved with those switches)."""
+    """Programmatic dependent launch, the captured parallel branches (dsv4.backend.branches) and
+    the L2 prefetch of weights (dsv4.backend.fused.prefetch) only reorder launches or hint: a
+    Flash-shaped layer's decode steps (eager and replayed from a CUDA graph) give the same bits
+    with all on, and with DSV4_PDL=0 / DSV4_OVERLAP=0 / DSV4_PREFETCH=0 (the layer's backend
+    resolved with those switches)."""
     from dsv4.backend import branches
     from dsv4.backend.binding import bind_block
     from dsv4.backend.decision import Options
@@ -554,10 +555,13 @@ def test_pdl_and_branches_change_no_bit():
         return torch.stack(outs), st.kv_cache.clone()
     branches.prepare(dev)
     with torch.inference_mode():
-        on = [run(False), run(True)]
-        no_branch = run(True, DSV4_OVERLAP="0")
-        off = [run(graph, DSV4_OVERLAP="0", DSV4_PDL="0") for graph in (False, True)]
-    names = ["eager", "graph", "graph without branches"]
-    for name, a, b in zip(names, on + [no_branch], off + [off[1]]):
+        on = [run(False, DSV4_PREFETCH="1"), run(True, DSV4_PREFETCH="1")]
+        no_branch = run(True, DSV4_OVERLAP="0", DSV4_PREFETCH="1")
+        no_prefetch = run(True, DSV4_PREFETCH="0")
+        off = [run(graph, DSV4_OVERLAP="0", DSV4_PDL="0", DSV4_PREFETCH="0")
+               for graph in (False, True)]
+    names = ["eager", "graph", "graph without branches", "graph without prefetch"]
+    for name, a, b in zip(names, on + [no_branch, no_prefetch], off + [off[1], off[1]]):
         for what, u, v in zip(("outputs", "kv cache"), a, b):
-            assert torch.equal(u, v), f"{name}: {what} differ from DSV4_PDL=0 / DSV4_OVERLAP=0"
+            assert torch.equal(u, v), (f"{name}: {what} differ from DSV4_PDL=0 / DSV4_OVERLAP=0 / "
+                                       f"DSV4_PREFETCH=0")

@@ -45,3 +45,24 @@ def test_results_come_back_in_rank_order():
     assert [r["describe"]["rank"] for r in got] == [0, 1]
     with pytest.raises(ParallelError, match="no devices given"):
         launch(parallel_ranks.describe, [])
+
+
+def test_a_port_taken_before_the_ranks_bind_it_starts_them_again(monkeypatch):
+    """The rendezvous port is free when chosen and bound seconds later by rank 0: when another
+    process took it meanwhile (EADDRINUSE), every rank ends and all start again on another port."""
+    import importlib
+    import socket
+
+    launch_mod = importlib.import_module("dsv4.parallel.launch")   # the module, not the function
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    held.listen()
+    ports = [held.getsockname()[1]]
+    real = launch_mod.free_port
+    monkeypatch.setattr(launch_mod, "free_port",
+                        lambda host="127.0.0.1": ports.pop() if ports else real(host))
+    try:
+        got = launch(parallel_ranks.describe, ["cpu", "cpu"], timeout_s=20, deadline_s=120)
+    finally:
+        held.close()
+    assert [r["rank"] for r in got] == [0, 1] and not ports

@@ -128,3 +128,23 @@ def tp_rank(group, bf16_dir: str, fp8_dir: str, prompt: list) -> dict:
     model.tp.comm.close()
     fp8.tp.comm.close()
     return res
+
+
+def parity_rank(group, ckpt_dir: str, dtype: str, prompt: list, forced: list) -> dict:
+    """On a GPU rank (its memory poisoned first): the rank's shard of a parity checkpoint, the
+    golden tokens forced after the prompt, eager, then graph mode twice (two Sessions, each
+    capturing its own graphs) -> {rank, eager, graph, graph2: logits [n, V] float32 on the CPU,
+    table: the all-reduce plan}."""
+    from parallel_ranks import _poison
+    _poison(group.device)
+    rt = RuntimeConfig(max_seq_len=256, dtype=getattr(torch, dtype))
+    model, ck = load_rank(group, ckpt_dir, rt)
+    ck.close()
+    out = {"rank": group.rank, "table": model.tp.comm.table()}
+    for name, mode in (("eager", "eager"), ("graph", "graph"), ("graph2", "graph")):
+        with Session(model, SamplingParams(), mode=mode) as s:
+            r = s.generate(prompt, len(forced), force_ids=forced, keep_logits=True)
+        out[name] = r.logits.cpu()
+    model.tp.comm.check()
+    model.tp.comm.close()
+    return out
