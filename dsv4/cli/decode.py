@@ -45,7 +45,7 @@ def build_parser() -> Parser:
     p.add_argument("--system", help="system prompt")
     add_sampling_args(p, max_new_tokens=64)
     p.add_argument("--force-ids", help="teacher forcing: feed these ids instead of sampled ones")
-    add_runtime_args(p)
+    add_runtime_args(p, parallel=True)
     o = p.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="one JSON object on stdout at the end")
     o.add_argument("--dump-logits", help="save float32 logits [n_generated, vocab] to PATH.npy")
@@ -131,6 +131,10 @@ def run(args) -> int:
     devices, mode = check_runtime_args(args)
     sampling, seed = sampling_params(args)
     force = _parse_ids(args.force_ids, "--force-ids") if args.force_ids is not None else None
+    tp = args.parallel == "tp"
+    if tp and args.profile != "none":
+        raise InputError("--profile with --parallel tp: profile a one-process run (--parallel "
+                         "pipeline), or each rank under nsys yourself (docs/CLI.md)")
     if args.profile != "none":
         parse_steps(args.profile_steps)
         if args.profile == "nsys" and not devices[0].startswith("cuda"):
@@ -145,6 +149,13 @@ def run(args) -> int:
     ckpt = checkpoint_dir(args)
     cfg = ModelConfig.from_json(ckpt)
     check_checkpoint_args(args, cfg)
+    if tp:
+        from ..model.sharding import split_problems
+        problems = split_problems(cfg, len(devices))
+        if problems:
+            raise InputError(f"--parallel tp --device {','.join(devices)}: this checkpoint "
+                             f"cannot be split over {len(devices)} ranks: {'; '.join(problems)}; "
+                             f"use fewer devices or --parallel pipeline")
     tok = load_tokenizer(ckpt)
 
     # ---- the prompt (all checks before any allocation) ------------------------------------
@@ -162,6 +173,10 @@ def run(args) -> int:
         raise InputError(f"prompt ({len(prompt_ids)} tokens) + max-new-tokens ({n_new}) = {need} "
                          f"exceeds --max-seq-len {cap}; raise --max-seq-len to at least {need} or "
                          f"lower --max-new-tokens")
+
+    if tp:
+        return _run_tp(args, ckpt, cap, devices, mode, sampling, seed, prompt_ids, n_new, force,
+                       dump, tok, out)
 
     # ---- load, generate (Ctrl-C keeps the tokens so far) ----------------------------------
     session, load_s = load_session(args, ckpt, cap, devices, mode, sampling)
@@ -200,6 +215,100 @@ def run(args) -> int:
         if interrupted and args.dump_logits:
             print(f"[dsv4] interrupted: {args.dump_logits} not written", file=sys.stderr)
     return 130 if interrupted else 0
+
+
+def _run_tp(args, ckpt, cap, devices, mode, sampling, seed, prompt_ids, n_new, force, dump, tok,
+            out) -> int:
+    """--parallel tp: one process a device (dsv4.parallel.launch), each loading its shard and
+    running the same generation; rank 0 streams the text. Ctrl-C ends every rank (the text so
+    far stays on the screen; no summary, exit 130)."""
+    from ..errors import ParallelError
+    from ..parallel import launch
+    from ..runtime.config import DTYPES, RuntimeConfig
+    rt = RuntimeConfig(max_seq_len=cap, dtype=DTYPES[args.dtype], devices=(devices[0],),
+                       prefill_chunk=args.prefill_chunk, mtp=bool(args.speculative),
+                       prefill_graphs=args.prefill_graphs if mode == "graph" else 0)
+    job = dict(ckpt=str(ckpt), rt=rt, prompt_ids=prompt_ids, n_new=n_new, force=force,
+               sampling=sampling, mode=mode, granularity=args.granularity,
+               speculative=args.speculative, spec_min=args.speculative_min_acceptance,
+               eos=tok.eos_id, keep_logits=dump is not None, json_out=args.json)
+    try:
+        got = launch(_tp_rank, devices, job)
+    except KeyboardInterrupt:
+        print("\n[dsv4] interrupted: every rank ended", file=sys.stderr)
+        return 130
+    ids = [r["output_ids"] for r in got]
+    if any(i != ids[0] for i in ids):
+        raise ParallelError(f"the ranks generated different tokens ({ids}): their logits must be "
+                            f"the same bits on every rank; report this as a bug")
+    r0 = got[0]
+    res_ids, finish = r0["output_ids"], r0["finish_reason"]
+    if dump is not None and r0["logits"] is not None:
+        import numpy as np
+        np.save(dump, r0["logits"].numpy().astype("float32"))
+    text_ids = res_ids[:-1] if finish == "eos" else res_ids
+    timings = r0["timings"]
+    mem = {"graph_bytes": {k: v for r in got for k, v in r["memory"]["graph_bytes"].items()},
+           "peak_bytes": {k: v for r in got for k, v in r["memory"].get("peak_bytes", {}).items()}}
+    if args.json:
+        print(json.dumps({"prompt_ids": prompt_ids, "output_ids": res_ids,
+                          "text": tok.decode(text_ids), "finish_reason": finish,
+                          "interrupted": False, "device": ",".join(devices), "parallel": "tp",
+                          "mode": mode, "dtype": args.dtype, "seed": seed, "timings": timings,
+                          "memory": mem, "profile": None, "backend": r0["backend"],
+                          **({k: timings[k] for k in ("speculative", "acceptance_rate",
+                                                      "tokens_per_step") if k in timings})}))
+    else:
+        from types import SimpleNamespace
+        _summary(SimpleNamespace(output_ids=res_ids, finish_reason=finish), timings, mem, mode,
+                 devices, seed, prompt_ids, SimpleNamespace(summary_path=None))
+    return 0
+
+
+def _tp_rank(group, job: dict) -> dict:
+    """One rank of `dsv4 decode --parallel tp` (a module-level function: the launcher runs it in
+    each rank's process): its shard loaded, the generation run as one process would; rank 0
+    streams the text. -> the rank's output ids, timings, memory (rank 0: logits when asked, the
+    backend table)."""
+    import torch
+
+    from ..runtime.session import Session
+    from ..runtime.tp import cpu_share, load_rank
+    from ..text.tokenizer import load_tokenizer
+    first = group.rank == 0
+    if group.device.type == "cpu":   # CPU ranks share the host's cores: each takes its share
+        torch.set_num_threads(cpu_share(group.world_size))
+    t0 = time.perf_counter()
+    model, ck = load_rank(group, job["ckpt"], job["rt"], progress=first and not job["json_out"])
+    ck.close()
+    if first and ck.notice:
+        print(f"[dsv4] notice: {ck.notice}", file=sys.stderr)
+    load_s = time.perf_counter() - t0
+    session = Session(model, job["sampling"], mode=job["mode"], granularity=job["granularity"],
+                      speculative=job["speculative"], spec_min_acceptance=job["spec_min"])
+    with session:
+        force = job["force"]
+        stream = None
+        if first:
+            tok = load_tokenizer(job["ckpt"])
+            stream = Stream(sys.stderr if job["json_out"] else sys.stdout, tok,
+                            None if force is not None else job["eos"])
+            stream.start()
+        res = session.generate(job["prompt_ids"], job["n_new"], force_ids=force, eos_id=job["eos"],
+                               on_token=stream.push if stream else None,
+                               progress=first and not job["json_out"],
+                               keep_logits=job["keep_logits"])
+        if stream is not None:
+            stream.finish()
+        model.tp.comm.check()
+        got = {"rank": group.rank, "output_ids": list(res.output_ids),
+               "finish_reason": res.finish_reason,
+               "timings": {"load_s": load_s, "capture_s": session.capture_s, **res.timings},
+               "memory": _memory(session),
+               "logits": res.logits if first else None,
+               "backend": model.binding.table() if first else None}
+    model.tp.comm.close()
+    return got
 
 
 def _memory(session) -> dict:

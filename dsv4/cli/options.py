@@ -73,9 +73,16 @@ def add_sampling_args(p, max_new_tokens: int | None = None,
 
 def add_runtime_args(p: argparse.ArgumentParser, max_seq_len: int | None = None,
                      max_seq_len_help: str = "cache capacity in tokens (default: the prompt + "
-                                             "--max-new-tokens, rounded up to 256)") -> None:
+                                             "--max-new-tokens, rounded up to 256)",
+                     parallel: bool = False) -> None:
+    """The runtime flags; parallel: the command takes --parallel tp (dsv4 decode)."""
     r = p.add_argument_group("runtime")
     r.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:0,cuda:1 (pipeline)")
+    if parallel:
+        r.add_argument("--parallel", default="pipeline", choices=("pipeline", "tp"),
+                       help="several devices: pipeline (the layers split over them, one busy at "
+                            "a time) or tp (every layer split over them, one process a device: "
+                            "--device cuda:0,cuda:1 with NCCL, or cpu,cpu with gloo)")
     r.add_argument("--mode", default="auto", choices=("auto", "graph", "eager"),
                    help="CUDA graphs or eager; auto = graph when CUDA is available")
     r.add_argument("--granularity", default="segment", choices=("segment", "device"),
@@ -122,7 +129,11 @@ def check_runtime_args(args) -> tuple[list[str], str]:
         raise InputError(f"--speculative {args.speculative}: allowed 0 (off) or 1 (one drafted "
                          f"token per step; more is not implemented)")
     check_min_acceptance(args.speculative_min_acceptance)
-    devices = resolve_devices(args.device)
+    if getattr(args, "parallel", "pipeline") == "tp":
+        from ..runtime.config import resolve_tp_devices
+        devices = resolve_tp_devices(args.device)
+    else:
+        devices = resolve_devices(args.device)
     mode = resolve_mode(args.mode, devices)
     check_prefill_graphs(args.prefill_graphs, mode, bool(args.speculative))
     return devices, mode

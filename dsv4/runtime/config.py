@@ -117,6 +117,29 @@ def resolve_devices(device: str) -> list[str]:
     return ["cuda:0" if d == "cuda" else d for d in devs]
 
 
+def resolve_tp_devices(device: str) -> list[str]:
+    """--device of a tensor-parallel run (--parallel tp): one rank a device, cpu,cpu (gloo) or
+    distinct CUDA devices cuda:0,cuda:1[,...] (NCCL); as many as a degree the model takes."""
+    devs = [d.strip() for d in device.split(",") if d.strip()]
+    if device == "auto":
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        devs = [f"cuda:{i}" for i in range(max(d for d in TP_DEGREES if d <= max(n, 1)))]
+    if len(devs) < 2:
+        raise InputError(f"--parallel tp --device {device}: give one device per rank, at least "
+                         f"two (cuda:0,cuda:1, or cpu,cpu on the CPU)")
+    if all(d == "cpu" for d in devs):
+        out = devs
+    else:
+        out = resolve_devices(",".join(devs))          # CUDA only, each present
+        idx = [torch.device(d).index or 0 for d in out]
+        if len(set(idx)) != len(idx):
+            raise InputError(f"--parallel tp --device {device}: a device twice; one rank a GPU")
+    if len(out) not in TP_DEGREES:
+        raise InputError(f"--parallel tp --device {device}: {len(out)} ranks; allowed "
+                         f"{', '.join(str(d) for d in TP_DEGREES if d > 1)}")
+    return out
+
+
 def resolve_mode(mode: str, devices: Sequence[str]) -> str:
     """'auto' -> 'graph' on CUDA, 'eager' on the CPU; 'graph' without CUDA is a DeviceError."""
     on_cuda = str(devices[0]).startswith("cuda")

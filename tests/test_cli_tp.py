@@ -1,0 +1,56 @@
+"""`dsv4 decode --parallel tp` as users drive it, on the CPU (two gloo ranks): the same JSON contract
+as one process, rank 0's streamed text, the logits of the one-process run (within what a flipped
+FP8 rounding of the KV fake-quant can move them: the exact agreement is
+tests/dsv4/parallel/test_tp_model.py's), and every bad combination refused before anything loads."""
+import json
+
+import numpy as np
+import pytest
+
+from helpers import SMALL, small_checkpoint
+from test_cli import _one_error_line, run
+
+TP_CFG = SMALL.replace(vocab_size=2047, moe_inter_dim=256)     # splits over two ranks
+FLIP_BOUND = 0.15       # tests/dsv4/test_prefill.py
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return small_checkpoint(tmp_path_factory.mktemp("cli-tp"), "bf16", cfg=TP_CFG)
+
+
+def test_tp_decode_on_two_cpu_ranks(ckpt, tmp_path):
+    base = ["--ckpt", str(ckpt), "--prompt-ids", "5,6,7,8,9", "--force-ids", "11,12,13,14",
+            "--dtype", "float32", "--json"]
+    p = run(*base, "--parallel", "tp", "--device", "cpu,cpu", "--dump-logits",
+            str(tmp_path / "tp.npy"), env={"OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    assert out["parallel"] == "tp" and out["device"] == "cpu,cpu" and out["mode"] == "eager"
+    assert out["output_ids"] == [11, 12, 13, 14] and out["finish_reason"] == "length"
+    assert out["text"] and out["text"] in p.stderr            # rank 0 streamed it
+    assert out["timings"]["decode_tok_per_s"] > 0 and out["backend"]["decode.mhc"] == "torch"
+    one = run(*base, "--device", "cpu", "--dump-logits", str(tmp_path / "one.npy"),
+              env={"OMP_NUM_THREADS": "1"})
+    assert one.returncode == 0, one.stderr
+    assert json.loads(one.stdout)["text"] == out["text"]
+    a, b = np.load(tmp_path / "tp.npy"), np.load(tmp_path / "one.npy")
+    assert a.shape == b.shape == (4, TP_CFG.vocab_size)
+    err = float((np.abs(a - b).max(1) / np.abs(b).max(1)).max())
+    assert err < FLIP_BOUND, f"TP logits differ from one process by {err:.3g} of their size"
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--device", "cpu"], ["--parallel tp --device cpu", "at least two"]),
+    (["--device", "cpu,cpu,cpu"], ["3 ranks", "allowed 2, 4, 8"]),
+    (["--device", "cpu,cpu", "--profile", "torch"], ["--profile with --parallel tp"]),
+])
+def test_tp_bad_flags_fail_before_loading(ckpt, flags, words):
+    _one_error_line(run("--ckpt", str(ckpt), "--prompt-ids", "5,6", "--parallel", "tp", *flags),
+                    *words)
+
+
+def test_tp_refuses_a_checkpoint_it_cannot_split(tmp_path):
+    fp8 = small_checkpoint(tmp_path, "fp8")         # expert rows of 64 per rank: not whole blocks
+    _one_error_line(run("--ckpt", str(fp8), "--prompt-ids", "5,6", "--parallel", "tp",
+                        "--device", "cpu,cpu"), "cannot be split over 2 ranks", "--parallel pipeline")
