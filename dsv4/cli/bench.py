@@ -26,6 +26,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "layers split over several, as in dsv4 decode)")
     # the spelling of earlier releases (every other command says --device): still read, not shown
     p.add_argument("--devices", dest="device", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    p.add_argument("--parallel", default="pipeline", choices=("pipeline", "tp"),
+                   help="several devices: the layers split over them (pipeline), or every layer "
+                        "split over them, one process a device (tp: dsv4.bench.tp)")
     p.add_argument("--context", type=int, default=4096, help="decode position L (state filled)")
     p.add_argument("--steps", type=int, default=100, help=f"timed steps (>= {MIN_STEPS} to report)")
     p.add_argument("--warmup", type=int, default=10, help="untimed steps first")
@@ -76,9 +79,12 @@ def main(argv=None) -> int:
 
 def _main(argv) -> int:
     args = build_parser().parse_args(argv)
-    from ..bench import decode as bench_decode
-    rep = bench_decode.run(args, command="python scripts/bench.py " + shlex.join(argv))
-    table = bench_decode.format_table(rep)
+    if args.parallel == "tp":
+        from ..bench import tp as bench_run
+    else:
+        from ..bench import decode as bench_run
+    rep = bench_run.run(args, command="python scripts/bench.py " + shlex.join(argv))
+    table = bench_run.format_table(rep)
     if args.json == "-":
         print(table, file=sys.stderr)
         print(json.dumps(rep))

@@ -46,7 +46,12 @@ TINY_DSPARK = TINY.replace(
     dspark=DSparkConfig(block_size=5, noise_token_id=128799, target_layer_ids=(1, 2, 3),
                         markov_rank=16, n_blocks=3, compress_ratios=(0, 0, 0), nextn_layers=1))
 
-PRESETS = {"flash": FLASH, "pro": PRO, "tiny": TINY, "tiny-dspark": TINY_DSPARK}
+# tiny with shapes that split over 2 and 4 tensor-parallel ranks in whole quantization blocks
+# (expert inter dim 512, 4 output groups): a TP run on the CPU (`dsv4 bench --parallel tp`,
+# `dsv4 make-checkpoint --preset tiny-tp` then `dsv4 decode --parallel tp --device cpu,cpu`)
+TINY_TP = TINY.replace(moe_inter_dim=512, o_groups=4)
+
+PRESETS = {"flash": FLASH, "pro": PRO, "tiny": TINY, "tiny-dspark": TINY_DSPARK, "tiny-tp": TINY_TP}
 
 
 def get_preset(name: str, n_layers: int | None = None) -> ModelConfig:

@@ -1,0 +1,131 @@
+"""`dsv4 bench --parallel tp`: the decode benchmark of a tensor-parallel model, one process a
+device (dsv4.parallel.launch), each rank its shard of the preset on device-generated weights
+(the same shard a sliced checkpoint load gives), the state filled to the context, then the same
+eager / graph steps timed on every rank (the all-reduces keep them in lockstep). Reported: rank
+0's ms per token (and every rank's), each rank's bytes per token and byte floor at its measured
+copy bandwidth, the head/embed share and the extrapolation to the preset's full depth as in the
+one-process benchmark (dsv4.bench.decode), the all-reduce plan.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..errors import InputError
+from ..runtime.config import DTYPES, RuntimeConfig, resolve_tp_devices
+from ..weights.presets import get_preset
+from . import MIN_STEPS
+from .common import _log, _versions, copy_bandwidth, fill_state
+from .decode import EXTRAPOLATION, _plan, capacity_for, measure
+from .memory import token_bytes
+
+
+def run(args, command: str = "") -> dict:
+    """The benchmark for parsed `args` with --parallel tp; the report (JSON-ready)."""
+    from ..model.sharding import split_problems
+    from ..parallel import launch
+    devices = resolve_tp_devices(args.device)
+    on_cuda = devices[0].startswith("cuda")
+    modes, grans, lengths, notes = _plan(args, on_cuda)
+    for flag, on in (("--prefill", bool(lengths)), ("--speculative", args.speculative),
+                     ("--layer-kernels", args.layer_kernels), ("--trace", bool(args.trace))):
+        if on:
+            raise InputError(f"{flag} with --parallel tp: not measured in tensor-parallel mode "
+                             f"yet; run it in one process (--parallel pipeline)")
+    full, cfg = get_preset(args.preset), get_preset(args.preset, args.layers)
+    problems = split_problems(cfg, len(devices))
+    if problems:
+        raise InputError(f"--parallel tp --device {','.join(devices)}: --preset {args.preset} "
+                         f"cannot be split over {len(devices)} ranks: {'; '.join(problems)}")
+    job = {"cfg": cfg, "full": full, "context": args.context, "steps": args.steps,
+           "warmup": args.warmup, "seed": args.seed, "dtype": args.dtype, "modes": modes,
+           "grans": grans, "kernels": not args.no_kernels}
+    t0 = time.perf_counter()
+    ranks = launch(_rank, devices, job)
+    r0 = ranks[0]
+    runs = r0["runs"]
+    for r in runs:
+        r["ratio_to_floor"] = r["ms_per_token"] / r0["floor_ms"] if r0["floor_ms"] else None
+        r["extrapolated_ms"] = r["per_layer_ms"] * full.n_layers + r["head_embed_ms"]
+    partial = cfg.n_layers < full.n_layers
+    graph = next((r for r in runs if r["mode"] == "graph"), None)
+    eager = next((r for r in runs if r["mode"] == "eager"), None)
+    return {"preset": args.preset, "layers": cfg.n_layers, "full_layers": full.n_layers,
+            "partial": partial, "parallel": "tp", "world": len(devices), "devices": devices,
+            "context": args.context, "capacity": r0["capacity"], "steps": args.steps,
+            "warmup": args.warmup, "dtype": args.dtype, "seed": args.seed, "mode": args.mode,
+            "granularity": args.granularity,
+            "eager_ms_per_token": eager["ms_per_token"] if eager else None,
+            "graph_ms_per_token": graph["ms_per_token"] if graph else None,
+            "bytes_per_token_per_rank": [r["bytes"] for r in ranks],
+            "floor_ms_per_rank": [r["floor_ms"] for r in ranks],
+            "copy_TBps_per_rank": [r["copy_TBps"] for r in ranks],
+            "ms_per_token_per_rank": [[x["ms_per_token"] for x in r["runs"]] for r in ranks],
+            "allreduce": r0["allreduce"], "runs": runs,
+            "extrapolated": {"method": EXTRAPOLATION, "layers": full.n_layers} if partial else None,
+            "load_s": r0["load_s"], "wall_s": time.perf_counter() - t0, **r0["versions"],
+            "command": command, "valid": on_cuda and args.steps >= MIN_STEPS, "notes": notes}
+
+
+def _rank(group, job: dict) -> dict:
+    """One rank: its shard built and filled, the same measurements as every other rank."""
+    from ..parallel import Communicator
+    from ..runtime.build import build_model
+    from ..runtime.tp import cpu_share, rank_runtime
+    from ..weights.device_weights import DeviceWeights
+    dev = group.device
+    if dev.type == "cpu":
+        torch.set_num_threads(cpu_share(group.world_size))
+    cfg = job["cfg"]
+    cap = capacity_for(job["context"], job["steps"], job["warmup"])
+    rt = rank_runtime(RuntimeConfig(cap, DTYPES[job["dtype"]], (str(dev),)), group)
+    comm = Communicator.plan(group)
+    model = build_model(cfg, rt, comm=comm)
+    t0 = time.perf_counter()
+    model.load(DeviceWeights(cfg, job["seed"]))
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    load_s = time.perf_counter() - t0
+    copy = copy_bandwidth(dev) if dev.type == "cuda" else None
+    nbytes = sum(token_bytes(model, job["context"]).values())
+    runs = []
+    for mode in job["modes"]:
+        for g in job["grans"] if mode == "graph" else job["grans"][:1]:
+            if group.rank == 0:
+                _log(f"measuring {mode}" + (f"/{g}" if mode == "graph" else "") +
+                     f" on {group.world_size} ranks")
+            fill_state(model, job["context"], job["seed"])
+            runs.append(measure(model, mode, g, job["context"], job["steps"], job["warmup"],
+                                job["seed"], kernels=job["kernels"] and mode == "graph"))
+    comm.check()
+    out = {"rank": group.rank, "runs": runs, "bytes": nbytes, "copy_TBps": copy,
+           "floor_ms": nbytes / (copy * 1e12) * 1e3 if copy else None, "capacity": cap,
+           "load_s": load_s, "allreduce": comm.table(), "versions": _versions([dev])}
+    comm.close()
+    return out
+
+
+def format_table(rep: dict) -> str:
+    f = lambda v, fmt: "-" if v is None else format(v, fmt)  # noqa: E731
+    part = " (partial)" if rep["partial"] else ""
+    lines = [f"dsv4 bench: {rep['preset']} {rep['layers']}/{rep['full_layers']} layers{part} | "
+             f"tensor parallel over {rep['world']}: {','.join(rep['devices'])} | context "
+             f"{rep['context']} | {rep['dtype']} | median of {rep['steps']} steps",
+             "bytes/token a rank " + ", ".join(f"{b / 1e9:.3f} GB" for b in
+                                              rep["bytes_per_token_per_rank"]) +
+             " | floor a rank " + ", ".join(f(x, ".3f") + " ms" for x in rep["floor_ms_per_rank"]),
+             "all-reduce: " + ", ".join(f"{k} {v}" for k, v in rep["allreduce"].items()),
+             f"{'run':<16}{'ms/token':>10}{'min-max':>18}{'tok/s':>9}{'x floor':>9}"
+             f"{'head+embed':>12}{'per layer':>11}" + (f"{'extrap. ms':>12}" if rep["partial"]
+                                                       else "")]
+    for r in rep["runs"]:
+        name = r["mode"] + (f"/{r['granularity']}" if r["granularity"] else "")
+        lo, hi = r["spread_ms"]
+        lines.append(f"{name:<16}{r['ms_per_token']:>10.3f}{f'{lo:.3f}-{hi:.3f}':>18}"
+                     f"{r['tokens_per_s']:>9.1f}{f(r['ratio_to_floor'], '.2f'):>9}"
+                     f"{r['head_embed_ms']:>12.3f}{r['per_layer_ms']:>11.4f}" +
+                     (f"{r['extrapolated_ms']:>12.3f}" if rep["partial"] else ""))
+    for n in rep["notes"]:
+        lines.append(f"note: {n}")
+    return "\n".join(lines)
