@@ -54,3 +54,73 @@ def test_tp_refuses_a_checkpoint_it_cannot_split(tmp_path):
     fp8 = small_checkpoint(tmp_path, "fp8")         # expert rows of 64 per rank: not whole blocks
     _one_error_line(run("--ckpt", str(fp8), "--prompt-ids", "5,6", "--parallel", "tp",
                         "--device", "cpu,cpu"), "cannot be split over 2 ranks", "--parallel pipeline")
+
+
+def _chat(ckpt, *flags):
+    import os
+    import subprocess
+    import sys
+    return subprocess.run([sys.executable, "-m", "dsv4", "chat", "--ckpt", str(ckpt), "--dtype",
+                           "float32", "--max-new-tokens", "5", *flags],
+                          input="Hello there\n/reset\nA new start\nAnd a follow-up\n",
+                          capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+
+
+def test_tp_chat_answers_as_one_process(ckpt):
+    """`dsv4 chat --parallel tp` through a pipe (this process rank 0, the other following it):
+    the answers of a one-process chat, turns continued and /reset, a clean exit."""
+    tp = _chat(ckpt, "--parallel", "tp", "--device", "cpu,cpu")
+    one = _chat(ckpt, "--device", "cpu")
+    assert tp.returncode == 0 and one.returncode == 0, (tp.stderr, one.stderr)
+    assert "device=cpu,cpu tensor-parallel" in tp.stderr and "new conversation" in tp.stderr
+    assert tp.stdout.count("[end of answer]") == 3
+    assert tp.stdout == one.stdout
+
+
+STOP_SCRIPT = r'''
+import json, sys, torch
+from dsv4.runtime.config import RuntimeConfig
+from dsv4.runtime.sampling import SamplingParams
+from dsv4.runtime.session import Session, load_model
+from dsv4.runtime.tp import open_session
+ckpt = sys.argv[1]
+rt = RuntimeConfig(max_seq_len=64, dtype=torch.float32)
+kw = dict(params=SamplingParams(temperature=0.8, top_p=0.9, seed=3), mode="eager")
+
+def turns(s):
+    seen = []
+    a = s.generate([5, 6, 7], 6, on_token=lambda t: seen.append(t) or len(seen) == 2)
+    b = s.generate([9, 10], 3, continue_sequence=True)
+    bad = None
+    try:
+        s.generate([5], 0)
+    except Exception as e:
+        bad = type(e).__name__
+    c = s.generate([11], 2, continue_sequence=True)
+    return [a.output_ids, a.finish_reason, b.output_ids, bad, c.output_ids, s.length]
+
+tp, _ = open_session(["cpu", "cpu"], ckpt, rt, kw)
+with tp:
+    got = turns(tp)
+m, ck = load_model(ckpt, rt)
+ck.close()
+with Session(m, **kw) as s:
+    want = turns(s)
+print(json.dumps([got, want]))
+'''
+
+
+def test_tp_session_stops_where_rank_0_stops(ckpt):
+    """A MirroredSession (dsv4.runtime.tp.open_session): rank 0's on_token stops the generation
+    on every rank at the same token; a request refused on rank 0 (max_new_tokens 0) leaves the
+    followers in step; later turns continue alike; seeded sampling as one process."""
+    import os
+    import subprocess
+    import sys
+    p = subprocess.run([sys.executable, "-c", STOP_SCRIPT, str(ckpt)], capture_output=True,
+                       text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert p.returncode == 0, p.stderr
+    got, want = json.loads(p.stdout.strip().splitlines()[-1])
+    assert got[1] == "stopped" and len(got[0]) == 2 and got[3] == "InputError"
+    assert got == want

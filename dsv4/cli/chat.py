@@ -23,8 +23,10 @@ from .options import (
     add_sampling_args,
     check_checkpoint_args,
     check_runtime_args,
+    check_tp_split,
     checkpoint_dir,
     load_session,
+    load_tp_session,
     model_name,
     sampling_params,
 )
@@ -56,7 +58,7 @@ def build_parser() -> Parser:
                         f"demo, whose random text is slow on a CPU)")
     add_sampling_args(g)
     add_runtime_args(p, max_seq_len=CHAT_CONTEXT, max_seq_len_help="cache capacity: the longest "
-                     "conversation in tokens (then /reset)")
+                     "conversation in tokens (then /reset)", parallel=True)
     return p
 
 
@@ -326,13 +328,16 @@ def run(args) -> int:
     ckpt = checkpoint_dir(args)
     cfg = ModelConfig.from_json(ckpt)
     check_checkpoint_args(args, cfg)
+    check_tp_split(args, cfg, devices)
     tok = load_tokenizer(ckpt)
-    session, load_s = load_session(args, ckpt, cap, devices, mode, sampling)
+    load = load_tp_session if args.parallel == "tp" else load_session
+    session, load_s = load(args, ckpt, cap, devices, mode, sampling)
     tty = sys.stdin.isatty() and sys.stdout.isatty()
     chat = Conversation(session, tok, system=args.system, thinking=args.thinking,
                         max_new=max_new, tty=tty)
     how = "greedy" if seed is None else f"seed={seed}"
-    chat._say(f"chat: {model_name(args, ckpt)} mode={mode} device={','.join(devices)} {how} | "
+    tp = " tensor-parallel" if args.parallel == "tp" else ""
+    chat._say(f"chat: {model_name(args, ckpt)} mode={mode} device={','.join(devices)}{tp} {how} | "
               f"capacity {cap} tokens | --max-new-tokens {max_new} | "
               f"load {load_s:.1f} s | thinking {'on' if args.thinking else 'off'} | {COMMANDS}"
               + (" | Ctrl-C stops an answer" if tty else ""))

@@ -21,6 +21,7 @@ from .options import (
     check_output_dir,
     check_output_path,
     check_runtime_args,
+    check_tp_split,
     checkpoint_dir,
     demo_checkpoint,
     load_session,
@@ -149,13 +150,7 @@ def run(args) -> int:
     ckpt = checkpoint_dir(args)
     cfg = ModelConfig.from_json(ckpt)
     check_checkpoint_args(args, cfg)
-    if tp:
-        from ..model.sharding import split_problems
-        problems = split_problems(cfg, len(devices))
-        if problems:
-            raise InputError(f"--parallel tp --device {','.join(devices)}: this checkpoint "
-                             f"cannot be split over {len(devices)} ranks: {'; '.join(problems)}; "
-                             f"use fewer devices or --parallel pipeline")
+    check_tp_split(args, cfg, devices)
     tok = load_tokenizer(ckpt)
 
     # ---- the prompt (all checks before any allocation) ------------------------------------

@@ -227,6 +227,18 @@ def check_checkpoint_args(args, cfg) -> None:
                          f"(num_nextn_predict_layers = 0); use --speculative 0")
 
 
+def check_tp_split(args, cfg, devices: list[str]) -> None:
+    """--parallel tp: the checkpoint's shapes split over the devices (else InputError)."""
+    if getattr(args, "parallel", "pipeline") != "tp":
+        return
+    from ..model.sharding import split_problems
+    problems = split_problems(cfg, len(devices))
+    if problems:
+        raise InputError(f"--parallel tp --device {','.join(devices)}: this checkpoint cannot be "
+                         f"split over {len(devices)} ranks: {'; '.join(problems)}; use fewer "
+                         f"devices or --parallel pipeline")
+
+
 def demo_checkpoint() -> Path:
     """The cached tiny random-weight checkpoint (built once under the user's cache directory)."""
     from ..weights.presets import TINY
@@ -273,3 +285,16 @@ def load_session(args, ckpt: Path, cap: int, devices: list[str], mode: str, samp
                       speculative=args.speculative,
                       spec_min_acceptance=args.speculative_min_acceptance)
     return session, load_s
+
+
+def load_tp_session(args, ckpt: Path, cap: int, devices: list[str], mode: str, sampling):
+    """--parallel tp for an interactive command: this process is rank 0 (it keeps the terminal),
+    the other ranks follow its session (dsv4.runtime.tp.open_session). -> (session, seconds)."""
+    from ..runtime.config import DTYPES, RuntimeConfig
+    from ..runtime.tp import open_session
+    rt = RuntimeConfig(max_seq_len=cap, dtype=DTYPES[args.dtype], devices=(devices[0],),
+                       prefill_chunk=args.prefill_chunk, mtp=bool(args.speculative),
+                       prefill_graphs=args.prefill_graphs if mode == "graph" else 0)
+    return open_session(devices, ckpt, rt, dict(
+        params=sampling, mode=mode, granularity=args.granularity, speculative=args.speculative,
+        spec_min_acceptance=args.speculative_min_acceptance))

@@ -4,7 +4,8 @@ captured is the caller's business, and every op here says whether it is capture-
 
   group     the process group of a run: rank, world size, device (NCCL on CUDA, gloo on the
             CPU), started from torchrun's environment or by our launcher; multicast off; timeouts
-  launch    one process per device (spawn), joined; the first failure ends every rank
+  launch    one process per device (spawn), joined; the first failure ends every rank; or
+            ranks 1 .. N-1 spawned with a pipe each while the caller is rank 0 (spawn_workers)
   allreduce the all-reduce, planned once: which implementation serves small messages
   comm      the communicator a tensor-parallel model holds: the all-reduce and an all-gather
   nccl      torch.distributed.all_reduce (the fallback; gloo on the CPU)
@@ -18,8 +19,8 @@ from .allreduce import IMPLEMENTATIONS, MAX_BYTES, PREFERENCE, AllReduce, plan_a
 from .comm import Communicator
 from .group import (DEFAULT_TIMEOUT_S, MULTICAST_OFF, TPGroup, disable_multicast, start,
                     start_from_env)
-from .launch import launch
+from .launch import Workers, launch, spawn_workers
 
 __all__ = ["AllReduce", "Communicator", "DEFAULT_TIMEOUT_S", "IMPLEMENTATIONS", "MAX_BYTES",
-           "MULTICAST_OFF", "PREFERENCE", "TPGroup", "disable_multicast", "launch", "plan_allreduce", "start",
-           "start_from_env"]
+           "MULTICAST_OFF", "PREFERENCE", "TPGroup", "Workers", "disable_multicast", "launch", "plan_allreduce",
+           "spawn_workers", "start", "start_from_env"]

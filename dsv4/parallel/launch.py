@@ -203,3 +203,87 @@ def _report(failures: list[RankFailure], stopped: list[int], world: int,
     err.failures = {f.rank: f.text for f in failures}
     err.first_rank = first.rank
     return err
+
+
+class Workers:
+    """Ranks 1 .. N-1 of a run whose rank 0 is the calling process (`spawn_workers`): a command
+    line or server that keeps its terminal, signals and sockets, with the other ranks following
+    it. `conns[i]` is a duplex pipe to rank i + 1 (the caller's protocol); `join()` waits for
+    them to end (then terminates what is left) and raises a ParallelError naming a rank that
+    failed."""
+
+    def __init__(self, procs, conns, results, devices):
+        self.procs, self.conns, self._results, self.devices = procs, conns, results, devices
+
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self.procs)
+
+    def join(self, timeout_s: float = EXIT_WAIT_S) -> list:
+        """The workers' results (rank order) once they exited; ParallelError naming the first
+        that failed or did not end within timeout_s (it is terminated)."""
+        failures, out = [], []
+        deadline = time.monotonic() + timeout_s
+        for i, p in enumerate(self.procs):
+            p.join(max(0.0, deadline - time.monotonic()))
+            msg = _poll(self._results[i])
+            if p.is_alive():
+                p.terminate()
+                p.join(5.0)
+                failures.append(RankFailure(i + 1, self.devices[i + 1], f"did not end within "
+                                            f"{timeout_s:g} s", RAISED, time.monotonic()))
+            elif msg is None or msg[0] != "ok":
+                text = msg[2] if msg and msg[0] == "error" else _ended(p)
+                failures.append(RankFailure(i + 1, self.devices[i + 1], text, RAISED,
+                                            time.monotonic()))
+            else:
+                out.append(msg[1])
+        for c in self.conns + self._results:
+            c.close()
+        if failures:
+            raise _report(failures, [], len(self.devices), 0.0)
+        return out
+
+    def terminate(self) -> None:
+        for p in self.procs:
+            if p.is_alive():
+                p.terminate()
+        for p in self.procs:
+            p.join(5.0)
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+
+def spawn_workers(fn: Callable, devices: Sequence, *args, timeout_s: float = DEFAULT_TIMEOUT_S,
+                  master_addr: str = "127.0.0.1"):
+    """Start ranks 1 .. N-1 (rank i on devices[i]), each running fn(group, conn, *args) with conn
+    its end of a duplex pipe to the caller, and join the group as rank 0 on devices[0] here.
+    -> (rank 0's TPGroup, Workers). ParallelError when the group does not form (the workers are
+    ended)."""
+    devices = [str(d) for d in devices]
+    world = len(devices)
+    if world < 2:
+        raise ParallelError(f"spawn_workers: {world} device(s); a run of workers needs two or more")
+    ctx = multiprocessing.get_context("spawn")
+    port = free_port(master_addr)   # bound by this process right after the spawn: a short window
+    procs, conns, results = [], [], []
+    for rank, dev in enumerate(devices[1:], start=1):
+        mine, theirs = ctx.Pipe(duplex=True)
+        recv, send = ctx.Pipe(duplex=False)
+        p = ctx.Process(target=_child, name=f"dsv4-rank{rank}",
+                        args=(fn, rank, world, dev, master_addr, port, timeout_s, send,
+                              (theirs, *args)))
+        procs.append(p)
+        conns.append(mine)
+        results.append(recv)
+    workers = Workers(procs, conns, results, devices)
+    for p in procs:
+        p.start()
+    disable_multicast()
+    try:
+        group = start(0, world, devices[0], master_addr=master_addr, master_port=port,
+                      timeout_s=timeout_s)
+    except BaseException:
+        workers.terminate()
+        raise
+    return group, workers

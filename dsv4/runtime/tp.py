@@ -2,7 +2,8 @@
 each holding its rank's shard of every layer (dsv4.model.sharding) and running the same steps as
 the others: the same prefill, the same decode loop (a plain Session, unchanged), the same logits
 on every rank (the head's all-gather), hence the same sampled token. Rank 0 is the one that
-talks to the user. Start the ranks with `launch_generate` (our launcher: dsv4.parallel.launch)
+talks to the user; `open_session` makes this process rank 0 of a run whose other ranks follow its
+`MirroredSession` (an interactive command keeps its terminal). Start the ranks with `launch_generate` (our launcher: dsv4.parallel.launch)
 or, under torchrun, call dsv4.parallel.start_from_env and then `load_rank` in each process.
 """
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Sequence
 
 import torch
 
-from ..errors import ParallelError
+from ..errors import InputError, ParallelError
 from ..parallel import Communicator, launch
 from ..parallel.group import DEFAULT_TIMEOUT_S, TPGroup
 from .build import load_model
@@ -81,3 +82,143 @@ def launch_generate(devices: Sequence[str], ckpt_dir, rt: RuntimeConfig,
         raise ParallelError(f"the ranks generated different tokens ({ids}): their logits must "
                             f"be the same bits on every rank; report this as a bug")
     return got[0]
+
+
+# ---- a Session driven from rank 0 (dsv4 chat --parallel tp) ------------------------------------
+
+MIRRORED = ("reset", "prefill", "score", "generate")   # the calls rank 0 sends to the others
+
+
+class MirroredSession:
+    """Rank 0's Session of a tensor-parallel run whose other ranks follow it (`follow_rank`): each
+    call in MIRRORED goes to every follower with the same arguments before it runs here, so every
+    rank makes the same steps and collectives. Callbacks run here only; after each token rank 0
+    sends its on_token decision (stop or go on), and the followers stop where it does. Attributes
+    (length, pending, model, ...) are rank 0's, the same on every rank. Not mirrored (a clear
+    error): snapshots (save / restore), on_logprobs and constraints (the server's features)."""
+
+    def __init__(self, session: Session, group: TPGroup, workers):
+        self._s, self.group, self.workers = session, group, workers
+        self._broken = None            # why the ranks can no longer go on together
+
+    def __getattr__(self, name):
+        return getattr(self._s, name)
+
+    def _send(self, msg) -> None:
+        if self._broken:
+            raise ParallelError(self._broken)
+        try:
+            for c in self.workers.conns:
+                c.send(msg)
+        except (BrokenPipeError, EOFError, OSError) as e:
+            self._broken = (f"a tensor-parallel rank is gone ({e}); the run cannot go on: "
+                            f"restart it")
+            raise ParallelError(self._broken) from e
+
+    def reset(self) -> None:
+        self._send(("reset", (), {}))
+        self._s.reset()
+
+    def prefill(self, ids, continue_sequence: bool = False, progress: bool = False):
+        self._send(("prefill", (list(ids),), {"continue_sequence": continue_sequence}))
+        return self._s.prefill(ids, continue_sequence=continue_sequence, progress=progress)
+
+    def score(self, ids):
+        self._send(("score", (list(ids),), {}))
+        return self._s.score(ids)
+
+    def generate(self, prompt_ids, max_new_tokens: int, *, on_token=None, progress: bool = False,
+                 on_logprobs=None, constraint=None, **kw):
+        if on_logprobs is not None or constraint is not None:
+            raise InputError("log-probabilities and token masks are not served in "
+                             "tensor-parallel mode yet; run one process (--parallel pipeline)")
+        self._send(("generate", (list(prompt_ids), max_new_tokens), kw))
+
+        def decide(tid: int):
+            try:
+                stop = on_token(tid) if on_token is not None else None
+            except BaseException:
+                self._send(True)       # the followers stop where rank 0 stopped
+                raise
+            self._send(bool(stop))
+            return stop
+        try:
+            return self._s.generate(prompt_ids, max_new_tokens, on_token=decide,
+                                    progress=progress, **kw)
+        except KeyboardInterrupt:      # mid-step: the followers may be inside a collective
+            self._broken = ("a tensor-parallel generation was interrupted mid-step; the ranks "
+                            "cannot resume together: restart the run")
+            raise
+
+    def save(self, snap) -> None:
+        raise InputError("state snapshots are not served in tensor-parallel mode yet")
+
+    def restore(self, snap) -> None:
+        raise InputError("state snapshots are not served in tensor-parallel mode yet")
+
+    def close(self) -> None:
+        """Close every rank's session and the group; the followers' failures are raised."""
+        try:
+            if not self._broken:
+                self._send(("close", (), {}))
+                self._s.close()
+                self._s.model.tp.comm.close()
+                self.group.close()
+                self.workers.join()
+        finally:
+            self.workers.terminate()
+
+    def __enter__(self) -> "MirroredSession":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def follow_rank(group: TPGroup, conn, ckpt_dir, rt: RuntimeConfig, session_kw: dict) -> None:
+    """A follower rank (1 .. N-1) of a MirroredSession (a module-level function: spawn_workers
+    runs it): load its shard, build the same Session, then run what rank 0 sends until "close";
+    each token waits for rank 0's decision. An error rank 0 also meets (the same inputs) is not
+    this rank's to report: it goes on to the next call."""
+    from ..errors import UserInputError
+    if group.device.type == "cpu":
+        torch.set_num_threads(cpu_share(group.world_size))
+    model, ckpt = load_rank(group, ckpt_dir, rt, progress=False)
+    ckpt.close()
+    s = Session(model, **session_kw)
+    conn.send("ready")
+    while True:
+        name, args, kw = conn.recv()
+        if name == "close":
+            break
+        if name == "generate":
+            kw = dict(kw, on_token=lambda tid: conn.recv())
+        try:
+            getattr(s, name)(*args, **kw)
+        except UserInputError:
+            pass
+    s.close()
+    model.tp.comm.close()
+
+
+def open_session(devices: Sequence[str], ckpt_dir, rt: RuntimeConfig, session_kw: dict,
+                 progress: bool | None = None) -> tuple[MirroredSession, float]:
+    """A tensor-parallel Session driven from this process (rank 0 on devices[0]; the others
+    spawned, following it) -> (MirroredSession, load seconds). session_kw: Session's keyword
+    arguments (params, mode, granularity, speculative, ...)."""
+    from ..parallel import spawn_workers
+    t0 = time.perf_counter()
+    group, workers = spawn_workers(follow_rank, devices, str(ckpt_dir), rt, session_kw)
+    try:
+        if group.device.type == "cpu":
+            torch.set_num_threads(cpu_share(group.world_size))
+        model, ckpt = load_rank(group, ckpt_dir, rt, progress=progress)
+        ckpt.close()
+        s = Session(model, **session_kw)
+        for c in workers.conns:
+            if c.recv() != "ready":
+                raise ParallelError("a tensor-parallel rank did not get ready")
+    except BaseException:
+        workers.terminate()
+        raise
+    return MirroredSession(s, group, workers), time.perf_counter() - t0
