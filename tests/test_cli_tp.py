@@ -67,15 +67,30 @@ def _chat(ckpt, *flags):
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
 
 
-def test_tp_chat_answers_as_one_process(ckpt):
+@pytest.fixture(scope="module")
+def tiny_tp(tmp_path_factory):
+    """A checkpoint of the tiny-tp preset (the tokenizer's vocabulary; splits over two ranks)."""
+    from dsv4.weights.presets import TINY_TP
+    return small_checkpoint(tmp_path_factory.mktemp("cli-tp-tiny"), "bf16", cfg=TINY_TP)
+
+
+def test_tp_chat_answers_as_tp_decode(tiny_tp):
     """`dsv4 chat --parallel tp` through a pipe (this process rank 0, the other following it):
-    the answers of a one-process chat, turns continued and /reset, a clean exit."""
-    tp = _chat(ckpt, "--parallel", "tp", "--device", "cpu,cpu")
-    one = _chat(ckpt, "--device", "cpu")
-    assert tp.returncode == 0 and one.returncode == 0, (tp.stderr, one.stderr)
+    its first answer is what `dsv4 decode --parallel tp` gives for the same message (the same
+    split sums: the same bits on any machine); turns continue, /reset starts afresh (the first
+    turn again gives the first answer's tokens), and the run ends cleanly."""
+    tp = _chat(tiny_tp, "--parallel", "tp", "--device", "cpu,cpu")
+    assert tp.returncode == 0, tp.stderr
     assert "device=cpu,cpu tensor-parallel" in tp.stderr and "new conversation" in tp.stderr
-    assert tp.stdout.count("[end of answer]") == 3
-    assert tp.stdout == one.stdout
+    answers = tp.stdout.split("[end of answer]\n")
+    assert len(answers) == 4 and answers[-1] == ""
+    d = run("--ckpt", str(tiny_tp), "--prompt", "Hello there", "--max-new-tokens", "5", "--dtype",
+            "float32", "--parallel", "tp", "--device", "cpu,cpu", "--json",
+            env={"OMP_NUM_THREADS": "1"})
+    assert d.returncode == 0, d.stderr
+    out = json.loads(d.stdout)
+    if out["finish_reason"] == "length":      # (an EOS would end the chat's answer alike)
+        assert answers[0].rstrip("\n") == out["text"]
 
 
 STOP_SCRIPT = r'''

@@ -19,6 +19,7 @@ import signal
 import socket
 import sys
 import time
+from dataclasses import replace
 
 from ..errors import InputError, exit_code
 from .options import (
@@ -28,6 +29,7 @@ from .options import (
     add_sampling_args,
     check_checkpoint_args,
     check_runtime_args,
+    check_tp_split,
     checkpoint_dir,
     model_name,
 )
@@ -62,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(p, title="sampling defaults (a request's own fields win)")
     add_runtime_args(p, DEFAULT_MAX_SEQ_LEN,
                      f"cache capacity: the context length (prompt + max_tokens) of every request "
-                     f"(default {DEFAULT_MAX_SEQ_LEN})")
+                     f"(default {DEFAULT_MAX_SEQ_LEN})", parallel=True)
     return p
 
 
@@ -162,6 +164,7 @@ def run(args) -> int:
         ckpt = checkpoint_dir(args)
         cfg = ModelConfig.from_json(ckpt)
         check_checkpoint_args(args, cfg)
+        check_tp_split(args, cfg, devices)
         tok = load_tokenizer(ckpt)
         engine, defaults = _build(args, ckpt, cfg, tok, devices, mode, defaults_sampling)
         return _listen(args, sock, engine, tok, defaults, key, limits)
@@ -205,14 +208,20 @@ def _build(args, ckpt, cfg, tok, devices, mode, sampling):
                        devices=tuple(devices), prefill_chunk=args.prefill_chunk,
                        mtp=bool(args.speculative),
                        prefill_graphs=args.prefill_graphs if mode == "graph" else 0)
-    model, ck = load_model(ckpt, rt)
-    ck.close()
-    if ck.notice:
-        print(f"[dsv4] notice: {ck.notice}", file=sys.stderr)
-    session = Session(model, sampling, mode=mode, granularity=args.granularity,
+    session_kw = dict(params=sampling, mode=mode, granularity=args.granularity,
                       speculative=args.speculative,
                       spec_min_acceptance=args.speculative_min_acceptance,
                       per_request_sampling=True)
+    if args.parallel == "tp":       # this process is rank 0 (the API); the others follow it
+        from ..runtime.tp import open_session
+        session, _ = open_session(devices, ckpt, replace(rt, devices=(devices[0],)), session_kw)
+        model = session.model
+    else:
+        model, ck = load_model(ckpt, rt)
+        ck.close()
+        if ck.notice:
+            print(f"[dsv4] notice: {ck.notice}", file=sys.stderr)
+        session = Session(model, **session_kw)
     session.generate([tok.bos_id] + tok.encode("Hello"), 2)   # first-call costs, before serving
     session.reset()
     engine = Engine(session, tok, max_queue=args.max_queue,
@@ -224,7 +233,8 @@ def _build(args, ckpt, cfg, tok, devices, mode, sampling):
                         allow_force_ids=args.allow_force_ids,
                         grammar=GrammarCompiler(tok, cfg.vocab_size), texts=TokenTexts(tok))
     per_snapshot = engine.cache.nbytes() / max(1, args.prefix_snapshots) / 2 ** 20
-    print(f"[dsv4] {name}: mode={mode} device={','.join(devices)} dtype={args.dtype} "
+    tp = " tensor-parallel" if args.parallel == "tp" else ""
+    print(f"[dsv4] {name}: mode={mode} device={','.join(devices)}{tp} dtype={args.dtype} "
           f"max-seq-len={args.max_seq_len} speculative={args.speculative} | ready in "
           f"{time.perf_counter() - t0:.1f} s (capture {session.capture_s:.1f} s) | prefix "
           f"snapshots {args.prefix_snapshots} x {per_snapshot:.1f} MiB", file=sys.stderr)

@@ -49,7 +49,7 @@ class PrefixCache:
             raise InputError(f"--prefix-snapshots {slots}: must be >= 0 (0 = reuse the live "
                              f"sequence only)")
         self.session = session
-        self.slots = [_Slot(StateSnapshot(session.model)) for _ in range(slots)]
+        self.slots = [_Slot(session.new_snapshot()) for _ in range(slots)]
         self.ids: list[int] = []          # ids the state holds (session.length of them)
         self._clock = 0
 

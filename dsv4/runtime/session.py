@@ -143,6 +143,10 @@ class Session:
         token's logits are held, and generate([], ..., continue_sequence=True) samples from them."""
         return self._logits is not None
 
+    def new_snapshot(self) -> StateSnapshot:
+        """An empty snapshot of this session's state (buffers allocated now), for save()."""
+        return StateSnapshot(self.model)
+
     def save(self, snap: StateSnapshot) -> None:
         """Save the sequence's current point into `snap` (allocated once with
         StateSnapshot(session.model)): the state that later positions overwrite, the length, the

@@ -84,25 +84,33 @@ def launch_generate(devices: Sequence[str], ckpt_dir, rt: RuntimeConfig,
     return got[0]
 
 
-# ---- a Session driven from rank 0 (dsv4 chat --parallel tp) ------------------------------------
-
-MIRRORED = ("reset", "prefill", "score", "generate")   # the calls rank 0 sends to the others
-
+# ---- a Session driven from rank 0 (dsv4 chat / serve --parallel tp) ------------------------------
 
 class MirroredSession:
     """Rank 0's Session of a tensor-parallel run whose other ranks follow it (`follow_rank`): each
-    call in MIRRORED goes to every follower with the same arguments before it runs here, so every
-    rank makes the same steps and collectives. Callbacks run here only; after each token rank 0
-    sends its on_token decision (stop or go on), and the followers stop where it does. Attributes
-    (length, pending, model, ...) are rank 0's, the same on every rank. Not mirrored (a clear
-    error): snapshots (save / restore), on_logprobs and constraints (the server's features)."""
+    call that changes the state (reset, prefill, score, generate, new_snapshot, save, restore,
+    setting `pending`) goes down a pipe to every follower with the same arguments before it runs
+    here, so every rank makes the same steps and collectives. Callbacks run here only: after
+    each token rank 0 sends its on_token decision (stop or go on) and the followers stop where it
+    does; a token mask (structured output) is filled here and its bitmask sent for each token;
+    log-probabilities are computed on every rank and reported here. Attributes (length, model,
+    spec, ...) are rank 0's, the same on every rank."""
 
     def __init__(self, session: Session, group: TPGroup, workers):
-        self._s, self.group, self.workers = session, group, workers
-        self._broken = None            # why the ranks can no longer go on together
+        object.__setattr__(self, "_s", session)
+        object.__setattr__(self, "group", group)
+        object.__setattr__(self, "workers", workers)
+        object.__setattr__(self, "_broken", None)     # why the ranks can no longer go on
+        object.__setattr__(self, "_snaps", 0)
 
     def __getattr__(self, name):
         return getattr(self._s, name)
+
+    def __setattr__(self, name, value):
+        if name != "pending":
+            raise AttributeError(f"MirroredSession: {name} is not set through the mirror")
+        self._send(("set", ("pending", value), {}))
+        self._s.pending = value
 
     def _send(self, msg) -> None:
         if self._broken:
@@ -111,8 +119,8 @@ class MirroredSession:
             for c in self.workers.conns:
                 c.send(msg)
         except (BrokenPipeError, EOFError, OSError) as e:
-            self._broken = (f"a tensor-parallel rank is gone ({e}); the run cannot go on: "
-                            f"restart it")
+            object.__setattr__(self, "_broken", f"a tensor-parallel rank is gone ({e}); the "
+                                                f"run cannot go on: restart it")
             raise ParallelError(self._broken) from e
 
     def reset(self) -> None:
@@ -127,12 +135,29 @@ class MirroredSession:
         self._send(("score", (list(ids),), {}))
         return self._s.score(ids)
 
+    def new_snapshot(self):
+        """A snapshot here and its twin on every follower (by number)."""
+        k = self._snaps
+        object.__setattr__(self, "_snaps", k + 1)
+        self._send(("snapshot", (k,), {}))
+        snap = self._s.new_snapshot()
+        snap.mirror_id = k
+        return snap
+
+    def save(self, snap) -> None:
+        self._send(("save", (snap.mirror_id,), {}))
+        self._s.save(snap)
+
+    def restore(self, snap) -> None:
+        self._send(("restore", (snap.mirror_id,), {}))
+        self._s.restore(snap)
+
     def generate(self, prompt_ids, max_new_tokens: int, *, on_token=None, progress: bool = False,
                  on_logprobs=None, constraint=None, **kw):
-        if on_logprobs is not None or constraint is not None:
-            raise InputError("log-probabilities and token masks are not served in "
-                             "tensor-parallel mode yet; run one process (--parallel pipeline)")
-        self._send(("generate", (list(prompt_ids), max_new_tokens), kw))
+        self._send(("generate", (list(prompt_ids), max_new_tokens),
+                    dict(kw, _logprobs=on_logprobs is not None, _mask=constraint is not None)))
+        if constraint is not None:
+            constraint = _SentMask(constraint, self._send)
 
         def decide(tid: int):
             try:
@@ -144,17 +169,12 @@ class MirroredSession:
             return stop
         try:
             return self._s.generate(prompt_ids, max_new_tokens, on_token=decide,
-                                    progress=progress, **kw)
+                                    progress=progress, on_logprobs=on_logprobs,
+                                    constraint=constraint, **kw)
         except KeyboardInterrupt:      # mid-step: the followers may be inside a collective
-            self._broken = ("a tensor-parallel generation was interrupted mid-step; the ranks "
-                            "cannot resume together: restart the run")
+            object.__setattr__(self, "_broken", "a tensor-parallel generation was interrupted "
+                               "mid-step; the ranks cannot resume together: restart the run")
             raise
-
-    def save(self, snap) -> None:
-        raise InputError("state snapshots are not served in tensor-parallel mode yet")
-
-    def restore(self, snap) -> None:
-        raise InputError("state snapshots are not served in tensor-parallel mode yet")
 
     def close(self) -> None:
         """Close every rank's session and the group; the followers' failures are raised."""
@@ -175,24 +195,70 @@ class MirroredSession:
         self.close()
 
 
+class _SentMask:
+    """Rank 0's token mask: the constraint's bitmask of each token, also sent to the followers."""
+
+    def __init__(self, constraint, send):
+        self.constraint, self.send = constraint, send
+
+    def fill(self, bitmask: torch.Tensor) -> None:
+        self.constraint.fill(bitmask)
+        self.send(("mask", bitmask.numpy().tobytes()))
+
+    def accept(self, token: int) -> None:
+        self.constraint.accept(token)
+
+
+class _ReceivedMask:
+    """A follower's token mask: rank 0's bitmask of each token."""
+
+    def __init__(self, conn):
+        self.conn = conn
+
+    def fill(self, bitmask: torch.Tensor) -> None:
+        what, data = self.conn.recv()
+        assert what == "mask", what
+        bitmask.copy_(torch.frombuffer(bytearray(data), dtype=bitmask.dtype))
+
+    def accept(self, token: int) -> None:
+        pass
+
+
 def follow_rank(group: TPGroup, conn, ckpt_dir, rt: RuntimeConfig, session_kw: dict) -> None:
     """A follower rank (1 .. N-1) of a MirroredSession (a module-level function: spawn_workers
     runs it): load its shard, build the same Session, then run what rank 0 sends until "close";
     each token waits for rank 0's decision. An error rank 0 also meets (the same inputs) is not
-    this rank's to report: it goes on to the next call."""
+    this rank's to report: it goes on to the next call. Rank 0 gone (the pipe closed): exit."""
     from ..errors import UserInputError
     if group.device.type == "cpu":
         torch.set_num_threads(cpu_share(group.world_size))
     model, ckpt = load_rank(group, ckpt_dir, rt, progress=False)
     ckpt.close()
     s = Session(model, **session_kw)
+    snaps = {}
     conn.send("ready")
     while True:
-        name, args, kw = conn.recv()
+        try:
+            name, args, kw = conn.recv()
+        except EOFError:                  # rank 0 ended without closing: nothing to wait for
+            os._exit(1)
         if name == "close":
             break
+        if name == "set":
+            setattr(s, *args)
+            continue
+        if name == "snapshot":
+            snaps[args[0]] = s.new_snapshot()
+            continue
+        if name in ("save", "restore"):
+            getattr(s, name)(snaps[args[0]])
+            continue
         if name == "generate":
-            kw = dict(kw, on_token=lambda tid: conn.recv())
+            kw = dict(kw)
+            lp, mask = kw.pop("_logprobs"), kw.pop("_mask")
+            kw["on_token"] = lambda tid: conn.recv()
+            kw["on_logprobs"] = (lambda entry: None) if lp else None
+            kw["constraint"] = _ReceivedMask(conn) if mask else None
         try:
             getattr(s, name)(*args, **kw)
         except UserInputError:
