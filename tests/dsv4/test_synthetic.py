@@ -263,3 +263,21 @@ def test_script_bad_input(tmp_path):
     assert r.returncode == 2 and "n_heads = 0" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.cuda
+def test_weights_drawn_on_a_gpu(small, tmp_path):
+    """write_checkpoint(device="cuda") (`dsv4 make-checkpoint --device cuda`): the same tensor
+    table, a valid checkpoint, the same values on a second write, other values than the CPU's."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    a = write_checkpoint(SMALL, tmp_path / "a", seed=2, shards=2, device="cuda")
+    b = write_checkpoint(SMALL, tmp_path / "b", seed=2, shards=2, device="cuda")
+    with open_checkpoint(a) as x, open_checkpoint(b) as y, open_checkpoint(small) as cpu:
+        assert x.tensor_names() == cpu.tensor_names()
+        for n in x.tensor_names():
+            u, v = x.get(n), y.get(n)
+            assert u.shape == cpu.get(n).shape and u.dtype == cpu.get(n).dtype, n
+            assert torch.equal(u.view(torch.uint8) if u.is_floating_point() else u,
+                               v.view(torch.uint8) if v.is_floating_point() else v), n
+        assert not torch.equal(x.get("embed.weight"), cpu.get("embed.weight"))
