@@ -139,3 +139,30 @@ def test_tp_session_stops_where_rank_0_stops(ckpt):
     got, want = json.loads(p.stdout.strip().splitlines()[-1])
     assert got[1] == "stopped" and len(got[0]) == 2 and got[3] == "InputError"
     assert got == want
+
+
+def test_tp_decode_under_torchrun(tiny_tp):
+    """`torchrun --nproc-per-node 2 scripts/decode.py --parallel tp ...`: each process is the rank
+    torchrun made it; rank 0 prints the one JSON object, the other nothing; the tokens of the
+    run dsv4 launches itself (the same split sums)."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+    from conftest import REPO
+    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or shutil.which(
+        "torchrun")
+    if torchrun is None:
+        pytest.skip("torchrun is not installed")
+    args = ["--ckpt", str(tiny_tp), "--prompt-ids", "5,6,7,8,9", "--max-new-tokens", "4",
+            "--dtype", "float32", "--parallel", "tp", "--device", "cpu,cpu", "--json"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    p = subprocess.run([torchrun, "--standalone", "--nproc-per-node", "2",
+                        str(REPO / "scripts" / "decode.py"), *args], capture_output=True,
+                       text=True, timeout=300, env=env)
+    assert p.returncode == 0, p.stderr
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
+    assert len(lines) == 1, p.stdout
+    ours = run(*args, env={"OMP_NUM_THREADS": "1"})
+    assert ours.returncode == 0, ours.stderr
+    assert json.loads(lines[0])["output_ids"] == json.loads(ours.stdout)["output_ids"]

@@ -214,9 +214,10 @@ def run(args) -> int:
 
 def _run_tp(args, ckpt, cap, devices, mode, sampling, seed, prompt_ids, n_new, force, dump, tok,
             out) -> int:
-    """--parallel tp: one process a device (dsv4.parallel.launch), each loading its shard and
-    running the same generation; rank 0 streams the text. Ctrl-C ends every rank (the text so
-    far stays on the screen; no summary, exit 130)."""
+    """--parallel tp: one process a device (dsv4.parallel.launch; or, under torchrun, this
+    process is the rank torchrun made it, and rank 0 reports), each loading its shard and running
+    the same generation; rank 0 streams the text. Ctrl-C ends every rank (the text so far stays on
+    the screen; no summary, exit 130)."""
     from ..errors import ParallelError
     from ..parallel import launch
     from ..runtime.config import DTYPES, RuntimeConfig
@@ -227,11 +228,27 @@ def _run_tp(args, ckpt, cap, devices, mode, sampling, seed, prompt_ids, n_new, f
                sampling=sampling, mode=mode, granularity=args.granularity,
                speculative=args.speculative, spec_min=args.speculative_min_acceptance,
                eos=tok.eos_id, keep_logits=dump is not None, json_out=args.json)
-    try:
-        got = launch(_tp_rank, devices, job)
-    except KeyboardInterrupt:
-        print("\n[dsv4] interrupted: every rank ended", file=sys.stderr)
-        return 130
+    import os
+    if "WORLD_SIZE" in os.environ:      # started by torchrun: this process is one of the ranks
+        from ..parallel import start_from_env
+        world = int(os.environ["WORLD_SIZE"])
+        if world != len(devices):
+            raise InputError(f"--parallel tp --device {','.join(devices)}: {len(devices)} "
+                             f"devices, but torchrun started {world} processes; give one "
+                             f"device per process")
+        group = start_from_env(devices)
+        mine = _tp_rank(group, job)
+        small = group.all_gather_object({k: mine[k] for k in ("output_ids", "memory")})
+        got = [mine] + small[1:]
+        group.close()
+        if group.rank != 0:              # rank 0 reports for every rank
+            return 0
+    else:
+        try:
+            got = launch(_tp_rank, devices, job)
+        except KeyboardInterrupt:
+            print("\n[dsv4] interrupted: every rank ended", file=sys.stderr)
+            return 130
     ids = [r["output_ids"] for r in got]
     if any(i != ids[0] for i in ids):
         raise ParallelError(f"the ranks generated different tokens ({ids}): their logits must be "
