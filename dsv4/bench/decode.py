@@ -324,12 +324,16 @@ def _headline(runs: list[dict], ext: dict | None) -> dict:
 
 # ---- output -----------------------------------------------------------------------------------
 
+def title_line(rep: dict, where: str) -> str:
+    """The first line of a report's table: the model, `where` it ran, the context, the steps."""
+    part = " (partial)" if rep["partial"] else ""
+    return (f"dsv4 bench: {rep['preset']} {rep['layers']}/{rep['full_layers']} layers{part} | "
+            f"{where} | context {rep['context']} | {rep['dtype']} | median of {rep['steps']} steps")
+
+
 def format_table(rep: dict) -> str:
     f = lambda v, fmt: "-" if v is None else format(v, fmt)  # noqa: E731
-    part = " (partial)" if rep["partial"] else ""
-    lines = [f"dsv4 bench: {rep['preset']} {rep['layers']}/{rep['full_layers']} layers{part} | "
-             f"{','.join(rep['devices'])} ({rep['gpu_name'] or 'cpu'}) | context {rep['context']} "
-             f"| {rep['dtype']} | median of {rep['steps']} steps",
+    lines = [title_line(rep, f"{','.join(rep['devices'])} ({rep['gpu_name'] or 'cpu'})"),
              f"bytes/token {rep['bytes_per_token'] / 1e9:.3f} GB | copy "
              f"{f(rep['copy_TBps'], '.3f')} TB/s | floor {f(rep['floor_ms'], '.3f')} ms",
              f"{'run':<15}{'ms/token':>10}{'min-max':>19}{'tok/s':>9}{'x floor':>9}"

@@ -17,7 +17,7 @@ from ..runtime.config import DTYPES, RuntimeConfig, resolve_tp_devices
 from ..weights.presets import get_preset
 from . import MIN_STEPS
 from .common import _log, _versions, copy_bandwidth, fill_state
-from .decode import EXTRAPOLATION, _plan, capacity_for, measure
+from .decode import EXTRAPOLATION, _plan, capacity_for, measure, title_line
 from .memory import token_bytes
 
 
@@ -108,10 +108,7 @@ def _rank(group, job: dict) -> dict:
 
 def format_table(rep: dict) -> str:
     f = lambda v, fmt: "-" if v is None else format(v, fmt)  # noqa: E731
-    part = " (partial)" if rep["partial"] else ""
-    lines = [f"dsv4 bench: {rep['preset']} {rep['layers']}/{rep['full_layers']} layers{part} | "
-             f"tensor parallel over {rep['world']}: {','.join(rep['devices'])} | context "
-             f"{rep['context']} | {rep['dtype']} | median of {rep['steps']} steps",
+    lines = [title_line(rep, f"tensor parallel over {rep['world']}: {','.join(rep['devices'])}"),
              "bytes/token a rank " + ", ".join(f"{b / 1e9:.3f} GB" for b in
                                               rep["bytes_per_token_per_rank"]) +
              " | floor a rank " + ", ".join(f(x, ".3f") + " ms" for x in rep["floor_ms_per_rank"]),
