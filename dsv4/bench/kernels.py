@@ -323,7 +323,7 @@ def run_case(case: Case, copy_bw: float, reps: int, sweep: bool, with_torch: boo
         row["torch_us"] = time_calls([case.torch(i % case.copies) for i in range(calls_n)],
                                      max(10, reps // 5))[0]
     if sweep and case.sweep:
-        best = (med, case.config)
+        best, row["sweep"] = (med, case.config), []
         for cfg in case.sweep:
             try:
                 t = time_calls([case.make(i % case.copies, cfg) for i in range(calls_n)],
@@ -331,6 +331,7 @@ def run_case(case: Case, copy_bw: float, reps: int, sweep: bool, with_torch: boo
             except Exception as e:   # a config that does not compile or fit: report, go on
                 print(f"  {case.name} {cfg}: {type(e).__name__}: {str(e)[:120]}")
                 continue
+            row["sweep"].append((str(cfg), t))   # every config's time, for the JSON
             if t < best[0]:
                 best = (t, cfg)
         row["best_us"], row["best_config"] = best[0], str(best[1])
