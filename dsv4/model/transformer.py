@@ -121,8 +121,11 @@ class Transformer:
 
     def load(self, source, progress: bool | None = None) -> None:
         """Fill every weight from `source` (a Checkpoint, or anything with get/load_into); a
-        tensor-parallel rank reads only its parts of the sliced tensors (load_into's part=)."""
+        tensor-parallel rank reads only its parts of the sliced tensors (load_into's part=); only
+        rank 0 shows the progress bar unless asked (one bar, not one a rank interleaved)."""
         items, parts = list(self.tensors().items()), self.parts()
+        if progress is None and self.tp is not None and self.tp.rank != 0:
+            progress = False
         if hasattr(source, "load_many"):
             source.load_many(items, desc="load", progress=progress,
                              **({"parts": parts} if parts else {}))

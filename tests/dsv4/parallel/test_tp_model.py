@@ -100,6 +100,8 @@ def test_fp8_fp4_shards_are_the_parts_of_the_checkpoint(ranks):
         assert all(s["dense"].values()), s["dense"]
         assert 0 < s["n_split"] < s["n"]
         assert s["head_rows"] == 1024                 # ceil(2047 / 2)
+    # one progress bar for a TP load: rank 0 decides by size as one process does, the others none
+    assert [r["shards"]["progress"] for r in ranks] == [None, False]
     # rank 1: heads 2..3 (of 4), output group 1 (of 2: wo_b columns 128..255, scale column 1),
     # inter rows 128..255 (FP4 w2: packed columns 64..127, scales per 32: 4..7), head rows
     # 1024..2047 (the last one past the vocabulary: zeros)

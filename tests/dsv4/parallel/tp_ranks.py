@@ -54,6 +54,17 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
         a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8))
 
 
+class RecordingSource:
+    """A weight source that notes the progress switch Transformer.load gave its load_many."""
+
+    def __init__(self, src):
+        self.src, self.progress = src, "not called"
+
+    def load_many(self, items, desc="load", progress=None, parts=None):
+        self.progress = progress
+        self.src.load_many(items, desc=desc, progress=progress, parts=parts)
+
+
 def shard_checks(model, ckpt_dir) -> dict:
     """The rank's shard of an FP8 / FP4 model against the checkpoint: every destination holds
     exactly the part of its tensor that parts() names (whole where none), read whole here and
@@ -90,11 +101,12 @@ def shard_checks(model, ckpt_dir) -> dict:
         fp8_cfg = ck.config
     # random weights made on the device (benchmarks) give the shard a sliced load gives
     gen = build_model(fp8_cfg, model.rt, comm=model.tp.comm)
-    gen.load(DeviceWeights(fp8_cfg, seed=0))
+    src = RecordingSource(DeviceWeights(fp8_cfg, seed=0))
+    gen.load(src)
     theirs = gen.tensors()
     synthetic = [n for n, t in model.tensors().items() if not same_bits(t, theirs[n])]
     return {"bad": bad, "n_split": n_split, "n": len(model.tensors()), "dense": dense,
-            "synthetic": synthetic, "head_rows": model.head.shape[0],
+            "synthetic": synthetic, "head_rows": model.head.shape[0], "progress": src.progress,
             "parts": {n: (p.dim, p.start, p.stop) for n, p in parts.items()
                       if n in ("head.weight", "layers.1.attn.attn_sink", "layers.1.attn.wo_b.scale",
                                "layers.1.ffn.experts.3.w2.weight",
