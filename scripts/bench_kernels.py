@@ -1,9 +1,10 @@
 """Benchmark the dsv4 decode kernels (FP8 / bf16 GEMV, routed FP4 experts) at the real shapes on CUDA.
 
   python scripts/bench_kernels.py [--preset flash|pro] [--reps 50] [--only wq_b,experts]
-                                  [--sweep] [--no-torch] [--json PATH]
+                                  [--sweep] [--no-torch] [--json PATH] [--tp N]
 Prints copy bandwidth, then per kernel: shape, weight+scale bytes, median us [min-max], TB/s, % of copy
-bandwidth and the torch-path time. --sweep also times neighbouring launch configs (tuning aid).
+bandwidth and the torch-path time. --sweep also times neighbouring launch configs (tuning aid);
+--tp N: a tensor-parallel rank's shard shapes (the split weights' rows / columns over N).
 """
 from __future__ import annotations
 
@@ -25,6 +26,8 @@ def main() -> int:
     p.add_argument("--sweep", action="store_true", help="also time neighbouring configs")
     p.add_argument("--no-torch", action="store_true", help="skip the torch-path timings")
     p.add_argument("--json", default=None, help="write the rows as JSON here")
+    p.add_argument("--tp", type=int, default=1,
+                   help="a tensor-parallel rank's shapes: the split weights over this many ranks")
     p.add_argument("--device", default="cuda")
     p.add_argument("--backend", default="both", choices=("cuda", "triton", "both"),
                    help="which implementation to time (both: a row each)")
@@ -39,12 +42,13 @@ def main() -> int:
     bw = bench.copy_bandwidth(dev)
     name = torch.cuda.get_device_name(dev)
     print(f"{name}, torch {torch.__version__}, triton {triton.__version__}; preset {args.preset}; "
-          f"copy bandwidth {bw / 1e12:.2f} TB/s (read+write)")
+          f"copy bandwidth {bw / 1e12:.2f} TB/s (read+write)"
+          + (f"; a rank's shapes of tp {args.tp}" if args.tp > 1 else ""))
     print(bench.HEADER)
     rows = []
     only = [s for s in args.only.split(",") if s]
     backends = ("triton", "cuda") if args.backend == "both" else (args.backend,)
-    for case in bench.build_cases(args.preset, dev, only):
+    for case in bench.build_cases(args.preset, dev, only, tp=args.tp):
         for b in backends:
             row = bench.run_case(case, bw, args.reps, args.sweep, not args.no_torch and b == "triton",
                                  impl=b)
@@ -54,7 +58,8 @@ def main() -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": name, "torch": torch.__version__, "triton": triton.__version__,
-                       "preset": args.preset, "copy_bw": bw, "rows": rows}, f, indent=1)
+                       "preset": args.preset, "tp": args.tp, "copy_bw": bw, "rows": rows}, f,
+                      indent=1)
     return 0
 
 

@@ -265,13 +265,19 @@ def expert_cases(E, inter, dim, k, dev, gen) -> list[Case]:
                  cuda=(cu, cd) if cu is not None and cd is not None else None)]
 
 
-def build_cases(preset: str, dev, only=(), seed: int = 0):
+def build_cases(preset: str, dev, only=(), seed: int = 0, tp: int = 1):
     """Yield the benchmark cases of `preset` one at a time (weights of one case live at once);
-    `only`: substrings of the names to keep."""
+    `only`: substrings of the names to keep; tp > 1: a tensor-parallel rank's shard shapes
+    (dsv4.model.sharding: its heads' wq_b / wo_a / wo_b, 1 / tp of the shared and routed experts'
+    inter dim, its vocabulary rows of the head; the rest whole)."""
     cfg = get_preset(preset)
+    if tp > 1:
+        from ..model.sharding import check_degree
+        check_degree(cfg, tp)
     gen = torch.Generator(device=dev).manual_seed(seed)
-    D, Rq, H, Dh, G = cfg.dim, cfg.q_lora_rank, cfg.n_heads, cfg.head_dim, cfg.o_groups
-    R, I, E = cfg.o_lora_rank, cfg.moe_inter_dim, cfg.n_routed_experts
+    D, Rq, Dh = cfg.dim, cfg.q_lora_rank, cfg.head_dim
+    H, G, R = cfg.n_heads // tp, cfg.o_groups // tp, cfg.o_lora_rank
+    I, E = cfg.moe_inter_dim // tp, cfg.n_routed_experts
     makers = [
         ("wq_a", lambda: [fp8_case("wq_a", Rq, D, dev, gen)]),
         ("wkv", lambda: [fp8_case("wkv", Dh, D, dev, gen)]),
@@ -291,7 +297,8 @@ def build_cases(preset: str, dev, only=(), seed: int = 0):
         ("side.r4", lambda: [bf16_case("side.r4", 4 * Dh + 4 * cfg.index_head_dim
                                        + cfg.index_n_heads, D, dev, gen)]),
         ("weights_proj", lambda: [bf16_case("weights_proj", cfg.index_n_heads, D, dev, gen)]),
-        ("head", lambda: [bf16_case("head", cfg.vocab_size, D, dev, gen, torch.float32)]),
+        ("head", lambda: [bf16_case("head", -(-cfg.vocab_size // tp), D, dev, gen,
+                                    torch.float32)]),
         ("experts.up experts.down experts.step",
          lambda: expert_cases(E, I, D, cfg.n_activated_experts, dev, gen)),
     ]

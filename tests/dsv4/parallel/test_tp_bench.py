@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from dsv4.cli import bench
 
 FAST = ["--device", "cpu,cpu", "--parallel", "tp", "--mode", "eager", "--steps", "3",
@@ -40,3 +42,33 @@ def test_tp_bench_refuses_what_it_does_not_measure(capsys):
     assert "--prefill with --parallel tp" in capsys.readouterr()[1]
     assert bench.main(["--preset", "tiny-tp", *FAST[:1], "cpu", *FAST[2:]]) == 2
     assert "at least two" in capsys.readouterr()[1]
+
+
+def test_kernel_cases_of_a_rank_have_its_shard_shapes(monkeypatch):
+    """bench_kernels --tp N: the split weights' cases take a rank's shapes (its heads' wq_b / wo_a
+    / wo_b, 1 / N of the shared and routed inter dim, its vocabulary rows of the head), the
+    replicated ones stay whole; a degree the model cannot split is refused."""
+    import torch
+
+    from dsv4.bench import kernels
+    from dsv4.bench.kernels import build_cases
+    from dsv4.errors import ConfigError
+    monkeypatch.setattr(kernels, "n_copies", lambda nbytes: 1)   # shapes only: no L2-sized copies
+    from dsv4.weights.presets import get_preset
+    cfg = get_preset("tiny-tp")
+    names = ["wq_a+wkv", "wq_b", "wo_a", "wo_b", "shared.w1+w3", "shared.w2", "head",
+             "experts.up"]
+    for tp in (1, 2, 4):
+        got = {c.name: c.shape for c in build_cases("tiny-tp", torch.device("cpu"), names, tp=tp)}
+        H, G, I = cfg.n_heads // tp, cfg.o_groups // tp, cfg.moe_inter_dim // tp
+        assert got["wq_a+wkv"] == f"[{cfg.q_lora_rank + cfg.head_dim}, {cfg.dim}]"
+        assert got["wq_b"] == f"[{H * cfg.head_dim}, {cfg.q_lora_rank}]"
+        assert got["wo_a"] == (f"[{G * cfg.o_lora_rank}, {H * cfg.head_dim // G}]"
+                               + (f" G={G}" if G > 1 else ""))
+        assert got["wo_b"] == f"[{cfg.dim}, {G * cfg.o_lora_rank}]"
+        assert got["shared.w1+w3"] == f"[{I}, {cfg.dim}] x2 (w1+w3)"
+        assert got["shared.w2"] == f"[{cfg.dim}, {I}]"
+        assert got["head"] == f"[{-(-cfg.vocab_size // tp)}, {cfg.dim}]"
+        assert f"I={I} " in got["experts.up"]
+    with pytest.raises(ConfigError):
+        next(build_cases("tiny-tp", torch.device("cpu"), names, tp=8))
