@@ -47,6 +47,12 @@ class AllReduce:
             return self.fast
         return self.fallback
 
+    def sums_in_float32(self, nbytes: int, dtype: torch.dtype) -> bool:
+        """Whether who serves nbytes of dtype sums the exact float32 values in rank order and
+        rounds once to dtype (our one-shot kernel), so that a bf16 message gives the bits of
+        its float32 copy's all-reduce cast back; NCCL and the others may round on the way."""
+        return bool(getattr(self.impl_for(nbytes, dtype), "sums_in_float32", False))
+
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """out (default x) = the sum over the ranks of x; returns out. x, out: contiguous, on the
         group's device, the same shape and dtype (out may be x)."""

@@ -43,6 +43,11 @@ class Communicator:
         """x (contiguous, on the group's device) = the sum over the ranks of x, in place."""
         return self.allreduce(x)
 
+    def sums_in_float32(self, x: torch.Tensor) -> bool:
+        """Whether all_reduce(x) sums x's exact float32 values in rank order and rounds once
+        (AllReduce.sums_in_float32): the same on every rank (it goes by size and dtype)."""
+        return self.allreduce.sums_in_float32(x.numel() * x.element_size(), x.dtype)
+
     def all_gather(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """x [n, ...] (contiguous, the same shape on every rank) -> [world * n, ...]: every
         rank's x in rank order (into out if given)."""

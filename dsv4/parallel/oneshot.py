@@ -27,6 +27,10 @@ class OneShotAllReduce:
     stream, fixed buffers, the epochs on the device. All ranks must make the same calls in the
     same order, from one stream at a time."""
     name = "oneshot"
+    # every element summed in float32 from the exact values, in rank order, rounded once to x's
+    # dtype (csrc/allreduce.cu, step 5): a bf16 x gives the bits of its float32 copy's sum cast
+    # back, which TensorParallel.reduce relies on to skip the two casts
+    sums_in_float32 = True
 
     def __init__(self, group: TPGroup, max_bytes: int, chunk_bytes: int = CHUNK_BYTES,
                  pdl: bool = False, timeout_s: float | None = None):

@@ -68,3 +68,45 @@ def test_ranks_on_several_hosts_use_nccl_alone():
         for name in ("oneshot", "symm_one_shot", "symm_two_shot"):
             assert t[f"parallel.allreduce.{name}"] == ("unavailable: the ranks span 2 hosts (peer "
                                                        "memory is one host's)")
+
+
+def test_reduce_skips_the_casts_only_where_the_kernel_sums_in_float32():
+    """TensorParallel.reduce: where the all-reduce serving a bf16 partial sums the exact float32
+    values in rank order and rounds once (our one-shot kernel), the partial is summed in place in
+    bf16, without the float32 copy and the cast back; elsewhere (NCCL, gloo: they may round on
+    the way) through the float32 copy. A communicator of two ranks faked here (the other rank's
+    part fixed, the kernel's arithmetic) gives the same bits both ways; float32 partials are
+    summed in place either way."""
+    import torch
+
+    from dsv4.model.sharding import TensorParallel
+    from dsv4.parallel.nccl import NcclAllReduce
+    from dsv4.parallel.oneshot import OneShotAllReduce
+    assert OneShotAllReduce.sums_in_float32 is True
+    assert not getattr(NcclAllReduce, "sums_in_float32", False)
+    gen = torch.Generator().manual_seed(3)
+    other = torch.randn(3, 64, generator=gen).to(torch.bfloat16)
+
+    class Comm:
+        def __init__(self, f32_kernel):
+            self.f32_kernel, self.calls = f32_kernel, []
+
+        def sums_in_float32(self, x):
+            return self.f32_kernel
+
+        def all_reduce(self, x):        # rank 0 (this one) then rank 1, float32, rounded once
+            self.calls.append(x.dtype)
+            return x.copy_((x.float() + other.float()).to(x.dtype))
+
+    y = torch.randn(3, 64, generator=gen).to(torch.bfloat16)
+    got = {}
+    for f32_kernel in (True, False):
+        comm = Comm(f32_kernel)
+        got[f32_kernel] = TensorParallel(0, 2, comm).reduce(y.clone())
+        assert comm.calls == [torch.bfloat16 if f32_kernel else torch.float32]
+        assert got[f32_kernel].dtype == torch.bfloat16
+    assert torch.equal(got[True], got[False])
+    for f32_kernel in (True, False):
+        comm, y32 = Comm(f32_kernel), torch.randn(3, 64, generator=gen)
+        out = TensorParallel(0, 2, comm).reduce(y32)
+        assert out is y32 and comm.calls == [torch.float32]
