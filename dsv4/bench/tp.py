@@ -20,6 +20,8 @@ from .common import _log, _versions, copy_bandwidth, fill_state
 from .decode import EXTRAPOLATION, _plan, capacity_for, measure, title_line
 from .memory import token_bytes
 
+ALLREDUCES_PER_LAYER = 2    # attention's output and the MoE's (dsv4.model.sharding.reduce)
+
 
 def run(args, command: str = "") -> dict:
     """The benchmark for parsed `args` with --parallel tp; the report (JSON-ready)."""
@@ -63,6 +65,11 @@ def run(args, command: str = "") -> dict:
             "copy_TBps_per_rank": [r["copy_TBps"] for r in ranks],
             "ms_per_token_per_rank": [[x["ms_per_token"] for x in r["runs"]] for r in ranks],
             "allreduce": r0["allreduce"], "runs": runs,
+            # the decode all-reduces: two a layer (attention's wo_b, the MoE's down), each of one
+            # token's [dim] bf16 partial; their latency alone in a graph (the slowest rank's)
+            "allreduce_us": (max(r["allreduce_us"] for r in ranks)
+                             if r0["allreduce_us"] is not None else None),
+            "allreduces_per_layer": ALLREDUCES_PER_LAYER,
             "extrapolated": {"method": EXTRAPOLATION, "layers": full.n_layers} if partial else None,
             "load_s": r0["load_s"], "wall_s": time.perf_counter() - t0, **r0["versions"],
             "command": command, "valid": on_cuda and args.steps >= MIN_STEPS, "notes": notes}
@@ -98,12 +105,23 @@ def _rank(group, job: dict) -> dict:
             fill_state(model, job["context"], job["seed"])
             runs.append(measure(model, mode, g, job["context"], job["steps"], job["warmup"],
                                 job["seed"], kernels=job["kernels"] and mode == "graph"))
+    ar_us = comm_latency_us(group, comm, cfg.dim) if dev.type == "cuda" else None
     comm.check()
     out = {"rank": group.rank, "runs": runs, "bytes": nbytes, "copy_TBps": copy,
+           "allreduce_us": ar_us,
            "floor_ms": nbytes / (copy * 1e12) * 1e3 if copy else None, "capacity": cap,
            "load_s": load_s, "allreduce": comm.table(), "versions": _versions([dev])}
     comm.close()
     return out
+
+
+def comm_latency_us(group, comm, dim: int) -> float:
+    """The latency of one decode all-reduce (a token's [dim] bf16 partial, as TensorParallel
+    .reduce sends it) inside a CUDA graph of back-to-back all-reduces (bench_comm's method),
+    through the rank's own planned all-reduce; the slowest rank's is reported."""
+    from .comm import _graph_us
+    x = torch.randn(dim, device=group.device).to(torch.bfloat16)
+    return _graph_us(group, comm.allreduce, x, torch.empty_like(x), 20)
 
 
 def format_table(rep: dict) -> str:
@@ -113,6 +131,10 @@ def format_table(rep: dict) -> str:
                                               rep["bytes_per_token_per_rank"]) +
              " | floor a rank " + ", ".join(f(x, ".3f") + " ms" for x in rep["floor_ms_per_rank"]),
              "all-reduce: " + ", ".join(f"{k} {v}" for k, v in rep["allreduce"].items()),
+             ("communication a layer: -" if rep["allreduce_us"] is None else
+              f"communication a layer: {rep['allreduces_per_layer']} all-reduces x "
+              f"{rep['allreduce_us']:.2f} us = "
+              f"{rep['allreduces_per_layer'] * rep['allreduce_us']:.2f} us (alone, in a graph)"),
              f"{'run':<16}{'ms/token':>10}{'min-max':>18}{'tok/s':>9}{'x floor':>9}"
              f"{'head+embed':>12}{'per layer':>11}" + (f"{'extrap. ms':>12}" if rep["partial"]
                                                        else "")]

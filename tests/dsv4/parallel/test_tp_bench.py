@@ -27,6 +27,9 @@ def test_tp_bench_on_two_cpu_ranks(capsys):
     assert r["head_embed_ms"] > 0 and r["per_layer_ms"] > 0 and len(rep["ms_per_token_per_rank"]) == 2
     a, b = rep["bytes_per_token_per_rank"]
     assert a == b                                   # the same shard sizes on both ranks
+    # the all-reduces' latency is measured in a CUDA graph only
+    assert rep["allreduce_us"] is None and rep["allreduces_per_layer"] == 2
+    assert "communication a layer: -" in err
     rc = bench.main(["--preset", "tiny-tp", "--device", "cpu", "--mode", "eager", "--steps", "3",
                      "--warmup", "1", "--context", "40", "--json", "-"])
     one = json.loads(capsys.readouterr()[0])

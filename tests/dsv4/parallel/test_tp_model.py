@@ -78,6 +78,15 @@ def test_tp2_gives_the_one_process_logits_and_tokens(ranks, one):
         assert err < REL, f"rank {r['rank']}: logits differ by {err:.3g} of their size"
 
 
+def test_a_decode_step_all_reduces_twice_a_layer(ranks):
+    """Two all-reduces a layer in a decode step (attention's output, the MoE's): what the TP
+    bench's communication a layer counts (dsv4.bench.tp.ALLREDUCES_PER_LAYER)."""
+    from dsv4.bench.tp import ALLREDUCES_PER_LAYER
+    for r in ranks:
+        n, layers = r["step_allreduces"]
+        assert n == ALLREDUCES_PER_LAYER * layers
+
+
 def test_every_rank_holds_the_same_logits_bits(ranks):
     r0, r1 = ranks
     assert tp_ranks.same_bits(r0["greedy"]["logits"], r1["greedy"]["logits"])

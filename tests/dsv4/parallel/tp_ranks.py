@@ -131,6 +131,13 @@ def tp_rank(group, bf16_dir: str, fp8_dir: str, prompt: list) -> dict:
     res["greedy"] = greedy_run(model, ids)
     res["session"] = session_tokens(model, prompt)
     res["min_gap"] = ties.min_gap
+    # the all-reduces of one decode step (dsv4.bench.tp counts two a layer)
+    comm, calls = model.tp.comm, []
+    reduce_ = comm.all_reduce
+    comm.all_reduce = lambda x: (calls.append(x.dtype), reduce_(x))[1]
+    model.decode_step(torch.tensor([prompt[-1]]), torch.tensor([len(prompt)]))
+    del comm.all_reduce
+    res["step_allreduces"] = (len(calls), model.cfg.n_layers)
     for m, n, f in saved:                            # fake-quant back on for the FP8 model
         setattr(m, n, f)
     fp8, ck = load_rank(group, fp8_dir, runtime())
