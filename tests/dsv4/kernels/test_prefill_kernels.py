@@ -401,10 +401,11 @@ def check_mhc_rows(dev, gen, S=33, D=128):
     assert torch.equal(x1, x[:1]), "row 0 == the decode kernel"
 
 
-def check_layers(dev, tmp, seed):
+def check_layers(dev, tmp, seed, layers=None):
     """Each layer's chunk path with kernels == without, on the same input and state (bf16, so
     within rounding: a wrong row, position or offset moves it by 0.3 or more), for chunks at
-    several offsets."""
+    several offsets. `layers`: the layer ids to check (None: all; each layer's inputs and state
+    are its own, so checking them in parts checks the same things)."""
     sys.path.insert(0, str(REPO / "tests"))
     from helpers import small_checkpoint
     from dsv4.runtime.config import RuntimeConfig
@@ -423,6 +424,8 @@ def check_layers(dev, tmp, seed):
     for start, s in ((0, 70), (70, 50)):
         hin = (torch.randn(s, m.cfg.hc_mult, m.cfg.dim, generator=gen) * 0.5).bfloat16().to(dev)
         for blk, st in zip(m.layers, m.states):
+            if layers is not None and blk.layer_id not in layers:
+                continue
             saved = {k: v.clone() for k, v in st.buffers().items()}
             bind(m, torch_path)                 # the same weights on the torch path
             ref = blk.prefill(hin, ids[start:start + s], st, start).float()
@@ -474,9 +477,10 @@ def check_parity_bf16(dev):
                      f"{name} through the prefill kernels", exact_argmax=False)
 
 
-def check_all(dev, seed, tmp, parts=("gemm", "rows")):
-    """Every check; `parts` picks the GEMM / MoE half or the rows-and-layers half (the
-    interpreter test runs the two in parallel processes)."""
+def check_all(dev, seed, tmp, parts=("gemm", "rows", "layers", "parity"), layers=None):
+    """Every check; `parts` picks some: the GEMMs / MoE, the row kernels, the layers' chunk paths
+    (`layers`: which; None: all), the parity cases (the interpreter test runs them in two
+    parallel processes of about equal time)."""
     gen = torch.Generator().manual_seed(seed)
     if "gemm" in parts:
         check_split_k(dev, gen)
@@ -492,35 +496,46 @@ def check_all(dev, seed, tmp, parts=("gemm", "rows")):
         check_index_scores_rows(dev, gen)
         check_compressor_rows(dev, gen)
         check_mhc_rows(dev, gen)
-        check_layers(dev, tmp, seed)
+    if "layers" in parts:
+        check_layers(dev, tmp, seed, layers)
+    if "parity" in parts:
         check_parity_bf16(dev)
 
 
-def _interp_main(seed: int, tmp: str, part: str) -> None:
+# the interpreter test's two processes: (parts, layers), about equal CPU time each (the layers'
+# chunk paths are most of it: 80-100 s a layer on one core, the GEMMs ~100 s, parity ~65 s)
+INTERP_SPLIT = ((("gemm", "layers"), (0, 2)), (("rows", "layers", "parity"), (1, 3)))
+
+
+def _interp_main(seed: int, tmp: str, parts: str, layers: str) -> None:
     from pathlib import Path
-    check_all("cpu", seed, Path(tmp), (part,))
+    check_all("cpu", seed, Path(tmp), tuple(parts.split(",")),
+              {int(x) for x in layers.split(",")})
     print("ok")
 
 
 @needs_interpreter
 def test_prefill_kernels_interpreter(tmp_path):
-    """The checks under Triton's interpreter, the two halves in parallel processes (each is
-    single-threaded Python: on a 2-core machine this halves the suite's longest test)."""
+    """The checks under Triton's interpreter, in two parallel processes (each is single-threaded
+    Python: on a 2-core machine this halves the suite's longest test); every layer of the model
+    is checked by one of them."""
+    assert sorted(sum((ls for _, ls in INTERP_SPLIT), ())) == [0, 1, 2, 3]
     env = dict(os.environ, TRITON_INTERPRET="1", DSV4_KERNELS="interpret",
                PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests"),
                                            str(REPO / "tests/dsv4/kernels")]))
     seed = str(input_seed(1))
     code = ("import sys, test_prefill_kernels as T; "
-            "T._interp_main(int(sys.argv[1]), sys.argv[2], sys.argv[3])")
+            "T._interp_main(int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4])")
     procs = {}
-    for part in ("gemm", "rows"):
-        (tmp_path / part).mkdir()
-        procs[part] = subprocess.Popen([sys.executable, "-c", code, seed, str(tmp_path / part),
-                                        part], env=env, stdout=subprocess.PIPE,
-                                       stderr=subprocess.PIPE, text=True)
-    for part, p in procs.items():
+    for i, (parts, layers) in enumerate(INTERP_SPLIT):
+        (tmp_path / str(i)).mkdir()
+        procs[parts] = subprocess.Popen([sys.executable, "-c", code, seed, str(tmp_path / str(i)),
+                                         ",".join(parts), ",".join(map(str, layers))], env=env,
+                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for parts, p in procs.items():
         out, err = p.communicate(timeout=900)
-        assert p.returncode == 0 and "ok" in out, f"{part}, seed {seed}:\n{out[-2000:]}{err[-4000:]}"
+        assert p.returncode == 0 and "ok" in out, \
+            f"{parts}, seed {seed}:\n{out[-2000:]}{err[-4000:]}"
 
 
 # ---- sm_90 compile (no GPU: triton ships ptxas) -----------------------------------------------
