@@ -86,18 +86,33 @@ def first_near_tie(logits):
     return int(small_[0]) if small_.numel() else logits.shape[0]
 
 
+@pytest.fixture(scope="module")
+def plain_runs(small):
+    """Plain greedy decoding of a fresh _model per (weights, prompt, tokens), run once for the
+    module: the same deterministic run every speculative case compares against (10 s each)."""
+    runs = {}
+
+    def run(weights, prompt, n_new, keep_logits=False):
+        key = (weights, tuple(prompt), n_new, keep_logits)
+        if key not in runs:
+            runs[key] = Session(_model(small[weights]), SamplingParams()).generate(
+                prompt, n_new, keep_logits=keep_logits)
+        return runs[key]
+    return run
+
+
 # The verify pass runs its rows through the decode path at the same positions as plain decoding
 # and the journal restores rejected rows' slots exactly: the logits are plain decoding's, bit for
 # bit, whatever was accepted (so the comparison holds past near-ties and through FP8 rounding).
 @pytest.mark.parametrize("weights,n_new", [("bf16", 260), ("fp8", 256)])
 @pytest.mark.parametrize("a", [0.0, 0.6, 1.0])
-def test_speculative_greedy_equals_plain(small, weights, n_new, a):
+def test_speculative_greedy_equals_plain(small, plain_runs, weights, n_new, a):
     """Every step speculative (min acceptance 0), and (fp8) the default policy, which turns to
     plain steps with the MTP block following while the drafts fail: the same tokens and
     logits."""
     m = _model(small[weights])
     prompt = list(range(5, 45))
-    plain = Session(m, SamplingParams()).generate(prompt, n_new, keep_logits=True)
+    plain = plain_runs(weights, prompt, n_new, keep_logits=True)
     for min_acc in (0.0, DEFAULT_MIN_ACCEPTANCE) if weights == "fp8" else (0.0,):
         s = Session(m, SamplingParams(), speculative=1, spec_min_acceptance=min_acc)
         if a:   # the MTP block of a random checkpoint never guesses right: an oracle drafts
@@ -145,14 +160,14 @@ def _mtp_state(m):
 
 
 @pytest.mark.parametrize("min_acc", [0.0, DEFAULT_MIN_ACCEPTANCE])
-def test_state_after_rejections_equals_plain(small, min_acc):
+def test_state_after_rejections_equals_plain(small, plain_runs, min_acc):
     """Bit for bit, FP8 activation quantization on: the kept rows are decode steps, the journal
     restores every slot a dropped row wrote, and (the default policy) plain steps with the MTP
     block following leave the state a speculative step would."""
     from helpers import live_state
     m = _model(small["fp8"])
     prompt = list(range(7, 40))
-    plain = Session(m, SamplingParams()).generate(prompt, 150)
+    plain = plain_runs("fp8", prompt, 150)
     s = Session(m, SamplingParams(), speculative=1, spec_min_acceptance=min_acc)
     s.spec.set_oracle(prompt + plain.output_ids, 0.5)
     out = s.generate(prompt, 150)
