@@ -25,6 +25,23 @@ def input_seed(default: int) -> int:
     return int.from_bytes(os.urandom(2), "little") if v == "random" else int(v)
 
 
+def cpu_threads(procs: int = 1) -> int:
+    """Threads for one of `procs` processes that a test runs side by side: its share of the
+    usable cores, and of this pytest-xdist worker's share (more threads than cores make torch's
+    ops wait on each other)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    return max(1, (cores or 1) // (workers * procs))
+
+
+# A pytest-xdist worker (`-n auto`) takes its share of the cores, and so do the processes its
+# tests start (they inherit OMP_NUM_THREADS), unless OMP_NUM_THREADS was set already: two workers
+# of 2 threads each on 2 cores, or their servers and CLI runs, would oversubscribe the machine
+if os.environ.get("PYTEST_XDIST_WORKER") and "OMP_NUM_THREADS" not in os.environ:
+    os.environ["OMP_NUM_THREADS"] = str(cpu_threads())
+    torch.set_num_threads(cpu_threads())
+
+
 def _version(text: str) -> tuple:
     return tuple(int(re.match(r"\d*", part).group() or 0) for part in text.split(".")[:2])
 
