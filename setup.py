@@ -34,9 +34,10 @@ setup(
         # graphs/), tested with 5.24, whose StaticCache keeps a device-side length the embedding
         # sets per step; capped below 6 as that internal may move in a major release;
         # lm-eval[api] for the test that scores through lm-evaluation-harness's OpenAI model
-        # (tested with 0.4.13; the test skips without it)
-        "dev": ["pytest", "triton>=3.6", "fastapi>=0.100", "uvicorn>=0.29", "pydantic>=2",
-                "llguidance>=1.0", "openai>=1.0", "httpx", "transformers>=5.24,<6",
+        # (tested with 0.4.13; the test skips without it); pytest-xdist for the README's test
+        # command (-n auto: the CPU suite in parallel, tested with 3.8)
+        "dev": ["pytest", "pytest-xdist", "triton>=3.6", "fastapi>=0.100", "uvicorn>=0.29",
+                "pydantic>=2", "llguidance>=1.0", "openai>=1.0", "httpx", "transformers>=5.24,<6",
                 "lm-eval[api]>=0.4.5"],
         "cuda": ["triton>=3.6"],
     },
