@@ -87,30 +87,31 @@ def skip_nested_interpreter_patching() -> bool:
             and "patch_scope.restore()" in grid_src and "_patch_lang(self.fn)" in nested_src):
         return False
     patch_lang, grid_call = interp._patch_lang, interp.GridExecutor.__call__
-    patched: list = []           # per running launch: ids of the language modules it patched
-    seen: dict = {}
+    # per running launch (innermost last): [its function, the ids of the language modules
+    # patched since its own _patch_lang; None before that]
+    running: list = []
 
     def langs(fn) -> frozenset:
-        key = id(fn)
-        if key not in seen:      # a module's globals name tl / tl.core from its import on
-            seen[key] = (fn, frozenset(id(v) for v in fn.__globals__.values()
-                                       if inspect.ismodule(v) and v in (tl, tl.core)))
-        return seen[key][1]
+        # read afresh each call, as Triton does: rewriting a function adds the interpreter's
+        # globals (its `tl`) to its module's globals, so they can gain a language module
+        return frozenset(id(v) for v in list(fn.__globals__.values())
+                         if inspect.ismodule(v) and v in (tl, tl.core))
 
     def _patch_lang(fn):
-        if patched and patched[-1] is not None and langs(fn) <= patched[-1]:
+        seen = langs(fn)
+        if running and running[-1][1] is not None and seen and seen <= running[-1][1]:
             return interp._LangPatchScope()         # nothing to patch, nothing to restore
-        scope = patch_lang(fn)
-        if patched:
-            patched[-1] = (patched[-1] or frozenset()) | langs(fn)
+        scope = patch_lang(fn)   # (no language module in sight: Triton's own assertion)
+        if running and (running[-1][1] is not None or fn is running[-1][0]):
+            running[-1][1] = (running[-1][1] or frozenset()) | seen
         return scope
 
     def __call__(self, *args, **kwargs):
-        patched.append(None)     # the launch's own _patch_lang comes first
+        running.append([self.fn, None])     # recorded from the launch's own _patch_lang on
         try:
             return grid_call(self, *args, **kwargs)
         finally:
-            patched.pop()
+            running.pop()
 
     interp._patch_lang = _patch_lang
     interp.GridExecutor.__call__ = __call__
