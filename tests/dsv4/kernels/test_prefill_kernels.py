@@ -414,6 +414,8 @@ def check_layers(dev, tmp, seed, layers=None):
                                                                   dtype=torch.bfloat16,
                                                                   devices=(dev,)))
     ck.close()
+    if layers is not None:                # every layer asked for is one of the model's
+        assert set(layers) <= {blk.layer_id for blk in m.layers}, layers
     from dsv4.backend.binding import bind
     from dsv4.backend.decision import Options
     env = Options.from_env()              # TRITON_INTERPRET as this process runs
@@ -519,7 +521,10 @@ def test_prefill_kernels_interpreter(tmp_path):
     """The checks under Triton's interpreter, in two parallel processes (each is single-threaded
     Python: on a 2-core machine this halves the suite's longest test); every layer of the model
     is checked by one of them."""
-    assert sorted(sum((ls for _, ls in INTERP_SPLIT), ())) == [0, 1, 2, 3]
+    from helpers import SMALL             # the model check_layers builds: each layer once
+    assert sorted(sum((ls for _, ls in INTERP_SPLIT), ())) == list(range(SMALL.n_layers))
+    assert sorted(sum((ps for ps, _ in INTERP_SPLIT), ())) == sorted(
+        ("gemm", "rows", "layers", "layers", "parity"))   # every part, the layers in both
     env = dict(os.environ, TRITON_INTERPRET="1", DSV4_KERNELS="interpret",
                PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests"),
                                            str(REPO / "tests/dsv4/kernels")]))
