@@ -37,9 +37,17 @@ def cpu_threads(procs: int = 1) -> int:
 # A pytest-xdist worker (`-n auto`) takes its share of the cores, and so do the processes its
 # tests start (they inherit OMP_NUM_THREADS), unless OMP_NUM_THREADS was set already: two workers
 # of 2 threads each on 2 cores, or their servers and CLI runs, would oversubscribe the machine
-if os.environ.get("PYTEST_XDIST_WORKER") and "OMP_NUM_THREADS" not in os.environ:
+_OMP_GIVEN = os.environ.get("OMP_NUM_THREADS")     # as the user (or a parent test) set it
+if os.environ.get("PYTEST_XDIST_WORKER") and _OMP_GIVEN is None:
     os.environ["OMP_NUM_THREADS"] = str(cpu_threads())
     torch.set_num_threads(cpu_threads())
+
+
+def subprocess_threads(procs: int) -> str:
+    """OMP_NUM_THREADS for each of `procs` processes a test runs side by side: the value given
+    before the tests started if any, else their share of this worker's share (not the worker's
+    own share, which this process's environment carries under xdist)."""
+    return _OMP_GIVEN if _OMP_GIVEN is not None else str(cpu_threads(procs))
 
 
 def _version(text: str) -> tuple:

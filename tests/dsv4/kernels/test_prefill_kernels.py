@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO, cpu_threads, input_seed, needs_interpreter
+from conftest import REPO, input_seed, needs_interpreter, subprocess_threads
 
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                   reason="triton is not installed (the 'dev' extra brings it)")
@@ -528,7 +528,7 @@ def test_prefill_kernels_interpreter(tmp_path):
     env = dict(os.environ, TRITON_INTERPRET="1", DSV4_KERNELS="interpret",
                PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests"),
                                            str(REPO / "tests/dsv4/kernels")]))
-    env.setdefault("OMP_NUM_THREADS", str(cpu_threads(len(INTERP_SPLIT))))
+    env["OMP_NUM_THREADS"] = subprocess_threads(len(INTERP_SPLIT))
     seed = str(input_seed(1))
     code = ("import sys, test_prefill_kernels as T; "
             "T._interp_main(int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4])")
