@@ -26,8 +26,12 @@ from .session import Session
 
 def cpu_share(world: int) -> int:
     """Threads for one of `world` CPU ranks on this host: its share of the usable cores (more
-    threads than cores make every op wait on the others: tens of times slower)."""
-    return max(1, len(os.sched_getaffinity(0)) // world)
+    threads than cores make every op wait on the others: tens of times slower), at most
+    OMP_NUM_THREADS where that is set (a process's thread limit the caller chose, as torch
+    takes it: the host shared with other work, a test worker's share)."""
+    share = max(1, len(os.sched_getaffinity(0)) // world)
+    omp = os.environ.get("OMP_NUM_THREADS", "").strip()
+    return min(share, int(omp)) if omp.isdigit() and int(omp) > 0 else share
 
 
 def rank_runtime(rt: RuntimeConfig, group: TPGroup) -> RuntimeConfig:
