@@ -131,7 +131,17 @@ def test_chat_through_a_pipe(demo):
     assert blocks[0].startswith("[thinking]\n") and "[thinking]" not in blocks[1]
 
 
-def test_ctrl_c_stops_the_answer_and_keeps_the_conversation(tok, demo):
+@pytest.fixture
+def terminal_sigint():
+    """SIGINT as a Python started from a terminal has it (default_int_handler) for the test, and
+    as it was afterwards: a pytest started in the background of a non-interactive shell (a CI
+    script's `cmd &`) inherits SIGINT ignored, and Python then leaves it ignored."""
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, old)
+
+
+def test_ctrl_c_stops_the_answer_and_keeps_the_conversation(tok, demo, terminal_sigint):
     """A SIGINT while an answer streams stops it at the next token: the conversation keeps the
     cut answer (and its turn), the next turn continues the sequence; a refused turn on a pipe
     still gets its delimiter."""
