@@ -90,6 +90,7 @@ def launch(fn: Callable, devices: Sequence, *args, timeout_s: float = DEFAULT_TI
     world = len(devices)
     if world < 1:
         raise ParallelError("launch: no devices given (expected e.g. cuda:0,cuda:1 or cpu,cpu)")
+    _check_not_bootstrapping("launch")
     for attempt in range(PORT_TRIES):
         # the port was free when chosen, but the ranks bind it seconds later (an interpreter
         # each): another process may take it meanwhile; then every rank ends and all start again
@@ -105,6 +106,18 @@ def launch(fn: Callable, devices: Sequence, *args, timeout_s: float = DEFAULT_TI
 
 
 PORT_TRIES = 3
+
+
+def _check_not_bootstrapping(what: str) -> None:
+    """A rank starts as a fresh interpreter that imports the caller's main module again (the
+    spawn start method); a script that starts ranks from its top level, unguarded, would start
+    them again from inside each rank: say so, in the user's words, before anything starts."""
+    if getattr(multiprocessing.current_process(), "_inheriting", False):
+        raise ParallelError(
+            f"{what}: called while a rank process was still starting: the script that starts the "
+            f"ranks ran again inside the rank (each rank is a new Python process that imports "
+            f"your main module). Put the code that starts the run under "
+            f"`if __name__ == \"__main__\":` in that script")
 
 
 def _port_taken(text: str) -> bool:
@@ -166,6 +179,7 @@ def _launch_once(fn, devices: list, args: tuple, timeout_s: float, grace_s: floa
             if r in results:
                 procs[r].join(EXIT_WAIT_S)
     finally:
+        procs = [p for p in procs if p.pid is not None]    # started (a failed start: none after)
         for p in procs:
             if p.is_alive():
                 p.terminate()
@@ -264,6 +278,7 @@ def spawn_workers(fn: Callable, devices: Sequence, *args, timeout_s: float = DEF
     world = len(devices)
     if world < 2:
         raise ParallelError(f"spawn_workers: {world} device(s); a run of workers needs two or more")
+    _check_not_bootstrapping("spawn_workers")
     ctx = multiprocessing.get_context("spawn")
     port = free_port(master_addr)   # bound by this process right after the spawn: a short window
     procs, conns, results = [], [], []

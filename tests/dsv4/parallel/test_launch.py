@@ -66,3 +66,25 @@ def test_a_port_taken_before_the_ranks_bind_it_starts_them_again(monkeypatch):
     finally:
         held.close()
     assert [r["rank"] for r in got] == [0, 1] and not ports
+
+
+def test_an_unguarded_script_is_told_to_guard_its_main(tmp_path):
+    """A script that starts the ranks from its top level, with no `if __name__ == "__main__":`,
+    runs again inside each rank (spawn imports the main module): the rank stops at once with an
+    error that says what to change, and the run ends with exit status 1, not a hang or an
+    unrelated multiprocessing assertion."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import REPO
+    script = tmp_path / "unguarded.py"
+    script.write_text("from dsv4.parallel import launch\n\n"
+                      "def fn(group):\n    return group.rank\n\n"
+                      "print(launch(fn, ['cpu', 'cpu'], timeout_s=30, deadline_s=60))\n")
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    p = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 1, p.stdout + p.stderr[-2000:]
+    assert "Put the code that starts the run under `if __name__ == \"__main__\":`" in p.stderr
+    assert "can only join a started process" not in p.stderr
