@@ -4,7 +4,8 @@ device (dsv4.parallel.launch), each rank its shard of the preset on device-gener
 eager / graph steps timed on every rank (the all-reduces keep them in lockstep). Reported: rank
 0's ms per token (and every rank's), each rank's bytes per token and byte floor at its measured
 copy bandwidth, the head/embed share and the extrapolation to the preset's full depth as in the
-one-process benchmark (dsv4.bench.decode), the all-reduce plan.
+one-process benchmark (dsv4.bench.decode), the all-reduce plan and the communication a layer;
+with --prefill the time to first token of each prompt length (every rank prefilling it).
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from ..errors import InputError
 from ..runtime.config import DTYPES, RuntimeConfig, resolve_tp_devices
 from ..weights.presets import get_preset
 from . import MIN_STEPS
+from . import prefill as bench_prefill
 from .common import _log, _versions, copy_bandwidth, fill_state
 from .decode import EXTRAPOLATION, _plan, capacity_for, measure, title_line
 from .memory import token_bytes
@@ -30,8 +32,10 @@ def run(args, command: str = "") -> dict:
     devices = resolve_tp_devices(args.device)
     on_cuda = devices[0].startswith("cuda")
     modes, grans, lengths, notes = _plan(args, on_cuda)
-    for flag, on in (("--prefill", bool(lengths)), ("--speculative", args.speculative),
-                     ("--layer-kernels", args.layer_kernels), ("--trace", bool(args.trace))):
+    for flag, on in (("--speculative", args.speculative), ("--layer-kernels", args.layer_kernels),
+                     ("--trace", bool(args.trace)), ("--prefill-graphs", bool(args.prefill_graphs)),
+                     ("--prefill-profile", args.prefill_profile),
+                     ("--prefill-kernels off", args.prefill_kernels == "off")):
         if on:
             raise InputError(f"{flag} with --parallel tp: not measured in tensor-parallel mode "
                              f"yet; run it in one process (--parallel pipeline)")
@@ -42,7 +46,8 @@ def run(args, command: str = "") -> dict:
                          f"cannot be split over {len(devices)} ranks: {'; '.join(problems)}")
     job = {"cfg": cfg, "full": full, "context": args.context, "steps": args.steps,
            "warmup": args.warmup, "seed": args.seed, "dtype": args.dtype, "modes": modes,
-           "grans": grans, "kernels": not args.no_kernels}
+           "grans": grans, "kernels": not args.no_kernels, "lengths": lengths,
+           "prefill_reps": args.prefill_reps, "prefill_chunk": args.prefill_chunk}
     t0 = time.perf_counter()
     ranks = launch(_rank, devices, job)
     r0 = ranks[0]
@@ -67,6 +72,8 @@ def run(args, command: str = "") -> dict:
             "allreduce": r0["allreduce"], "runs": runs,
             # the decode all-reduces: two a layer (attention's wo_b, the MoE's down), each of one
             # token's [dim] bf16 partial; their latency alone in a graph (the slowest rank's)
+            "prefill_runs": _prefill_rows(ranks) if lengths else None,
+            "prefill_chunk": r0["prefill_chunk"],
             "allreduce_us": (max(r["allreduce_us"] for r in ranks)
                              if r0["allreduce_us"] is not None else None),
             "allreduces_per_layer": ALLREDUCES_PER_LAYER,
@@ -85,7 +92,7 @@ def _rank(group, job: dict) -> dict:
     if dev.type == "cpu":
         torch.set_num_threads(cpu_share(group.world_size))
     cfg = job["cfg"]
-    cap = capacity_for(job["context"], job["steps"], job["warmup"])
+    cap = capacity_for(max([job["context"]] + job["lengths"]), job["steps"], job["warmup"])
     rt = rank_runtime(RuntimeConfig(cap, DTYPES[job["dtype"]], (str(dev),)), group)
     comm = Communicator.plan(group)
     model = build_model(cfg, rt, comm=comm)
@@ -105,14 +112,30 @@ def _rank(group, job: dict) -> dict:
             fill_state(model, job["context"], job["seed"])
             runs.append(measure(model, mode, g, job["context"], job["steps"], job["warmup"],
                                 job["seed"], kernels=job["kernels"] and mode == "graph"))
+    prefill = []
+    for n in job["lengths"]:      # every rank the same prompts: the all-reduces keep them in step
+        if group.rank == 0:
+            _log(f"prefill {n} tokens on {group.world_size} ranks")
+        r = bench_prefill.measure(model, n, job["prefill_reps"], job["seed"], job["prefill_chunk"])
+        prefill.append({k: r[k] for k in ("tokens", "ttft_ms", "spread_ms", "tok_per_s")})
     ar_us = comm_latency_us(group, comm, cfg.dim) if dev.type == "cuda" else None
     comm.check()
     out = {"rank": group.rank, "runs": runs, "bytes": nbytes, "copy_TBps": copy,
-           "allreduce_us": ar_us,
+           "allreduce_us": ar_us, "prefill": prefill,
+           "prefill_chunk": job["prefill_chunk"] or model.rt.prefill_chunk,
            "floor_ms": nbytes / (copy * 1e12) * 1e3 if copy else None, "capacity": cap,
            "load_s": load_s, "allreduce": comm.table(), "versions": _versions([dev])}
     comm.close()
     return out
+
+
+def _prefill_rows(ranks: list) -> list[dict]:
+    """Each prompt length's prefill: rank 0's time to first token and tok/s, and every rank's
+    TTFT (they finish together: each layer's all-reduces wait for the slowest)."""
+    rows = []
+    for i, r0 in enumerate(ranks[0]["prefill"]):
+        rows.append({**r0, "ttft_ms_per_rank": [r["prefill"][i]["ttft_ms"] for r in ranks]})
+    return rows
 
 
 def comm_latency_us(group, comm, dim: int) -> float:
@@ -145,6 +168,12 @@ def format_table(rep: dict) -> str:
                      f"{r['tokens_per_s']:>9.1f}{f(r['ratio_to_floor'], '.2f'):>9}"
                      f"{r['head_embed_ms']:>12.3f}{r['per_layer_ms']:>11.4f}" +
                      (f"{r['extrapolated_ms']:>12.3f}" if rep["partial"] else ""))
+    for p in rep["prefill_runs"] or []:
+        lo, hi = p["spread_ms"]
+        lines.append(f"prefill {p['tokens']} tokens: TTFT {p['ttft_ms']:.1f} ms "
+                     f"[{lo:.1f}-{hi:.1f}] ({p['tok_per_s']:.0f} tok/s; chunk "
+                     f"{rep['prefill_chunk']}), every rank: "
+                     + ", ".join(f"{t:.1f}" for t in p["ttft_ms_per_rank"]) + " ms")
     for n in rep["notes"]:
         lines.append(f"note: {n}")
     return "\n".join(lines)

@@ -15,7 +15,7 @@ FAST = ["--device", "cpu,cpu", "--parallel", "tp", "--mode", "eager", "--steps",
 
 
 def test_tp_bench_on_two_cpu_ranks(capsys):
-    rc = bench.main(["--preset", "tiny-tp", *FAST])
+    rc = bench.main(["--preset", "tiny-tp", "--prefill", "20,9", "--prefill-reps", "1", *FAST])
     out, err = capsys.readouterr()
     assert rc == 0, err
     assert "tensor parallel over 2: cpu,cpu" in err
@@ -27,6 +27,12 @@ def test_tp_bench_on_two_cpu_ranks(capsys):
     assert r["head_embed_ms"] > 0 and r["per_layer_ms"] > 0 and len(rep["ms_per_token_per_rank"]) == 2
     a, b = rep["bytes_per_token_per_rank"]
     assert a == b                                   # the same shard sizes on both ranks
+    # --prefill: each length's time to first token, every rank prefilling the same prompt
+    assert [p["tokens"] for p in rep["prefill_runs"]] == [20, 9]
+    for p in rep["prefill_runs"]:
+        assert p["ttft_ms"] > 0 and len(p["ttft_ms_per_rank"]) == 2
+        assert p["ttft_ms"] == p["ttft_ms_per_rank"][0]
+    assert "prefill 20 tokens: TTFT" in err
     # the all-reduces' latency is measured in a CUDA graph only
     assert rep["allreduce_us"] is None and rep["allreduces_per_layer"] == 2
     assert "communication a layer: -" in err
@@ -41,8 +47,9 @@ def test_tp_bench_on_two_cpu_ranks(capsys):
 def test_tp_bench_refuses_what_it_does_not_measure(capsys):
     assert bench.main(["--preset", "tiny", *FAST]) == 2          # 64 expert rows a rank
     assert "cannot be split over 2 ranks" in capsys.readouterr()[1]
-    assert bench.main(["--preset", "tiny-tp", "--prefill", "16", *FAST]) == 2
-    assert "--prefill with --parallel tp" in capsys.readouterr()[1]
+    assert bench.main(["--preset", "tiny-tp", "--prefill", "16", "--prefill-profile",
+                       *FAST]) == 2
+    assert "--prefill-profile with --parallel tp" in capsys.readouterr()[1]
     assert bench.main(["--preset", "tiny-tp", *FAST[:1], "cpu", *FAST[2:]]) == 2
     assert "at least two" in capsys.readouterr()[1]
 
