@@ -44,6 +44,11 @@ def run(args, command: str = "") -> dict:
     if problems:
         raise InputError(f"--parallel tp --device {','.join(devices)}: --preset {args.preset} "
                          f"cannot be split over {len(devices)} ranks: {'; '.join(problems)}")
+    cap = capacity_for(max([args.context] + lengths), args.steps, args.warmup)
+    if cap > cfg.max_position_embeddings:
+        raise InputError(f"--context {args.context} / --prefill + steps + warmup needs capacity "
+                         f"{cap}, above the model's {cfg.max_position_embeddings} positions; "
+                         f"lower them")
     job = {"cfg": cfg, "full": full, "context": args.context, "steps": args.steps,
            "warmup": args.warmup, "seed": args.seed, "dtype": args.dtype, "modes": modes,
            "grans": grans, "kernels": not args.no_kernels, "lengths": lengths,
@@ -70,10 +75,10 @@ def run(args, command: str = "") -> dict:
             "copy_TBps_per_rank": [r["copy_TBps"] for r in ranks],
             "ms_per_token_per_rank": [[x["ms_per_token"] for x in r["runs"]] for r in ranks],
             "allreduce": r0["allreduce"], "runs": runs,
-            # the decode all-reduces: two a layer (attention's wo_b, the MoE's down), each of one
-            # token's [dim] bf16 partial; their latency alone in a graph (the slowest rank's)
             "prefill_runs": _prefill_rows(ranks) if lengths else None,
             "prefill_chunk": r0["prefill_chunk"],
+            # the decode all-reduces: two a layer (attention's wo_b, the MoE's down), each of one
+            # token's [dim] bf16 partial; their latency alone in a graph (the slowest rank's)
             "allreduce_us": (max(r["allreduce_us"] for r in ranks)
                              if r0["allreduce_us"] is not None else None),
             "allreduces_per_layer": ALLREDUCES_PER_LAYER,

@@ -50,6 +50,8 @@ def test_tp_bench_refuses_what_it_does_not_measure(capsys):
     assert bench.main(["--preset", "tiny-tp", "--prefill", "16", "--prefill-profile",
                        *FAST]) == 2
     assert "--prefill-profile with --parallel tp" in capsys.readouterr()[1]
+    assert bench.main(["--preset", "tiny-tp", "--prefill", "2000000", *FAST]) == 2
+    assert "above the model's 1048576 positions" in capsys.readouterr()[1]
     assert bench.main(["--preset", "tiny-tp", *FAST[:1], "cpu", *FAST[2:]]) == 2
     assert "at least two" in capsys.readouterr()[1]
 
