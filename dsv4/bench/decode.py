@@ -58,6 +58,19 @@ def capacity_for(context: int, steps: int, warmup: int) -> int:
     return -(-need // CAPACITY_ALIGN) * CAPACITY_ALIGN
 
 
+def checked_capacity(args, cfg, prompts: list) -> int:
+    """The cache capacity of a run at --context and of prompts of these lengths (prefill, the
+    speculative bench's), or InputError where it passes the model's positions."""
+    cap = capacity_for(max([args.context] + prompts), args.steps, args.warmup)
+    if cap > cfg.max_position_embeddings:
+        what = f"--context {args.context}" + (f" (and prompts of up to {max(prompts)} tokens)"
+                                              if prompts else "")
+        raise InputError(f"{what} + steps + warmup needs capacity {cap}, above the model's "
+                         f"{cfg.max_position_embeddings} positions; lower "
+                         f"{'them' if prompts else '--context'}")
+    return cap
+
+
 def _stats(ms: list[float]) -> dict:
     med = statistics.median(ms)
     return {"ms_per_token": med, "spread_ms": [min(ms), max(ms)], "tokens_per_s": 1e3 / med}
@@ -128,10 +141,7 @@ def run(args, command: str = "") -> dict:
     modes, grans, lengths, notes = _plan(args, on_cuda)
     full, cfg = get_preset(args.preset), get_preset(args.preset, args.layers)
     spec_len = [bench_spec.PROMPT + args.spec_tokens + 2] if args.speculative else []
-    cap = capacity_for(max([args.context] + lengths + spec_len), args.steps, args.warmup)
-    if cap > cfg.max_position_embeddings:
-        raise InputError(f"--context {args.context} + steps + warmup needs capacity {cap}, above "
-                         f"the model's {cfg.max_position_embeddings} positions; lower --context")
+    cap = checked_capacity(args, cfg, lengths + spec_len)
     dtype = DTYPES[args.dtype]
     meta = Transformer(full, RuntimeConfig(cap, dtype, ("meta",)))   # sizes only, no memory
     placement, est = check_memory(meta, cfg.n_layers, devices, int(args.reserve_gib * GIB), cap)

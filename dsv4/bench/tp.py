@@ -19,7 +19,7 @@ from ..weights.presets import get_preset
 from . import MIN_STEPS
 from . import prefill as bench_prefill
 from .common import _log, _versions, copy_bandwidth, fill_state
-from .decode import EXTRAPOLATION, _plan, capacity_for, measure, title_line
+from .decode import EXTRAPOLATION, _plan, checked_capacity, measure, title_line
 from .memory import token_bytes
 
 ALLREDUCES_PER_LAYER = 2    # attention's output and the MoE's (dsv4.model.sharding.reduce)
@@ -44,12 +44,8 @@ def run(args, command: str = "") -> dict:
     if problems:
         raise InputError(f"--parallel tp --device {','.join(devices)}: --preset {args.preset} "
                          f"cannot be split over {len(devices)} ranks: {'; '.join(problems)}")
-    cap = capacity_for(max([args.context] + lengths), args.steps, args.warmup)
-    if cap > cfg.max_position_embeddings:
-        raise InputError(f"--context {args.context} / --prefill + steps + warmup needs capacity "
-                         f"{cap}, above the model's {cfg.max_position_embeddings} positions; "
-                         f"lower them")
-    job = {"cfg": cfg, "full": full, "context": args.context, "steps": args.steps,
+    job = {"cfg": cfg, "full": full, "capacity": checked_capacity(args, cfg, lengths),
+           "context": args.context, "steps": args.steps,
            "warmup": args.warmup, "seed": args.seed, "dtype": args.dtype, "modes": modes,
            "grans": grans, "kernels": not args.no_kernels, "lengths": lengths,
            "prefill_reps": args.prefill_reps, "prefill_chunk": args.prefill_chunk}
@@ -97,7 +93,7 @@ def _rank(group, job: dict) -> dict:
     if dev.type == "cpu":
         torch.set_num_threads(cpu_share(group.world_size))
     cfg = job["cfg"]
-    cap = capacity_for(max([job["context"]] + job["lengths"]), job["steps"], job["warmup"])
+    cap = job["capacity"]
     rt = rank_runtime(RuntimeConfig(cap, DTYPES[job["dtype"]], (str(dev),)), group)
     comm = Communicator.plan(group)
     model = build_model(cfg, rt, comm=comm)
