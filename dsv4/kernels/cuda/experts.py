@@ -31,9 +31,16 @@ class ExpertCudaConfig:
 # up: 100 streaming CTAs (25.0 us alone, 20.2 on 132) leave SMs for the shared expert's branch
 # beside it (8 Flash layers, graph: 1.360 ms vs 1.369-1.377 with 116 / 132 CTAs)
 UP_STREAM_MAX_K, UP_STREAM_ROWS = 64, 4   # the streaming up kernel's pairs and activation rows
-TUNED_CUDA_UP: dict[tuple, ExpertCudaConfig] = {(6, 2048, 4096): ExpertCudaConfig(2, ctas=100)}
+# a tensor-parallel rank's inter slice (I / world): bench_kernels --sweep --tp N on one H100
+# (2026-11-27), the default in brackets
+TUNED_CUDA_UP: dict[tuple, ExpertCudaConfig] = {
+    (6, 2048, 4096): ExpertCudaConfig(2, ctas=100),
+    (6, 1024, 4096): ExpertCudaConfig(2, ctas=100),    # TP2 (18.2) 15.9 us (132 CTAs: 14.8)
+    (6, 512, 4096): ExpertCudaConfig(2, ctas=100)}     # TP4 (11.5) 10.1 us
 TUNED_CUDA_DOWN: dict[tuple, ExpertCudaConfig] = {
-    (6, 2048, 4096): ExpertCudaConfig(2, 0, 6, True)}   # 12.0 us (one expert per CTA: 16 us)
+    (6, 2048, 4096): ExpertCudaConfig(2, 0, 6, True),  # 12.0 us (one expert per CTA: 16 us)
+    (6, 1024, 4096): ExpertCudaConfig(2, 0, 6, True),  # TP2 (9.7) 9.5 us
+    (6, 512, 4096): ExpertCudaConfig(1, 0, 1)}         # TP4 (7.3) 6.8 us, one expert per CTA
 # the instantiated (spw, dec, depth) of csrc (depth 0 = spw)
 CUDA_UP_VARIANTS = ((1, 0, 1), (2, 0, 2), (2, 0, 1), (4, 0, 4), (4, 0, 3), (4, 0, 2), (4, 1, 4),
                     (4, 1, 2))

@@ -33,6 +33,14 @@ TUNED_CUDA: dict[tuple, CudaConfig] = {
     (4096, 8192, 0, 1): CudaConfig(32, 8, 2, 8),      # wo_b        13.4 -> 12.0 us
     (2048, 4096, 0, 2): CudaConfig(32, 8, 1, 8),      # shared w1+w3 (SwiGLU) 7.6 -> 7.2 us
     (4096, 2048, 0, 1): CudaConfig(32, 16, 1, 4),     # shared w2    4.0 -> 3.7 us
+    # a tensor-parallel rank's shard shapes (bench_kernels --sweep --tp N, one H100, 2026-11-27;
+    # the tensor-core default in brackets; TUNED_MMA leaves these shapes to this kernel)
+    (4096, 4096, 1024, 1): CudaConfig(16, 8, 1, 16),  # TP2 wo_a (G=4)    (7.66) 7.41 us
+    (1024, 4096, 0, 2): CudaConfig(32, 8, 1, 8),      # TP2 shared w1+w3  (4.84) 4.26 us
+    (4096, 1024, 0, 1): CudaConfig(16, 16, 1, 4),     # TP2 shared w2     (3.26) 2.74 us
+    (2048, 4096, 1024, 1): CudaConfig(32, 8, 1, 8),   # TP4 wo_a (G=2)    (4.84) 4.25 us
+    (512, 4096, 0, 2): CudaConfig(32, 8, 1, 8),       # TP4 shared w1+w3  (3.21) 2.90 us
+    (4096, 512, 0, 1): CudaConfig(8, 8, 1, 4),        # TP4 shared w2     (2.49) 2.19 us
 }
 
 CUDA_TARGET_CTAS = 264       # ~2 CTAs per SM on H100/H200 before a CTA takes more rows
@@ -107,6 +115,10 @@ TUNED_MMA: dict[tuple, MmaConfig | None] = {
     (4096, 8192, 0, 1): MmaConfig(4, 16),     # wo_b        13.51 / 14.68 (11.61 / 18.30)
     (2048, 4096, 0, 2): MmaConfig(2, 16),     # shared w1+w3 6.81 / 7.18  (6.88 / 8.94)
     (4096, 2048, 0, 1): MmaConfig(4, 4),      # shared w2    4.06 / 4.01  (3.79 / 6.17)
+    # tensor-parallel shard shapes where the CUDA-core kernel is faster at T = 1 (TUNED_CUDA):
+    # a TP rank decodes one row a step (its verify rows would pay the CUDA-core kernel's ~1.5x)
+    **{key: None for key in ((4096, 4096, 1024, 1), (1024, 4096, 0, 2), (4096, 1024, 0, 1),
+                             (2048, 4096, 1024, 1), (512, 4096, 0, 2), (4096, 512, 0, 1))},
 }
 
 

@@ -46,6 +46,38 @@ def test_cuda_config_fits_the_real_shapes():
     assert cuda_config(128, 100 * 16, (128,), 0, 1) is None  # K not a multiple of 128
 
 
+def test_every_measured_config_fits_its_shape():
+    """The measured tables (one-GPU and tensor-parallel shard shapes) hold configs the launchers
+    accept for their keys: a CUDA-core config covers K and divides the rows, scale blocks and x
+    groups; a tensor-core one tiles K; a shape TUNED_MMA leaves to the CUDA-core kernel has a
+    CUDA-core config; an expert config is an instantiated variant whose warps split K."""
+    from dsv4.kernels.cuda import experts as ex
+    from dsv4.kernels.cuda.fp8 import (MMA_VARIANTS, TUNED_CUDA, TUNED_MMA, cuda_config,
+                                       mma_config)
+    for (n, k, ng, nm), c in TUNED_CUDA.items():
+        assert c.warps * c.lc * c.cpl * 16 == k and 1 <= c.warps <= 16, ((n, k, ng, nm), c)
+        assert 128 % c.rows == 0 and n % c.rows == 0 and (ng == 0 or ng % c.rows == 0), (n, c)
+        assert c.rpl * c.cpl * nm <= 16, ((n, k, ng, nm), c)
+    for (n, k, ng, nm), c in TUNED_MMA.items():
+        got = mma_config(n, k, (n,), ng, nm, True, torch.bfloat16)
+        assert got == c, (n, k, ng, nm)
+        if c is None:
+            assert cuda_config(n, k, (n,), ng, nm) == TUNED_CUDA[(n, k, ng, nm)]
+        else:
+            assert c.warps * 128 * c.spw == k and (c.spw, nm == 2) in MMA_VARIANTS, (n, k, c)
+    for (kk, inter, dim), c in ex.TUNED_CUDA_UP.items():
+        assert ex.cuda_spw_fits(dim, c.spw) and kk <= ex.UP_STREAM_MAX_K, c
+        assert c.ctas == 0 or (c.spw, c.ctas) in ex.CUDA_UP_STREAM_VARIANTS, c
+        assert ex.cuda_expert_config(dim, ex.TUNED_CUDA_UP, (kk, inter, dim)) == c
+    for (kk, inter, dim), c in ex.TUNED_CUDA_DOWN.items():
+        assert ex.cuda_spw_fits(inter, c.spw), c
+        variants = ([(k6, s, d) for k6, s, d in ex.CUDA_DOWN_ALL_VARIANTS if k6 == kk]
+                    if c.all_experts else ex.CUDA_DOWN_VARIANTS)
+        key = (kk, c.spw, c.depth) if c.all_experts else (c.spw, c.dec, c.depth or c.spw)
+        assert key in variants, c
+        assert ex.cuda_down_config(kk, inter, dim) == c
+
+
 def test_expert_config_and_cpu_fallback():
     from dsv4.kernels.cuda.experts import cuda_expert_config
     assert cuda_expert_config(4096, {}, ()).spw == 4          # Flash up: 8 warps
