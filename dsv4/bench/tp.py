@@ -5,7 +5,8 @@ eager / graph steps timed on every rank (the all-reduces keep them in lockstep).
 0's ms per token (and every rank's), each rank's bytes per token and byte floor at its measured
 copy bandwidth, the head/embed share and the extrapolation to the preset's full depth as in the
 one-process benchmark (dsv4.bench.decode), the all-reduce plan and the communication a layer;
-with --prefill the time to first token of each prompt length (every rank prefilling it).
+with --prefill the time to first token of each prompt length (every rank prefilling it), and
+with --prefill-profile (CUDA) one profiled prefill a rank: rank 0's kernels by device time.
 """
 from __future__ import annotations
 
@@ -34,11 +35,13 @@ def run(args, command: str = "") -> dict:
     modes, grans, lengths, notes = _plan(args, on_cuda)
     for flag, on in (("--speculative", args.speculative), ("--layer-kernels", args.layer_kernels),
                      ("--trace", bool(args.trace)), ("--prefill-graphs", bool(args.prefill_graphs)),
-                     ("--prefill-profile", args.prefill_profile),
                      ("--prefill-kernels off", args.prefill_kernels == "off")):
         if on:
             raise InputError(f"{flag} with --parallel tp: not measured in tensor-parallel mode "
                              f"yet; run it in one process (--parallel pipeline)")
+    profile = bool(args.prefill_profile and lengths and on_cuda)
+    if args.prefill_profile and lengths and not on_cuda:
+        notes.append("--prefill-profile: a CUDA profile; not taken on the CPU")
     full, cfg = get_preset(args.preset), get_preset(args.preset, args.layers)
     problems = split_problems(cfg, len(devices))
     if problems:
@@ -48,7 +51,8 @@ def run(args, command: str = "") -> dict:
            "context": args.context, "steps": args.steps,
            "warmup": args.warmup, "seed": args.seed, "dtype": args.dtype, "modes": modes,
            "grans": grans, "kernels": not args.no_kernels, "lengths": lengths,
-           "prefill_reps": args.prefill_reps, "prefill_chunk": args.prefill_chunk}
+           "prefill_reps": args.prefill_reps, "prefill_chunk": args.prefill_chunk,
+           "prefill_profile": profile}
     t0 = time.perf_counter()
     ranks = launch(_rank, devices, job)
     r0 = ranks[0]
@@ -118,7 +122,10 @@ def _rank(group, job: dict) -> dict:
         if group.rank == 0:
             _log(f"prefill {n} tokens on {group.world_size} ranks")
         r = bench_prefill.measure(model, n, job["prefill_reps"], job["seed"], job["prefill_chunk"])
-        prefill.append({k: r[k] for k in ("tokens", "ttft_ms", "spread_ms", "tok_per_s")})
+        row = {k: r[k] for k in ("tokens", "ttft_ms", "spread_ms", "tok_per_s")}
+        if job["prefill_profile"]:   # every rank profiles the same prefills (their collectives)
+            row["profile"] = bench_prefill.profile(model, n, job["seed"], job["prefill_chunk"])
+        prefill.append(row)
     ar_us = comm_latency_us(group, comm, cfg.dim) if dev.type == "cuda" else None
     comm.check()
     out = {"rank": group.rank, "runs": runs, "bytes": nbytes, "copy_TBps": copy,
@@ -132,10 +139,16 @@ def _rank(group, job: dict) -> dict:
 
 def _prefill_rows(ranks: list) -> list[dict]:
     """Each prompt length's prefill: rank 0's time to first token and tok/s, and every rank's
-    TTFT (they finish together: each layer's all-reduces wait for the slowest)."""
+    TTFT (they finish together: each layer's all-reduces wait for the slowest); with a profile,
+    rank 0's (its top kernels) and every rank's device time and host issue time."""
     rows = []
     for i, r0 in enumerate(ranks[0]["prefill"]):
-        rows.append({**r0, "ttft_ms_per_rank": [r["prefill"][i]["ttft_ms"] for r in ranks]})
+        row = {**r0, "ttft_ms_per_rank": [r["prefill"][i]["ttft_ms"] for r in ranks]}
+        if "profile" in r0:
+            row["profile_per_rank"] = [{k: r["prefill"][i]["profile"][k] for k in
+                                        ("kernels", "device_ms", "host_issue_ms",
+                                         "device_span_ms")} for r in ranks]
+        rows.append(row)
     return rows
 
 
@@ -175,6 +188,14 @@ def format_table(rep: dict) -> str:
                      f"[{lo:.1f}-{hi:.1f}] ({p['tok_per_s']:.0f} tok/s; chunk "
                      f"{rep['prefill_chunk']}), every rank: "
                      + ", ".join(f"{t:.1f}" for t in p["ttft_ms_per_rank"]) + " ms")
+        if "profile" in p:
+            lines.append(f"  profile (one prefill a rank; kernels, their device ms, host issue ms, "
+                         f"device span ms): " + "; ".join(
+                             f"rank {i}: {q['kernels']}, {q['device_ms']:.1f}, "
+                             f"{q['host_issue_ms']:.1f}, {q['device_span_ms']:.1f}"
+                             for i, q in enumerate(p["profile_per_rank"])))
+            lines.append("  rank 0's kernels by device time:")
+            lines += [f"  {ms:9.3f} ms {c:6d}x {name}" for name, c, ms in p["profile"]["top"]]
     for n in rep["notes"]:
         lines.append(f"note: {n}")
     return "\n".join(lines)

@@ -15,7 +15,8 @@ FAST = ["--device", "cpu,cpu", "--parallel", "tp", "--mode", "eager", "--steps",
 
 
 def test_tp_bench_on_two_cpu_ranks(capsys):
-    rc = bench.main(["--preset", "tiny-tp", "--prefill", "20,9", "--prefill-reps", "1", *FAST])
+    rc = bench.main(["--preset", "tiny-tp", "--prefill", "20,9", "--prefill-reps", "1",
+                     "--prefill-profile", *FAST])
     out, err = capsys.readouterr()
     assert rc == 0, err
     assert "tensor parallel over 2: cpu,cpu" in err
@@ -33,6 +34,9 @@ def test_tp_bench_on_two_cpu_ranks(capsys):
         assert p["ttft_ms"] > 0 and len(p["ttft_ms_per_rank"]) == 2
         assert p["ttft_ms"] == p["ttft_ms_per_rank"][0]
     assert "prefill 20 tokens: TTFT" in err
+    # --prefill-profile is a CUDA profile: on the CPU a note says it was not taken
+    assert all("profile" not in p for p in rep["prefill_runs"])
+    assert "--prefill-profile: a CUDA profile; not taken on the CPU" in rep["notes"]
     # the all-reduces' latency is measured in a CUDA graph only
     assert rep["allreduce_us"] is None and rep["allreduces_per_layer"] == 2
     assert "communication a layer: -" in err
@@ -47,9 +51,9 @@ def test_tp_bench_on_two_cpu_ranks(capsys):
 def test_tp_bench_refuses_what_it_does_not_measure(capsys):
     assert bench.main(["--preset", "tiny", *FAST]) == 2          # 64 expert rows a rank
     assert "cannot be split over 2 ranks" in capsys.readouterr()[1]
-    assert bench.main(["--preset", "tiny-tp", "--prefill", "16", "--prefill-profile",
+    assert bench.main(["--preset", "tiny-tp", "--prefill", "16", "--prefill-graphs", "1",
                        *FAST]) == 2
-    assert "--prefill-profile with --parallel tp" in capsys.readouterr()[1]
+    assert "--prefill-graphs with --parallel tp" in capsys.readouterr()[1]
     assert bench.main(["--preset", "tiny-tp", "--prefill", "2000000", *FAST]) == 2
     assert "above the model's 1048576 positions" in capsys.readouterr()[1]
     assert bench.main(["--preset", "tiny-tp", *FAST[:1], "cpu", *FAST[2:]]) == 2
@@ -84,3 +88,24 @@ def test_kernel_cases_of_a_rank_have_its_shard_shapes(monkeypatch):
         assert f"I={I} " in got["experts.up"]
     with pytest.raises(ConfigError):
         next(build_cases("tiny-tp", torch.device("cpu"), names, tp=8))
+
+
+@pytest.mark.multigpu
+def test_tp_bench_profiles_a_prefill_on_every_rank(capsys):
+    """On two GPUs, --prefill-profile: every rank profiles the same prefill (their all-reduces
+    match), the report carries every rank's kernel count and device time and rank 0's top
+    kernels."""
+    import torch
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"needs 2 GPUs, {torch.cuda.device_count()} visible")
+    rc = bench.main(["--preset", "tiny-tp", "--device", "cuda:0,cuda:1", "--parallel", "tp",
+                     "--mode", "eager", "--steps", "3", "--warmup", "1", "--context", "40",
+                     "--prefill", "32", "--prefill-reps", "1", "--prefill-profile", "--json", "-"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    (p,) = json.loads(out)["prefill_runs"]
+    assert len(p["profile_per_rank"]) == 2
+    for q in p["profile_per_rank"]:
+        assert q["kernels"] > 0 and q["device_ms"] > 0 and q["device_span_ms"] > 0
+    assert p["profile"]["top"] and p["profile"]["kernels"] == p["profile_per_rank"][0]["kernels"]
+    assert "rank 0's kernels by device time" in err
