@@ -94,10 +94,12 @@ def time_steps(step, n: int, devices) -> list[float]:
     return [a.elapsed_time(b) for a, b in evs]
 
 
-def count_kernels(step, devices, top: dict | None = None, trace: str | None = None) -> int:
+def count_kernels(step, devices, top: dict | None = None, trace: str | None = None,
+                  events: list | None = None) -> int:
     """CUDA kernels launched by one step() (memcpy/memset excluded), from torch.profiler; with
     `top`, also fills it with kernel name -> [launches, device µs] of that step; with `trace`,
-    writes that step's Chrome trace there (kernels per stream with start and duration)."""
+    writes that step's Chrome trace there (kernels per stream with start and duration); with
+    `events`, appends each kernel's (device, start µs, end µs, name) (dsv4.bench.timeline)."""
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     _sync(devices)
     with torch.profiler.profile(activities=acts) as prof:
@@ -105,6 +107,9 @@ def count_kernels(step, devices, top: dict | None = None, trace: str | None = No
         _sync(devices)
     if trace:
         prof.export_chrome_trace(trace)
+    if events is not None:
+        from .timeline import kernel_intervals
+        events += kernel_intervals(prof, NOT_KERNELS)
     n = 0
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith(NOT_KERNELS):

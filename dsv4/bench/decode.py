@@ -34,6 +34,7 @@ from ..weights.presets import get_preset
 from . import MIN_STEPS
 from . import prefill as bench_prefill
 from . import speculative as bench_spec
+from . import timeline
 from .common import (
     GIB,
     _log,
@@ -107,15 +108,20 @@ def measure(model: Transformer, mode: str, granularity: str, context: int, steps
         res["head_embed_ms"] = statistics.median(time_steps(he.step, steps, devices))
         res["per_layer_ms"] = (res["ms_per_token"] - res["head_embed_ms"]) / model.cfg.n_layers
         res["kernels_per_step"] = res["kernels_head_embed"] = res["kernels_per_layer"] = None
+        res["timeline"] = None
         if kernels and model.head_device.type == "cuda":
             at_context()
             top: dict = {}
             suffix = f"-{granularity}" if mode == "graph" else ""
-            total = count_kernels(dec.step, devices, top, trace and f"{trace}-{mode}{suffix}.json")
+            events: list = []
+            total = count_kernels(dec.step, devices, top, trace and f"{trace}-{mode}{suffix}.json",
+                                  events)
             res["top_kernels"] = sorted(([k, n, round(us, 1)] for k, (n, us) in top.items()),
                                         key=lambda r: -r[2])[:20]
             for k, n, us in res["top_kernels"][:12]:
                 _log(f"{mode}/{granularity}: {us:9.1f} us {n:5d}x {k}")
+            res["timeline"] = timeline.analyze(events, model.cfg.n_layers)
+            _log(f"{mode}/{granularity}: {timeline.format_line(res['timeline'])}")
             at_context()
             res["kernels_head_embed"] = count_kernels(he.step, devices)
             res["kernels_per_step"] = total

@@ -238,6 +238,19 @@ def test_prefill_profile_cuda(capsys):
     assert sum(c for _, c, _ in pr["top"]) <= pr["kernels"]
 
 
+@pytest.mark.cuda
+def test_graph_step_timeline_cuda(capsys):
+    """A profiled graph step's timeline (dsv4.bench.timeline): its span split into weights
+    streaming and not, the idle part held by named kernels, a line of it in the log."""
+    rep = _run(capsys, "--device", "cuda:0", "--mode", "graph", "--granularity", "device",
+               "--steps", "5", "--warmup", "2", "--context", "40", "--json", "-")
+    tl = rep["runs"][0]["timeline"]
+    assert tl["span_us"] > 0 and tl["streaming_us"] > 0 and tl["idle_us"] > 0
+    assert tl["streaming_us"] + tl["idle_us"] == pytest.approx(tl["span_us"], rel=1e-6)
+    assert tl["idle_under"] and all(us > 0 for _, us in tl["idle_under"])
+    assert tl["layers"] == rep["layers"]
+
+
 def test_cpu_memory_check_counts_dequantized_copies(capsys, monkeypatch):
     """A CPU run keeps dequantized weights (and dequantizing a Flash expert bank needs tens of GB
     of temporaries): the check counts both and refuses before generating anything."""

@@ -1,0 +1,53 @@
+"""dsv4.bench.timeline: where a profiled step leaves the memory idle, on a hand-made timeline
+(streams overlapping latency-bound kernels as PDL and the branches make them, a bubble, two small
+kernels sharing a stretch, two devices), and the kernel names it reports."""
+from __future__ import annotations
+
+import pytest
+
+from dsv4.bench.timeline import NO_KERNEL, analyze, format_line, short_name
+
+GEMV = "void (anonymous namespace)::fp8_gemv_kernel<8, 2, true>(ArgsA)"
+UP = "void (anonymous namespace)::fp4_up_stream_kernel<2>(ArgsB)"
+
+
+def test_streaming_idle_and_who_holds_the_idle_part():
+    ev = [(0, 0.0, 10.0, GEMV),             # streaming 0-10
+          (0, 10.0, 14.0, "_pre_finish_kernel"),   # idle 10-14 under the finish
+          # 14-15: no kernel (a bubble)
+          (0, 15.0, 25.0, "_bf16_gemv_kernel"),     # streaming 15-25 ...
+          (0, 20.0, 30.0, "_route_kernel"),        # ... beside it from 20 (PDL); alone 25-30
+          (0, 30.0, 40.0, UP),                      # streaming 30-40 ...
+          (0, 30.0, 32.0, "_post_kernel"),         # ... while a small kernel runs: streaming
+          (0, 40.0, 44.0, "_scores_kernel"),       # 40-44: two small kernels share it
+          (0, 40.0, 44.0, "topk_bf16_kernel"),
+          (1, 100.0, 110.0, GEMV),                 # another device (a pipeline's next stage)
+          (1, 110.0, 113.0, "allreduce_oneshot_kernel")]
+    tl = analyze(ev, layers=2)
+    assert tl["span_us"] == pytest.approx(44.0 + 13.0)
+    assert tl["streaming_us"] == pytest.approx(10 + 10 + 10 + 10)
+    assert tl["idle_us"] == pytest.approx(4 + 1 + 5 + 4 + 3)
+    assert tl["no_kernel_us"] == pytest.approx(1.0)
+    assert tl["streaming_us"] + tl["idle_us"] == pytest.approx(tl["span_us"])
+    assert tl["idle_us_per_layer"] == pytest.approx(17 / 2)
+    under = dict(tl["idle_under"])
+    assert under == pytest.approx({"_route_kernel": 5.0, "_pre_finish_kernel": 4.0,
+                                   "allreduce_oneshot_kernel": 3.0, "_scores_kernel": 2.0,
+                                   "topk_bf16_kernel": 2.0, NO_KERNEL: 1.0})
+    assert [k for k, _ in tl["idle_under"][:2]] == ["_route_kernel", "_pre_finish_kernel"]
+    assert tl["per_device"]["1"]["span_us"] == pytest.approx(13.0)
+    line = format_line(tl)
+    assert "span 28.5 us" in line and "none streaming 8.5 us" in line and "_route_kernel 2.5" in line
+
+
+def test_a_kernel_that_ends_where_the_next_starts_leaves_no_gap():
+    tl = analyze([(0, 0.0, 5.0, GEMV), (0, 5.0, 7.0, "_rms_norm_kernel"), (0, 7.0, 9.0, GEMV)])
+    assert tl["idle_us"] == pytest.approx(2.0) and tl["no_kernel_us"] == 0.0
+    assert analyze([])["span_us"] == 0.0
+
+
+def test_short_names():
+    assert short_name(GEMV) == "fp8_gemv_kernel"
+    assert short_name(UP) == "fp4_up_stream_kernel"
+    assert short_name("_pre_finish_kernel") == "_pre_finish_kernel"
+    assert short_name("void gemv2T_kernel_val<int, int, __nv_bfloat16>(params)") == "gemv2T_kernel_val"
