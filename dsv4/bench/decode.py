@@ -78,8 +78,9 @@ def _stats(ms: list[float]) -> dict:
 
 
 def measure(model: Transformer, mode: str, granularity: str, context: int, steps: int,
-            warmup: int, seed: int, kernels: bool, trace: str | None = None) -> dict:
-    """One (mode, granularity): decoder over the model at position `context`, warmed up, timed."""
+            warmup: int, seed: int, kernels: bool, trace: str | None = None, log=_log) -> dict:
+    """One (mode, granularity): decoder over the model at position `context`, warmed up, timed;
+    `log` takes the profiled step's lines (a tensor-parallel rank other than 0: none)."""
     devices = list(dict.fromkeys([model.head_device, *model.placement]))
     sess = Session(model, SamplingParams(), mode=mode, granularity=granularity)
     he = None
@@ -119,9 +120,9 @@ def measure(model: Transformer, mode: str, granularity: str, context: int, steps
             res["top_kernels"] = sorted(([k, n, round(us, 1)] for k, (n, us) in top.items()),
                                         key=lambda r: -r[2])[:20]
             for k, n, us in res["top_kernels"][:12]:
-                _log(f"{mode}/{granularity}: {us:9.1f} us {n:5d}x {k}")
+                log(f"{mode}/{granularity}: {us:9.1f} us {n:5d}x {k}")
             res["timeline"] = timeline.analyze(events, model.cfg.n_layers)
-            _log(f"{mode}/{granularity}: {timeline.format_line(res['timeline'])}")
+            log(f"{mode}/{granularity}: {timeline.format_line(res['timeline'])}")
             at_context()
             res["kernels_head_embed"] = count_kernels(he.step, devices)
             res["kernels_per_step"] = total

@@ -116,7 +116,8 @@ def _rank(group, job: dict) -> dict:
                      f" on {group.world_size} ranks")
             fill_state(model, job["context"], job["seed"])
             runs.append(measure(model, mode, g, job["context"], job["steps"], job["warmup"],
-                                job["seed"], kernels=job["kernels"] and mode == "graph"))
+                                job["seed"], kernels=job["kernels"] and mode == "graph",
+                                log=_log if group.rank == 0 else lambda line: None))
     prefill = []
     for n in job["lengths"]:      # every rank the same prompts: the all-reduces keep them in step
         if group.rank == 0:
