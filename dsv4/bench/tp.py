@@ -6,7 +6,8 @@ eager / graph steps timed on every rank (the all-reduces keep them in lockstep).
 copy bandwidth, the head/embed share and the extrapolation to the preset's full depth as in the
 one-process benchmark (dsv4.bench.decode), the all-reduce plan and the communication a layer;
 with --prefill the time to first token of each prompt length (every rank prefilling it), and
-with --prefill-profile (CUDA) one profiled prefill a rank: rank 0's kernels by device time.
+with --prefill-profile (CUDA) one profiled prefill a rank: rank 0's kernels by device time; with
+--trace PREFIX each rank's profiled graph step as a Chrome trace, PREFIX-rank<r>-graph-<granularity>.json.
 """
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ def run(args, command: str = "") -> dict:
     on_cuda = devices[0].startswith("cuda")
     modes, grans, lengths, notes = _plan(args, on_cuda)
     for flag, on in (("--speculative", args.speculative), ("--layer-kernels", args.layer_kernels),
-                     ("--trace", bool(args.trace)), ("--prefill-graphs", bool(args.prefill_graphs)),
+                     ("--prefill-graphs", bool(args.prefill_graphs)),
                      ("--prefill-kernels off", args.prefill_kernels == "off")):
         if on:
             raise InputError(f"{flag} with --parallel tp: not measured in tensor-parallel mode "
@@ -52,7 +53,7 @@ def run(args, command: str = "") -> dict:
            "warmup": args.warmup, "seed": args.seed, "dtype": args.dtype, "modes": modes,
            "grans": grans, "kernels": not args.no_kernels, "lengths": lengths,
            "prefill_reps": args.prefill_reps, "prefill_chunk": args.prefill_chunk,
-           "prefill_profile": profile}
+           "prefill_profile": profile, "trace": args.trace}
     t0 = time.perf_counter()
     ranks = launch(_rank, devices, job)
     r0 = ranks[0]
@@ -117,6 +118,7 @@ def _rank(group, job: dict) -> dict:
             fill_state(model, job["context"], job["seed"])
             runs.append(measure(model, mode, g, job["context"], job["steps"], job["warmup"],
                                 job["seed"], kernels=job["kernels"] and mode == "graph",
+                                trace=job["trace"] and f"{job['trace']}-rank{group.rank}",
                                 log=_log if group.rank == 0 else lambda line: None))
     prefill = []
     for n in job["lengths"]:      # every rank the same prompts: the all-reduces keep them in step

@@ -91,19 +91,26 @@ def test_kernel_cases_of_a_rank_have_its_shard_shapes(monkeypatch):
 
 
 @pytest.mark.multigpu
-def test_tp_bench_profiles_a_prefill_on_every_rank(capsys):
+def test_tp_bench_profiles_a_prefill_and_traces_every_rank(capsys, tmp_path):
     """On two GPUs, --prefill-profile: every rank profiles the same prefill (their all-reduces
     match), the report carries every rank's kernel count and device time and rank 0's top
-    kernels."""
+    kernels; --trace: every rank's profiled graph step, and rank 0's timeline in the report."""
     import torch
     if torch.cuda.device_count() < 2:
         pytest.skip(f"needs 2 GPUs, {torch.cuda.device_count()} visible")
     rc = bench.main(["--preset", "tiny-tp", "--device", "cuda:0,cuda:1", "--parallel", "tp",
-                     "--mode", "eager", "--steps", "3", "--warmup", "1", "--context", "40",
-                     "--prefill", "32", "--prefill-reps", "1", "--prefill-profile", "--json", "-"])
+                     "--mode", "graph", "--granularity", "device", "--steps", "3", "--warmup",
+                     "1", "--context", "40", "--prefill", "32", "--prefill-reps", "1",
+                     "--prefill-profile", "--trace", str(tmp_path / "t"), "--json", "-"])
     out, err = capsys.readouterr()
     assert rc == 0, err
-    (p,) = json.loads(out)["prefill_runs"]
+    rep = json.loads(out)
+    for r in (0, 1):
+        assert json.loads((tmp_path / f"t-rank{r}-graph-device.json").read_text())["traceEvents"]
+    tl = rep["runs"][0]["timeline"]
+    assert tl["span_us"] > 0 and tl["streaming_us"] > 0
+    assert err.count("a layer (profiled)") == 1        # rank 0's line only
+    (p,) = rep["prefill_runs"]
     assert len(p["profile_per_rank"]) == 2
     for q in p["profile_per_rank"]:
         assert q["kernels"] > 0 and q["device_ms"] > 0 and q["device_span_ms"] > 0
