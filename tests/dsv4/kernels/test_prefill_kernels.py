@@ -259,7 +259,8 @@ def check_moe(dev, gen, T=50, D=256, I=128, E=8, k=3, tuning=None):
         a = P.moe_up(rows, plan, w1, s1, w3, s3, fmt, 10.0)
         o = P.moe_down(a, plan, w2, s2, fmt)
         sh = torch.randn(T, D, generator=gen).bfloat16().to(dev)
-        y = P.moe_combine(o, plan, sh).float()
+        yb = P.moe_combine(o, plan, sh)
+        y = yb.float()
         bank = (w1, s1, w3, s3, w2, s2)
         ref = P.moe_reference(x, idx, wt, bank, fmt, 10.0, sh).float()
         err = ((y - ref).norm() / ref.norm()).item()
@@ -277,12 +278,13 @@ def check_moe(dev, gen, T=50, D=256, I=128, E=8, k=3, tuning=None):
                    for t in (ws1, ss1, ws3, ss3, ws2, ss2))
         want = P.moe_reference(x, one, torch.ones(T, 1, device=dev), sb, fmt, 10.0).float()
         assert ((got - want).norm() / want.norm()) < 1e-2, f"shared {fmt}"
-        # combine alone: bit for bit (the sums of the reference's order)
+        # combine alone: bit for bit (the sums of the reference's order); yb is that launch's
+        # output (moe_combine of these same o, plan and sh)
         want = o.cpu().float()[inv.reshape(-1).long()].view(T, k, D)
         acc = want[:, 0].clone()
         for j in range(1, k):
             acc += want[:, j]
-        assert torch.equal(P.moe_combine(o, plan, sh).cpu(), (acc + sh.cpu().float()).bfloat16())
+        assert torch.equal(yb.cpu(), (acc + sh.cpu().float()).bfloat16())
 
 
 def check_attention_rows(dev, gen, S=20, H=4, D=128, n=90, KI=45):
