@@ -506,8 +506,8 @@ def check_all(dev, seed, tmp, parts=("gemm", "rows", "layers", "parity"), layers
         check_parity_bf16(dev)
 
 
-# the interpreter test's two processes: (parts, layers), about equal CPU time each (the layers'
-# chunk paths are most of it: 80-100 s a layer on one core, the GEMMs ~100 s, parity ~65 s)
+# the interpreter test's cases, one process each: (parts, layers), about equal CPU time each (the
+# layers' chunk paths are most of it: 80-100 s a layer on one core, the GEMMs ~100 s, parity ~65 s)
 INTERP_SPLIT = ((("gemm", "layers"), (0, 2)), (("rows", "layers", "parity"), (1, 3)))
 
 
@@ -519,10 +519,14 @@ def _interp_main(seed: int, tmp: str, parts: str, layers: str) -> None:
 
 
 @needs_interpreter
-def test_prefill_kernels_interpreter(tmp_path):
-    """The checks under Triton's interpreter, in two parallel processes (each is single-threaded
-    Python: on a 2-core machine this halves the suite's longest test); every layer of the model
-    is checked by one of them."""
+@pytest.mark.parametrize("case", range(len(INTERP_SPLIT)),
+                         ids=["+".join(ps) + "-" + "".join(map(str, ls)) for ps, ls in INTERP_SPLIT])
+def test_prefill_kernels_interpreter(tmp_path, case):
+    """The checks under Triton's interpreter, one process per INTERP_SPLIT case (single-threaded
+    Python each; separate tests, so that pytest-xdist hands them to its workers like any other
+    test, instead of one worker running both processes while the other worker runs more tests:
+    three busy processes on a 2-core machine); every layer of the model is checked by one of
+    them."""
     from helpers import SMALL             # the model check_layers builds: each layer once
     assert sorted(sum((ls for _, ls in INTERP_SPLIT), ())) == list(range(SMALL.n_layers))
     assert sorted(sum((ps for ps, _ in INTERP_SPLIT), ())) == sorted(
@@ -530,20 +534,16 @@ def test_prefill_kernels_interpreter(tmp_path):
     env = dict(os.environ, TRITON_INTERPRET="1", DSV4_KERNELS="interpret",
                PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests"),
                                            str(REPO / "tests/dsv4/kernels")]))
-    env["OMP_NUM_THREADS"] = subprocess_threads(len(INTERP_SPLIT))
+    env["OMP_NUM_THREADS"] = subprocess_threads(1)
     seed = str(input_seed(1))
     code = ("import sys, test_prefill_kernels as T; "
             "T._interp_main(int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4])")
-    procs = {}
-    for i, (parts, layers) in enumerate(INTERP_SPLIT):
-        (tmp_path / str(i)).mkdir()
-        procs[parts] = subprocess.Popen([sys.executable, "-c", code, seed, str(tmp_path / str(i)),
-                                         ",".join(parts), ",".join(map(str, layers))], env=env,
-                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    for parts, p in procs.items():
-        out, err = p.communicate(timeout=900)
-        assert p.returncode == 0 and "ok" in out, \
-            f"{parts}, seed {seed}:\n{out[-2000:]}{err[-4000:]}"
+    parts, layers = INTERP_SPLIT[case]
+    p = subprocess.run([sys.executable, "-c", code, seed, str(tmp_path), ",".join(parts),
+                        ",".join(map(str, layers))], env=env, capture_output=True, text=True,
+                       timeout=900)
+    assert p.returncode == 0 and "ok" in p.stdout, \
+        f"{parts}, seed {seed}:\n{p.stdout[-2000:]}{p.stderr[-4000:]}"
 
 
 # ---- sm_90 compile (no GPU: triton ships ptxas) -----------------------------------------------
