@@ -172,22 +172,26 @@ def check_attention_rows(dev, g, cfg, ratio, capacity, positions, Ts=(2, 4), con
                     assert torch.equal(isc[t:t + 1], one_s), f"index scores rows T={T} p={p}"
                     assert torch.equal(idx[t:t + 1], KI.index_topk(one_s, nc)), \
                         f"index top-k rows T={T} p={p}"
-            for c in configs:
-                what = f"attention rows r={ratio} T={T} p={p} {c}"
-                cache_a, out_a = cache0.clone(), []
-                for t in range(T):
-                    qt = P.attention_prep(q_raw[t:t + 1], kv_raw[t:t + 1], kvw, cache_a, pos + t,
-                                          freqs, eps, H, W)
-                    out_a.append(K.sparse_attention_decode(
+            # the one-row launches row after row: row t's prep (which writes its ring slot) once,
+            # then each config's attention of row t (which reads the ring and writes nothing
+            # else: the same prep for every config, so it runs once); the rows' prep likewise
+            # (attention_prep_rows does not touch the ring)
+            cache_a, out_a = cache0.clone(), [[] for _ in configs]
+            for t in range(T):
+                qt = P.attention_prep(q_raw[t:t + 1], kv_raw[t:t + 1], kvw, cache_a, pos + t,
+                                      freqs, eps, H, W)
+                for i, c in enumerate(configs):
+                    out_a[i].append(K.sparse_attention_decode(
                         qt, cache_a, sink, pos + t, freqs, Dh ** -0.5, H, W, ratio, nc,
                         None if idx is None else idx[t:t + 1], config=c))
+            qb, kvb = P.attention_prep_rows(q_raw, kv_raw, kvw, pos, freqs, eps, H, decode=True)
+            for i, c in enumerate(configs):
+                what = f"attention rows r={ratio} T={T} p={p} {c}"
                 cache_b = cache0.clone()
-                qb, kvb = P.attention_prep_rows(q_raw, kv_raw, kvw, pos, freqs, eps, H,
-                                                decode=True)
                 out_b = K.sparse_attention_decode_rows(
                     qb.view(T, -1), kvb, cache_b, sink, pos, freqs, Dh ** -0.5, H, W, ratio, nc,
                     idx, config=c, out=poisoned(T, H * Dh, device=dev))
-                assert torch.equal(out_b, torch.cat(out_a)), what
+                assert torch.equal(out_b, torch.cat(out_a[i])), what
                 assert torch.equal(cache_b, cache_a), what + ": ring"
 
 
