@@ -172,22 +172,26 @@ def check_attention_rows(dev, g, cfg, ratio, capacity, positions, Ts=(2, 4), con
                     assert torch.equal(isc[t:t + 1], one_s), f"index scores rows T={T} p={p}"
                     assert torch.equal(idx[t:t + 1], KI.index_topk(one_s, nc)), \
                         f"index top-k rows T={T} p={p}"
-            for c in configs:
-                what = f"attention rows r={ratio} T={T} p={p} {c}"
-                cache_a, out_a = cache0.clone(), []
-                for t in range(T):
-                    qt = P.attention_prep(q_raw[t:t + 1], kv_raw[t:t + 1], kvw, cache_a, pos + t,
-                                          freqs, eps, H, W)
-                    out_a.append(K.sparse_attention_decode(
+            # the one-row launches row after row: row t's prep (which writes its ring slot) once,
+            # then each config's attention of row t (which reads the ring and writes nothing
+            # else: the same prep for every config, so it runs once); the rows' prep likewise
+            # (attention_prep_rows does not touch the ring)
+            cache_a, out_a = cache0.clone(), [[] for _ in configs]
+            for t in range(T):
+                qt = P.attention_prep(q_raw[t:t + 1], kv_raw[t:t + 1], kvw, cache_a, pos + t,
+                                      freqs, eps, H, W)
+                for i, c in enumerate(configs):
+                    out_a[i].append(K.sparse_attention_decode(
                         qt, cache_a, sink, pos + t, freqs, Dh ** -0.5, H, W, ratio, nc,
                         None if idx is None else idx[t:t + 1], config=c))
+            qb, kvb = P.attention_prep_rows(q_raw, kv_raw, kvw, pos, freqs, eps, H, decode=True)
+            for i, c in enumerate(configs):
+                what = f"attention rows r={ratio} T={T} p={p} {c}"
                 cache_b = cache0.clone()
-                qb, kvb = P.attention_prep_rows(q_raw, kv_raw, kvw, pos, freqs, eps, H,
-                                                decode=True)
                 out_b = K.sparse_attention_decode_rows(
                     qb.view(T, -1), kvb, cache_b, sink, pos, freqs, Dh ** -0.5, H, W, ratio, nc,
                     idx, config=c, out=poisoned(T, H * Dh, device=dev))
-                assert torch.equal(out_b, torch.cat(out_a)), what
+                assert torch.equal(out_b, torch.cat(out_a[i])), what
                 assert torch.equal(cache_b, cache_a), what + ": ring"
 
 
@@ -418,30 +422,43 @@ def _interp_main(group: str, seed: int) -> None:
     print("ok")
 
 
-def _run_interp(group: str) -> None:
+def _run_interp(group: str, seed: int) -> None:
     env = dict(os.environ, TRITON_INTERPRET="1",
                PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests"), str(REPO / "tests/dsv4/kernels")]))
     code = "import sys, test_attention_kernels as T; T._interp_main(sys.argv[1], int(sys.argv[2]))"
-    for seed in INTERP_SEEDS if not os.environ.get("DSV4_TEST_SEED") else (input_seed(0),):
-        p = subprocess.run([sys.executable, "-c", code, group, str(seed)], env=env,
-                           capture_output=True, text=True, timeout=600)
-        assert p.returncode == 0 and "ok" in p.stdout, \
-            f"seed {seed}:\n{p.stdout[-2000:]}{p.stderr[-4000:]}"
+    p = subprocess.run([sys.executable, "-c", code, group, str(seed)], env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0 and "ok" in p.stdout, \
+        f"seed {seed}:\n{p.stdout[-2000:]}{p.stderr[-4000:]}"
 
 
 # Fixed inputs, so that CI is repeatable: 40578 is the case where the online softmax's rounding
 # moved the output most (layer 2, an r = 16 emission step: the new compressed row takes the max).
+# DSV4_TEST_SEED replaces both with its one seed. Each seed is a test of its own (one process),
+# so that pytest-xdist's workers share them.
 INTERP_SEEDS = (1, 40578)
+_SEEDS = [pytest.param(i, id=f"seed{s}") for i, s in enumerate(INTERP_SEEDS)]
+
+
+def _interp_seed(i: int) -> int:
+    """The i-th interpreter seed, or DSV4_TEST_SEED's one seed (its first case runs it)."""
+    if not os.environ.get("DSV4_TEST_SEED"):
+        return INTERP_SEEDS[i]
+    if i:
+        pytest.skip("DSV4_TEST_SEED runs one seed (the first case)")
+    return input_seed(0)
 
 
 @needs_interpreter
-def test_attention_kernels_interpreter():
-    _run_interp("kernels")
+@pytest.mark.parametrize("i", _SEEDS)
+def test_attention_kernels_interpreter(i):
+    _run_interp("kernels", _interp_seed(i))
 
 
 @needs_interpreter
-def test_attention_decode_fused_interpreter():
-    _run_interp("decode")
+@pytest.mark.parametrize("i", _SEEDS)
+def test_attention_decode_fused_interpreter(i):
+    _run_interp("decode", _interp_seed(i))
 
 
 # ---- CUDA: real shapes, graph capture, kernel counts and timing ---------------------------------

@@ -259,7 +259,8 @@ def check_moe(dev, gen, T=50, D=256, I=128, E=8, k=3, tuning=None):
         a = P.moe_up(rows, plan, w1, s1, w3, s3, fmt, 10.0)
         o = P.moe_down(a, plan, w2, s2, fmt)
         sh = torch.randn(T, D, generator=gen).bfloat16().to(dev)
-        y = P.moe_combine(o, plan, sh).float()
+        yb = P.moe_combine(o, plan, sh)
+        y = yb.float()
         bank = (w1, s1, w3, s3, w2, s2)
         ref = P.moe_reference(x, idx, wt, bank, fmt, 10.0, sh).float()
         err = ((y - ref).norm() / ref.norm()).item()
@@ -277,12 +278,13 @@ def check_moe(dev, gen, T=50, D=256, I=128, E=8, k=3, tuning=None):
                    for t in (ws1, ss1, ws3, ss3, ws2, ss2))
         want = P.moe_reference(x, one, torch.ones(T, 1, device=dev), sb, fmt, 10.0).float()
         assert ((got - want).norm() / want.norm()) < 1e-2, f"shared {fmt}"
-        # combine alone: bit for bit (the sums of the reference's order)
+        # combine alone: bit for bit (the sums of the reference's order); yb is that launch's
+        # output (moe_combine of these same o, plan and sh)
         want = o.cpu().float()[inv.reshape(-1).long()].view(T, k, D)
         acc = want[:, 0].clone()
         for j in range(1, k):
             acc += want[:, j]
-        assert torch.equal(P.moe_combine(o, plan, sh).cpu(), (acc + sh.cpu().float()).bfloat16())
+        assert torch.equal(yb.cpu(), (acc + sh.cpu().float()).bfloat16())
 
 
 def check_attention_rows(dev, gen, S=20, H=4, D=128, n=90, KI=45):
@@ -504,8 +506,8 @@ def check_all(dev, seed, tmp, parts=("gemm", "rows", "layers", "parity"), layers
         check_parity_bf16(dev)
 
 
-# the interpreter test's two processes: (parts, layers), about equal CPU time each (the layers'
-# chunk paths are most of it: 80-100 s a layer on one core, the GEMMs ~100 s, parity ~65 s)
+# the interpreter test's cases, one process each: (parts, layers), about equal CPU time each (the
+# layers' chunk paths are most of it: 80-100 s a layer on one core, the GEMMs ~100 s, parity ~65 s)
 INTERP_SPLIT = ((("gemm", "layers"), (0, 2)), (("rows", "layers", "parity"), (1, 3)))
 
 
@@ -517,10 +519,14 @@ def _interp_main(seed: int, tmp: str, parts: str, layers: str) -> None:
 
 
 @needs_interpreter
-def test_prefill_kernels_interpreter(tmp_path):
-    """The checks under Triton's interpreter, in two parallel processes (each is single-threaded
-    Python: on a 2-core machine this halves the suite's longest test); every layer of the model
-    is checked by one of them."""
+@pytest.mark.parametrize("case", range(len(INTERP_SPLIT)),
+                         ids=["+".join(ps) + "-" + "".join(map(str, ls)) for ps, ls in INTERP_SPLIT])
+def test_prefill_kernels_interpreter(tmp_path, case):
+    """The checks under Triton's interpreter, one process per INTERP_SPLIT case (single-threaded
+    Python each; separate tests, so that pytest-xdist hands them to its workers like any other
+    test, instead of one worker running both processes while the other worker runs more tests:
+    three busy processes on a 2-core machine); every layer of the model is checked by one of
+    them."""
     from helpers import SMALL             # the model check_layers builds: each layer once
     assert sorted(sum((ls for _, ls in INTERP_SPLIT), ())) == list(range(SMALL.n_layers))
     assert sorted(sum((ps for ps, _ in INTERP_SPLIT), ())) == sorted(
@@ -528,20 +534,16 @@ def test_prefill_kernels_interpreter(tmp_path):
     env = dict(os.environ, TRITON_INTERPRET="1", DSV4_KERNELS="interpret",
                PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests"),
                                            str(REPO / "tests/dsv4/kernels")]))
-    env["OMP_NUM_THREADS"] = subprocess_threads(len(INTERP_SPLIT))
+    env["OMP_NUM_THREADS"] = subprocess_threads(1)
     seed = str(input_seed(1))
     code = ("import sys, test_prefill_kernels as T; "
             "T._interp_main(int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4])")
-    procs = {}
-    for i, (parts, layers) in enumerate(INTERP_SPLIT):
-        (tmp_path / str(i)).mkdir()
-        procs[parts] = subprocess.Popen([sys.executable, "-c", code, seed, str(tmp_path / str(i)),
-                                         ",".join(parts), ",".join(map(str, layers))], env=env,
-                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    for parts, p in procs.items():
-        out, err = p.communicate(timeout=900)
-        assert p.returncode == 0 and "ok" in out, \
-            f"{parts}, seed {seed}:\n{out[-2000:]}{err[-4000:]}"
+    parts, layers = INTERP_SPLIT[case]
+    p = subprocess.run([sys.executable, "-c", code, seed, str(tmp_path), ",".join(parts),
+                        ",".join(map(str, layers))], env=env, capture_output=True, text=True,
+                       timeout=900)
+    assert p.returncode == 0 and "ok" in p.stdout, \
+        f"{parts}, seed {seed}:\n{p.stdout[-2000:]}{p.stderr[-4000:]}"
 
 
 # ---- sm_90 compile (no GPU: triton ships ptxas) -----------------------------------------------
