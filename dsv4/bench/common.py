@@ -94,6 +94,12 @@ def time_steps(step, n: int, devices) -> list[float]:
     return [a.elapsed_time(b) for a, b in evs]
 
 
+def kernel_events(prof) -> list:
+    """The CUDA kernels of a torch.profiler run (memcpy, memset and syncs excluded)."""
+    return [e for e in prof.events()
+            if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith(NOT_KERNELS)]
+
+
 def count_kernels(step, devices, top: dict | None = None, trace: str | None = None,
                   events: list | None = None) -> int:
     """CUDA kernels launched by one step() (memcpy/memset excluded), from torch.profiler; with
@@ -107,18 +113,16 @@ def count_kernels(step, devices, top: dict | None = None, trace: str | None = No
         _sync(devices)
     if trace:
         prof.export_chrome_trace(trace)
+    kernels = kernel_events(prof)
     if events is not None:
-        from .timeline import kernel_intervals
-        events += kernel_intervals(prof, NOT_KERNELS)
-    n = 0
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith(NOT_KERNELS):
-            n += 1
-            if top is not None:
-                t = top.setdefault(e.name[:60], [0, 0.0])
-                t[0] += 1
-                t[1] += getattr(e, "device_time", 0.0) or getattr(e, "cuda_time", 0.0)
-    return n
+        events += [(e.device_index, float(e.time_range.start), float(e.time_range.end), e.name)
+                   for e in kernels]
+    if top is not None:
+        for e in kernels:
+            t = top.setdefault(e.name[:60], [0, 0.0])
+            t[0] += 1
+            t[1] += getattr(e, "device_time", 0.0) or getattr(e, "cuda_time", 0.0)
+    return len(kernels)
 
 
 def _log(msg: str) -> None:
@@ -139,9 +143,8 @@ def _versions(devices) -> dict:
 def kernel_table(prof, width: int = 70) -> list:
     """The CUDA kernels of a torch.profiler run -> [name, launches, summed device ms] by time."""
     kern: dict = {}
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith(NOT_KERNELS):
-            k = kern.setdefault(e.name[:width], [0, 0.0])
-            k[0] += 1
-            k[1] += (getattr(e, "device_time", 0.0) or getattr(e, "cuda_time", 0.0)) / 1e3
+    for e in kernel_events(prof):
+        k = kern.setdefault(e.name[:width], [0, 0.0])
+        k[0] += 1
+        k[1] += (getattr(e, "device_time", 0.0) or getattr(e, "cuda_time", 0.0)) / 1e3
     return sorted(([k, c, round(ms, 3)] for k, (c, ms) in kern.items()), key=lambda r: -r[2])

@@ -21,17 +21,6 @@ STREAM_NAMES = re.compile(r"gemv|gemm|mma|fp4_up|fp4_down|cutlass|xmma", re.IGNO
 NO_KERNEL = "(no kernel)"
 
 
-def kernel_intervals(prof, not_kernels: tuple) -> list[tuple]:
-    """The CUDA kernels of a torch.profiler run -> [(device, start_us, end_us, name)]."""
-    import torch
-    out = []
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith(not_kernels):
-            out.append((e.device_index, float(e.time_range.start), float(e.time_range.end),
-                        e.name))
-    return out
-
-
 def short_name(name: str, width: int = 48) -> str:
     """A kernel's name without its C++ template and argument lists: `void (anonymous
     namespace)::fp8_gemv_kernel<8, 2>(Args)` -> `fp8_gemv_kernel`."""

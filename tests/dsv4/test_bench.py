@@ -241,7 +241,7 @@ def test_prefill_profile_cuda(capsys):
 @pytest.mark.cuda
 def test_graph_step_timeline_cuda(capsys):
     """A profiled graph step's timeline (dsv4.bench.timeline): its span split into weights
-    streaming and not, the idle part held by named kernels, a line of it in the log."""
+    streaming and not, the idle part held by named kernels."""
     rep = _run(capsys, "--device", "cuda:0", "--mode", "graph", "--granularity", "device",
                "--steps", "5", "--warmup", "2", "--context", "40", "--json", "-")
     tl = rep["runs"][0]["timeline"]
