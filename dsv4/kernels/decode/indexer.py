@@ -30,7 +30,9 @@ from ..common import (
 from ..common import pdl as pdl_on
 from ..cuda import lib as cuda_cpp
 
-BT = 64     # cache entries per program of the score kernel
+BT = 64     # cache entries per tile of the score kernel
+SCORES_SUB = 4             # tiles a program takes on long caches (scores_tiles)
+SCORES_MIN_PROGRAMS = 528  # ... while that leaves this many programs (4 an SM of an H100 / H200)
 HATCH = "DSV4_KERNELS=0 runs the torch path"
 
 
@@ -61,28 +63,47 @@ def _query_kernel(q_ptr, qo_ptr, freqs_ptr, pos_ptr, H: tl.constexpr, DI: tl.con
 
 @triton.jit
 def _scores_kernel(q_ptr, w_ptr, k_ptr, pos_ptr, out_ptr, wscale, N, H: tl.constexpr,
-                   HP: tl.constexpr, DI: tl.constexpr, BT: tl.constexpr, F32: tl.constexpr, PDL: tl.constexpr):
-    # entries [t0, t0+BT): sum_h relu(q_h . k_t) * w_h with bf16 rounding after each torch op;
-    # -inf for t >= (pos+1)//4 (blocks wholly past it load nothing). program_id(1): the row (the
-    # speculative verify rows: row r at pos + r, its q, w and scores at row r)
+                   HP: tl.constexpr, DI: tl.constexpr, BT: tl.constexpr, SUB: tl.constexpr,
+                   F32: tl.constexpr, PDL: tl.constexpr):
+    # entries [t0, t0 + SUB*BT) in SUB tiles of BT: sum_h relu(q_h . k_t) * w_h with bf16 rounding
+    # after each torch op; -inf for t >= (pos+1)//4 (tiles wholly past it load nothing). q and w
+    # are loaded once for the SUB tiles; each tile's math is the SUB = 1 program's, so an entry's
+    # bits do not depend on SUB. program_id(1): the row (the speculative verify rows: row r at
+    # pos + r, its q, w and scores at row r)
     pdl_wait(PDL)
     row = tl.program_id(1)
     q_ptr += row.to(tl.int64) * (H * DI)
     w_ptr += row * H
     out_ptr += row.to(tl.int64) * N
-    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    t0 = tl.program_id(0) * (SUB * BT)
     vis = (load_pos(pos_ptr) + row + 1) // 4
-    s = tl.full([BT], NEG_INF, tl.float32)
-    if tl.program_id(0) * BT < vis:
-        hh = tl.arange(0, HP)
-        d = tl.arange(0, DI)
+    hh = tl.arange(0, HP)
+    d = tl.arange(0, DI)
+    if t0 < vis:
         q = tl.load(q_ptr + hh[:, None] * DI + d[None, :], mask=(hh < H)[:, None], other=0.0)
         w = round_bf16(tl.load(w_ptr + hh, mask=hh < H, other=0.0).to(tl.float32) * wscale)
-        k = tl.load(k_ptr + t[:, None] * DI + d[None, :], mask=(t < vis)[:, None], other=0.0)
-        sc = round_bf16(dot_bf16(q, tl.trans(k), F32))                      # [HP, BT]
-        sc = round_bf16(tl.maximum(sc, 0.0) * w[:, None])
-        s = tl.where(t < vis, round_bf16(tl.sum(sc, axis=0)), NEG_INF)
-    tl.store(out_ptr + t, s.to(out_ptr.dtype.element_ty), mask=t < N)
+        for j in tl.static_range(SUB):
+            t = t0 + j * BT + tl.arange(0, BT)
+            s = tl.full([BT], NEG_INF, tl.float32)
+            if t0 + j * BT < vis:
+                k = tl.load(k_ptr + t[:, None] * DI + d[None, :], mask=(t < vis)[:, None],
+                            other=0.0)
+                sc = round_bf16(dot_bf16(q, tl.trans(k), F32))                  # [HP, BT]
+                sc = round_bf16(tl.maximum(sc, 0.0) * w[:, None])
+                s = tl.where(t < vis, round_bf16(tl.sum(sc, axis=0)), NEG_INF)
+            tl.store(out_ptr + t, s.to(out_ptr.dtype.element_ty), mask=t < N)
+    else:
+        for j in tl.static_range(SUB):
+            t = t0 + j * BT + tl.arange(0, BT)
+            tl.store(out_ptr + t, tl.full([BT], NEG_INF, tl.float32).to(out_ptr.dtype.element_ty),
+                     mask=t < N)
+
+
+def scores_tiles(n: int) -> int:
+    """BT-entry tiles a score program takes for a cache of n entries: SCORES_SUB where that
+    still leaves SCORES_MIN_PROGRAMS programs (long contexts: the 16 KB query loaded once for
+    them), else 1."""
+    return SCORES_SUB if triton.cdiv(n, BT * SCORES_SUB) >= SCORES_MIN_PROGRAMS else 1
 
 
 def index_query(q: torch.Tensor, pos: torch.Tensor, freqs: torch.Tensor, n_heads: int,
@@ -106,12 +127,13 @@ def index_query(q: torch.Tensor, pos: torch.Tensor, freqs: torch.Tensor, n_heads
 
 
 def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, pos: torch.Tensor,
-                 wscale: float, out: torch.Tensor | None = None, pdl: bool = True
-                 ) -> torch.Tensor:
+                 wscale: float, out: torch.Tensor | None = None, pdl: bool = True,
+                 tiles: int | None = None) -> torch.Tensor:
     """Index scores [T, n] bf16 of the prepped q [T, h*di] against keys [n, di] (the index cache
     without its scratch row) with head weights w [T, h] * wscale; -inf for entries not yet visible
     (t >= (pos+r+1)//4 for row r: one decode row, or the speculative verify rows at pos + r). As
     dsv4.numerics.sparse.index_scores + the decode mask; each row has the bits of its one-row launch.
+    tiles: BT-entry tiles a program (default scores_tiles(n); the bits do not depend on it).
     Capture-safe, deterministic."""
     n, DI = keys.shape
     T = w.shape[0] if w.dim() == 2 else 1
@@ -122,11 +144,12 @@ def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, pos: torc
                          f"({HATCH})")
     if out is None:
         out = torch.empty(T, n, dtype=torch.bfloat16, device=q.device)
+    sub = scores_tiles(n) if tiles is None else tiles
     with on_device(q):
-        _scores_kernel[(triton.cdiv(n, BT), T)](q, w, keys, pos, out, wscale, n, H=H,
-                                              HP=max(16, triton.next_power_of_2(H)), DI=DI, BT=BT,
-                                              F32=interpreting(), num_warps=4,
-                                              **launch_args(out, pdl))
+        _scores_kernel[(triton.cdiv(n, BT * sub), T)](q, w, keys, pos, out, wscale, n, H=H,
+                                                    HP=max(16, triton.next_power_of_2(H)), DI=DI,
+                                                    BT=BT, SUB=sub, F32=interpreting(),
+                                                    num_warps=4, **launch_args(out, pdl))
     return out
 
 

@@ -273,6 +273,28 @@ def check_indexer(dev, g, cfg, capacity, positions):
         assert ((vals - best)[fin].abs() <= tol).all(), f"index top-k p={p}: different selection"
 
 
+def check_index_tiles(dev, g, H, DI, n, positions, tiles=(1, 2, 4)):
+    """The score kernel with 1, 2, 4 tiles a program (the query loaded once for them): within
+    bf16 rounding of the reference and, entry for entry, the same bits whatever the tiles, at
+    visibility 0, inside a tile, on a program's edge, past the cache; n not a multiple of a tile."""
+    from dsv4.kernels.decode import indexer as K
+    keys = randn(g, n, DI, device=dev)
+    wscale = DI ** -0.5 * H ** -0.5
+    for p in positions:
+        pos = torch.tensor([p], device=dev)
+        q = randn(g, 1, H * DI, device=dev)
+        w = randn(g, 1, H, device=dev)
+        sr = K.index_scores_reference(q, w, keys, pos, wscale)
+        got = []
+        for tiles_ in tiles:
+            s = poisoned(1, n, device=dev)
+            K.index_scores(q, w, keys, pos, wscale, out=s, tiles=tiles_)
+            got.append(s)
+        assert_bf16_close(got[0], sr, f"index scores p={p}")
+        for t, s in zip(tiles[1:], got[1:]):
+            assert torch.equal(s, got[0]), f"index scores p={p}: {t} tiles a program differ"
+
+
 # ---- Attention decode: fused (dsv4.backend.fused.attention) vs torch -------------------------
 
 def clone_state(st):
@@ -416,6 +438,9 @@ def _interp_main(group: str, seed: int) -> None:
         check_compressor("cpu", g, SMALL, 16, SMALL.head_dim, False, 64, (0,), 34)
         check_compressor("cpu", g, SMALL, 4, SMALL.index_head_dim, True, 64, (0, 52), 12)
         check_indexer("cpu", g, SMALL, 64, (0, 3, 17, 33, 40, 63))   # visible 0 .. 16 > topk 8
+        # visible 0, 1, 256 (a 4-tile program's edge), 275, 600 (all), past the cache
+        check_index_tiles("cpu", g, SMALL.index_n_heads, SMALL.index_head_dim, 600,
+                          (0, 3, 1023, 1100, 2399, 5000))
     else:
         check_attention_decode("cpu", g, seed=seed % 7)
         check_attention_decode_rows("cpu", g, seed=seed % 7)
@@ -483,6 +508,19 @@ def test_attention_kernels_cuda_real_shapes(preset, capacity):
     check_compressor("cuda", g, cfg, 4, cfg.index_head_dim, True, capacity, (0, capacity - 9), 9)
     check_compressor("cuda", g, cfg, 128, cfg.head_dim, False, capacity, (capacity - 130,), 130)
     check_indexer("cuda", g, cfg, capacity, pos)
+
+
+@pytest.mark.cuda
+def test_index_scores_tiles_cuda_long_cache():
+    """A long cache (~800K positions at ratio 4) at Flash's indexer shape: the default takes 4
+    tiles a program there, and 1, 2, 4 give the same bits within bf16 rounding of the reference."""
+    from dsv4.kernels.decode.indexer import SCORES_SUB, scores_tiles
+    from dsv4.weights.presets import PRESETS
+    cfg, n = PRESETS["flash"], 200_003
+    assert scores_tiles(n) == SCORES_SUB and scores_tiles(4096) == 1
+    g = torch.Generator().manual_seed(input_seed(11))
+    check_index_tiles("cuda", g, cfg.index_n_heads, cfg.index_head_dim, n,
+                      (0, 4000, 399_999, 800_011, 10 ** 6))
 
 
 @pytest.mark.cuda
