@@ -90,6 +90,7 @@ def run(args, command: str = "") -> dict:
 
 def _rank(group, job: dict) -> dict:
     """One rank: its shard built and filled, the same measurements as every other rank."""
+    from ..backend.options import Options
     from ..parallel import Communicator
     from ..runtime.build import build_model
     from ..runtime.tp import cpu_share, rank_runtime
@@ -100,7 +101,7 @@ def _rank(group, job: dict) -> dict:
     cfg = job["cfg"]
     cap = job["capacity"]
     rt = rank_runtime(RuntimeConfig(cap, DTYPES[job["dtype"]], (str(dev),)), group)
-    comm = Communicator.plan(group)
+    comm = Communicator.plan(group, pdl=Options.from_env().pdl)   # as the runtime's ranks
     model = build_model(cfg, rt, comm=comm)
     t0 = time.perf_counter()
     model.load(DeviceWeights(cfg, job["seed"]))

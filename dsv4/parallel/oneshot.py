@@ -34,7 +34,11 @@ class OneShotAllReduce:
 
     def __init__(self, group: TPGroup, max_bytes: int, chunk_bytes: int = CHUNK_BYTES,
                  pdl: bool = False, timeout_s: float | None = None):
-        self.group, self.pdl = group, pdl
+        # PDL where asked and the device has it (sm_90+): the launch may start while the
+        # kernel before it finishes; the kernel's first act is the PDL wait
+        self.group = group
+        self.pdl = bool(pdl) and group.device.type == "cuda" and \
+            torch.cuda.get_device_capability(group.device) >= (9, 0)
         self.chunk = chunk_bytes
         self.cap = -(-max_bytes // chunk_bytes) * chunk_bytes     # whole CTAs
         self.max_bytes = self.cap

@@ -15,6 +15,7 @@ from typing import Sequence
 
 import torch
 
+from ..backend.options import Options
 from ..errors import InputError, ParallelError
 from ..parallel import Communicator, launch
 from ..parallel.group import DEFAULT_TIMEOUT_S, TPGroup
@@ -47,7 +48,8 @@ def load_rank(group: TPGroup, ckpt_dir, rt: RuntimeConfig, progress: bool | None
     full shapes), the rank's shard built and loaded, reading only its slices of the split
     tensors. Collective: every rank calls it. -> (model, checkpoint); model.tp.comm is the
     communicator (close it after the rank's last step)."""
-    comm = Communicator.plan(group, prefer=prefer)
+    opts = rt.options if rt.options is not None else Options.from_env()
+    comm = Communicator.plan(group, prefer=prefer, pdl=opts.pdl)   # the backend's PDL switch
     return load_model(ckpt_dir, rank_runtime(rt, group), progress=progress, comm=comm)
 
 

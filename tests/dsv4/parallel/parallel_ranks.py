@@ -123,14 +123,15 @@ def _poison(device) -> None:
         poison_cuda_memory(device)
 
 
-def gpu_checks(group, prefer: str) -> dict:
+def gpu_checks(group, prefer: str, pdl: bool = False) -> dict:
     """On GPUs, one implementation: eager and captured calls give the exact sum into poisoned
     outputs, the same bits on every rank and on a second run; messages past the fast path's size
-    (NCCL) too. Returns {"skip": reason} where the implementation is unavailable."""
+    (NCCL) too; pdl: our kernel launched with PDL, right behind the kernel that writes its input.
+    Returns {"skip": reason} where the implementation is unavailable."""
     dev = group.device
     _poison(dev)
     try:
-        ar = plan_allreduce(group, prefer=prefer)
+        ar = plan_allreduce(group, prefer=prefer, pdl=pdl)
     except DeviceError as e:
         return {"skip": str(e)}
     world, res = group.world_size, {"table": ar.table(), "exact": [], "digests": [], "repeat": []}
@@ -158,9 +159,11 @@ def gpu_checks(group, prefer: str) -> dict:
             bound = world * u * sum(p.abs() for p in parts)
             err = (a.double().cpu() - sum(parts)).abs()
             res.setdefault("close", []).append(bool((err <= bound).all()))
-    # a graph of three chained all-reduces (one in place), replayed with new inputs
+    # a graph of a kernel writing the input, then three chained all-reduces (one in place),
+    # replayed with new inputs
     n = 4096
-    xs = int_data(group.rank, n, torch.bfloat16, dev)
+    src = int_data(group.rank, n, torch.bfloat16, dev)
+    xs = torch.full_like(src, POISON)
     o1 = torch.full((n,), POISON, dtype=torch.bfloat16, device=dev)
     o2 = torch.full_like(o1, POISON)
     torch.cuda.synchronize(dev)
@@ -171,6 +174,7 @@ def gpu_checks(group, prefer: str) -> dict:
         torch.cuda.set_sync_debug_mode("error")
         try:
             with torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"):
+                torch.add(src, 0, out=xs)       # the all-reduce must wait for this write
                 ar(xs, o1)
                 ar(o1, o2)
                 ar(o2)
@@ -179,7 +183,8 @@ def gpu_checks(group, prefer: str) -> dict:
     torch.cuda.current_stream(dev).wait_stream(side)
     res["graph"] = []
     for step in range(3):
-        xs.copy_(int_data(group.rank + step, n, torch.bfloat16, dev))
+        src.copy_(int_data(group.rank + step, n, torch.bfloat16, dev))
+        xs.fill_(POISON)
         o1.fill_(POISON)
         o2.fill_(POISON)
         graph.replay()

@@ -110,3 +110,30 @@ def test_reduce_skips_the_casts_only_where_the_kernel_sums_in_float32():
         comm, y32 = Comm(f32_kernel), torch.randn(3, 64, generator=gen)
         out = TensorParallel(0, 2, comm).reduce(y32)
         assert out is y32 and comm.calls == [torch.float32]
+
+
+def test_a_rank_plans_its_all_reduce_with_the_backends_pdl_switch(monkeypatch):
+    """A TP rank's all-reduce launches with PDL exactly where the rank's kernels do: the runtime
+    options' switch (RuntimeConfig.options), else DSV4_PDL."""
+    from dsv4.backend.options import Options
+    from dsv4.runtime import tp
+    from dsv4.runtime.config import RuntimeConfig
+
+    class Planned(Exception):
+        pass
+
+    def plan(group, **kw):
+        raise Planned(kw)
+
+    monkeypatch.setattr(tp.Communicator, "plan", plan)
+    seen = []
+    for opts, env in ((None, None), (None, "0"), (Options(pdl=False), None),
+                      (Options(pdl=True), "0")):
+        if env is None:
+            monkeypatch.delenv("DSV4_PDL", raising=False)
+        else:
+            monkeypatch.setenv("DSV4_PDL", env)
+        with pytest.raises(Planned) as e:
+            tp.load_rank(None, "unused", RuntimeConfig(64, options=opts))
+        seen.append(e.value.args[0]["pdl"])
+    assert seen == [True, False, False, True]

@@ -41,6 +41,20 @@ def test_every_implementation_sums_exactly_everywhere(impl, world):
 
 
 @pytest.mark.multigpu
+@pytest.mark.parametrize("world", [2, 4])
+def test_oneshot_with_pdl_sums_exactly_everywhere(world):
+    """Our kernel launched with PDL (as a TP rank's decode step launches it where DSV4_PDL is
+    on), right behind the kernel that writes its input, eager and in a graph: the same checks."""
+    got = launch(parallel_ranks.gpu_checks, _devices(world), "oneshot", True, deadline_s=600)
+    if "skip" in got[0]:
+        pytest.skip(got[0]["skip"])
+    for r in got:
+        assert all(e[-1] for e in r["exact"]) and all(r["repeat"]) and all(r["close"])
+        assert all(ok for ok, _ in r["graph"]), r["graph"]
+        assert r["digests"] == got[0]["digests"] and r["graph"] == got[0]["graph"]
+
+
+@pytest.mark.multigpu
 def test_oneshot_gives_up_on_a_rank_that_never_arrives():
     got = launch(parallel_ranks.oneshot_timeout, _devices(2), deadline_s=600)
     if got[0].startswith("all-reduce implementation 'oneshot' is unavailable"):
