@@ -94,26 +94,44 @@ def time_steps(step, n: int, devices) -> list[float]:
     return [a.elapsed_time(b) for a, b in evs]
 
 
-def kernel_events(prof) -> list:
-    """The CUDA kernels of a torch.profiler run (memcpy, memset and syncs excluded)."""
-    return [e for e in prof.events()
-            if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith(NOT_KERNELS)]
+STEP_MARK = "dsv4.profiled_step"
+
+
+def kernel_events(prof, after: str | None = None) -> list:
+    """The CUDA kernels of a torch.profiler run (memcpy, memset and syncs excluded); with `after`,
+    only those that start once the host range of that name has begun (kernels and host ranges
+    share the profiler's clock: a kernel cannot start before the host issues it)."""
+    ev = prof.events()
+    t0 = None
+    if after is not None:
+        t0 = min((e.time_range.start for e in ev if e.name == after), default=None)
+    return [e for e in ev
+            if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith(NOT_KERNELS)
+            and (t0 is None or e.time_range.start >= t0)]
 
 
 def count_kernels(step, devices, top: dict | None = None, trace: str | None = None,
-                  events: list | None = None) -> int:
+                  events: list | None = None, meet=None) -> int:
     """CUDA kernels launched by one step() (memcpy/memset excluded), from torch.profiler; with
     `top`, also fills it with kernel name -> [launches, device µs] of that step; with `trace`,
     writes that step's Chrome trace there (kernels per stream with start and duration); with
-    `events`, appends each kernel's (device, start µs, end µs, name) (dsv4.bench.timeline)."""
+    `events`, appends each kernel's (device, start µs, end µs, name) (dsv4.bench.timeline).
+    `meet` (a tensor-parallel group's barrier) runs inside the profile just before the step, so
+    every rank starts its profiled step together: the profiler's start-up takes each rank a
+    different time, and a rank's all-reduces would otherwise count the wait for the slowest
+    rank's start-up (its kernels are not the step's and are left out)."""
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     _sync(devices)
     with torch.profiler.profile(activities=acts) as prof:
-        step()
+        if meet is not None:
+            meet()
+            _sync(devices)
+        with torch.profiler.record_function(STEP_MARK):
+            step()
         _sync(devices)
     if trace:
         prof.export_chrome_trace(trace)
-    kernels = kernel_events(prof)
+    kernels = kernel_events(prof, after=STEP_MARK)
     if events is not None:
         events += [(e.device_index, float(e.time_range.start), float(e.time_range.end), e.name)
                    for e in kernels]

@@ -78,9 +78,11 @@ def _stats(ms: list[float]) -> dict:
 
 
 def measure(model: Transformer, mode: str, granularity: str, context: int, steps: int,
-            warmup: int, seed: int, kernels: bool, trace: str | None = None, log=_log) -> dict:
+            warmup: int, seed: int, kernels: bool, trace: str | None = None, log=_log,
+            meet=None) -> dict:
     """One (mode, granularity): decoder over the model at position `context`, warmed up, timed;
-    `log` takes the profiled step's lines (a tensor-parallel rank other than 0: none)."""
+    `log` takes the profiled step's lines (a tensor-parallel rank other than 0: none); `meet`,
+    a tensor-parallel group's barrier, starts every rank's profiled step together."""
     devices = list(dict.fromkeys([model.head_device, *model.placement]))
     sess = Session(model, SamplingParams(), mode=mode, granularity=granularity)
     he = None
@@ -116,7 +118,7 @@ def measure(model: Transformer, mode: str, granularity: str, context: int, steps
             suffix = f"-{granularity}" if mode == "graph" else ""
             events: list = []
             total = count_kernels(dec.step, devices, top, trace and f"{trace}-{mode}{suffix}.json",
-                                  events)
+                                  events, meet)
             res["top_kernels"] = sorted(([k, n, round(us, 1)] for k, (n, us) in top.items()),
                                         key=lambda r: -r[2])[:20]
             for k, n, us in res["top_kernels"][:12]:
@@ -124,7 +126,7 @@ def measure(model: Transformer, mode: str, granularity: str, context: int, steps
             res["timeline"] = timeline.analyze(events, model.cfg.n_layers)
             log(f"{mode}/{granularity}: {timeline.format_line(res['timeline'])}")
             at_context()
-            res["kernels_head_embed"] = count_kernels(he.step, devices)
+            res["kernels_head_embed"] = count_kernels(he.step, devices, meet=meet)
             res["kernels_per_step"] = total
             if total:
                 res["kernels_per_layer"] = (total - res["kernels_head_embed"]) / model.cfg.n_layers

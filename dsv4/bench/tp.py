@@ -120,7 +120,8 @@ def _rank(group, job: dict) -> dict:
             runs.append(measure(model, mode, g, job["context"], job["steps"], job["warmup"],
                                 job["seed"], kernels=job["kernels"] and mode == "graph",
                                 trace=job["trace"] and f"{job['trace']}-rank{group.rank}",
-                                log=_log if group.rank == 0 else lambda line: None))
+                                log=_log if group.rank == 0 else lambda line: None,
+                                meet=group.barrier))
     prefill = []
     for n in job["lengths"]:      # every rank the same prompts: the all-reduces keep them in step
         if group.rank == 0:

@@ -51,3 +51,34 @@ def test_short_names():
     assert short_name(UP) == "fp4_up_stream_kernel"
     assert short_name("_pre_finish_kernel") == "_pre_finish_kernel"
     assert short_name("void gemv2T_kernel_val<int, int, __nv_bfloat16>(params)") == "gemv2T_kernel_val"
+
+
+def test_kernel_events_after_a_host_range_leave_out_what_ran_before_it():
+    """kernel_events(after=...): only the kernels that start once the named host range has begun
+    (a tensor-parallel rank's barrier before its profiled step launches its own kernel: not the
+    step's); memcpy / memset never count; without `after`, every kernel."""
+    import types
+
+    import torch
+
+    from dsv4.bench.common import STEP_MARK, kernel_events
+
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+
+    def ev(name, dev, start, end):
+        return types.SimpleNamespace(name=name, device_type=dev,
+                                     time_range=types.SimpleNamespace(start=start, end=end))
+
+    evs = [ev("ncclDevKernel_AllReduce_Sum_f32_RING_LL", cuda, 5.0, 9.0),   # the barrier's
+           ev("barrier", cpu, 1.0, 12.0),
+           ev(STEP_MARK, cpu, 20.0, 21.0),
+           ev(GEMV, cuda, 22.0, 30.0),
+           ev("Memcpy DtoD (Device -> Device)", cuda, 30.0, 31.0),
+           ev("allreduce_oneshot_kernel", cuda, 31.0, 35.0)]
+    prof = types.SimpleNamespace(events=lambda: evs)
+    assert [e.name for e in kernel_events(prof, after=STEP_MARK)] == [
+        GEMV, "allreduce_oneshot_kernel"]
+    assert [e.name for e in kernel_events(prof)] == [
+        "ncclDevKernel_AllReduce_Sum_f32_RING_LL", GEMV, "allreduce_oneshot_kernel"]
+    # no such range (a profile taken without the mark): every kernel, nothing dropped silently
+    assert len(kernel_events(prof, after="no such range")) == 3
