@@ -98,16 +98,20 @@ STEP_MARK = "dsv4.profiled_step"
 
 
 def kernel_events(prof, after: str | None = None) -> list:
-    """The CUDA kernels of a torch.profiler run (memcpy, memset and syncs excluded); with `after`,
-    only those that start once the host range of that name has begun (kernels and host ranges
-    share the profiler's clock: a kernel cannot start before the host issues it)."""
+    """The CUDA kernels of a torch.profiler run (memcpy, memset, syncs and the device side of a
+    host range excluded); with `after`, only those that start once the host range of that name
+    has begun (kernels and host ranges share the profiler's clock: a kernel cannot start before
+    the host issues it). A host range shows on the device too (a user annotation, device type
+    CUDA, spanning its kernels): never a kernel."""
     ev = prof.events()
     t0 = None
     if after is not None:
-        t0 = min((e.time_range.start for e in ev if e.name == after), default=None)
+        t0 = min((e.time_range.start for e in ev
+                  if e.name == after and e.device_type != torch.autograd.DeviceType.CUDA),
+                 default=None)
     return [e for e in ev
             if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith(NOT_KERNELS)
-            and (t0 is None or e.time_range.start >= t0)]
+            and e.name != STEP_MARK and (t0 is None or e.time_range.start >= t0)]
 
 
 def count_kernels(step, devices, top: dict | None = None, trace: str | None = None,
