@@ -102,7 +102,8 @@ def kernel_events(prof, after: str | None = None) -> list:
     host range excluded); with `after`, only those that start once the host range of that name
     has begun (kernels and host ranges share the profiler's clock: a kernel cannot start before
     the host issues it). A host range shows on the device too (a user annotation, device type
-    CUDA, spanning its kernels): never a kernel."""
+    CUDA, spanning its kernels): never a kernel; nor are the other device-side annotations
+    (NCCL's `nccl:all_reduce` beside its kernel doubled a TP prefill profile's NCCL time)."""
     ev = prof.events()
     t0 = None
     if after is not None:
@@ -111,7 +112,8 @@ def kernel_events(prof, after: str | None = None) -> list:
                  default=None)
     return [e for e in ev
             if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith(NOT_KERNELS)
-            and e.name != STEP_MARK and (t0 is None or e.time_range.start >= t0)]
+            and not getattr(e, "is_user_annotation", False) and e.name != STEP_MARK
+            and (t0 is None or e.time_range.start >= t0)]
 
 
 def count_kernels(step, devices, top: dict | None = None, trace: str | None = None,

@@ -66,8 +66,8 @@ def test_kernel_events_after_a_host_range_leave_out_what_ran_before_it():
 
     cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
 
-    def ev(name, dev, start, end):
-        return types.SimpleNamespace(name=name, device_type=dev,
+    def ev(name, dev, start, end, annotation=False):
+        return types.SimpleNamespace(name=name, device_type=dev, is_user_annotation=annotation,
                                      time_range=types.SimpleNamespace(start=start, end=end))
 
     evs = [ev("ncclDevKernel_AllReduce_Sum_f32_RING_LL", cuda, 5.0, 9.0),   # the barrier's
@@ -76,7 +76,8 @@ def test_kernel_events_after_a_host_range_leave_out_what_ran_before_it():
            ev(STEP_MARK, cuda, 22.0, 35.0),    # the range's device side (a user annotation)
            ev(GEMV, cuda, 22.0, 30.0),
            ev("Memcpy DtoD (Device -> Device)", cuda, 30.0, 31.0),
-           ev("allreduce_oneshot_kernel", cuda, 31.0, 35.0)]
+           ev("allreduce_oneshot_kernel", cuda, 31.0, 35.0),
+           ev("nccl:all_reduce", cuda, 31.0, 35.0, annotation=True)]   # NCCL's annotation
     prof = types.SimpleNamespace(events=lambda: evs)
     assert [e.name for e in kernel_events(prof, after=STEP_MARK)] == [
         GEMV, "allreduce_oneshot_kernel"]
