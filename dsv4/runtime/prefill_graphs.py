@@ -68,6 +68,23 @@ def eager_sizes(max_rows: int, limit: int) -> list[int]:
     return out + [limit] if limit > out[-1] else out
 
 
+def agreed_ms(times: dict[int, float], tp) -> dict[int, float]:
+    """The build-time measurements {rows: ms} every rank plans by. A tensor-parallel rank times
+    its own replays and eager chunks, but its pieces decide the shapes and the number of its
+    all-reduces, so the ranks must plan the same pieces: each size gets the slowest rank's time
+    (the ranks run every piece together, as fast as the slowest). One process (tp None): as
+    measured. Collective (host-side, at build): every rank calls it with the same sizes."""
+    if tp is None or tp.comm is None:
+        return dict(times)
+    every = tp.comm.group.all_gather_object(dict(times))
+    sizes = set(times)
+    if any(set(t) != sizes for t in every):
+        raise ConfigError(f"prefill graphs: the ranks measured different chunk sizes "
+                          f"({[sorted(t) for t in every]}); every rank needs the same "
+                          f"prefill_graphs, prefill chunk and cache capacity")
+    return {S: max(t[S] for t in every) for S in sorted(sizes)}
+
+
 def _timed(fn, devices) -> float:
     """Host wall time of fn() in ms, the devices synchronized before and after (build time only)."""
     for d in devices:
@@ -140,7 +157,8 @@ def _eager_chunk_ms(model, S: int) -> float:
 
 
 class PrefillGraphs:
-    """Captured prefill chunks of 1, 2, 4, ..., max_rows tokens for one model (CUDA only).
+    """Captured prefill chunks of 1, 2, 4, ..., max_rows tokens for one model (CUDA only; in
+    tensor parallel, one per rank, built by every rank together and planned alike: agreed_ms).
 
     Attach with `model.prefill_graphs = PrefillGraphs(model, n)`: Transformer.prefill then feeds
     prompts through them where `plan` says the replays beat the eager chunks (prefills that the
@@ -164,6 +182,8 @@ class PrefillGraphs:
             self.eager_ms = {S: c.eager_ms for S, c in self.chunks.items()}
             for S in eager_sizes(self.max_rows, min(self.prefill_chunk, cap))[len(self.chunks):]:
                 self.eager_ms[S] = _eager_chunk_ms(model, S)   # the eager alternative's chunks
+            self.replay_ms = agreed_ms(self.replay_ms, model.tp)
+            self.eager_ms = agreed_ms(self.eager_ms, model.tp)
         self.capture_s = time.perf_counter() - t
 
     def plan(self, n: int, chunk: int | None = None) -> list[tuple[int, bool]]:

@@ -73,6 +73,40 @@ def test_plan_weighs_pieces_against_the_eager_chunk_they_replace():
     assert eager_time(5000, eager) == pytest.approx(207.7 * 5000 / 4096)
 
 
+class _Ranks:
+    """Stand-in for a tensor-parallel rank's `model.tp`: its group's all_gather_object returns
+    every rank's measurements (this rank's own object in its place)."""
+
+    def __init__(self, every, rank):
+        import types
+        self.every, self.rank = every, rank
+        gather = lambda obj: [obj if r == rank else t for r, t in enumerate(every)]  # noqa: E731
+        self.comm = types.SimpleNamespace(group=types.SimpleNamespace(all_gather_object=gather))
+
+
+def test_tensor_parallel_ranks_plan_the_same_pieces():
+    """Each rank times its own replays, but its pieces decide the shapes and number of its
+    all-reduces: ranks that planned by their own times could split a prompt differently and
+    hang or mix up their collectives. agreed_ms gives every rank the slowest rank's time per
+    size, so the plans are the same everywhere."""
+    from dsv4.runtime.prefill_graphs import agreed_ms
+    eager = {1: 20, 2: 20, 4: 20, 8: 20}
+    # rank 0 replays 8 rows faster than it runs them eagerly, rank 1 does not
+    replay = [{1: 5, 2: 6, 4: 8, 8: 12}, {1: 5, 2: 6, 4: 9, 8: 30}]
+    own = [_measured(r, eager, 8).plan(24) for r in replay]
+    assert own[0] != own[1]                     # what the ranks would do on their own
+    plans = []
+    for rank in (0, 1):
+        ranks = _Ranks(replay, rank)
+        pg = _measured(agreed_ms(replay[rank], ranks), agreed_ms(eager, ranks), 8)
+        assert pg.replay_ms == {1: 5, 2: 6, 4: 9, 8: 30}
+        plans.append(pg.plan(24))
+    assert plans[0] == plans[1] == own[1]
+    assert agreed_ms(replay[0], None) == replay[0]          # one process: as measured
+    with pytest.raises(ConfigError, match="different chunk sizes"):
+        agreed_ms(replay[0], _Ranks([replay[0], {1: 5, 2: 6}], 0))
+
+
 @pytest.mark.parametrize("bad", [3, -4, 6, True, 2.0])
 def test_prefill_graphs_knob_is_zero_or_a_power_of_two(bad):
     with pytest.raises(ConfigError, match="prefill_graphs"):

@@ -51,3 +51,25 @@ def test_tp2_parity_graph_and_eager(name, mode):
         sure = top2[:, 1] - top2[:, 0] > 1e-3
         bad = np.nonzero(sure & (got[0]["eager"].numpy().argmax(1) != golden.argmax(1)))[0]
         assert bad.size == 0, f"argmax differs on rows {bad.tolist()}"
+
+
+@pytest.mark.multigpu
+def test_tp2_prefill_graphs_plan_alike_and_decode_as_eager_pieces():
+    """Prefill chunk graphs in tensor parallel: every rank plans the same pieces (the slowest
+    rank's times: a rank planning by its own could split the prompt differently and mismatch
+    its all-reduces), and a Session replaying them decodes the same ids and logits, bit for bit,
+    as one that prefills the same pieces eagerly; the same bits on every rank."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"needs 2 GPUs, {torch.cuda.device_count()} visible")
+    d = parity_case_dir("p1-bf16-3layer")
+    case = json.loads((d / "case.json").read_text())
+    prompt = (list(case["prompt_ids"]) * 12)[:12]
+    got = launch(tp_ranks.prefill_graphs_rank, ["cuda:0", "cuda:1"], str(d), prompt, 8,
+                 deadline_s=600)
+    assert got[0]["plan"] == got[1]["plan"] and got[0]["replay_ms"] == got[1]["replay_ms"]
+    assert got[0]["plan"] == [(8, True), (4, True)], got[0]    # a tiny model: replays are faster
+    for r in got:
+        w, wo = r["with"], r["without"]
+        assert w["ids"] == wo["ids"] and torch.equal(w["logits"], wo["logits"]), r["rank"]
+        assert w["ids"] == got[0]["with"]["ids"], r["rank"]
+        assert torch.equal(w["logits"], got[0]["with"]["logits"]), r["rank"]

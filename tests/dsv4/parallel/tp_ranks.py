@@ -167,3 +167,29 @@ def parity_rank(group, ckpt_dir: str, dtype: str, prompt: list, forced: list) ->
     model.tp.comm.check()
     model.tp.comm.close()
     return out
+
+
+def prefill_graphs_rank(group, ckpt_dir: str, prompt: list, n_new: int) -> dict:
+    """On a GPU rank (memory poisoned first): a graph Session whose prompt goes through prefill
+    chunk graphs (8 + 4 rows of a 12-token prompt), and one without them that prefills the same
+    pieces eagerly -> {rank, plan (every rank must have the same), replay_ms, with / without:
+    the decoded ids and logits}."""
+    from parallel_ranks import _poison
+    _poison(group.device)
+    out = {"rank": group.rank}
+    for name, graphs in (("with", 16), ("without", 0)):
+        rt = RuntimeConfig(max_seq_len=128, dtype=torch.bfloat16, prefill_graphs=graphs)
+        model, ck = load_rank(group, ckpt_dir, rt)
+        ck.close()
+        with Session(model, SamplingParams(), mode="graph") as s:
+            if graphs:
+                pg = model.prefill_graphs
+                out["plan"], out["replay_ms"] = pg.plan(len(prompt)), pg.replay_ms
+                r = s.generate(prompt, n_new, keep_logits=True)
+            else:
+                s.prefill(prompt[:8])
+                r = s.generate(prompt[8:], n_new, keep_logits=True, continue_sequence=True)
+        out[name] = {"ids": r.output_ids, "logits": r.logits.cpu()}
+        model.tp.comm.check()
+        model.tp.comm.close()
+    return out
