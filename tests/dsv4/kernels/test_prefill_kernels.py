@@ -58,15 +58,26 @@ def _tol(fmt, rows=None, tuning=None):
 
 
 def _both_paths(fn):
-    """Run fn(tuning) under the default tensor-core path of each format and under the other one
-    (the GEMMs' switches as the backend passes them: DSV4_PREFILL_MMA="fp4=fp8,fp8=bf16")."""
+    """Run fn(tuning, fresh) under the default tensor-core path of each format and under the other
+    one (the GEMMs' switches as the backend passes them: DSV4_PREFILL_MMA="fp4=fp8,fp8=bf16").
+    fresh(fmt, rows, quant_act=True): whether a check runs format fmt's GEMMs over `rows` rows in
+    this pass: always, but for the interpreter's second pass only where the path differs from
+    the first pass's (where it does not, the second pass would launch the kernel variants of the
+    first again, on fresh numbers: minutes of the interpreter; the GPU runs them both)."""
     from dsv4.backend.decision import Options
-    from dsv4.kernels.prefill.gemm import Tuning
-    for setting in ("", "fp4=fp8,fp8=bf16"):
-        fn(Tuning(mma=Options.from_env({"DSV4_PREFILL_MMA": setting}).prefill_mma))
+    from dsv4.kernels.prefill.gemm import Tuning, interpreting, mma_path
+    first, second = (Tuning(mma=Options.from_env({"DSV4_PREFILL_MMA": setting}).prefill_mma)
+                     for setting in ("", "fp4=fp8,fp8=bf16"))
+    fn(first, lambda fmt, rows, quant_act=True: True)
+    fn(second, lambda fmt, rows, quant_act=True: not interpreting() or (
+        quant_act and mma_path(fmt, rows, second) != mma_path(fmt, rows, first)))
 
 
-def check_linear(dev, gen, M=70, N=384, K=256, tuning=None):
+def _every(fmt, rows, quant_act=True):
+    return True
+
+
+def check_linear(dev, gen, M=70, N=384, K=256, tuning=None, fresh=_every):
     from dsv4.kernels.prefill import gemm as P
     from dsv4.numerics.quant import fp8_quant_dequant
     tuning = tuning or P.DEFAULT
@@ -76,6 +87,8 @@ def check_linear(dev, gen, M=70, N=384, K=256, tuning=None):
     x8, xs = P.act_quant8(x)
     assert torch.equal(P.dequant8(x8, xs), fp8_quant_dequant(x, 128).float()), "act_quant8"
     for fmt in ("bf16", "fp8", "fp4"):
+        if not fresh(fmt, M):
+            continue
         w, s = _fmt_weight(fmt, N, K, gen, dev)
         xq = fp8_quant_dequant(x, 128) if fmt != "bf16" else x
         bound = _tol(fmt, M, tuning) * _absdot(xq, w, fmt, s)
@@ -86,6 +99,8 @@ def check_linear(dev, gen, M=70, N=384, K=256, tuning=None):
             lim = bound + (ref.abs() * 2 ** -8 if od == torch.bfloat16 else 0)
             assert (err <= lim).all(), f"linear {fmt} {od}: {(err - lim).max():.3g} over the bound"
     # the grouped wo_a: no act quant, group g reads its own K columns
+    if not fresh("fp8", M, quant_act=False):
+        return
     o = torch.randn(M, 2 * K, generator=gen).bfloat16().to(dev)
     w, s = _fmt_weight("fp8", 256, K, gen, dev)
     out = P.linear(o, w, s, "fp8", out_dtype=torch.float32, quant_act=False, group_k=K,
@@ -96,7 +111,7 @@ def check_linear(dev, gen, M=70, N=384, K=256, tuning=None):
         "wo_a"
 
 
-def check_linear_exact(dev, gen, M=40, N=256, K=256, tuning=None):
+def check_linear_exact(dev, gen, M=40, N=256, K=256, tuning=None, fresh=_every):
     """Exactly representable partial sums (small-integer activations, e2m1 / e4m3 weights with
     unit scales): every summation order gives the same float32, so kernel == reference bit for
     bit (bf16 output included)."""
@@ -106,6 +121,8 @@ def check_linear_exact(dev, gen, M=40, N=256, K=256, tuning=None):
     from dsv4.weights.formats import quantize_fp4_weight, quantize_fp8_weight
     grid = torch.tensor([0, .5, 1, 1.5, 2, 3, 4, 6])
     for fmt in ("fp8", "fp4"):
+        if not fresh(fmt, M):
+            continue
         sign = torch.randint(0, 2, (N, K), generator=gen) * 2 - 1
         m = grid[torch.randint(0, 8, (N, K), generator=gen)] * sign
         w, s = (quantize_fp8_weight if fmt == "fp8" else quantize_fp4_weight)(m)
@@ -225,7 +242,7 @@ def check_split_k(dev, gen, M=3, N=256, K=512):
         assert outs[0].abs().sum() > 0
 
 
-def check_moe(dev, gen, T=50, D=256, I=128, E=8, k=3, tuning=None):
+def check_moe(dev, gen, T=50, D=256, I=128, E=8, k=3, tuning=None, fresh=_every):
     """expert_plan's invariants; the grouped up / down / combine against the reference loop."""
     from dsv4.kernels.prefill import moe as P
     tuning = tuning or P.DEFAULT
@@ -251,6 +268,8 @@ def check_moe(dev, gen, T=50, D=256, I=128, E=8, k=3, tuning=None):
         assert (flat[srt[rows]] == e).all(), f"tile of expert {e} holds other pairs"
     assert (covered == 1).all(), "every sorted pair in exactly one tile"
     for fmt in ("fp4", "fp8", "bf16"):
+        if not fresh(fmt, T):
+            continue
         plan = P.expert_plan(idx, wt, E, fmt, tuning=tuning)
         w1, s1 = _fmt_weight(fmt, I, D, gen, dev, (E,), 0.1)
         w3, s3 = _fmt_weight(fmt, I, D, gen, dev, (E,), 0.1)
@@ -489,10 +508,11 @@ def check_all(dev, seed, tmp, parts=("gemm", "rows", "layers", "parity"), layers
     if "gemm" in parts:
         check_split_k(dev, gen)
         check_swiglu_split(dev, gen)
-        _both_paths(lambda t: (check_linear(dev, gen, tuning=t),
-                               check_linear_exact(dev, gen, tuning=t),
-                               check_moe(dev, gen, tuning=t),
-                               check_moe(dev, gen, T=150, E=2, k=2, tuning=t)))
+        _both_paths(lambda t, fresh: (check_linear(dev, gen, tuning=t, fresh=fresh),
+                                      check_linear_exact(dev, gen, tuning=t, fresh=fresh),
+                                      check_moe(dev, gen, tuning=t, fresh=fresh),
+                                      check_moe(dev, gen, T=150, E=2, k=2, tuning=t,
+                                                fresh=fresh)))
     if "rows" in parts:
         if "gemm" not in parts:          # alone: its own stream of inputs
             gen = torch.Generator().manual_seed(seed + 1)
@@ -506,15 +526,17 @@ def check_all(dev, seed, tmp, parts=("gemm", "rows", "layers", "parity"), layers
         check_parity_bf16(dev)
 
 
-# the interpreter test's cases, one process each: (parts, layers), about equal CPU time each (the
-# layers' chunk paths are most of it: 80-100 s a layer on one core, the GEMMs ~100 s, parity ~65 s)
-INTERP_SPLIT = ((("gemm", "layers"), (0, 2)), (("rows", "layers", "parity"), (1, 3)))
+# the interpreter test's cases, one process each: (parts, layers), of about equal CPU time (the
+# layers' chunk paths are most of it: 80-100 s a layer on one core, the GEMMs ~60 s, parity ~65 s),
+# none much longer than the other tests' longest, so that pytest-xdist's workers finish together
+INTERP_SPLIT = ((("gemm", "layers"), (0,)), (("layers",), (1,)), (("layers",), (2,)),
+                (("layers",), (3,)), (("rows", "parity"), ()))
 
 
 def _interp_main(seed: int, tmp: str, parts: str, layers: str) -> None:
     from pathlib import Path
     check_all("cpu", seed, Path(tmp), tuple(parts.split(",")),
-              {int(x) for x in layers.split(",")})
+              {int(x) for x in layers.split(",") if x})
     print("ok")
 
 
@@ -524,13 +546,14 @@ def _interp_main(seed: int, tmp: str, parts: str, layers: str) -> None:
 def test_prefill_kernels_interpreter(tmp_path, case):
     """The checks under Triton's interpreter, one process per INTERP_SPLIT case (single-threaded
     Python each; separate tests, so that pytest-xdist hands them to its workers like any other
-    test, instead of one worker running both processes while the other worker runs more tests:
-    three busy processes on a 2-core machine); every layer of the model is checked by one of
-    them."""
+    test, instead of one worker running several processes while the other worker runs more
+    tests: three busy processes on a 2-core machine); every layer of the model is checked by one
+    of them."""
     from helpers import SMALL             # the model check_layers builds: each layer once
     assert sorted(sum((ls for _, ls in INTERP_SPLIT), ())) == list(range(SMALL.n_layers))
-    assert sorted(sum((ps for ps, _ in INTERP_SPLIT), ())) == sorted(
-        ("gemm", "rows", "layers", "layers", "parity"))   # every part, the layers in both
+    parts = [p for ps, _ in INTERP_SPLIT for p in ps if p != "layers"]
+    assert sorted(parts) == sorted(("gemm", "rows", "parity"))    # every other part, once
+    assert all(("layers" in ps) == bool(ls) for ps, ls in INTERP_SPLIT)
     env = dict(os.environ, TRITON_INTERPRET="1", DSV4_KERNELS="interpret",
                PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests"),
                                            str(REPO / "tests/dsv4/kernels")]))
@@ -724,12 +747,13 @@ def test_fp8_gemm_writes_every_output():
 def test_prefill_gemm_flash_shapes():
     """The Flash linears of a 300-token chunk (odd tile counts) against float64 references."""
     gen = torch.Generator().manual_seed(input_seed(3))
-    def run(t):
+    def run(t, fresh):
         for n, k in ((1024, 4096), (32768, 1024), (512, 4096), (4096, 8192)):
-            check_linear("cuda", gen, M=300, N=n, K=k, tuning=t)
+            check_linear("cuda", gen, M=300, N=n, K=k, tuning=t, fresh=fresh)
         # 64 experts, not 256: the float64 references of a whole Flash bank take minutes
         check_wo_a("cuda", gen, M=1100)                                  # the dense path
-        check_moe("cuda", gen, T=300, D=4096, I=2048, E=64, k=6, tuning=t)   # ~28 rows each
-        check_moe("cuda", gen, T=20, D=4096, I=2048, E=64, k=6, tuning=t)    # 16-row tiles
-        check_moe("cuda", gen, T=600, D=4096, I=2048, E=16, k=6, tuning=t)   # 128-row tiles
+        flash = dict(D=4096, I=2048, k=6, tuning=t, fresh=fresh)
+        check_moe("cuda", gen, T=300, E=64, **flash)             # ~28 rows each
+        check_moe("cuda", gen, T=20, E=64, **flash)              # 16-row tiles
+        check_moe("cuda", gen, T=600, E=16, **flash)             # 128-row tiles
     _both_paths(run)
