@@ -142,11 +142,21 @@ def count_kernels(step, devices, top: dict | None = None, trace: str | None = No
         events += [(e.device_index, float(e.time_range.start), float(e.time_range.end), e.name)
                    for e in kernels]
     if top is not None:
-        for e in kernels:
-            t = top.setdefault(e.name[:60], [0, 0.0])
-            t[0] += 1
-            t[1] += getattr(e, "device_time", 0.0) or getattr(e, "cuda_time", 0.0)
+        for name, (n, us) in by_name(kernels, 60).items():
+            t = top.setdefault(name, [0, 0.0])
+            t[0] += n
+            t[1] += us
     return len(kernels)
+
+
+def by_name(kernels, width: int) -> dict:
+    """Kernel events -> {name cut to `width`: [launches, summed device µs]}."""
+    out: dict = {}
+    for e in kernels:
+        k = out.setdefault(e.name[:width], [0, 0.0])
+        k[0] += 1
+        k[1] += getattr(e, "device_time", 0.0) or getattr(e, "cuda_time", 0.0)
+    return out
 
 
 def _log(msg: str) -> None:
@@ -166,9 +176,5 @@ def _versions(devices) -> dict:
 
 def kernel_table(prof, width: int = 70) -> list:
     """The CUDA kernels of a torch.profiler run -> [name, launches, summed device ms] by time."""
-    kern: dict = {}
-    for e in kernel_events(prof):
-        k = kern.setdefault(e.name[:width], [0, 0.0])
-        k[0] += 1
-        k[1] += (getattr(e, "device_time", 0.0) or getattr(e, "cuda_time", 0.0)) / 1e3
-    return sorted(([k, c, round(ms, 3)] for k, (c, ms) in kern.items()), key=lambda r: -r[2])
+    return sorted(([k, c, round(us / 1e3, 3)] for k, (c, us) in
+                   by_name(kernel_events(prof), width).items()), key=lambda r: -r[2])

@@ -42,6 +42,9 @@ def run(args, command: str = "") -> dict:
     profile = bool(args.prefill_profile and lengths and on_cuda)
     if args.prefill_profile and lengths and not on_cuda:
         notes.append("--prefill-profile: a CUDA profile; not taken on the CPU")
+    if args.prefill_graphs and not on_cuda:
+        raise InputError(f"--prefill-graphs {args.prefill_graphs}: chunk graphs need CUDA devices; "
+                         f"use --prefill-graphs 0 on the CPU")
     full, cfg = get_preset(args.preset), get_preset(args.preset, args.layers)
     problems = split_problems(cfg, len(devices))
     if problems:
@@ -53,10 +56,7 @@ def run(args, command: str = "") -> dict:
            "grans": grans, "kernels": not args.no_kernels, "lengths": lengths,
            "prefill_reps": args.prefill_reps, "prefill_chunk": args.prefill_chunk,
            "prefill_profile": profile, "trace": args.trace,
-           "prefill_graphs": args.prefill_graphs if on_cuda else 0}
-    if args.prefill_graphs and not on_cuda:
-        raise InputError(f"--prefill-graphs {args.prefill_graphs}: chunk graphs need CUDA devices; "
-                         f"use --prefill-graphs 0 on the CPU")
+           "prefill_graphs": args.prefill_graphs}
     t0 = time.perf_counter()
     ranks = launch(_rank, devices, job)
     r0 = ranks[0]

@@ -57,6 +57,10 @@ def _tol(fmt, rows=None, tuning=None):
     return 2 ** -11 if mma_path(fmt, rows, tuning or DEFAULT) == "fp8" else 2 ** -14
 
 
+def _every(fmt, rows, quant_act=True):
+    return True
+
+
 def _both_paths(fn):
     """Run fn(tuning, fresh) under the default tensor-core path of each format and under the other
     one (the GEMMs' switches as the backend passes them: DSV4_PREFILL_MMA="fp4=fp8,fp8=bf16").
@@ -68,13 +72,9 @@ def _both_paths(fn):
     from dsv4.kernels.prefill.gemm import Tuning, interpreting, mma_path
     first, second = (Tuning(mma=Options.from_env({"DSV4_PREFILL_MMA": setting}).prefill_mma)
                      for setting in ("", "fp4=fp8,fp8=bf16"))
-    fn(first, lambda fmt, rows, quant_act=True: True)
+    fn(first, _every)
     fn(second, lambda fmt, rows, quant_act=True: not interpreting() or (
         quant_act and mma_path(fmt, rows, second) != mma_path(fmt, rows, first)))
-
-
-def _every(fmt, rows, quant_act=True):
-    return True
 
 
 def check_linear(dev, gen, M=70, N=384, K=256, tuning=None, fresh=_every):
