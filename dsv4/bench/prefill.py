@@ -147,8 +147,8 @@ def measure(model: Transformer, n: int, reps: int, seed: int, chunk: int | None)
 def profile(model: Transformer, n: int, seed: int, chunk: int | None, top: int = 25) -> dict:
     """One unprofiled prefill (host issue time vs device span), then one profiled prefill
     (torch.profiler): CUDA kernels launched, their summed device time, the host time, the `top`
-    kernels by device time [name, launches, ms] and the `top` host ops by self CPU time [name,
-    calls, ms]."""
+    kernels by device time [name, launches, ms] (every kernel in `table`) and the `top` host ops
+    by self CPU time [name, calls, ms]."""
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, model.cfg.vocab_size, (n,), generator=gen).to(model.head_device)
     # unprofiled: how long the host takes to issue the prefill vs the device's span over it (the
@@ -173,7 +173,7 @@ def profile(model: Transformer, n: int, seed: int, chunk: int | None, top: int =
                    for a in prof.key_averages()), key=lambda r: -r[2])
     return {"kernels": sum(c for _, c, _ in rows), "device_ms": sum(ms for *_, ms in rows),
             "wall_ms_profiled": wall * 1e3, "host_issue_ms": issue * 1e3, "device_span_ms": span,
-            "top": rows[:top], "host_top": host[:top]}
+            "top": rows[:top], "table": rows, "host_top": host[:top]}
 
 
 def run(model: Transformer, lengths: list[int], reps: int, seed: int, chunk: int | None,

@@ -236,6 +236,7 @@ def test_prefill_profile_cuda(capsys):
     assert pr["kernels"] > 0 and pr["device_ms"] > 0 and pr["top"] and pr["host_top"]
     assert pr["host_issue_ms"] > 0 and pr["device_span_ms"] > 0
     assert sum(c for _, c, _ in pr["top"]) <= pr["kernels"]
+    assert sum(c for _, c, _ in pr["table"]) == pr["kernels"] and pr["top"] == pr["table"][:25]
 
 
 @pytest.mark.cuda
