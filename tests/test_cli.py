@@ -155,6 +155,35 @@ def test_prefill_chunk_same_tokens_and_progress(ckpt):
     assert shown.returncode == 0 and "prefill:" in shown.stderr and "prefill" in shown.stderr
 
 
+def test_prefill_graphs_flag_checks():
+    """--prefill-graphs is checked twice: its value before the devices resolve (a power of two
+    passes whatever the device), then against the mode, --parallel tp and --speculative."""
+    from dsv4.errors import InputError
+    from dsv4.runtime.config import check_prefill_graphs
+    check_prefill_graphs(8)                      # the first call: the value alone
+    check_prefill_graphs(8, "graph")
+    check_prefill_graphs(0, "eager", True, tp=True)
+    for args, words in (((8, "eager"), "needs graph mode"), ((8, "graph", True), "MTP block"),
+                        ((8, "graph", False, True), "with --parallel tp"), ((6,), "power of two")):
+        with pytest.raises(InputError, match=words):
+            check_prefill_graphs(*args[:3], **({"tp": args[3]} if len(args) > 3 else {}))
+
+
+@pytest.mark.cuda
+def test_prefill_graphs_on_cuda(ckpt):
+    """dsv4 decode --prefill-graphs on a GPU: captured at startup, the same tokens as without
+    (greedy, float32). The flag's first check once refused every value before the devices
+    resolved ("needs graph mode" on CUDA too)."""
+    import torch
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    base = ["--ckpt", str(ckpt), "--prompt-ids", "5,6,7,8,9,10", "--max-new-tokens", "4",
+            "--dtype", "float32", "--device", "cuda:0", "--mode", "graph", "--json"]
+    plain, graphs = run(*base), run(*base, "--prefill-graphs", "4")
+    assert plain.returncode == 0 and graphs.returncode == 0, graphs.stderr
+    assert json.loads(graphs.stdout)["output_ids"] == json.loads(plain.stdout)["output_ids"]
+
+
 def test_speculative_cli(ckpt):
     """--speculative 1: the same float32 greedy tokens as plain decoding, and the
     acceptance rate and tokens per step in the JSON object and the stats line."""

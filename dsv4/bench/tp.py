@@ -16,7 +16,7 @@ import time
 import torch
 
 from ..errors import InputError
-from ..runtime.config import DTYPES, RuntimeConfig, resolve_tp_devices
+from ..runtime.config import DTYPES, TP_PREFILL_GRAPHS, RuntimeConfig, resolve_tp_devices
 from ..weights.presets import get_preset
 from . import MIN_STEPS
 from . import prefill as bench_prefill
@@ -42,9 +42,9 @@ def run(args, command: str = "") -> dict:
     profile = bool(args.prefill_profile and lengths and on_cuda)
     if args.prefill_profile and lengths and not on_cuda:
         notes.append("--prefill-profile: a CUDA profile; not taken on the CPU")
-    if args.prefill_graphs and not on_cuda:
-        raise InputError(f"--prefill-graphs {args.prefill_graphs}: chunk graphs need CUDA devices; "
-                         f"use --prefill-graphs 0 on the CPU")
+    if args.prefill_graphs:
+        raise InputError(f"--prefill-graphs {args.prefill_graphs} with --parallel tp: "
+                         f"{TP_PREFILL_GRAPHS}; use --prefill-graphs 0")
     full, cfg = get_preset(args.preset), get_preset(args.preset, args.layers)
     problems = split_problems(cfg, len(devices))
     if problems:
@@ -55,8 +55,7 @@ def run(args, command: str = "") -> dict:
            "warmup": args.warmup, "seed": args.seed, "dtype": args.dtype, "modes": modes,
            "grans": grans, "kernels": not args.no_kernels, "lengths": lengths,
            "prefill_reps": args.prefill_reps, "prefill_chunk": args.prefill_chunk,
-           "prefill_profile": profile, "trace": args.trace,
-           "prefill_graphs": args.prefill_graphs}
+           "prefill_profile": profile, "trace": args.trace}
     t0 = time.perf_counter()
     ranks = launch(_rank, devices, job)
     r0 = ranks[0]
@@ -125,16 +124,7 @@ def _rank(group, job: dict) -> dict:
                                 trace=job["trace"] and f"{job['trace']}-rank{group.rank}",
                                 log=_log if group.rank == 0 else lambda line: None,
                                 meet=group.barrier))
-    prefill, pg = [], None
-    if job["prefill_graphs"]:     # every rank builds them together and plans alike (agreed_ms)
-        from ..runtime.prefill_graphs import PrefillGraphs
-        if group.rank == 0:
-            _log(f"capturing prefill chunk graphs up to {job['prefill_graphs']} tokens")
-        pg = model.prefill_graphs = PrefillGraphs(model, job["prefill_graphs"])
-        if group.rank == 0:
-            _log("chunk graph replay / eager ms (the slowest rank's, measured when built): " +
-                 ", ".join(f"{S}: {pg.replay_ms[S]:.1f} / {pg.eager_ms[S]:.1f}"
-                           for S in pg.chunks))
+    prefill = []
     for n in job["lengths"]:      # every rank the same prompts: the all-reduces keep them in step
         if group.rank == 0:
             _log(f"prefill {n} tokens on {group.world_size} ranks")
@@ -142,11 +132,7 @@ def _rank(group, job: dict) -> dict:
         row = {k: r[k] for k in ("tokens", "ttft_ms", "spread_ms", "tok_per_s")}
         if job["prefill_profile"]:   # every rank profiles the same prefills (their collectives)
             row["profile"] = bench_prefill.profile(model, n, job["seed"], job["prefill_chunk"])
-        if pg is not None:      # the pieces replayed, and the same prompt as eager chunks
-            row["plan"], row["eager_ttft_ms"] = r["plan"], r["eager_ttft_ms"]
         prefill.append(row)
-    if pg is not None:
-        model.prefill_graphs = None
     ar_us = comm_latency_us(group, comm, cfg.dim) if dev.type == "cuda" else None
     comm.check()
     out = {"rank": group.rank, "runs": runs, "bytes": nbytes, "copy_TBps": copy,
@@ -209,13 +195,9 @@ def format_table(rep: dict) -> str:
                      f"[{lo:.1f}-{hi:.1f}] ({p['tok_per_s']:.0f} tok/s; chunk "
                      f"{rep['prefill_chunk']}), every rank: "
                      + ", ".join(f"{t:.1f}" for t in p["ttft_ms_per_rank"]) + " ms")
-        if p.get("plan") is not None:
-            lines.append("  chunk graphs: " + " + ".join(
-                f"{rows}{' replayed' if g else ' eager'}" for rows, g in p["plan"]) +
-                f"; the same prompt in eager chunks {p['eager_ttft_ms']:.1f} ms")
         if "profile" in p:
-            lines.append(f"  profile (one prefill a rank; kernels, their device ms, host issue ms, "
-                         f"device span ms): " + "; ".join(
+            lines.append("  profile (one prefill a rank; kernels, their device ms, host issue ms, "
+                         "device span ms): " + "; ".join(
                              f"rank {i}: {q['kernels']}, {q['device_ms']:.1f}, "
                              f"{q['host_issue_ms']:.1f}, {q['device_span_ms']:.1f}"
                              for i, q in enumerate(p["profile_per_rank"])))

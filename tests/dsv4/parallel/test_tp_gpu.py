@@ -13,6 +13,7 @@ import torch
 
 import tp_ranks
 from conftest import parity_case_dir
+from dsv4.errors import ParallelError
 from dsv4.parallel import launch
 
 CASES = [("p1-bf16-3layer", "fp32"), ("p1-bf16-3layer", "bf16"), ("p3-mtp", "fp32")]
@@ -54,6 +55,9 @@ def test_tp2_parity_graph_and_eager(name, mode):
 
 
 @pytest.mark.multigpu
+@pytest.mark.xfail(strict=True, raises=ParallelError,
+                   reason="the chunk graphs' capture fails in the first layer on a TP rank (2 "
+                          "H100s, fourteenth session); RuntimeConfig refuses them in TP until fixed")
 def test_tp2_prefill_graphs_plan_alike_and_decode_as_eager_pieces():
     """Prefill chunk graphs in tensor parallel: every rank plans the same pieces (the slowest
     rank's times: a rank planning by its own could split the prompt differently and mismatch

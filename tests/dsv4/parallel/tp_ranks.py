@@ -178,12 +178,15 @@ def prefill_graphs_rank(group, ckpt_dir: str, prompt: list, n_new: int) -> dict:
     _poison(group.device)
     out = {"rank": group.rank}
     for name, graphs in (("with", 16), ("without", 0)):
-        rt = RuntimeConfig(max_seq_len=128, dtype=torch.bfloat16, prefill_graphs=graphs)
+        # RuntimeConfig.prefill_graphs is refused in tensor parallel (TP_PREFILL_GRAPHS): the
+        # graphs are attached by hand, as Session would
+        rt = RuntimeConfig(max_seq_len=128, dtype=torch.bfloat16)
         model, ck = load_rank(group, ckpt_dir, rt)
         ck.close()
         with Session(model, SamplingParams(), mode="graph") as s:
             if graphs:
-                pg = model.prefill_graphs
+                from dsv4.runtime.prefill_graphs import PrefillGraphs
+                pg = model.prefill_graphs = PrefillGraphs(model, graphs)
                 out["plan"], out["replay_ms"] = pg.plan(len(prompt)), pg.replay_ms
                 r = s.generate(prompt, n_new, keep_logits=True)
             else:
