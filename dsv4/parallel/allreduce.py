@@ -49,9 +49,11 @@ class AllReduce:
 
     def sums_in_float32(self, nbytes: int, dtype: torch.dtype) -> bool:
         """Whether who serves nbytes of dtype sums the exact float32 values in rank order and
-        rounds once to dtype (our one-shot kernel), so that a bf16 message gives the bits of
-        its float32 copy's all-reduce cast back; NCCL and the others may round on the way."""
-        return bool(getattr(self.impl_for(nbytes, dtype), "sums_in_float32", False))
+        rounds once to dtype (our one-shot kernel; NCCL on two ranks), so that a bf16 message
+        gives the bits of its float32 copy's all-reduce cast back; the others may round on the
+        way. An implementation says so by a `sums_in_float32` attribute or method(dtype)."""
+        says = getattr(self.impl_for(nbytes, dtype), "sums_in_float32", False)
+        return bool(says(dtype) if callable(says) else says)
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """out (default x) = the sum over the ranks of x; returns out. x, out: contiguous, on the

@@ -272,3 +272,46 @@ def two_hosts(group) -> dict:
 def two_cpu_ranks() -> tuple:
     """cpu_rank on two gloo ranks, launched once per test process (a start-up costs seconds)."""
     return tuple(launch(cpu_rank, ["cpu", "cpu"], timeout_s=30, deadline_s=120))
+
+
+def nccl_rounds_once(group) -> dict:
+    """On GPUs, through NCCL itself: a bf16 / fp16 partial all-reduced in its own dtype against
+    its float32 copy's all-reduce cast back (the route TensorParallel.reduce takes where the
+    serving implementation does not sum in float32), on values that make rounding matter:
+    normal values, exponents up to 2^-40 .. 2^40 apart, opposite signs that cancel, values one
+    unit apart, sums exactly halfway between two values. -> {"equal": {dtype: [(case, equal
+    bits)]}, "says": {dtype: NcclAllReduce.sums_in_float32}} (two ranks: the halfway case needs
+    rank 0 and rank 1 as written)."""
+    import torch.distributed as dist
+    from dsv4.parallel.nccl import NcclAllReduce
+    dev, n = group.device, 1 << 16
+    g = torch.Generator().manual_seed(11 + group.rank)
+    out = {"says": {}, "equal": {}}
+    for dtype in (torch.bfloat16, torch.float16):
+        top = 40 if dtype == torch.bfloat16 else 12          # fp16: stay inside its range
+        ulp = 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -10       # at 1.0
+        base = torch.randn(n, generator=g)
+        cases = {
+            "normal": base,
+            "exponent gaps": base * torch.exp2(torch.randint(-top, top + 1, (n,), generator=g)
+                                               .float()),
+            # every rank the same magnitudes, signs by rank: sums cancel to a few units
+            "cancelling": torch.randn(n, generator=torch.Generator().manual_seed(5)).abs() *
+            (1.0 if group.rank % 2 == 0 else -1.0) * (1 + 2 ** -7 * (group.rank + 1)),
+            "unit apart": torch.full((n,), 1.0) + 2.0 ** -7 * torch.randint(
+                0, 4, (n,), generator=g).float() * (group.rank + 1),
+            # rank 0 one of 1, 1 + ulp, ...; rank 1 half a unit: every sum a tie to break
+            "halfway": (1.0 + ulp * torch.randint(0, 8, (n,), generator=g).float()
+                        if group.rank == 0 else torch.full((n,), ulp / 2)),
+        }
+        eq = []
+        for name, v in cases.items():
+            x = v.to(dtype).to(dev)
+            a = x.clone()
+            dist.all_reduce(a, group=group.pg)
+            b = x.float()
+            dist.all_reduce(b, group=group.pg)
+            eq.append((name, bool(torch.equal(a, b.to(dtype)))))
+        out["equal"][str(dtype)] = eq
+        out["says"][str(dtype)] = NcclAllReduce(group).sums_in_float32(dtype)
+    return out

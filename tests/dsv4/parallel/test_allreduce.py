@@ -4,6 +4,8 @@ poisoned outputs and in place, the same bits on every rank and on a second run; 
 unavailable implementation get errors that name the problem and the fix."""
 from __future__ import annotations
 
+import types
+
 import pytest
 
 import parallel_ranks
@@ -72,7 +74,8 @@ def test_ranks_on_several_hosts_use_nccl_alone():
 
 def test_reduce_skips_the_casts_only_where_the_kernel_sums_in_float32():
     """TensorParallel.reduce: where the all-reduce serving a bf16 partial sums the exact float32
-    values in rank order and rounds once (our one-shot kernel), the partial is summed in place in
+    values in rank order and rounds once (our one-shot kernel; NCCL on two ranks, one add
+    rounded once), the partial is summed in place in
     bf16, without the float32 copy and the cast back; elsewhere (NCCL, gloo: they may round on
     the way) through the float32 copy. A communicator of two ranks faked here (the other rank's
     part fixed, the kernel's arithmetic) gives the same bits both ways; float32 partials are
@@ -80,10 +83,21 @@ def test_reduce_skips_the_casts_only_where_the_kernel_sums_in_float32():
     import torch
 
     from dsv4.model.sharding import TensorParallel
+    from dsv4.parallel.allreduce import AllReduce
     from dsv4.parallel.nccl import NcclAllReduce
     from dsv4.parallel.oneshot import OneShotAllReduce
     assert OneShotAllReduce.sums_in_float32 is True
-    assert not getattr(NcclAllReduce, "sums_in_float32", False)
+    for world, backend, dtype, says in ((2, "nccl", torch.bfloat16, True),
+                                        (2, "nccl", torch.float16, True),
+                                        (4, "nccl", torch.bfloat16, False),   # rounds every hop
+                                        (2, "gloo", torch.bfloat16, False),
+                                        (2, "nccl", torch.int32, False)):
+        group = types.SimpleNamespace(world_size=world, backend=backend)
+        nccl = NcclAllReduce(group)
+        assert nccl.sums_in_float32(dtype) is says, (world, backend, dtype)
+        # the plan asks whoever serves the size, attribute or method alike
+        plan = AllReduce(group, None, nccl, 0)
+        assert plan.sums_in_float32(1 << 20, dtype) is says
     gen = torch.Generator().manual_seed(3)
     other = torch.randn(3, 64, generator=gen).to(torch.bfloat16)
 

@@ -62,3 +62,19 @@ def test_oneshot_gives_up_on_a_rank_that_never_arrives():
     assert got[1] == "skipped the call"
     assert "waited 5 s for rank 1" in got[0] and "its output is NaN" in got[0], got[0]
     assert got[0].endswith("| nan: True")
+
+
+@pytest.mark.multigpu
+def test_nccl_on_two_ranks_rounds_once():
+    """NcclAllReduce.sums_in_float32 on two ranks (so a TP2 prefill chunk's bf16 partials are
+    summed by NCCL in bf16, without the float32 copy): NCCL's own bf16 / fp16 sum gives the bits
+    of the float32 copy's sum cast back, on values chosen to make the roundings differ if they
+    could; on four ranks the plan does not claim it."""
+    got = launch(parallel_ranks.nccl_rounds_once, _devices(2), deadline_s=600)
+    for r in got:
+        assert all(r["says"].values()), r["says"]
+        for dtype, cases in r["equal"].items():
+            assert all(ok for _, ok in cases), (dtype, cases)
+    if torch.cuda.device_count() >= 4:
+        got = launch(parallel_ranks.nccl_rounds_once, _devices(4), deadline_s=600)
+        assert not any(got[0]["says"].values())
