@@ -185,7 +185,7 @@ def run(args, command: str = "") -> dict:
     spec = None
     if args.speculative:
         spec = bench_spec.run(model, args.context, args.seed, graph_ms, _log,
-                              n_new=args.spec_tokens)
+                              reps=min(bench_spec.REPS, args.steps), n_new=args.spec_tokens)
     layers = None
     if args.layer_kernels:
         if not on_cuda:

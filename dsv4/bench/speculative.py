@@ -28,9 +28,11 @@ from .common import _sync, fill_state, time_steps
 
 ACCEPTANCE = (0.0, 0.5, 0.7, 0.8, 0.9, 1.0)
 PROMPT = 64
+REPS = 20               # timed replays of each verify pass and of the plain step + MTP row (at most:
+                        # the bench passes min(REPS, --steps))
 
 
-def run(model, context: int, seed: int, plain_ms: float | None, log, reps: int = 20,
+def run(model, context: int, seed: int, plain_ms: float | None, log, reps: int = REPS,
         n_new: int = 256) -> dict:
     hd, V = model.head_device, model.cfg.vocab_size
     devices = [hd] + sorted({*model.placement} - {hd}, key=str)

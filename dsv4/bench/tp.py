@@ -7,7 +7,10 @@ copy bandwidth, the head/embed share and the extrapolation to the preset's full 
 one-process benchmark (dsv4.bench.decode), the all-reduce plan and the communication a layer;
 with --prefill the time to first token of each prompt length (every rank prefilling it), and
 with --prefill-profile (CUDA) one profiled prefill a rank: rank 0's kernels by device time; with
---trace PREFIX each rank's profiled graph step as a Chrome trace, PREFIX-rank<r>-graph-<granularity>.json.
+--trace PREFIX each rank's profiled graph step as a Chrome trace, PREFIX-rank<r>-graph-<granularity>.json;
+with --speculative (every rank's MTP block built) the speculative mechanism's measurements
+(dsv4.bench.speculative: verify T = 1..4, the speculative step, end to end with an oracle
+drafting), every rank running the same sessions: rank 0's figures, every rank's verify times.
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ from ..runtime.config import DTYPES, TP_PREFILL_GRAPHS, RuntimeConfig, resolve_t
 from ..weights.presets import get_preset
 from . import MIN_STEPS
 from . import prefill as bench_prefill
+from . import speculative as bench_spec
 from .common import _log, _versions, copy_bandwidth, fill_state
 from .decode import EXTRAPOLATION, _plan, checked_capacity, measure, title_line
 from .memory import token_bytes
@@ -34,7 +38,7 @@ def run(args, command: str = "") -> dict:
     devices = resolve_tp_devices(args.device)
     on_cuda = devices[0].startswith("cuda")
     modes, grans, lengths, notes = _plan(args, on_cuda)
-    for flag, on in (("--speculative", args.speculative), ("--layer-kernels", args.layer_kernels),
+    for flag, on in (("--layer-kernels", args.layer_kernels),
                      ("--prefill-kernels off", args.prefill_kernels == "off")):
         if on:
             raise InputError(f"{flag} with --parallel tp: not measured in tensor-parallel mode "
@@ -50,12 +54,14 @@ def run(args, command: str = "") -> dict:
     if problems:
         raise InputError(f"--parallel tp --device {','.join(devices)}: --preset {args.preset} "
                          f"cannot be split over {len(devices)} ranks: {'; '.join(problems)}")
-    job = {"cfg": cfg, "full": full, "capacity": checked_capacity(args, cfg, lengths),
+    spec_len = [bench_spec.PROMPT + args.spec_tokens + 2] if args.speculative else []
+    job = {"cfg": cfg, "full": full, "capacity": checked_capacity(args, cfg, lengths + spec_len),
            "context": args.context, "steps": args.steps,
            "warmup": args.warmup, "seed": args.seed, "dtype": args.dtype, "modes": modes,
            "grans": grans, "kernels": not args.no_kernels, "lengths": lengths,
            "prefill_reps": args.prefill_reps, "prefill_chunk": args.prefill_chunk,
-           "prefill_profile": profile, "trace": args.trace}
+           "prefill_profile": profile, "trace": args.trace,
+           "speculative": bool(args.speculative), "spec_tokens": args.spec_tokens}
     t0 = time.perf_counter()
     ranks = launch(_rank, devices, job)
     r0 = ranks[0]
@@ -86,6 +92,7 @@ def run(args, command: str = "") -> dict:
                              if r0["allreduce_us"] is not None else None),
             "allreduces_per_layer": ALLREDUCES_PER_LAYER,
             "extrapolated": {"method": EXTRAPOLATION, "layers": full.n_layers} if partial else None,
+            **(_spec_report(ranks) if args.speculative else {}),
             "load_s": r0["load_s"], "wall_s": time.perf_counter() - t0, **r0["versions"],
             "command": command, "valid": on_cuda and args.steps >= MIN_STEPS, "notes": notes}
 
@@ -102,7 +109,8 @@ def _rank(group, job: dict) -> dict:
         torch.set_num_threads(cpu_share(group.world_size))
     cfg = job["cfg"]
     cap = job["capacity"]
-    rt = rank_runtime(RuntimeConfig(cap, DTYPES[job["dtype"]], (str(dev),)), group)
+    rt = rank_runtime(RuntimeConfig(cap, DTYPES[job["dtype"]], (str(dev),),
+                                    mtp=job["speculative"]), group)
     comm = Communicator.plan(group, pdl=Options.from_env().pdl)   # as the runtime's ranks
     model = build_model(cfg, rt, comm=comm)
     t0 = time.perf_counter()
@@ -133,15 +141,31 @@ def _rank(group, job: dict) -> dict:
         if job["prefill_profile"]:   # every rank profiles the same prefills (their collectives)
             row["profile"] = bench_prefill.profile(model, n, job["seed"], job["prefill_chunk"])
         prefill.append(row)
+    spec = None
+    if job["speculative"]:        # every rank the same sessions and oracle: the same tokens
+        graph = next((r for r in runs if r["mode"] == "graph"), None)
+        spec = bench_spec.run(model, job["context"], job["seed"],
+                              graph["ms_per_token"] if graph else None,
+                              _log if group.rank == 0 else lambda line: None,
+                              reps=min(bench_spec.REPS, job["steps"]), n_new=job["spec_tokens"])
     ar_us = comm_latency_us(group, comm, cfg.dim) if dev.type == "cuda" else None
     comm.check()
     out = {"rank": group.rank, "runs": runs, "bytes": nbytes, "copy_TBps": copy,
            "allreduce_us": ar_us, "prefill": prefill,
            "prefill_chunk": job["prefill_chunk"] or model.rt.prefill_chunk,
            "floor_ms": nbytes / (copy * 1e12) * 1e3 if copy else None, "capacity": cap,
-           "load_s": load_s, "allreduce": comm.table(), "versions": _versions([dev])}
+           "load_s": load_s, "allreduce": comm.table(), "versions": _versions([dev]),
+           "spec": spec}
     comm.close()
     return out
+
+
+def _spec_report(ranks: list) -> dict:
+    """--speculative: rank 0's measurements (dsv4.bench.speculative's keys), its verify times
+    beside every rank's, and whether every rank decoded plain decoding's tokens."""
+    r0 = ranks[0]["spec"]
+    return {**r0, "spec_verify_ms_per_rank": [r["spec"]["spec_verify_ms"] for r in ranks],
+            "spec_same_tokens": all(r["spec"]["spec_same_tokens"] for r in ranks)}
 
 
 def _prefill_rows(ranks: list) -> list[dict]:

@@ -48,6 +48,23 @@ def test_tp_bench_on_two_cpu_ranks(capsys):
     assert one["bytes_per_token"] / 2 < a < one["bytes_per_token"]
 
 
+def test_tp_bench_speculative_on_two_cpu_ranks(capfd):
+    """--speculative in TP: every rank builds its MTP block and runs the same verify passes and
+    sessions (the oracle's drafts keyed by position: the same on every rank); the report has
+    rank 0's figures, every rank's verify times, and the tokens of plain decoding on every
+    rank."""
+    rc = bench.main(["--preset", "tiny-tp", "--speculative", "--spec-tokens", "12", *FAST])
+    out, err = capfd.readouterr()          # the ranks log from their own processes
+    assert rc == 0, err
+    rep = json.loads(out)
+    assert set(rep["spec_verify_ms"]) == {"1", "2", "3", "4"}
+    assert len(rep["spec_verify_ms_per_rank"]) == 2 and rep["spec_step_ms"] > 0
+    assert rep["spec_same_tokens"] is True and rep["spec_new_tokens"] == 12
+    e2e = {r["a"]: r for r in rep["spec_e2e"]}
+    assert e2e[0.0]["acceptance_rate"] == 0 and e2e[1.0]["acceptance_rate"] == 1
+    assert err.count("] verify T=2:") == 1          # rank 0 logs alone
+
+
 def test_tp_bench_refuses_what_it_does_not_measure(capsys):
     assert bench.main(["--preset", "tiny", *FAST]) == 2          # 64 expert rows a rank
     assert "cannot be split over 2 ranks" in capsys.readouterr()[1]
@@ -123,3 +140,23 @@ def test_tp_bench_profiles_a_prefill_and_traces_every_rank(capfd, tmp_path):
         assert q["kernels"] > 0 and q["device_ms"] > 0 and q["device_span_ms"] > 0
     assert p["profile"]["top"] and p["profile"]["kernels"] == p["profile_per_rank"][0]["kernels"]
     assert "rank 0's kernels by device time" in err
+
+
+@pytest.mark.multigpu
+def test_tp_bench_speculative_on_two_gpus(capfd):
+    """On two GPUs, --speculative in graph mode: the verify passes and the speculative sessions
+    captured and replayed on both ranks in step, the tokens of plain decoding on both."""
+    import torch
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"needs 2 GPUs, {torch.cuda.device_count()} visible")
+    rc = bench.main(["--preset", "tiny-tp", "--device", "cuda:0,cuda:1", "--parallel", "tp",
+                     "--mode", "graph", "--granularity", "device", "--steps", "5", "--warmup",
+                     "1", "--context", "40", "--speculative", "--spec-tokens", "16",
+                     "--no-kernels", "--json", "-"])
+    out, err = capfd.readouterr()
+    assert rc == 0, err
+    rep = json.loads(out)
+    assert rep["spec_mode"] == "graph" and rep["spec_same_tokens"] is True
+    assert all(v > 0 for r in rep["spec_verify_ms_per_rank"] for v in r.values())
+    assert rep["spec_verify2_over_plain"] > 0
+
