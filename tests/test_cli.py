@@ -170,18 +170,37 @@ def test_prefill_graphs_flag_checks():
 
 
 @pytest.mark.cuda
-def test_prefill_graphs_on_cuda(ckpt):
-    """dsv4 decode --prefill-graphs on a GPU: captured at startup, the same tokens as without
-    (greedy, float32). The flag's first check once refused every value before the devices
-    resolved ("needs graph mode" on CUDA too)."""
+def test_cli_on_cuda_flags_give_the_same_tokens(ckpt, tmp_path):
+    """dsv4 decode on a GPU as users drive it (no other test runs the CLI there): greedy float32
+    in graph mode, the same prompt twice -> the same logits' bits; eager, --granularity device
+    and --speculative 1 -> the same tokens (the same kernels, or rows kernels that give a single
+    row's bits); --prefill-graphs runs and repeats itself (its pieces may sum in another order
+    than one eager chunk: an FP8 rounding may flip). It once never ran from the CLI: its first
+    check refused every value before the devices resolved ("needs graph mode" on CUDA too)."""
+    import numpy as np
     import torch
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    base = ["--ckpt", str(ckpt), "--prompt-ids", "5,6,7,8,9,10", "--max-new-tokens", "4",
-            "--dtype", "float32", "--device", "cuda:0", "--mode", "graph", "--json"]
-    plain, graphs = run(*base), run(*base, "--prefill-graphs", "4")
-    assert plain.returncode == 0 and graphs.returncode == 0, graphs.stderr
-    assert json.loads(graphs.stdout)["output_ids"] == json.loads(plain.stdout)["output_ids"]
+    base = ["--ckpt", str(ckpt), "--prompt-ids", "5,6,7,8,9,10,11", "--max-new-tokens", "6",
+            "--dtype", "float32", "--device", "cuda:0", "--json"]
+
+    def ids(*flags, dump=None):
+        p = run(*base, *flags, *(["--dump-logits", str(dump)] if dump else []))
+        assert p.returncode == 0, (flags, p.stderr)
+        out = json.loads(p.stdout)
+        return out["output_ids"], out["mode"]
+
+    first, mode = ids("--mode", "graph", dump=tmp_path / "a.npy")
+    again, _ = ids("--mode", "graph", dump=tmp_path / "b.npy")
+    assert mode == "graph" and again == first
+    a, b = np.load(tmp_path / "a.npy"), np.load(tmp_path / "b.npy")
+    assert a.tobytes() == b.tobytes()                  # the same prompt twice: the same bits
+    for flags in (["--mode", "eager"], ["--mode", "graph", "--granularity", "device"],
+                  ["--mode", "graph", "--speculative", "1"]):
+        assert ids(*flags)[0] == first, flags
+    replayed, mode = ids("--mode", "graph", "--prefill-graphs", "4")
+    assert mode == "graph" and replayed and ids("--mode", "graph", "--prefill-graphs", "4") == \
+        (replayed, "graph")
 
 
 def test_speculative_cli(ckpt):
