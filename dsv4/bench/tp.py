@@ -99,10 +99,8 @@ def run(args, command: str = "") -> dict:
 
 def _rank(group, job: dict) -> dict:
     """One rank: its shard built and filled, the same measurements as every other rank."""
-    from ..backend.options import Options
-    from ..parallel import Communicator
     from ..runtime.build import build_model
-    from ..runtime.tp import cpu_share, rank_runtime
+    from ..runtime.tp import cpu_share, rank_communicator, rank_runtime
     from ..weights.device_weights import DeviceWeights
     dev = group.device
     if dev.type == "cpu":
@@ -111,7 +109,7 @@ def _rank(group, job: dict) -> dict:
     cap = job["capacity"]
     rt = rank_runtime(RuntimeConfig(cap, DTYPES[job["dtype"]], (str(dev),),
                                     mtp=job["speculative"]), group)
-    comm = Communicator.plan(group, pdl=Options.from_env().pdl)   # as the runtime's ranks
+    comm = rank_communicator(group, rt)          # as the runtime's ranks
     model = build_model(cfg, rt, comm=comm)
     t0 = time.perf_counter()
     model.load(DeviceWeights(cfg, job["seed"]))

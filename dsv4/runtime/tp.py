@@ -45,16 +45,26 @@ def rank_runtime(rt: RuntimeConfig, group: TPGroup) -> RuntimeConfig:
     return replace(rt, devices=(group.device,), tp=group.world_size)
 
 
+def rank_communicator(group: TPGroup, rt: RuntimeConfig, prefer: str | None = None
+                      ) -> Communicator:
+    """The rank's collectives planned over the group (collective: every rank calls it; prefer:
+    force an implementation, dsv4.parallel.plan_allreduce), the all-reduce launched with PDL
+    where the rank's kernels are (the backend's switch: rt.options, else the environment)."""
+    opts = rt.options if rt.options is not None else Options.from_env()
+    return Communicator.plan(group, prefer=prefer, pdl=opts.pdl)
+
+
 def load_rank(group: TPGroup, ckpt_dir, rt: RuntimeConfig, progress: bool | None = None,
               prefer: str | None = None):
-    """This rank's model: the all-reduce planned over the group (prefer: force an
-    implementation, dsv4.parallel.plan_allreduce), the checkpoint opened and validated (the
-    full shapes), the rank's shard built and loaded, reading only its slices of the split
-    tensors. Collective: every rank calls it. -> (model, checkpoint); model.tp.comm is the
-    communicator (close it after the rank's last step)."""
-    opts = rt.options if rt.options is not None else Options.from_env()
-    comm = Communicator.plan(group, prefer=prefer, pdl=opts.pdl)   # the backend's PDL switch
-    return load_model(ckpt_dir, rank_runtime(rt, group), progress=progress, comm=comm)
+    """This rank's model: its runtime checked (rank_runtime, before the plan allocates the
+    peer buffers that a refusal would leave behind), the all-reduce planned over the group
+    (rank_communicator), the checkpoint opened and validated (the full shapes), the rank's shard
+    built and loaded, reading only its slices of the split tensors. Collective: every rank
+    calls it. -> (model, checkpoint); model.tp.comm is the communicator (close it after the
+    rank's last step)."""
+    rt = rank_runtime(rt, group)
+    comm = rank_communicator(group, rt, prefer)
+    return load_model(ckpt_dir, rt, progress=progress, comm=comm)
 
 
 def generate_rank(group: TPGroup, ckpt_dir, rt: RuntimeConfig, prompt_ids: Sequence[int],

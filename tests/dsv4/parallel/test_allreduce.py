@@ -128,10 +128,15 @@ def test_reduce_skips_the_casts_only_where_the_kernel_sums_in_float32():
 
 def test_a_rank_plans_its_all_reduce_with_the_backends_pdl_switch(monkeypatch):
     """A TP rank's all-reduce launches with PDL exactly where the rank's kernels do: the runtime
-    options' switch (RuntimeConfig.options), else DSV4_PDL."""
+    options' switch (RuntimeConfig.options), else DSV4_PDL. A runtime a rank refuses
+    (prefill_graphs) is refused before the plan allocates anything."""
+    import torch
+
     from dsv4.backend.options import Options
+    from dsv4.errors import ConfigError
     from dsv4.runtime import tp
     from dsv4.runtime.config import RuntimeConfig
+    group = types.SimpleNamespace(world_size=2, device=torch.device("cpu"))
 
     class Planned(Exception):
         pass
@@ -148,6 +153,8 @@ def test_a_rank_plans_its_all_reduce_with_the_backends_pdl_switch(monkeypatch):
         else:
             monkeypatch.setenv("DSV4_PDL", env)
         with pytest.raises(Planned) as e:
-            tp.load_rank(None, "unused", RuntimeConfig(64, options=opts))
+            tp.load_rank(group, "unused", RuntimeConfig(64, options=opts))
         seen.append(e.value.args[0]["pdl"])
     assert seen == [True, False, False, True]
+    with pytest.raises(ConfigError, match="prefill_graphs = 16 in tensor parallel"):
+        tp.load_rank(group, "unused", RuntimeConfig(64, prefill_graphs=16))
