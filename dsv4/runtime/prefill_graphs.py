@@ -85,6 +85,21 @@ def agreed_ms(times: dict[int, float], tp) -> dict[int, float]:
     return {S: max(t[S] for t in every) for S in sorted(sizes)}
 
 
+def capture_blocker(model) -> str | None:
+    """Why a prefill chunk of this model cannot be captured (None: it can). A chunk keeps its
+    start on the device only on the prefill kernels; the routed experts' torch reference
+    (MoE.prefill_experts_reference, where the backend has no grouped-GEMM kernel for the
+    shapes: `prefill.moe` off) reads on the host which experts got rows, and a host read inside
+    a capture ends it ("operation failed due to a previous error during capture")."""
+    off = [dev for dev, be in model.binding.backends().items() if not be.moe_prefill]
+    if not off:
+        return None
+    return (f"the prefill's routed experts run on their torch reference on {', '.join(off)} "
+            f"(backend prefill.moe off: moe_inter_dim {model.cfg.moe_inter_dim}"
+            f"{f' / {model.rt.tp} ranks' if model.rt.tp > 1 else ''}, or the prefill kernels "
+            f"switched off), which reads the routing on the host: a chunk cannot be captured")
+
+
 def _timed(fn, devices) -> float:
     """Host wall time of fn() in ms, the devices synchronized before and after (build time only)."""
     for d in devices:
@@ -169,6 +184,9 @@ class PrefillGraphs:
         if model.head_device.type != "cuda":
             raise ConfigError("prefill graphs need CUDA devices (the model is on "
                               f"{model.head_device}); use prefill_graphs = 0")
+        why = capture_blocker(model)
+        if why is not None:
+            raise ConfigError(f"prefill graphs: {why}; use prefill_graphs = 0")
         chunk_sizes(max_rows)             # validates it
         cap = model.rt.max_seq_len        # no chunk longer than the cache (state past it)
         self.max_rows = min(max_rows, 1 << (cap.bit_length() - 1))

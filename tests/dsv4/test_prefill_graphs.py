@@ -126,6 +126,28 @@ def test_prefill_graphs_refuse_the_cpu(tmp_path):
         PrefillGraphs(m, 4)
 
 
+def test_a_model_whose_prefill_reads_the_host_is_refused(tmp_path):
+    """A chunk is capturable only where the prefill's routed experts run on their grouped GEMM:
+    their torch reference reads the routing on the host (a capture ends there). The backend's
+    own decision for the shapes says where: a shard of moe_inter_dim 64 (the p1 parity
+    checkpoint over two ranks) has no grouped GEMM, 256 has; capture_blocker names the device."""
+    import types
+    from dataclasses import replace
+
+    from dsv4.backend.decision import Backend, _model_decisions
+    from dsv4.runtime.prefill_graphs import capture_blocker
+    from dsv4.runtime.session import load_model
+    m, ck = load_model(small_checkpoint(tmp_path, "bf16"), RuntimeConfig(max_seq_len=64))
+    ck.close()
+    rows = Backend(torch.device("cuda:0"), torch.bfloat16, prefill="triton")
+    assert not _model_decisions(rows, m.cfg.replace(moe_inter_dim=64)).moe_prefill
+    assert _model_decisions(rows, m.cfg.replace(moe_inter_dim=256)).moe_prefill
+    why = capture_blocker(m)                         # the CPU: no prefill kernels at all
+    assert "prefill.moe off" in why and "cpu" in why and "cannot be captured" in why
+    m.binding = types.SimpleNamespace(backends=lambda: {"cuda:0": replace(rows, moe_prefill=True)})
+    assert capture_blocker(m) is None
+
+
 # ---- on the GPU ---------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
