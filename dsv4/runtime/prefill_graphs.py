@@ -91,13 +91,23 @@ def capture_blocker(model) -> str | None:
     (MoE.prefill_experts_reference, where the backend has no grouped-GEMM kernel for the
     shapes: `prefill.moe` off) reads on the host which experts got rows, and a host read inside
     a capture ends it ("operation failed due to a previous error during capture")."""
-    off = [dev for dev, be in model.binding.backends().items() if not be.moe_prefill]
-    if not off:
+    why = {}
+    for dev, be in model.binding.backends().items():
+        if be.moe_prefill:
+            continue
+        if be.act != torch.bfloat16:
+            why[dev] = f"activations in {str(be.act).replace('torch.', '')} (the prefill kernels are bfloat16)"
+        elif not be.rows:
+            why[dev] = "the prefill kernels off on this device (no Triton, or switched off)"
+        else:
+            ranks = f" / {model.rt.tp} ranks" if model.rt.tp > 1 else ""
+            why[dev] = (f"no grouped expert GEMM for moe_inter_dim {model.cfg.moe_inter_dim}"
+                        f"{ranks}")
+    if not why:
         return None
-    return (f"the prefill's routed experts run on their torch reference on {', '.join(off)} "
-            f"(backend prefill.moe off: moe_inter_dim {model.cfg.moe_inter_dim}"
-            f"{f' / {model.rt.tp} ranks' if model.rt.tp > 1 else ''}, or the prefill kernels "
-            f"switched off), which reads the routing on the host: a chunk cannot be captured")
+    reasons = "; ".join(f"{dev}: {w}" for dev, w in why.items())
+    return (f"the prefill's routed experts run on their torch reference ({reasons}), which "
+            f"reads the routing on the host: a chunk cannot be captured")
 
 
 def _timed(fn, devices) -> float:

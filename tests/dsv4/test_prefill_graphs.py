@@ -143,9 +143,15 @@ def test_a_model_whose_prefill_reads_the_host_is_refused(tmp_path):
     assert not _model_decisions(rows, m.cfg.replace(moe_inter_dim=64)).moe_prefill
     assert _model_decisions(rows, m.cfg.replace(moe_inter_dim=256)).moe_prefill
     why = capture_blocker(m)                         # the CPU: no prefill kernels at all
-    assert "prefill.moe off" in why and "cpu" in why and "cannot be captured" in why
-    m.binding = types.SimpleNamespace(backends=lambda: {"cuda:0": replace(rows, moe_prefill=True)})
-    assert capture_blocker(m) is None
+    assert "cpu: the prefill kernels off" in why and "cannot be captured" in why
+
+    def blocker(be):
+        m.binding = types.SimpleNamespace(backends=lambda: {"cuda:0": be})
+        return capture_blocker(m)
+    assert blocker(replace(rows, moe_prefill=True)) is None
+    assert "cuda:0: no grouped expert GEMM for moe_inter_dim" in blocker(rows)
+    f32 = Backend(torch.device("cuda:0"), torch.float32)      # float32: the kernels are bf16
+    assert "cuda:0: activations in float32" in blocker(f32)
 
 
 # ---- on the GPU ---------------------------------------------------------------------------------

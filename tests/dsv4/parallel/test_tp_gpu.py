@@ -14,7 +14,6 @@ import torch
 import tp_ranks
 from conftest import parity_case_dir
 from helpers import small_checkpoint
-from dsv4.errors import ParallelError
 from dsv4.parallel import launch
 
 CASES = [("p1-bf16-3layer", "fp32"), ("p1-bf16-3layer", "bf16"), ("p3-mtp", "fp32")]
@@ -37,7 +36,7 @@ def test_tp2_parity_graph_and_eager(name, mode):
     golden, forced = g["logits"], g["tokens"].tolist()
     # the group's default timeout: rank 0 may build the CUDA library first (about a minute)
     got = launch(tp_ranks.parity_rank, ["cuda:0", "cuda:1"], str(d), DTYPE[mode],
-                 case["prompt_ids"], forced, deadline_s=600)
+                 case["prompt_ids"], forced, deadline_s=240)
     tol = case["modes"][mode]["tolerance"]
     for r in got:
         for run in ("eager", "graph", "graph2"):
@@ -56,9 +55,10 @@ def test_tp2_parity_graph_and_eager(name, mode):
 
 
 @pytest.mark.multigpu
-@pytest.mark.xfail(strict=True, raises=ParallelError,
-                   reason="not yet verified on a TP rank (TP_PREFILL_GRAPHS: RuntimeConfig refuses "
-                          "them in TP until this passes)")
+@pytest.mark.xfail(run=False,
+                   reason="the ranks hang in the chunk graphs' build (fifteenth session, 2 H100s: "
+                          "no result before the deadline; issue 46); TP_PREFILL_GRAPHS refuses "
+                          "them in TP until this passes (run it with --runxfail)")
 def test_tp2_prefill_graphs_plan_alike_and_decode_as_eager_pieces(tmp_path):
     """Prefill chunk graphs in tensor parallel: every rank plans the same pieces (the slowest
     rank's times: a rank planning by its own could split the prompt differently and mismatch
@@ -72,7 +72,7 @@ def test_tp2_prefill_graphs_plan_alike_and_decode_as_eager_pieces(tmp_path):
     d = small_checkpoint(tmp_path, "bf16", cfg=TINY_TP)
     prompt = list(range(5, 17))
     got = launch(tp_ranks.prefill_graphs_rank, ["cuda:0", "cuda:1"], str(d), prompt, 8,
-                 deadline_s=600)
+                 deadline_s=240)
     assert got[0]["plan"] == got[1]["plan"] and got[0]["replay_ms"] == got[1]["replay_ms"]
     assert got[0]["plan"] == [(8, True), (4, True)], got[0]    # a tiny model: replays are faster
     for r in got:
