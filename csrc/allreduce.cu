@@ -31,8 +31,9 @@
 //
 // A message of n bytes is cut into chunks of `chunk` bytes (the last one shorter); chunk k is owned
 // by rank o = k % N, which sums it for everyone. The one-shot sends N - 1 copies of the whole
-// message from each rank; this sends 2 (N - 1) / N of it (N - 1 pushes of the chunks others own,
-// N - 1 of the sums of its own), the same bytes as a ring, in one launch. Each rank's buffer:
+// message from each rank; this sends 2 (N - 1) / N of it (its part of each chunk others own, once;
+// the sums of its own chunks, N - 1 times), the same bytes as a ring, in one launch. Each rank's
+// buffer:
 //
 //   [epochs: one uint32 per CTA]  [flag1: chunk x source rank, uint32]  [flag2: chunk, uint32]
 //   [recv: the chunks this rank owns, one slot per other rank]
@@ -56,17 +57,17 @@
 // G should fit on the GPU at once (128 CTAs: 2 an SM, <= 64 registers a thread, on 64 SMs); where
 // other work leaves less room, the CTAs the ranks run first are the same ones (the lowest indices).
 //
-// No second parity of the slots is needed. A rank writes recv slot (k, a) of call e' only after
-// its own kernel of call e finished (stream order; with PDL the kernel's first act is the wait),
-// and that kernel waited for flag2[k] of e, which the owner wrote after reading the slot. The owner
-// writes res slot (k, o) of rank r for call e' only after flag1[k][r] of e', which rank r writes
-// after its kernel of call e (which read that slot) finished. A chunk that a call does not reach
-// keeps its flags; the next call that reaches it waits for a larger epoch. Epochs are per CTA and
-// chunk k always belongs to CTA k % G (the grid never changes), so a chunk's flags only grow; and
-// a flag never runs ahead of the rank waiting for it (to write it for a later call, the writer
-// needs the waiter to have finished this one): `flag - e >= 0` (signed) is the test, across the
-// 2^32 wrap, as in the one-shot.
-// The owner computes each sum once and everyone copies it: the same bits on every rank.
+// No second parity of the slots is needed. Rank a writes its recv slot (k, a) at the owner in call
+// e' only after its own kernel of the last call e that reached chunk k finished (stream order;
+// with PDL the kernel's first act is the wait), and that kernel waited for flag2[k] of e, which
+// the owner wrote after reading the slot. The owner writes its sum into res slot (k, o) of rank r
+// in call e' only after flag1[k][r] of e', which rank r writes after its kernel of call e (which
+// read that slot) finished. A chunk that a call does not reach keeps its flags; the next call
+// that reaches it waits for a larger epoch. Epochs are per CTA and chunk k always belongs to CTA
+// k % G (the grid never changes), so a chunk's flags only grow; and a flag never runs ahead of
+// the rank waiting for it (to write it for a later call, the writer needs the waiter to have
+// finished this one): `flag - e >= 0` (signed) is the test, across the 2^32 wrap, as in the
+// one-shot. The owner computes each sum once and everyone copies it: the same bits everywhere.
 //
 // Timeouts: a CTA that waits past timeout_ns for a rank's flag1 records (1, that rank, e, b); one
 // that waits past 2 x timeout_ns for the owner's flag2 (the owner may itself wait timeout_ns for a
