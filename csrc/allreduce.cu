@@ -1,5 +1,10 @@
-// The one-shot all-reduce of a small message (a few KB: one token's hidden state) across the GPUs
-// of one host, over peer memory (dsv4.parallel.oneshot; the C interface in dsv4_api.h).
+// The all-reduce across the GPUs of one host over peer memory (the C interface in dsv4_api.h): the
+// one-shot of a small message (a few KB: one token's hidden state; dsv4.parallel.oneshot) and the
+// two-shot of a large one (a prefill chunk's [rows, 4096] partials, up to tens of MB;
+// dsv4.parallel.twoshot). Both sum every element in float32 from the exact values in rank order
+// 0..N-1 and round once to the dtype: the same bits on every rank, and from both kernels.
+//
+// ---- the one-shot ----
 //
 // Each rank owns one buffer (cudaMalloc, shared with the other ranks through CUDA IPC handles):
 //
@@ -21,6 +26,53 @@
 // A rank that does not arrive within timeout_ns: the waiting CTA records (1, that rank, e, b) in
 // the host-mapped status words, writes NaN (0xFF bytes) over its output chunk and returns; the
 // host reads the status without a sync (dsv4.parallel.oneshot.OneShotAllReduce.check).
+//
+// ---- the two-shot ----
+//
+// A message of n bytes is cut into chunks of `chunk` bytes (the last one shorter); chunk k is owned
+// by rank o = k % N, which sums it for everyone. The one-shot sends N - 1 copies of the whole
+// message from each rank; this sends 2 (N - 1) / N of it (its part of each chunk others own, once;
+// the sums of its own chunks, N - 1 times), the same bytes as a ring, in one launch. Each rank's
+// buffer:
+//
+//   [epochs: one uint32 per CTA]  [flag1: chunk x source rank, uint32]  [flag2: chunk, uint32]
+//   [recv: the chunks this rank owns, one slot per other rank]
+//   [res: the sums of the chunks other ranks own]
+//
+// Slots hold `chunk` bytes; chunk k from rank a lands at rank b (a != b) in slot
+// (k / N) * (N - 1) + (a - (a > b)): recv and res each ceil(K / N) * (N - 1) slots for a capacity
+// of K chunks, about (N - 1) / N of cap apiece. A fixed grid of G CTAs (the same on every rank and
+// call, whatever the message size) loops over the chunks k = b, b + G, ...; CTA b of rank r:
+//   0. reads its epoch e = epochs[b] + 1 (advanced by every call, with or without chunks);
+//   A. for each chunk it does not own: pushes its part of x into recv slot (k, r) of the owner and
+//      writes e into the owner's flag1[k][r] (release, system scope, after a CTA barrier);
+//   B. for each chunk it owns: waits until flag1[k][a] >= e for every other rank a (acquire), sums
+//      x (its own part: never copied) and the recv slots in rank order in float32, rounds once,
+//      writes the sum into `out` and into res slot (k, r) of every other rank, then writes e into
+//      their flag2[k] (release, after a barrier);
+//   C. for each chunk it does not own: waits until flag2[k] >= e here, copies res into `out`;
+//   D. stores epochs[b] = e.
+// No wait comes before the pushes that other waits need (A waits for nothing, B for A, C for B), so
+// the CTAs b of the ranks always progress; CTAs of different indices never wait for each other.
+// G should fit on the GPU at once (128 CTAs: 2 an SM, <= 64 registers a thread, on 64 SMs); where
+// other work leaves less room, the CTAs the ranks run first are the same ones (the lowest indices).
+//
+// No second parity of the slots is needed. Rank a writes its recv slot (k, a) at the owner in call
+// e' only after its own kernel of the last call e that reached chunk k finished (stream order;
+// with PDL the kernel's first act is the wait), and that kernel waited for flag2[k] of e, which
+// the owner wrote after reading the slot. The owner writes its sum into res slot (k, o) of rank r
+// in call e' only after flag1[k][r] of e', which rank r writes after its kernel of call e (which
+// read that slot) finished. A chunk that a call does not reach keeps its flags; the next call
+// that reaches it waits for a larger epoch. Epochs are per CTA and chunk k always belongs to CTA
+// k % G (the grid never changes), so a chunk's flags only grow; and a flag never runs ahead of
+// the rank waiting for it (to write it for a later call, the writer needs the waiter to have
+// finished this one): `flag - e >= 0` (signed) is the test, across the 2^32 wrap, as in the
+// one-shot. The owner computes each sum once and everyone copies it: the same bits everywhere.
+//
+// Timeouts: a CTA that waits past timeout_ns for a rank's flag1 records (1, that rank, e, b); one
+// that waits past 2 x timeout_ns for the owner's flag2 (the owner may itself wait timeout_ns for a
+// slow rank first) records (2, the owner, e, b) unless a report is there already. Either writes NaN
+// over every chunk of `out` the CTA handles and returns without advancing its epoch.
 //
 // Build: dsv4/kernels/cuda/lib.py (one library with every csrc/ family). Tests:
 // tests/dsv4/parallel/test_allreduce_gpu.py (two or more GPUs).
@@ -276,6 +328,225 @@ cudaError_t launch_ar(int world, cudaStream_t st, int pdl, const ArPeers& peers,
   }
 }
 
+// ---- the two-shot (the second part of the file's header) ----------------------------------------
+
+constexpr int AR2_MAX_CTAS = 1024;
+
+struct Ar2Layout {
+  size_t flag1, flag2, recv, res, total;   // byte offsets of the regions; buffer bytes
+};
+
+// Slots of recv (and of res) in one buffer: ceil(K / N) rounds of N chunks, N - 1 from others each.
+__host__ __device__ inline size_t ar2_slots(int cap, int chunk, int world) {
+  const size_t k = size_t(cap) / size_t(chunk);
+  return ((k - 1) / size_t(world) + 1) * size_t(world - 1);
+}
+
+__host__ __device__ inline Ar2Layout ar2_layout(int cap, int chunk, int ctas, int world) {
+  const size_t k = size_t(cap) / size_t(chunk);
+  const size_t slot_bytes = ar2_slots(cap, chunk, world) * size_t(chunk);
+  Ar2Layout l;
+  l.flag1 = ar_round(size_t(ctas) * sizeof(uint32_t));
+  l.flag2 = l.flag1 + ar_round(k * AR_MAX_RANKS * sizeof(uint32_t));
+  l.recv = l.flag2 + ar_round(k * sizeof(uint32_t));
+  l.res = l.recv + slot_bytes;
+  l.total = l.res + slot_bytes;
+  return l;
+}
+
+bool ar2_sizes_ok(int cap, int chunk, int ctas, int world) {
+  return ar_sizes_ok(cap, chunk) && ctas >= 1 && ctas <= AR2_MAX_CTAS && world >= 2 &&
+         world <= AR_MAX_RANKS;
+}
+
+// The slot at rank b of chunk k from rank a (a != b): its owner's recv slot of a's part, or the
+// res slot at b of the owner a's sum.
+template <int NR>
+DEV size_t ar2_slot(int k, int a, int b) {
+  return size_t(k / NR) * (NR - 1) + size_t(a - (a > b));
+}
+
+// peers.base[r] for a rank r known only at run time, through static indices (the parameters stay
+// in the constant bank; a dynamic index would copy them to the stack).
+template <int NR>
+DEV char* peer_base(const ArPeers& peers, int r) {
+  char* p = nullptr;
+#pragma unroll
+  for (int q = 0; q < NR; ++q)
+    if (q == r) p = peers.base[q];
+  return p;
+}
+
+// status[0] = kind (1: the rank's own flag never came; 2: the owner's sums never came, the owner
+// itself perhaps waiting for another rank), then as report_timeout. A kind-2 report leaves an
+// earlier one in place: a kind 1 names the rank that is late, a kind 2 only who waited for it.
+DEV void report_wait(volatile int* status, int kind, int missing, uint32_t e, int b) {
+  if (status == nullptr || (kind == 2 && status[0] != 0)) return;
+  status[1] = missing;
+  status[2] = int(e);
+  status[3] = b;
+  __threadfence_system();
+  status[0] = kind;
+}
+
+// Wait (acquire) until *f has reached epoch e; false (reported as `kind`, naming rank `from`) when
+// it has not after limit_ns.
+DEV bool ar2_wait(const uint32_t* f, uint32_t e, uint64_t limit_ns, int* status, int kind,
+                  int from, int b) {
+  const uint64_t t0 = global_ns();
+  for (uint32_t spins = 1; int(ld_acquire_sys(f) - e) < 0; ++spins) {
+    if ((spins & 255u) == 0 && global_ns() - t0 > limit_ns) {
+      report_wait(status, kind, from, e, b);
+      return false;
+    }
+  }
+  return true;
+}
+
+// dst[0, n) = src[0, n) (16-byte vectors) by the CTA, U loads in flight a thread before their
+// stores (the compiler may not move a load above a store that could alias it). L2: src was written
+// by peers (ld_l2).
+template <bool L2>
+DEV void ar2_copy(uint4* dst, const uint4* src, int n) {
+  constexpr int U = 2;
+  const int step = blockDim.x;
+  for (int v = threadIdx.x; v < n; v += U * step) {
+    uint4 r[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+      if (v + u * step < n) r[u] = L2 ? ld_l2(src + v + u * step) : src[v + u * step];
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+      if (v + u * step < n) dst[v + u * step] = r[u];
+  }
+}
+
+// NaN (0xFF bytes) over every chunk of `out` that CTA b handles: nothing downstream may read a
+// partial result as data.
+DEV void ar2_nan_out(const ArCall& c, int chunks, int cv) {
+  for (int k = blockIdx.x; k < chunks; k += gridDim.x) {
+    const int v0 = k * cv, nv = min(cv, c.n16 - v0);
+    for (int v = threadIdx.x; v < nv; v += blockDim.x)
+      c.out[v0 + v] = make_uint4(0xFFFFFFFFu, 0xFFFFFFFFu, 0xFFFFFFFFu, 0xFFFFFFFFu);
+  }
+}
+
+// The steps in the file's header; grid: the fixed G CTAs, block min(AR_THREADS, chunk / 16).
+template <typename T, int NR>
+__global__ void __launch_bounds__(AR_THREADS, 2)
+    allreduce_twoshot_kernel(ArPeers peers, char* own, ArCall c) {
+  pdl_wait();                    // the input (and the previous launch's buffer reads) complete
+  using L = Lanes<T>;
+  const int rank = c.rank, chunk = c.chunk, cv = chunk / 16;   // cv: 16-byte vectors a chunk
+  const Ar2Layout lay = ar2_layout(c.cap, chunk, int(gridDim.x), NR);
+  const int b = blockIdx.x, G = gridDim.x;
+  const int chunks = (c.n16 + cv - 1) / cv;
+  uint32_t* epoch_p = reinterpret_cast<uint32_t*>(own) + b;
+  __shared__ uint32_t s_epoch;
+  if (threadIdx.x == 0) s_epoch = *epoch_p + 1;    // 0. only CTA b of this rank touches epochs[b]
+  __syncthreads();
+  const uint32_t e = s_epoch;
+
+  // A. this rank's part of each chunk another rank owns, into the owner's recv slot; flag1
+  for (int k = b; k < chunks; k += G) {
+    const int o = k % NR;
+    if (o == rank) continue;
+    const int v0 = k * cv;
+    char* owner = peer_base<NR>(peers, o);
+    ar2_copy<false>(reinterpret_cast<uint4*>(owner + lay.recv +
+                                             ar2_slot<NR>(k, rank, o) * size_t(chunk)),
+                    c.x + v0, min(cv, c.n16 - v0));
+    __syncthreads();             // every thread's pushes before the flag that announces them
+    if (threadIdx.x == 0)
+      st_release_sys(reinterpret_cast<uint32_t*>(owner + lay.flag1) + size_t(k) * AR_MAX_RANKS +
+                         rank, e);
+  }
+
+  // B. the chunks this rank owns: thread a < NR waits for rank a's part; the sum in rank order
+  // 0..NR-1 in float32, rounded once, into out and every other rank's res slot; flag2
+  for (int k = b; k < chunks; k += G) {
+    if (k % NR != rank) continue;
+    const int v0 = k * cv, nv = min(cv, c.n16 - v0);
+    bool late = false;
+    if (threadIdx.x < NR && threadIdx.x != rank) {
+      const uint32_t* f = reinterpret_cast<const uint32_t*>(own + lay.flag1) +
+                          size_t(k) * AR_MAX_RANKS + threadIdx.x;
+      late = !ar2_wait(f, e, c.timeout_ns, c.status, 1, threadIdx.x, b);
+    }
+    if (__syncthreads_or(late)) {
+      ar2_nan_out(c, chunks, cv);
+      return;
+    }
+    const uint4* x = c.x + v0;
+    // the other ranks' slots of chunk k are consecutive, in rank order (this rank's left out)
+    const uint4* recv =
+        reinterpret_cast<const uint4*>(own + lay.recv) + size_t(k / NR) * (NR - 1) * cv;
+#pragma unroll 1
+    for (int v = threadIdx.x; v < nv; v += blockDim.x) {
+      uint4 in[NR];
+#pragma unroll
+      for (int r = 0; r < NR; ++r)
+        in[r] = r == rank ? x[v] : ld_l2(recv + size_t(r - (r > rank)) * cv + v);
+      float acc[L::E];
+      L::load(in[0], acc);
+#pragma unroll
+      for (int r = 1; r < NR; ++r) L::add(in[r], acc);
+      c.out[v0 + v] = L::store(acc);
+    }
+    // then to every other rank's res slot, one peer at a time, reading out back (this CTA's own
+    // writes, after the barrier): NR sums' worth of stores in flight at once would take the
+    // registers of a second CTA on the SM (ptxas: <= 64 a thread, no spills)
+    __syncthreads();
+#pragma unroll 1
+    for (int r = 0; r < NR; ++r) {
+      if (r == rank) continue;
+      uint4* res = reinterpret_cast<uint4*>(peer_base<NR>(peers, r) + lay.res);
+      ar2_copy<false>(res + ar2_slot<NR>(k, rank, r) * size_t(cv), c.out + v0, nv);
+    }
+    __syncthreads();             // every thread's stores before the flags that announce them
+    if (threadIdx.x < NR && threadIdx.x != rank) {
+      char* peer = peer_base<NR>(peers, threadIdx.x);
+      st_release_sys(reinterpret_cast<uint32_t*>(peer + lay.flag2) + k, e);
+    }
+  }
+
+  // C. the sums of the chunks other ranks own: wait for the owner's flag2, copy res into out
+  for (int k = b; k < chunks; k += G) {
+    const int o = k % NR;
+    if (o == rank) continue;
+    bool late = false;
+    if (threadIdx.x == 0) {
+      const uint32_t* f = reinterpret_cast<const uint32_t*>(own + lay.flag2) + k;
+      late = !ar2_wait(f, e, 2 * c.timeout_ns, c.status, 2, o, b);
+    }
+    if (__syncthreads_or(late)) {
+      ar2_nan_out(c, chunks, cv);
+      return;
+    }
+    const int v0 = k * cv;
+    const uint4* res = reinterpret_cast<const uint4*>(own + lay.res);
+    ar2_copy<true>(c.out + v0, res + ar2_slot<NR>(k, o, rank) * size_t(cv), min(cv, c.n16 - v0));
+  }
+  if (threadIdx.x == 0) *epoch_p = e;   // D.
+}
+
+template <typename T>
+cudaError_t launch_ar2(int world, int ctas, cudaStream_t st, int pdl, const ArPeers& peers,
+                       const ArCall& c) {
+  const dim3 grid(static_cast<unsigned>(ctas));
+  const dim3 block(unsigned(std::min(AR_THREADS, c.chunk / 16)));
+  char* own = peers.base[c.rank];
+  switch (world) {
+#define AR2_CASE(N) \
+  case N:           \
+    return launch(allreduce_twoshot_kernel<T, N>, grid, block, 0, st, pdl, peers, own, c);
+    AR2_CASE(2) AR2_CASE(3) AR2_CASE(4) AR2_CASE(5) AR2_CASE(6) AR2_CASE(7) AR2_CASE(8)
+#undef AR2_CASE
+    default:
+      return cudaErrorInvalidValue;
+  }
+}
+
 struct DeviceScope {             // the calls below on `device`, the caller's current device after
   int prev = -1;
   cudaError_t err = cudaSuccess;
@@ -296,6 +567,10 @@ int dsv4_ar_ipc_handle_bytes() { return int(sizeof(cudaIpcMemHandle_t)); }
 
 size_t dsv4_ar_buffer_bytes(int cap, int chunk) {
   return ar_sizes_ok(cap, chunk) ? ar_layout(cap, chunk).total : 0;
+}
+
+size_t dsv4_ar2_buffer_bytes(int cap, int chunk, int ctas, int world) {
+  return ar2_sizes_ok(cap, chunk, ctas, world) ? ar2_layout(cap, chunk, ctas, world).total : 0;
 }
 
 int dsv4_ar_alloc(int device, size_t bytes, void** ptr, void* ipc_handle) {
@@ -374,6 +649,33 @@ int dsv4_allreduce(void* const* peers, int world, int rank, const void* x, void*
     case 0: return launch_ar<float>(world, st, pdl, p, c);
     case 1: return launch_ar<__nv_bfloat16>(world, st, pdl, p, c);
     default: return launch_ar<__half>(world, st, pdl, p, c);
+  }
+}
+
+int dsv4_allreduce2(void* const* peers, int world, int rank, const void* x, void* out,
+                    long long nbytes, int dtype, int cap, int chunk, int ctas,
+                    unsigned long long timeout_ns, void* status, void* stream, int pdl) {
+  if (world < 2 || world > AR_MAX_RANKS || rank < 0 || rank >= world ||
+      !ar2_sizes_ok(cap, chunk, ctas, world) || nbytes <= 0 || nbytes > cap || nbytes % 16 != 0 ||
+      dtype < 0 || dtype > 2 || reinterpret_cast<uintptr_t>(x) % 16 != 0 ||
+      reinterpret_cast<uintptr_t>(out) % 16 != 0)
+    return -1;
+  ArPeers p = {};
+  for (int r = 0; r < world; ++r) p.base[r] = static_cast<char*>(peers[r]);
+  ArCall c;
+  c.x = static_cast<const uint4*>(x);
+  c.out = static_cast<uint4*>(out);
+  c.n16 = int(nbytes / 16);
+  c.rank = rank;
+  c.cap = cap;
+  c.chunk = chunk;
+  c.timeout_ns = timeout_ns;
+  c.status = static_cast<int*>(status);
+  const cudaStream_t st = static_cast<cudaStream_t>(stream);
+  switch (dtype) {
+    case 0: return launch_ar2<float>(world, ctas, st, pdl, p, c);
+    case 1: return launch_ar2<__nv_bfloat16>(world, ctas, st, pdl, p, c);
+    default: return launch_ar2<__half>(world, ctas, st, pdl, p, c);
   }
 }
 

@@ -100,6 +100,23 @@ int dsv4_allreduce(void* const* peers, int world, int rank, const void* x, void*
                    long long nbytes, int dtype, int cap, int chunk, unsigned long long timeout_ns,
                    void* status, void* stream, int pdl);
 
+// ---- the two-shot all-reduce of a large message (allreduce.cu; dsv4/parallel/twoshot.py) -------
+// Its buffer is allocated, shared, mapped and freed with the dsv4_ar_* calls above.
+
+// Bytes of one rank's buffer for messages of up to cap bytes in chunks of `chunk` bytes on a grid
+// of ctas CTAs across world ranks; 0 when not supported (chunk a multiple of 512, cap a multiple
+// of chunk, 1 <= ctas <= 1024, world 2..8).
+size_t dsv4_ar2_buffer_bytes(int cap, int chunk, int ctas, int world);
+
+// out = the sum over the world ranks of x, as dsv4_allreduce (the same arguments, the same bits):
+// chunk k of the message summed by rank k % world and sent to the others, on ctas CTAs (the same
+// on every rank and every call of a buffer). A rank that does not arrive: status = {1, that rank,
+// epoch, CTA}, or {2, the rank whose sums never came, epoch, CTA} where it was a rank's sums that
+// never came (within 2 x timeout_ns), and out = NaN. -1: not supported (sizes, world, alignment).
+int dsv4_allreduce2(void* const* peers, int world, int rank, const void* x, void* out,
+                    long long nbytes, int dtype, int cap, int chunk, int ctas,
+                    unsigned long long timeout_ns, void* status, void* stream, int pdl);
+
 // ---- the L2 prefetch (prefetch.cu; dsv4/backend/fused/prefetch.py) -----------------------------
 
 #define DSV4_PREFETCH_MAX 8

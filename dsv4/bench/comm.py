@@ -1,12 +1,16 @@
 """The all-reduce microbenchmark (scripts/bench_comm.py): one process per GPU (dsv4.parallel's
-launcher, NCCL, multicast off); per implementation (dsv4.parallel.IMPLEMENTATIONS) and bf16
-message size, the latency of one all-reduce eager (100 back-to-back calls from Python) and inside
-a CUDA graph (a graph of 100 back-to-back all-reduces, replayed REPLAYS times: median replay / 100),
-each the slowest rank's median; and a check: the exact sum (integer inputs), the same bits on
-every rank and on a second run (random inputs). An implementation the ranks cannot run is a row
-that says why. The table comes last on stdout.
+launcher, NCCL, multicast off); per implementation (dsv4.parallel.IMPLEMENTATIONS, and on request
+`twoshot` and `nccl_f32`, BENCH_IMPLS) and bf16 message size, the latency of one all-reduce eager
+(100 back-to-back calls from Python) and inside a CUDA graph (a graph of 100 back-to-back
+all-reduces, replayed REPLAYS times: median replay / 100), each the slowest rank's median; and a
+check: the exact sum (integer inputs), the same bits on every rank and on a second run (random
+inputs). An implementation the ranks cannot run is a row that says why. The table comes last on
+stdout. Large messages (a prefill chunk's partials: 1 to 32 MB) against NCCL, in bf16 and on a
+float32 copy (what TensorParallel.reduce does where the all-reduce may round on the way):
 
   python scripts/bench_comm.py --device cuda:0,cuda:1 [--sizes 4,8,16,64] [--impls oneshot,nccl]
+  python scripts/bench_comm.py --device cuda:0,cuda:1 --sizes 1024,8192,32768 \
+      --impls twoshot,nccl,nccl_f32
 """
 from __future__ import annotations
 
@@ -21,8 +25,12 @@ import torch
 
 from ..errors import DeviceError
 from ..parallel import IMPLEMENTATIONS, launch, plan_allreduce
+from ..parallel.allreduce import LARGE, LARGE_BYTES_LIMIT, MAX_BYTES, MAX_BYTES_LIMIT
 
 SIZES_KB = (4, 8, 16, 64)
+# besides the plan's implementations: our two-shot (a plan with large_bytes: it serves the messages
+# above the one-shot's), and NCCL on a float32 copy cast back (the two-shot's numerics, NCCL's way)
+BENCH_IMPLS = (*IMPLEMENTATIONS, LARGE, "nccl_f32")
 ITERS = 100                 # all-reduces per timed eager loop and per captured graph
 REPLAYS = 30                # timed graph replays (>= 20)
 EAGER_LOOPS = 5
@@ -53,6 +61,43 @@ def _check(group, ar, n: int) -> dict:
     ar(y, b)
     return {"exact": bool(torch.equal(out.cpu(), want)), "repeat": _digest(a) == _digest(b),
             "digest": _digest(a)}
+
+
+class Float32Copy:
+    """NCCL's all-reduce of a float32 copy of the message, cast back into out: what
+    TensorParallel.reduce does with a bf16 message whose all-reduce may round on the way (the
+    casts are timed with it). The planned all-reduce's interface as far as the bench uses it."""
+    name = "nccl_f32"
+
+    def __init__(self, ar):
+        self.ar = ar
+
+    def impl_for(self, nbytes: int, dtype: torch.dtype):
+        return self
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        out.copy_(self.ar(x.float()))
+
+    def check(self) -> None:
+        self.ar.check()
+
+    def close(self) -> None:
+        self.ar.close()
+
+
+def plan_args(impl: str, top: int) -> dict | str:
+    """plan_allreduce's arguments that time `impl` at messages of up to top bytes, or why it is
+    not timed. A small-message implementation serves up to MAX_BYTES_LIMIT (NCCL above: the row
+    says "served by nccl"); the two-shot what the default plan's one-shot (<= MAX_BYTES) does
+    not; nccl_f32 is NCCL alone (Float32Copy wraps it)."""
+    if impl == LARGE:
+        if top <= MAX_BYTES:
+            return (f"the two-shot serves messages above {MAX_BYTES >> 10} KB (the one-shot's); "
+                    f"the largest size asked is {top >> 10} KB")
+        return {"large_bytes": top}
+    if impl == "nccl_f32":
+        return {"prefer": "nccl"}
+    return {"max_bytes": min(top, MAX_BYTES_LIMIT), "prefer": impl}
 
 
 def _eager_us(group, ar, x, out) -> float:
@@ -100,19 +145,35 @@ def _graph_us(group, ar, x, out, replays: int) -> float:
     return statistics.median(a.elapsed_time(b) for a, b in evs) / ITERS * 1e3
 
 
+def _planned(group, impl: str, top: int):
+    """(the all-reduce that times impl at messages of up to top bytes, None), or (None, why not):
+    the same on every rank (collective)."""
+    kw = plan_args(impl, top)
+    if isinstance(kw, str):
+        return None, kw
+    try:
+        ar = plan_allreduce(group, **kw)
+    except DeviceError as e:
+        return None, str(e)
+    if impl == LARGE and ar.large is None:
+        why = ar.table()[f"parallel.allreduce.{LARGE}"]
+        ar.close()
+        return None, why
+    return (Float32Copy(ar) if impl == "nccl_f32" else ar), None
+
+
 def _rank(group, impls: list[str], sizes_kb: list[int], replays: int) -> dict:
     """One rank's part: the default plan's choice, then per implementation and size, a check and
     the eager and graph latencies (or why the implementation is skipped)."""
     dev = group.device
     top = max(sizes_kb) << 10
-    default = plan_allreduce(group, max_bytes=top)
+    default = plan_allreduce(group, max_bytes=min(top, MAX_BYTES_LIMIT))
     out = {"default": default.table(), "rows": []}
     default.close()
     for impl in impls:
-        try:
-            ar = plan_allreduce(group, max_bytes=top, prefer=impl)
-        except DeviceError as e:
-            out["rows"].append({"impl": impl, "skip": str(e)})
+        ar, why = _planned(group, impl, top)
+        if ar is None:
+            out["rows"].append({"impl": impl, "skip": why})
             continue
         for kb in sizes_kb:
             n = (kb << 10) // 2
@@ -154,13 +215,13 @@ def merge(per_rank: list[dict]) -> list[dict]:
 
 
 def format_table(rows: list[dict], title: str) -> str:
-    lines = [title, f"{'impl':<14} {'KB':>3} {'eager us':>9} {'graph us':>9}  check"]
+    lines = [title, f"{'impl':<14} {'KB':>5} {'eager us':>9} {'graph us':>9}  check"]
     for r in rows:
         if "skip" in r:
-            lines.append(f"{r['impl']:<14} {'-':>3} {'-':>9} {'-':>9}  skipped: {r['skip']}")
+            lines.append(f"{r['impl']:<14} {'-':>5} {'-':>9} {'-':>9}  skipped: {r['skip']}")
         else:
             via = "" if r["served_by"] == r["impl"] else f" (served by {r['served_by']})"
-            lines.append(f"{r['impl']:<14} {r['kb']:>3} {r['eager_us']:>9.2f} "
+            lines.append(f"{r['impl']:<14} {r['kb']:>5} {r['eager_us']:>9.2f} "
                          f"{r['graph_us']:>9.2f}  {r['check']}{via}")
     return "\n".join(lines)
 
@@ -179,20 +240,25 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", required=True, help="one GPU a rank: cuda:0,cuda:1[,...]")
     p.add_argument("--sizes", default=",".join(map(str, SIZES_KB)),
-                   help="bf16 message sizes in KB (default 4,8,16,64)")
+                   help=f"bf16 message sizes in KB, up to {LARGE_BYTES_LIMIT >> 10} (default "
+                        f"4,8,16,64; a prefill chunk's: 1024,8192,32768)")
     p.add_argument("--impls", default=",".join(IMPLEMENTATIONS),
-                   help=f"implementations to time (default all: {','.join(IMPLEMENTATIONS)})")
+                   help=f"implementations to time (default: {','.join(IMPLEMENTATIONS)}; also "
+                        f"{LARGE}, nccl_f32 for large messages)")
     p.add_argument("--replays", type=int, default=REPLAYS, help="timed graph replays (>= 20)")
     p.add_argument("--json", default=None, help="also write the rows as JSON here")
     args = p.parse_args(argv)
     try:
         devices = [d.strip() for d in args.device.split(",") if d.strip()]
         sizes = _ints_list(args.sizes, "sizes")
+        if max(sizes) > LARGE_BYTES_LIMIT >> 10:
+            raise DeviceError(f"--sizes {args.sizes}: {max(sizes)} KB is past the largest "
+                              f"message the two-shot takes ({LARGE_BYTES_LIMIT >> 10} KB)")
         impls = [s.strip() for s in args.impls.split(",") if s.strip()]
-        unknown = [s for s in impls if s not in IMPLEMENTATIONS]
+        unknown = [s for s in impls if s not in BENCH_IMPLS]
         if unknown:
             raise DeviceError(f"--impls: unknown {', '.join(unknown)}; expected some of "
-                              f"{', '.join(IMPLEMENTATIONS)}")
+                              f"{', '.join(BENCH_IMPLS)}")
         if len(devices) < 2 or any(not d.startswith("cuda:") for d in devices):
             raise DeviceError(f"--device {args.device}: expected two or more GPUs, e.g. "
                               f"cuda:0,cuda:1")

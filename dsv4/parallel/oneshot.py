@@ -52,7 +52,7 @@ class OneShotAllReduce:
         self.status_dev = ctypes.c_void_p()
         # phase 1, local: the buffer, its handle, the status words; then every rank's outcome
         err, handle = None, None
-        nbytes = lib.dsv4_ar_buffer_bytes(self.cap, self.chunk) if lib is not None else 0
+        nbytes = self._buffer_bytes(lib) if lib is not None else 0
         if lib is None:
             err = f"the CUDA C++ library is unavailable ({cuda_lib.status(group.device)})"
         elif nbytes == 0:
@@ -95,6 +95,10 @@ class OneShotAllReduce:
             self._release()
             r, e = errs[0]
             raise Unavailable(f"rank {r}: {what}: {e}")
+
+    def _buffer_bytes(self, lib) -> int:
+        """Bytes of this rank's buffer (the kernel's layout; 0: sizes not supported)."""
+        return lib.dsv4_ar_buffer_bytes(self.cap, self.chunk)
 
     @staticmethod
     def unavailable(group: TPGroup, max_bytes: int) -> str | None:

@@ -39,3 +39,40 @@ def test_bad_arguments_exit_2_with_one_line(argv, words, capsys):
     assert comm.main(argv) == 2
     err = capsys.readouterr().err
     assert words in err and err.count("\n") == 1
+
+
+def test_large_sizes_are_timed_through_the_two_shot_plan_and_nccl():
+    """Up to 64 KB the two-shot has nothing to serve (the one-shot does); above, a plan with
+    large_bytes; the small-message implementations keep their 4 MB limit (NCCL above)."""
+    assert "the two-shot serves messages above 64 KB" in comm.plan_args("twoshot", 64 << 10)
+    assert comm.plan_args("twoshot", 32 << 20) == {"large_bytes": 32 << 20}
+    assert comm.plan_args("oneshot", 32 << 20) == {"max_bytes": 4 << 20, "prefer": "oneshot"}
+    assert comm.plan_args("oneshot", 8 << 10) == {"max_bytes": 8 << 10, "prefer": "oneshot"}
+    assert comm.plan_args("nccl_f32", 32 << 20) == {"prefer": "nccl"}
+    rows = [{"impl": "twoshot", "kb": 32768, "served_by": "twoshot", "eager_us": 150.0,
+             "graph_us": 140.0, "check": "exact, same bits on 2 ranks and twice"}]
+    assert comm.format_table(rows, "t").splitlines()[2].split()[:4] == ["twoshot", "32768",
+                                                                       "150.00", "140.00"]
+
+
+def test_nccl_f32_all_reduces_a_float32_copy_and_casts_back():
+    import torch
+    seen = []
+
+    def ar(y):                          # two ranks holding the same values
+        seen.append(y.dtype)
+        return y.mul_(2)
+    x = torch.tensor([1.0, 3.0, 1.0 + 2 ** -7], dtype=torch.bfloat16)
+    out = torch.full_like(x, float("nan"))
+    f32 = comm.Float32Copy(ar)
+    f32(x, out)
+    assert seen == [torch.float32] and out.dtype == torch.bfloat16
+    assert out.tolist() == [2.0, 6.0, 2.0 + 2 ** -6] and f32.impl_for(6, x.dtype).name == "nccl_f32"
+
+
+def test_large_arguments_are_checked_before_any_gpu_work(capsys):
+    assert comm.main(["--device", "cuda:0,cuda:1", "--sizes", "1024,131072"]) == 2
+    assert "131072 KB is past the largest message the two-shot takes (65536 KB)" in \
+        capsys.readouterr().err
+    comm.main(["--device", "cuda:0,cuda:1", "--sizes", "1024", "--impls", "twoshot,nccl_f32"])
+    assert "unknown" not in capsys.readouterr().err     # known: the next check is the GPUs'

@@ -1,6 +1,6 @@
 """The CUDA C++ decode kernels (`csrc/`: FP8 GEMV on CUDA cores and on tensor cores, the MoE
-routing, the routed FP4 experts on tensor cores, the indexer's top-k, the one-shot all-reduce over
-peer memory of dsv4.parallel, the L2 prefetch of weights; the C interface in
+routing, the routed FP4 experts on tensor cores, the indexer's top-k, the one-shot and two-shot
+all-reduces over peer memory of dsv4.parallel, the L2 prefetch of weights; the C interface in
 csrc/dsv4_api.h) through ctypes. Every source is built into one library, once per set of sources,
 GPU architecture and nvcc, with `nvcc` (about a minute) into `~/.cache/dsv4/cuda/`, or taken from a
 prebuilt .so (DSV4_CUDA_LIB, read by dsv4.backend). Where neither works (no nvcc, GPU older than
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-ABI = 7
+ABI = 8
 CSRC = Path(__file__).resolve().parents[3] / "csrc"
 # the kernel families and the C interface, compiled into one library (the headers are in the key)
 SOURCES = ("fp8_gemv.cu", "fp8_mma.cu", "route.cu", "fp4_up.cu", "fp4_down.cu", "topk.cu",
@@ -103,7 +103,7 @@ def _declare(lib) -> None:
     lib.dsv4_topk_bf16.argtypes = [p, i, i, p, i, p, i]
     lib.dsv4_fp4_down.restype = i
     lib.dsv4_fp4_down.argtypes = [p, p, p, p, p, p, p, p, i, i, i, i, i, i, i, i, i, p, i]
-    # the all-reduce (allreduce.cu; its host side: dsv4/parallel/oneshot.py)
+    # the all-reduces (allreduce.cu; their host side: dsv4/parallel/oneshot.py, twoshot.py)
     pp = ctypes.POINTER(p)
     lib.dsv4_ar_ipc_handle_bytes.restype = i
     lib.dsv4_ar_buffer_bytes.restype = ctypes.c_size_t
@@ -122,6 +122,11 @@ def _declare(lib) -> None:
     lib.dsv4_allreduce.restype = i
     lib.dsv4_allreduce.argtypes = [pp, i, i, p, p, ctypes.c_longlong, i, i, i, ctypes.c_ulonglong,
                                    p, p, i]
+    lib.dsv4_ar2_buffer_bytes.restype = ctypes.c_size_t
+    lib.dsv4_ar2_buffer_bytes.argtypes = [i, i, i, i]
+    lib.dsv4_allreduce2.restype = i
+    lib.dsv4_allreduce2.argtypes = [pp, i, i, p, p, ctypes.c_longlong, i, i, i, i,
+                                    ctypes.c_ulonglong, p, p, i]
     lib.dsv4_l2_prefetch.restype = i
     lib.dsv4_l2_prefetch.argtypes = [pp, ctypes.POINTER(ctypes.c_ulonglong), i, i, i, i, i, p]
 
@@ -139,9 +144,11 @@ def _load(arch: str, path: str | None):
         lib = ctypes.CDLL(path)
     except OSError as e:
         return f"cannot load {path}: {e}"
-    _declare(lib)
+    # the version first: a library of another ABI may lack the entry points _declare names
+    lib.dsv4_abi_version.restype = ctypes.c_int
     if lib.dsv4_abi_version() != ABI:
         return f"{path}: ABI {lib.dsv4_abi_version()}, expected {ABI} (rebuild)"
+    _declare(lib)
     return lib
 
 
@@ -294,6 +301,16 @@ def allreduce(lib, peers, world: int, rank: int, x, out, cap: int, chunk: int, t
                              x.numel() * x.element_size(), AR_DTYPES[x.dtype], cap, chunk,
                              timeout_ns, status, _stream(out), int(pdl))
     _check(err, "all-reduce (CUDA, one-shot)", lib)
+
+
+def allreduce2(lib, peers, world: int, rank: int, x, out, cap: int, chunk: int, ctas: int,
+               timeout_ns: int, status: int, pdl: bool) -> None:
+    """dsv4_allreduce2 (see csrc/allreduce.cu, the two-shot): as allreduce(), the message's chunks
+    of `chunk` bytes summed by their owners (rank chunk % world) on a fixed grid of ctas CTAs."""
+    err = lib.dsv4_allreduce2(peers, world, rank, x.data_ptr(), out.data_ptr(),
+                              x.numel() * x.element_size(), AR_DTYPES[x.dtype], cap, chunk, ctas,
+                              timeout_ns, status, _stream(out), int(pdl))
+    _check(err, "all-reduce (CUDA, two-shot)", lib)
 
 
 PREFETCH_MAX = 8   # ranges per dsv4_l2_prefetch launch (DSV4_PREFETCH_MAX)

@@ -254,11 +254,22 @@ def oneshot_failures_agreed(group) -> list:
     return out
 
 
+def large_plans(group) -> dict:
+    """Plans that ask for the two-shot of messages up to 1 MB: their tables, by `prefer`."""
+    out = {}
+    for prefer in (None, "nccl"):
+        ar = plan_allreduce(group, prefer=prefer, large_bytes=1 << 20)
+        out[str(prefer)] = ar.table()
+        ar.close()
+    return out
+
+
 def cpu_rank(group) -> dict:
     """Everything the CPU tests of the group and the all-reduce ask of one rank, in one start-up
     (the fakes of oneshot_failures_agreed last: they patch this process's modules)."""
     return {"describe": describe(group), "allreduce": allreduce_checks(group),
-            "agreed": oneshot_failures_agreed(group), "hosts": two_hosts(group)}
+            "large": large_plans(group), "agreed": oneshot_failures_agreed(group),
+            "hosts": two_hosts(group)}
 
 
 def two_hosts(group) -> dict:

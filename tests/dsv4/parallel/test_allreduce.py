@@ -1,16 +1,19 @@
 """dsv4.parallel.allreduce on the CPU: two gloo ranks; the plan falls back to torch.distributed
 (the NCCL path) and says why the others cannot serve; sums exact where the arithmetic is, into
 poisoned outputs and in place, the same bits on every rank and on a second run; bad calls and an
-unavailable implementation get errors that name the problem and the fix."""
+unavailable implementation get errors that name the problem and the fix; who serves which size
+(one-shot, two-shot, NCCL) and how the table says it."""
 from __future__ import annotations
 
 import types
 
 import pytest
+import torch
 
 import parallel_ranks
-from dsv4.parallel import IMPLEMENTATIONS, PREFERENCE
-from dsv4.parallel.allreduce import _agreed
+from dsv4.errors import DeviceError
+from dsv4.parallel import IMPLEMENTATIONS, PREFERENCE, plan_allreduce
+from dsv4.parallel.allreduce import AllReduce, _agreed
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +44,87 @@ def test_an_unavailable_implementation_asked_for_says_why_and_what_to_do(two_ran
     for msg in (r["prefer_oneshot"] for r in two_ranks):
         assert "all-reduce implementation 'oneshot' is unavailable on rank" in msg
         assert "not a CUDA device" in msg and "Ask for 'nccl'" in msg
+
+
+def test_the_two_shot_asked_for_on_the_cpu_says_why_it_cannot_serve():
+    for r in parallel_ranks.two_cpu_ranks():
+        t, only_nccl = r["large"]["None"], r["large"]["nccl"]
+        assert t["parallel.allreduce"] == "nccl"
+        assert t["parallel.allreduce.twoshot"] == "unavailable: not a CUDA device"
+        assert list(t).index("parallel.allreduce.twoshot") == len(t) - 2    # just before nccl
+        assert only_nccl["parallel.allreduce.twoshot"] == ("not tried: 'nccl' was asked for "
+                                                           "(NCCL serves every size)")
+        # not asked for (large_bytes 0, the default): no row, the table of before
+        assert "parallel.allreduce.twoshot" not in r["allreduce"]["table"]
+
+
+@pytest.mark.parametrize("large, words", [
+    (-1, "large_bytes = -1: expected 0 (off) or 65537 .. 64 MiB"),
+    (64 << 10, "large_bytes = 65536: expected 0 (off) or 65537"),
+    (1000, "(above max_bytes = 65536: the two-shot serves what the small-message path does not"),
+    ((64 << 20) + 16, "large_bytes = 67108880: expected 0 (off) or 65537 .. 64 MiB"),
+])
+def test_plan_refuses_a_large_bytes_out_of_bounds(large, words):
+    """Before any collective (the group is never touched): the value, the bounds, why."""
+    with pytest.raises(DeviceError) as e:
+        plan_allreduce(None, large_bytes=large)
+    assert words in str(e.value)
+
+
+def _kernel(cls, cap: int, calls: list):
+    """One of our kernels' host sides as the plan sees it (name, supports(), max_bytes), without
+    a buffer; check() and close() recorded in calls."""
+    impl = object.__new__(cls)
+    impl.cap = impl.max_bytes = cap
+    impl.check = lambda: calls.append((impl.name, "check"))
+    impl.close = lambda: calls.append((impl.name, "close"))
+    return impl
+
+
+def _planned(fast=True, large=True, calls=None) -> AllReduce:
+    from dsv4.parallel.nccl import NcclAllReduce
+    from dsv4.parallel.oneshot import OneShotAllReduce
+    from dsv4.parallel.twoshot import TwoShotAllReduce
+    calls = [] if calls is None else calls
+    # gloo: NCCL's own float32-exactness (two NCCL ranks) stays out of the routing checks
+    group = types.SimpleNamespace(world_size=2, backend="gloo", timeout_s=30.0)
+    choice = {"oneshot": "chosen: ...", "twoshot": "chosen: ...", "nccl": "fallback: ..."}
+    return AllReduce(group, _kernel(OneShotAllReduce, 64 << 10, calls) if fast else None,
+                     NcclAllReduce(group), (64 << 10) if fast else 0, choice,
+                     _kernel(TwoShotAllReduce, 32 << 20, calls) if large else None)
+
+
+def test_impl_for_picks_the_one_shot_then_the_two_shot_then_nccl_by_size():
+    ar = _planned()
+    bf16, f32 = torch.bfloat16, torch.float32
+    served = {n: ar.impl_for(n, bf16).name for n in (16, 8192, 64 << 10, (64 << 10) + 16,
+                                                     1 << 20, 32 << 20, (32 << 20) + 16)}
+    assert served == {16: "oneshot", 8192: "oneshot", 64 << 10: "oneshot",
+                      (64 << 10) + 16: "twoshot", 1 << 20: "twoshot", 32 << 20: "twoshot",
+                      (32 << 20) + 16: "nccl"}
+    assert ar.impl_for(1 << 20, torch.float64).name == "nccl"       # a dtype neither takes
+    assert ar.impl_for((1 << 20) + 8, bf16).name == "nccl"          # not a multiple of 16 bytes
+    assert ar.sums_in_float32(1 << 20, bf16) and ar.sums_in_float32(4096, f32)
+    assert not ar.sums_in_float32(64 << 20, bf16)
+    # without the one-shot (another small path, or none), the two-shot takes what it can
+    assert _planned(fast=False).impl_for(4096, bf16).name == "twoshot"
+    assert _planned(large=False).impl_for(1 << 20, bf16).name == "nccl"
+
+
+def test_the_table_says_who_serves_up_to_what_and_check_close_reach_both():
+    assert _planned().table()["parallel.allreduce"] == ("oneshot up to 64 KB, twoshot up to "
+                                                        "32 MB, nccl above")
+    assert _planned(large=False).table()["parallel.allreduce"] == "oneshot up to 64 KB, nccl above"
+    assert _planned(fast=False).table()["parallel.allreduce"] == "twoshot up to 32 MB, nccl above"
+    assert _planned(False, False).table()["parallel.allreduce"] == "nccl"
+    assert _planned().table()["parallel.allreduce.twoshot"] == "chosen: ..."
+    calls = []
+    ar = _planned(calls=calls)
+    ar.check()
+    ar.close()
+    assert calls == [("oneshot", "check"), ("twoshot", "check"), ("oneshot", "close"),
+                     ("twoshot", "close")]
+    assert ar.fast is None and ar.large is None
 
 
 def test_the_choice_is_agreed_and_ordered():
@@ -86,7 +170,8 @@ def test_reduce_skips_the_casts_only_where_the_kernel_sums_in_float32():
     from dsv4.parallel.allreduce import AllReduce
     from dsv4.parallel.nccl import NcclAllReduce
     from dsv4.parallel.oneshot import OneShotAllReduce
-    assert OneShotAllReduce.sums_in_float32 is True
+    from dsv4.parallel.twoshot import TwoShotAllReduce
+    assert OneShotAllReduce.sums_in_float32 is True and TwoShotAllReduce.sums_in_float32 is True
     for world, backend, dtype, says in ((2, "nccl", torch.bfloat16, True),
                                         (2, "nccl", torch.float16, True),
                                         (4, "nccl", torch.bfloat16, False),   # rounds every hop
