@@ -109,7 +109,7 @@ def _rank(group, job: dict) -> dict:
     cap = job["capacity"]
     rt = rank_runtime(RuntimeConfig(cap, DTYPES[job["dtype"]], (str(dev),),
                                     mtp=job["speculative"]), group)
-    comm = rank_communicator(group, rt)          # as the runtime's ranks
+    comm = rank_communicator(group, rt, cfg)     # as the runtime's ranks
     model = build_model(cfg, rt, comm=comm)
     t0 = time.perf_counter()
     model.load(DeviceWeights(cfg, job["seed"]))

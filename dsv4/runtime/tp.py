@@ -19,8 +19,10 @@ from ..backend.options import Options
 from ..errors import ConfigError, ParallelError
 from ..parallel import Communicator, launch
 from ..parallel.group import DEFAULT_TIMEOUT_S, TPGroup
-from .build import load_model
-from .config import TP_PREFILL_GRAPHS, RuntimeConfig
+from ..parallel.allreduce import LARGE_BYTES_LIMIT, MAX_BYTES
+from ..weights.checkpoint import open_checkpoint
+from .build import build_model
+from .config import TP_PREFILL_GRAPHS, RuntimeConfig, layer_placement
 from .sampling import SamplingParams
 from .session import Session
 
@@ -45,26 +47,49 @@ def rank_runtime(rt: RuntimeConfig, group: TPGroup) -> RuntimeConfig:
     return replace(rt, devices=(group.device,), tp=group.world_size)
 
 
-def rank_communicator(group: TPGroup, rt: RuntimeConfig, prefer: str | None = None
+def two_shot_bytes(group: TPGroup, rt: RuntimeConfig, cfg) -> int:
+    """plan_allreduce's large_bytes for a rank: the largest prefill message (a chunk's
+    [prefill_chunk, dim] partial in the activation dtype, up to LARGE_BYTES_LIMIT) on two CUDA
+    ranks, where our two-shot beat NCCL at every size timed (2x H100, in a graph: 1 MB 11.1 us
+    against NCCL bf16's 15.5, 8 MB 34.9 / 51.6, 32 MB 128.1 / 158.2; eager 21 / 61 us at 1 MB;
+    BENCHMARKS.md, fifteenth session); 0 elsewhere: four ranks keep NCCL's float32 route until the
+    two-shot's 4-GPU tests have run, gloo has no peer memory."""
+    if group.device.type != "cuda" or group.world_size != 2:
+        return 0
+    n = rt.prefill_chunk * cfg.dim * rt.dtype.itemsize
+    return min(n, LARGE_BYTES_LIMIT) if n > MAX_BYTES else 0
+
+
+def rank_communicator(group: TPGroup, rt: RuntimeConfig, cfg, prefer: str | None = None
                       ) -> Communicator:
     """The rank's collectives planned over the group (collective: every rank calls it; prefer:
     force an implementation, dsv4.parallel.plan_allreduce), the all-reduce launched with PDL
-    where the rank's kernels are (the backend's switch: rt.options, else the environment)."""
+    where the rank's kernels are (the backend's switch: rt.options, else the environment), the
+    two-shot for a prefill chunk's messages where it pays (two_shot_bytes, from the model's
+    config `cfg`)."""
     opts = rt.options if rt.options is not None else Options.from_env()
-    return Communicator.plan(group, prefer=prefer, pdl=opts.pdl)
+    return Communicator.plan(group, prefer=prefer, pdl=opts.pdl,
+                             large_bytes=two_shot_bytes(group, rt, cfg))
 
 
 def load_rank(group: TPGroup, ckpt_dir, rt: RuntimeConfig, progress: bool | None = None,
               prefer: str | None = None):
     """This rank's model: its runtime checked (rank_runtime, before the plan allocates the
-    peer buffers that a refusal would leave behind), the all-reduce planned over the group
-    (rank_communicator), the checkpoint opened and validated (the full shapes), the rank's shard
+    peer buffers that a refusal would leave behind), the checkpoint opened and validated (the
+    full shapes), the all-reduce planned over the group (rank_communicator), the rank's shard
     built and loaded, reading only its slices of the split tensors. Collective: every rank
     calls it. -> (model, checkpoint); model.tp.comm is the communicator (close it after the
     rank's last step)."""
     rt = rank_runtime(rt, group)
-    comm = rank_communicator(group, rt, prefer)
-    return load_model(ckpt_dir, rt, progress=progress, comm=comm)
+    ckpt = open_checkpoint(ckpt_dir)
+    try:
+        comm = rank_communicator(group, rt, ckpt.config, prefer)
+        model = build_model(ckpt.config, rt, layer_placement(ckpt, rt.devices), comm)
+        model.load(ckpt, progress=progress)
+    except BaseException:
+        ckpt.close()
+        raise
+    return model, ckpt
 
 
 def generate_rank(group: TPGroup, ckpt_dir, rt: RuntimeConfig, prompt_ids: Sequence[int],

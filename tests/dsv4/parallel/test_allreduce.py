@@ -230,6 +230,9 @@ def test_a_rank_plans_its_all_reduce_with_the_backends_pdl_switch(monkeypatch):
         raise Planned(kw)
 
     monkeypatch.setattr(tp.Communicator, "plan", plan)
+    closed = []
+    monkeypatch.setattr(tp, "open_checkpoint", lambda path: types.SimpleNamespace(
+        config=types.SimpleNamespace(dim=4096), close=lambda: closed.append(path)))
     seen = []
     for opts, env in ((None, None), (None, "0"), (Options(pdl=False), None),
                       (Options(pdl=True), "0")):
@@ -241,5 +244,30 @@ def test_a_rank_plans_its_all_reduce_with_the_backends_pdl_switch(monkeypatch):
             tp.load_rank(group, "unused", RuntimeConfig(64, options=opts))
         seen.append(e.value.args[0]["pdl"])
     assert seen == [True, False, False, True]
+    assert closed == ["unused"] * 4                  # a failed load closes the checkpoint
     with pytest.raises(ConfigError, match="prefill_graphs = 16 in tensor parallel"):
         tp.load_rank(group, "unused", RuntimeConfig(64, prefill_graphs=16))
+    assert len(closed) == 4                          # refused before the checkpoint opened
+
+
+def test_the_two_shot_serves_a_prefill_chunk_on_two_cuda_ranks_only():
+    """A rank plans the two-shot (plan_allreduce's large_bytes) up to its largest prefill
+    message, [prefill_chunk, dim] in the activation dtype, on two CUDA ranks, where it was
+    timed against NCCL; four ranks (not yet run on 4 GPUs) and gloo ranks keep NCCL."""
+    import torch
+
+    from dsv4.parallel.allreduce import LARGE_BYTES_LIMIT
+    from dsv4.runtime.config import RuntimeConfig
+    from dsv4.runtime.tp import two_shot_bytes
+    cfg = types.SimpleNamespace(dim=4096)
+
+    def ranks(n, dev="cuda:0"):
+        return types.SimpleNamespace(world_size=n, device=torch.device(dev))
+    assert two_shot_bytes(ranks(2), RuntimeConfig(8192), cfg) == 4096 * 4096 * 2
+    assert two_shot_bytes(ranks(2), RuntimeConfig(8192, prefill_chunk=512), cfg) == 512 * 8192
+    assert two_shot_bytes(ranks(2), RuntimeConfig(8192, dtype=torch.float32), cfg) == 64 << 20
+    assert two_shot_bytes(ranks(2), RuntimeConfig(1 << 16, prefill_chunk=16384), cfg) == \
+        LARGE_BYTES_LIMIT                            # 128 MB of partials: NCCL above 64 MB
+    assert two_shot_bytes(ranks(2), RuntimeConfig(64, prefill_chunk=8), cfg) == 0   # the one-shot's
+    assert two_shot_bytes(ranks(4), RuntimeConfig(8192), cfg) == 0
+    assert two_shot_bytes(ranks(2, "cpu"), RuntimeConfig(8192), cfg) == 0

@@ -80,3 +80,25 @@ def test_tp2_prefill_graphs_plan_alike_and_decode_as_eager_pieces(tmp_path):
         assert w["ids"] == wo["ids"] and torch.equal(w["logits"], wo["logits"]), r["rank"]
         assert w["ids"] == got[0]["with"]["ids"], r["rank"]
         assert torch.equal(w["logits"], got[0]["with"]["logits"]), r["rank"]
+
+
+@pytest.mark.multigpu
+def test_tp2_prefill_chunks_through_the_two_shot_give_nccls_bits(tmp_path):
+    """A TP2 rank plans our two-shot for a prefill chunk's partials (dsv4.runtime.tp.
+    two_shot_bytes): a float32 prompt of 300 tokens in chunks of 256 rows goes through it (and
+    the one-shot for the last 44), and gives the same logits' bits and tokens as with NCCL
+    forced (both sum two values once in float32), on every rank."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"needs 2 GPUs, {torch.cuda.device_count()} visible")
+    from dsv4.weights.presets import TINY_TP
+    d = small_checkpoint(tmp_path, "bf16", cfg=TINY_TP)
+    prompt = [(7 * i + 3) % 2000 for i in range(300)]
+    got = launch(tp_ranks.two_shot_rank, ["cuda:0", "cuda:1"], str(d), prompt, deadline_s=240)
+    for r in got:
+        planned, nccl = r["planned"], r["nccl"]
+        key = "parallel.allreduce.twoshot"
+        assert planned["table"][key].startswith("chosen"), planned["table"]
+        assert not nccl["table"].get(key, "").startswith("chosen"), nccl["table"]
+        assert planned["tokens"] == nccl["tokens"], r["rank"]
+        assert torch.equal(planned["logits"], nccl["logits"]), f"rank {r['rank']}: bits differ"
+        assert torch.equal(planned["logits"], got[0]["planned"]["logits"]), r["rank"]

@@ -196,3 +196,25 @@ def prefill_graphs_rank(group, ckpt_dir: str, prompt: list, n_new: int) -> dict:
         model.tp.comm.check()
         model.tp.comm.close()
     return out
+
+
+def two_shot_rank(group, ckpt_dir: str, prompt: list) -> dict:
+    """On a GPU rank (memory poisoned first): the rank's shard prefilling a prompt in float32
+    chunks of 256 rows ([256, dim] partials of 128 KB: the two-shot's, above the one-shot's
+    64 KB) and decoding greedily, planned as the runtime plans it and with NCCL forced ->
+    {rank, planned / nccl: {logits, tokens, table}}."""
+    from parallel_ranks import _poison
+    if group.device.type == "cuda":
+        _poison(group.device)
+    out = {"rank": group.rank}
+    for name, prefer in (("planned", None), ("nccl", "nccl")):
+        rt = RuntimeConfig(max_seq_len=512, dtype=torch.float32, prefill_chunk=256)
+        model, ck = load_rank(group, ckpt_dir, rt, prefer=prefer)
+        ck.close()
+        with Session(model, SamplingParams(), mode="eager") as s:
+            r = s.generate(prompt, N_NEW, keep_logits=True)
+        model.tp.comm.check()
+        out[name] = {"logits": r.logits.cpu(), "tokens": list(r.output_ids),
+                     "table": model.tp.comm.table()}
+        model.tp.comm.close()
+    return out
