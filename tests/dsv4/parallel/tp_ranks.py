@@ -174,7 +174,12 @@ def prefill_graphs_rank(group, ckpt_dir: str, prompt: list, n_new: int) -> dict:
     chunk graphs (8 + 4 rows of a 12-token prompt), and one without them that prefills the same
     pieces eagerly -> {rank, plan (every rank must have the same), replay_ms, with / without:
     the decoded ids and logits}."""
+    import faulthandler
+    import sys
+
     from parallel_ranks import _poison
+    # the test hangs (its xfail): every rank's Python stack on stderr after 150 s says where
+    faulthandler.dump_traceback_later(150, repeat=True, file=sys.stderr)
     _poison(group.device)
     out = {"rank": group.rank}
     for name, graphs in (("with", 16), ("without", 0)):
@@ -195,6 +200,7 @@ def prefill_graphs_rank(group, ckpt_dir: str, prompt: list, n_new: int) -> dict:
         out[name] = {"ids": r.output_ids, "logits": r.logits.cpu()}
         model.tp.comm.check()
         model.tp.comm.close()
+    faulthandler.cancel_dump_traceback_later()
     return out
 
 
