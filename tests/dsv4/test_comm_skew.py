@@ -1,6 +1,6 @@
 """dsv4.bench.comm_skew: the all-reduce calls of two ranks' hand-made steps (PDL overlap, a rank
 late by a known amount, NCCL's kernels, a rank with a call more), put on one clock from each
-rank's profile start."""
+rank's profile start, and the TP bench's line of it (dsv4.bench.tp.allreduce_skew)."""
 from __future__ import annotations
 
 import pytest
@@ -93,3 +93,50 @@ def test_ranks_put_on_one_clock_from_their_profile_starts():
     assert got[0] == [(1.0, 2.0, "a")]
     assert got[1] == [(1001.5, 1002.5, "b")]         # exact: the origins subtract as integers
 
+
+def test_tp_bench_line_from_every_ranks_step(capsys):
+    """The TP bench's wiring: each rank's profiled step (times after its own profile start)
+    compared on the host clock, logged as one line; no step on some rank (the CPU, eager, no
+    --trace): nothing; calls that do not pair: the refusal in the line, the run kept."""
+    from dsv4.bench.tp import allreduce_skew
+    o0 = 10**18
+    # rank 1's profiler started 5 us later: its times read 5 us less for the same moments
+    steps = [{"origin_ns": o0, "events": layer(0.0, 10.0, 20.0)},
+             {"origin_ns": o0 + 5_000, "events": layer(-5.0, 17.0, 25.0)}]
+    sk = allreduce_skew(steps, "graph/device")
+    assert sk["calls"] == 1 and sk["skew_us"]["median"] == pytest.approx(7.0)
+    assert sk["last_to_arrive"] == [0, 1] and sk["wait_us"] == pytest.approx([7.0, 0.0])
+    assert "graph/device: all-reduce across ranks: 1 calls" in capsys.readouterr().err
+    assert allreduce_skew([None, None], "eager/segment") is None
+    assert allreduce_skew([steps[0], None], "graph/device") is None
+    assert capsys.readouterr().err == ""
+    steps[1]["events"] = []
+    sk = allreduce_skew(steps, "graph/device")
+    assert "rank 0: 1, rank 1: 0" in sk["error"]
+    assert "all-reduce across ranks: not compared: all-reduce calls differ" in \
+        capsys.readouterr().err
+
+
+def test_a_profiles_origin_is_on_the_host_clock():
+    """trace_origin_ns: torch.profiler's event times are us after it, and it is the host's
+    clock (ns since the epoch), which every process of the host shares; a profile object
+    without it (another torch): None."""
+    import time
+    import types
+
+    import torch
+
+    from dsv4.bench.common import trace_origin_ns
+    before = time.time_ns()
+    with (torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof,
+          torch.profiler.record_function("mark")):
+        t = time.time_ns()
+    after = time.time_ns()
+    origin = trace_origin_ns(prof)
+    assert before <= origin <= after
+    (mark,) = [e for e in prof.events() if e.name == "mark"]
+    # t was read inside the range: on one clock, between its start and end (0.1 ms of slack
+    # for the profiler's approximate clock)
+    lo, hi = (origin + x * 1e3 for x in (mark.time_range.start, mark.time_range.end))
+    assert lo - 1e5 <= t <= hi + 1e5, (lo, t, hi)
+    assert trace_origin_ns(types.SimpleNamespace()) is None
