@@ -186,7 +186,8 @@ def _versions(devices) -> dict:
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
 
-def kernel_table(prof, width: int = 70) -> list:
-    """The CUDA kernels of a torch.profiler run -> [name, launches, summed device ms] by time."""
+def kernel_table(prof, width: int = 70, after: str | None = None) -> list:
+    """The CUDA kernels of a torch.profiler run (with `after`: kernel_events' `after`) -> [name,
+    launches, summed device ms] by time."""
     return sorted(([k, c, round(us / 1e3, 3)] for k, (c, us) in
-                   by_name(kernel_events(prof), width).items()), key=lambda r: -r[2])
+                   by_name(kernel_events(prof, after), width).items()), key=lambda r: -r[2])

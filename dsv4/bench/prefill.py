@@ -13,7 +13,7 @@ import torch
 
 from ..model.transformer import Transformer
 from ..runtime.prefill import prefill as run_prefill
-from .common import kernel_table
+from .common import STEP_MARK, kernel_events, kernel_table, trace_origin_ns
 
 RATE_N = 8192          # the rate matmul: [RATE_N, RATE_N] x [RATE_N, RATE_N]
 RATE_ITERS = 10
@@ -144,11 +144,16 @@ def measure(model: Transformer, n: int, reps: int, seed: int, chunk: int | None)
             "plan": plan, "eager_ttft_ms": eager_ms}
 
 
-def profile(model: Transformer, n: int, seed: int, chunk: int | None, top: int = 25) -> dict:
+def profile(model: Transformer, n: int, seed: int, chunk: int | None, top: int = 25,
+            meet=None, trace: str | None = None, events: bool = False) -> dict:
     """One unprofiled prefill (host issue time vs device span), then one profiled prefill
     (torch.profiler): CUDA kernels launched, their summed device time, the host time, the `top`
     kernels by device time [name, launches, ms] (every kernel in `table`) and the `top` host ops
-    by self CPU time [name, calls, ms]."""
+    by self CPU time [name, calls, ms]. `meet` (a tensor-parallel group's barrier) runs inside the
+    profile just before the prefill, so that every rank starts it together (its kernels are not
+    the prefill's and are left out); `trace`: the profiled prefill's Chrome trace there; with
+    `events`, also `events` [(start us, end us, name)] of its kernels and `origin_ns` (the host
+    clock they count from: dsv4.bench.comm_skew lines the ranks up by it)."""
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, model.cfg.vocab_size, (n,), generator=gen).to(model.head_device)
     # unprofiled: how long the host takes to issue the prefill vs the device's span over it (the
@@ -166,14 +171,26 @@ def profile(model: Transformer, n: int, seed: int, chunk: int | None, top: int =
     torch.cuda.synchronize()
     t = time.perf_counter()
     with torch.profiler.profile(activities=acts) as prof:
-        int(run_prefill(model, ids, chunk=chunk).argmax())
+        if meet is not None:
+            meet()
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+        with torch.profiler.record_function(STEP_MARK):
+            int(run_prefill(model, ids, chunk=chunk).argmax())
     wall = time.perf_counter() - t
-    rows = kernel_table(prof)
+    if trace:
+        prof.export_chrome_trace(trace)
+    rows = kernel_table(prof, after=STEP_MARK)
     host = sorted(([a.key[:70], a.count, round(a.self_cpu_time_total / 1e3, 3)]
                    for a in prof.key_averages()), key=lambda r: -r[2])
-    return {"kernels": sum(c for _, c, _ in rows), "device_ms": sum(ms for *_, ms in rows),
-            "wall_ms_profiled": wall * 1e3, "host_issue_ms": issue * 1e3, "device_span_ms": span,
-            "top": rows[:top], "table": rows, "host_top": host[:top]}
+    out = {"kernels": sum(c for _, c, _ in rows), "device_ms": sum(ms for *_, ms in rows),
+           "wall_ms_profiled": wall * 1e3, "host_issue_ms": issue * 1e3, "device_span_ms": span,
+           "top": rows[:top], "table": rows, "host_top": host[:top]}
+    if events:
+        out["events"] = [(float(e.time_range.start), float(e.time_range.end), e.name)
+                         for e in kernel_events(prof, after=STEP_MARK)]
+        out["origin_ns"] = trace_origin_ns(prof)
+    return out
 
 
 def run(model: Transformer, lengths: list[int], reps: int, seed: int, chunk: int | None,

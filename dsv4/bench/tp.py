@@ -6,9 +6,11 @@ eager / graph steps timed on every rank (the all-reduces keep them in lockstep).
 copy bandwidth, the head/embed share and the extrapolation to the preset's full depth as in the
 one-process benchmark (dsv4.bench.decode), the all-reduce plan and the communication a layer;
 with --prefill the time to first token of each prompt length (every rank prefilling it), and
-with --prefill-profile (CUDA) one profiled prefill a rank: rank 0's kernels by device time; with
---trace PREFIX each rank's profiled graph step as a Chrome trace, PREFIX-rank<r>-graph-<granularity>.json,
-and the ranks' all-reduce calls of that step compared on the host's clock (dsv4.bench.comm_skew);
+with --prefill-profile (CUDA) one profiled prefill a rank (the ranks start it together): rank 0's
+kernels by device time; with --trace PREFIX each rank's profiled graph step as a Chrome trace,
+PREFIX-rank<r>-graph-<granularity>.json, and the ranks' all-reduce calls of that step compared on
+the host's clock (dsv4.bench.comm_skew); with both, the profiled prefill's too
+(PREFIX-rank<r>-prefill<n>.json, its all-reduce calls compared: `allreduce_skew` of the prefill row);
 with --speculative (every rank's MTP block built) the speculative mechanism's measurements
 (dsv4.bench.speculative: verify T = 1..4, the speculative step, end to end with an oracle
 drafting), every rank running the same sessions: rank 0's figures, every rank's verify times.
@@ -73,6 +75,12 @@ def run(args, command: str = "") -> dict:
         r["extrapolated_ms"] = r["per_layer_ms"] * full.n_layers + r["head_embed_ms"]
         r["allreduce_skew"] = allreduce_skew([q["step_events"][i] for q in ranks],
                                              f"{r['mode']}/{r['granularity']}")
+    for i, n in enumerate(lengths):   # --prefill-profile --trace: the prefill's all-reduce calls
+        profs = [q["prefill"][i].get("profile") for q in ranks]
+        if all(p is not None and "events" in p for p in profs):
+            ranks[0]["prefill"][i]["allreduce_skew"] = allreduce_skew(
+                [{"events": p.pop("events"), "origin_ns": p.pop("origin_ns")} for p in profs],
+                f"prefill {n}")
     partial = cfg.n_layers < full.n_layers
     graph = next((r for r in runs if r["mode"] == "graph"), None)
     eager = next((r for r in runs if r["mode"] == "eager"), None)
@@ -142,8 +150,13 @@ def _rank(group, job: dict) -> dict:
             _log(f"prefill {n} tokens on {group.world_size} ranks")
         r = bench_prefill.measure(model, n, job["prefill_reps"], job["seed"], job["prefill_chunk"])
         row = {k: r[k] for k in ("tokens", "ttft_ms", "spread_ms", "tok_per_s")}
-        if job["prefill_profile"]:   # every rank profiles the same prefills (their collectives)
-            row["profile"] = bench_prefill.profile(model, n, job["seed"], job["prefill_chunk"])
+        if job["prefill_profile"]:   # every rank profiles the same prefills (their collectives),
+            # starting together (the group's barrier inside the profile); with --trace each rank's
+            # trace and its kernels for comm_skew
+            tr = job["trace"]
+            row["profile"] = bench_prefill.profile(
+                model, n, job["seed"], job["prefill_chunk"], meet=group.barrier,
+                trace=tr and f"{tr}-rank{group.rank}-prefill{n}.json", events=bool(tr))
         prefill.append(row)
     spec = None
     if job["speculative"]:        # every rank the same sessions and oracle: the same tokens
