@@ -81,10 +81,24 @@ MMA_DEFAULT = True    # whether mma_config picks the tensor-core kernel when non
 
 
 def mma_configs(k: int, nm: int) -> list[MmaConfig]:
-    """Every tensor-core config for K = k with nm matrices per row (most blocks per warp first)."""
+    """Every tensor-core config for K = k with nm matrices per row (most blocks per warp first),
+    a CTA a tile."""
     return [MmaConfig(spw, k // (128 * spw)) for spw in (4, 2, 1)
             if (spw, nm == 2) in MMA_VARIANTS and k % (128 * spw) == 0
             and 1 <= k // (128 * spw) <= 16]
+
+
+# the streaming tensor-core kernel's grids to try (bench_kernels --sweep): one CTA an SM of an H100
+# / H200 (132), a divisor of the Flash tile counts (128, 64), half the SMs (66), two an SM (264)
+MMA_STREAM_CTAS = (132, 128, 66, 64, 264)
+
+
+def mma_stream_configs(rows: int, k: int, nm: int) -> list[MmaConfig]:
+    """The streaming variants of mma_configs for `rows` output rows: each per-tile config on each
+    grid of MMA_STREAM_CTAS below the tile count (fp8_mma_stream_kernel: the same bits)."""
+    tiles = rows // 16
+    return [MmaConfig(c.spw, c.warps, g) for c in mma_configs(k, nm) for g in MMA_STREAM_CTAS
+            if g < tiles]
 
 
 def mma_config(rows: int, k: int, seg_rows: tuple, ng: int, nm: int, quant: bool,
