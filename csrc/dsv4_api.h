@@ -25,12 +25,13 @@ int dsv4_fp8_gemv(const void* w0, const void* s0, void* y0, const void* w1, cons
 
 
 // The same GEMV on tensor cores (fp8_mma_kernel): 1 <= nx <= 8 activation rows, act-quantized
-// (FLAG_QUANT) or bf16 x (grouped or not); blocks CTAs of 16 rows, 32 * warps threads;
-// K == warps * 128 * spw.
+// (FLAG_QUANT) or bf16 x (grouped or not); blocks tiles of 16 rows (a CTA each), 32 * warps
+// threads; K == warps * 128 * spw. 0 < ctas < blocks: a fixed grid of ctas CTAs streaming the
+// tiles, the next weights in flight across them (fp8_mma_stream_kernel; the same bits).
 int dsv4_fp8_gemv_mma(const void* w0, const void* s0, void* y0, const void* w1, const void* s1,
                       void* y1, const void* x, int n0, int K, int ng, float limit, int flags,
                       int swiglu, int spw, int warps, int blocks, int nx, int xs, int ys0, int ys1,
-                      void* stream, int pdl);
+                      int ctas, void* stream, int pdl);
 
 
 // a [k, I] bf16 from x [D] bf16 and the routing idx [k] int64 / rw [k] float32; grid (I / 16, k),

@@ -24,7 +24,7 @@ from ..kernels.cuda.experts import (
     down_all_variants,
     up_stream_variants,
 )
-from ..kernels.cuda.fp8 import cuda_config, mma_config, mma_configs
+from ..kernels.cuda.fp8 import cuda_config, mma_config, mma_configs, mma_stream_configs
 from ..kernels.decode.bf16_linear import bf16_config, bf16_linear
 from ..kernels.decode.fp4_experts import (
     down_config,
@@ -192,7 +192,7 @@ def fp8_case(name, n, k, dev, gen, groups=1, dual=False) -> Case:
     return Case(name, shape, nbytes, make, cfg, torch_path, copies,
                 _neighbours(cfg, prefetch=(False, True)), ccfg,
                 _cuda_neighbours(core, k, nm, math.gcd(128, n, *([ng] if ng else [])))
-                + (mma_configs(k, nm) if ng % 16 == 0 else []))
+                + (mma_configs(k, nm) + mma_stream_configs(n, k, nm) if ng % 16 == 0 else []))
 
 
 def bf16_case(name, n, k, dev, gen, x_dtype=torch.bfloat16) -> Case:

@@ -93,10 +93,13 @@ class CudaConfig:
 
 @dataclass(frozen=True)
 class MmaConfig:
-    """A launch config of the tensor-core FP8 GEMV (csrc/fp8_mma.cu): CTAs of 16 rows, `warps`
-    warps splitting K into spw 128-blocks each (K == warps * 128 * spw)."""
+    """A launch config of the tensor-core FP8 GEMV (csrc/fp8_mma.cu): tiles of 16 rows, `warps`
+    warps splitting K into spw 128-blocks each (K == warps * 128 * spw); a CTA a tile (ctas 0), or
+    ctas CTAs each streaming the tiles c, c + ctas, ... with the next weights in flight (the same
+    bits)."""
     spw: int
     warps: int
+    ctas: int = 0
 
     rows = 16
 

@@ -81,10 +81,24 @@ MMA_DEFAULT = True    # whether mma_config picks the tensor-core kernel when non
 
 
 def mma_configs(k: int, nm: int) -> list[MmaConfig]:
-    """Every tensor-core config for K = k with nm matrices per row (most blocks per warp first)."""
+    """Every tensor-core config for K = k with nm matrices per row (most blocks per warp first),
+    a CTA a tile."""
     return [MmaConfig(spw, k // (128 * spw)) for spw in (4, 2, 1)
             if (spw, nm == 2) in MMA_VARIANTS and k % (128 * spw) == 0
             and 1 <= k // (128 * spw) <= 16]
+
+
+# the streaming tensor-core kernel's grids to try (bench_kernels --sweep): one CTA an SM of an H100
+# / H200 (132), a divisor of the Flash tile counts (128, 64), half the SMs (66), two an SM (264)
+MMA_STREAM_CTAS = (132, 128, 66, 64, 264)
+
+
+def mma_stream_configs(rows: int, k: int, nm: int) -> list[MmaConfig]:
+    """The streaming variants of mma_configs for `rows` output rows: each per-tile config on each
+    grid of MMA_STREAM_CTAS below the tile count (fp8_mma_stream_kernel: the same bits)."""
+    tiles = rows // 16
+    return [MmaConfig(c.spw, c.warps, g) for c in mma_configs(k, nm) for g in MMA_STREAM_CTAS
+            if g < tiles]
 
 
 def mma_config(rows: int, k: int, seg_rows: tuple, ng: int, nm: int, quant: bool,
@@ -112,7 +126,9 @@ TUNED_MMA: dict[tuple, MmaConfig | None] = {
     (32768, 1024, 0, 1): MmaConfig(1, 8),     # wq_b        11.10 / 11.61 (11.16 / 15.96)
     (8192, 1024, 0, 1): MmaConfig(2, 4),      # indexer wq_b 4.20 / 4.30  (3.85 / 5.94)
     (8192, 4096, 1024, 1): MmaConfig(2, 16),  # wo_a (G=8)  11.44 / 13.22 (11.07 / 15.92)
-    (4096, 8192, 0, 1): MmaConfig(4, 16),     # wo_b        13.51 / 14.68 (11.61 / 18.30)
+    # wo_b: 256 tiles of 512 threads, one CTA an SM: streamed on 132 CTAs, 14.7 -> 13.0 us alone,
+    # 12 Flash layers 2.151 / 2.154 -> 2.134 / 2.135 ms (one H100, 2026-11-28)
+    (4096, 8192, 0, 1): MmaConfig(4, 16, 132),  # wo_b      13.51 / 14.68 (11.61 / 18.30)
     (2048, 4096, 0, 2): MmaConfig(2, 16),     # shared w1+w3 6.81 / 7.18  (6.88 / 8.94)
     (4096, 2048, 0, 1): MmaConfig(4, 4),      # shared w2    4.06 / 4.01  (3.79 / 6.17)
     # tensor-parallel shard shapes where the CUDA-core kernel is faster at T = 1 (TUNED_CUDA):

@@ -94,7 +94,7 @@ def _declare(lib) -> None:
                                    p, i]
     lib.dsv4_fp8_gemv_mma.restype = i
     lib.dsv4_fp8_gemv_mma.argtypes = [p, p, p, p, p, p, p, i, i, i, f, i, i, i, i, i, i, i, i, i,
-                                       p, i]
+                                       i, p, i]
     lib.dsv4_fp4_up.restype = i
     lib.dsv4_fp4_up.argtypes = [p, p, p, p, p, p, p, p, f, i, i, i, i, i, i, i, i, p, i]
     lib.dsv4_route.restype = i
@@ -241,11 +241,12 @@ def fp8_gemv(lib, x, w0, s0, y0, w1, s1, y1, *, n0: int, rows: int, K: int, ng: 
 def fp8_gemv_mma(lib, x, w0, s0, y0, w1, s1, y1, *, n0: int, rows: int, K: int, ng: int,
                  limit: float, flags: int, swiglu: bool, cfg, pdl: bool, nx: int = 1,
                  xs: int = 0, ys0: int = 0, ys1: int = 0) -> None:
-    """dsv4_fp8_gemv_mma (see csrc): the tensor-core GEMV, rows / 16 CTAs, nx <= 8 rows."""
+    """dsv4_fp8_gemv_mma (see csrc): the tensor-core GEMV, rows / 16 tiles (a CTA each, or
+    cfg.ctas CTAs streaming them), nx <= 8 rows."""
     err = lib.dsv4_fp8_gemv_mma(w0.data_ptr(), s0.data_ptr(), y0.data_ptr(), w1.data_ptr(),
                                 s1.data_ptr(), y1.data_ptr(), x.data_ptr(), n0, K, ng, limit,
                                 flags, int(swiglu), cfg.spw, cfg.warps, rows // cfg.rows, nx, xs,
-                                ys0, ys1, _stream(y0), int(pdl))
+                                ys0, ys1, cfg.ctas, _stream(y0), int(pdl))
     _check(err, "fp8 GEMV (CUDA, tensor cores)", lib)
 
 

@@ -207,6 +207,68 @@ def test_fp8_every_mma_config_agrees(name):
 
 
 @pytest.mark.cuda
+def test_fp8_mma_stream_gives_the_per_tile_bits():
+    """The streaming tensor-core GEMV (fp8_mma_stream_kernel: a fixed grid of CTAs, each taking
+    tiles c, c + G, ... with the next weights in flight) gives the per-tile kernel's bits, for every
+    per-tile config of a shape on grids that leave some CTAs a tile more than others (7, 61) and on
+    the swept ones: the Flash wq_b / wo_b / grouped wo_a / shared w2 (x groups changing between a
+    CTA's tiles), odd shapes, 1 and 3 rows, bf16 and float32 outputs (poisoned), act quant on and
+    off; two matrices in one launch (wq_a + wkv: tiles of both in one CTA) and the SwiGLU (shared
+    w1 + w3); and captured in a graph with PDL, replayed on a new x."""
+    from dsv4.kernels.common import MmaConfig
+    from dsv4.kernels.cuda.fp8 import mma_configs, mma_stream_configs
+    from dsv4.kernels.decode.fp8_linear import fp8_linear, fp8_linear2, fp8_swiglu
+    _need_lib()
+    dev, gen = torch.device("cuda"), fresh_gen("cuda")
+
+    def grids(c, rows):
+        extra = [MmaConfig(c.spw, c.warps, g) for g in (7, 61) if g < rows // 16]
+        return extra + [s for s in mma_stream_configs(rows, c.warps * 128 * c.spw, 1)
+                        if (s.spw, s.warps) == (c.spw, c.warps)]
+    for name in ("flash.wq_b", "flash.wo_b", "flash.wo_a", "flash.shared.w2", "odd",
+                 "odd.grouped"):
+        n, k, G = FP8_SHAPES[name]
+        w, s = fp8_weight(n, k, gen, device=dev)
+        gk = k if G > 1 else None
+        for T in (1, 3):
+            x = torch.cat([spiky_x(k * G, gen, torch.bfloat16, dev) for _ in range(T)])
+            for quant in ((False,) if G > 1 else (True, False)):
+                for odt in (torch.bfloat16, torch.float32):
+                    for cfg in mma_configs(k, 1):
+                        want = fp8_linear(x, w, s, quant_act=quant, group_k=gk, config=cfg,
+                                          out_dtype=odt)
+                        for sc in grids(cfg, n):
+                            got = fp8_linear(x, w, s, quant_act=quant, group_k=gk, config=sc,
+                                             out_dtype=odt,
+                                             out=poisoned(T, n, dtype=odt, device=dev))
+                            assert torch.equal(got, want), (name, T, quant, odt, sc)
+    (wa, sa), (wb, sb) = fp8_weight(1024, 4096, gen, device=dev), fp8_weight(512, 4096, gen,
+                                                                              device=dev)
+    (w1, s1), (w3, s3) = fp8_weight(2048, 4096, gen, 8.0, dev), fp8_weight(2048, 4096, gen, 8.0,
+                                                                            dev)
+    x = torch.cat([spiky_x(4096, gen, torch.bfloat16, dev) for _ in range(3)])
+    for cfg in mma_configs(4096, 1):
+        ya, yb = fp8_linear2(x, wa, sa, wb, sb, config=cfg)
+        for g in (7, 61, 64):     # 96 tiles: 64 of wq_a, 32 of wkv
+            za, zb = fp8_linear2(x, wa, sa, wb, sb, config=MmaConfig(cfg.spw, cfg.warps, g))
+            assert torch.equal(za, ya) and torch.equal(zb, yb), (cfg, g)
+    for cfg in mma_configs(4096, 2):
+        want = fp8_swiglu(x, w1, s1, w3, s3, 10.0, config=cfg)
+        for g in (7, 61, 64):     # 128 tiles
+            got = fp8_swiglu(x, w1, s1, w3, s3, 10.0, config=MmaConfig(cfg.spw, cfg.warps, g),
+                             out=poisoned(3, 2048, device=dev))
+            assert torch.equal(got, want), (cfg, g)
+    n, k, _ = FP8_SHAPES["flash.wo_b"]
+    w, s = fp8_weight(n, k, gen, device=dev)
+    x = spiky_x(k, gen, torch.bfloat16, dev)
+    cfg = MmaConfig(4, 16, 132)
+    g, outs = capture_step(lambda: (fp8_linear(x, w, s, config=cfg),))
+    x.copy_(spiky_x(k, gen, torch.bfloat16, dev))
+    g.replay()
+    assert torch.equal(outs[0], fp8_linear(x, w, s, config=MmaConfig(4, 16)))
+
+
+@pytest.mark.cuda
 def test_fp8_mma_two_matrices_and_swiglu():
     """The tensor-core GEMV with two matrices on one x (wq_a + wkv) equals their own launches, and
     its fused SwiGLU meets the reference, for every config, 3 rows."""
