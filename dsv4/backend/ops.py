@@ -101,6 +101,11 @@ class Ops:
         return experts
 
     @cached_property
+    def _argmax(self):
+        from ..kernels.decode import argmax
+        return argmax
+
+    @cached_property
     def _journal(self):
         from ..kernels.decode import journal
         return journal
@@ -231,6 +236,9 @@ class Ops:
                                      tuning=self.tuning)
 
     # ---- the L2 prefetch of weights ----------------------------------------------------------
+    def argmax_rows(self, x):
+        return self._argmax.argmax_rows(x)
+
     def l2_prefetch(self, tensors) -> None:
         """Bring the tensors' bytes into L2 on the current stream (csrc/prefetch.cu; a hint:
         nothing is written). Only where the CUDA C++ library serves the device (Backend.prefetch

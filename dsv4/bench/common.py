@@ -117,7 +117,7 @@ def kernel_events(prof, after: str | None = None) -> list:
 
 
 def count_kernels(step, devices, top: dict | None = None, trace: str | None = None,
-                  events: list | None = None, meet=None) -> int:
+                  events: list | None = None, meet=None, origin: list | None = None) -> int:
     """CUDA kernels launched by one step() (memcpy/memset excluded), from torch.profiler; with
     `top`, also fills it with kernel name -> [launches, device µs] of that step; with `trace`,
     writes that step's Chrome trace there (kernels per stream with start and duration); with
@@ -125,7 +125,8 @@ def count_kernels(step, devices, top: dict | None = None, trace: str | None = No
     `meet` (a tensor-parallel group's barrier) runs inside the profile just before the step, so
     every rank starts its profiled step together: the profiler's start-up takes each rank a
     different time, and a rank's all-reduces would otherwise count the wait for the slowest
-    rank's start-up (its kernels are not the step's and are left out)."""
+    rank's start-up (its kernels are not the step's and are left out). With `origin`, appends
+    the host-clock time the events' times count from (trace_origin_ns)."""
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     _sync(devices)
     with torch.profiler.profile(activities=acts) as prof:
@@ -138,6 +139,8 @@ def count_kernels(step, devices, top: dict | None = None, trace: str | None = No
     if trace:
         prof.export_chrome_trace(trace)
     kernels = kernel_events(prof, after=STEP_MARK)
+    if origin is not None:
+        origin.append(trace_origin_ns(prof))
     if events is not None:
         events += [(e.device_index, float(e.time_range.start), float(e.time_range.end), e.name)
                    for e in kernels]
@@ -147,6 +150,15 @@ def count_kernels(step, devices, top: dict | None = None, trace: str | None = No
             t[0] += n
             t[1] += us
     return len(kernels)
+
+
+def trace_origin_ns(prof) -> int | None:
+    """The time torch.profiler's event times count from, in ns on the host clock (Kineto puts a
+    host's processes and their kernels on it): the ranks of one host compare their events with
+    it (dsv4.bench.comm_skew). None where this torch's profiler does not say."""
+    res = getattr(getattr(prof, "profiler", None), "kineto_results", None)
+    get = getattr(res, "trace_start_ns", None)
+    return int(get()) if get is not None else None
 
 
 def by_name(kernels, width: int) -> dict:

@@ -79,10 +79,13 @@ def _stats(ms: list[float]) -> dict:
 
 def measure(model: Transformer, mode: str, granularity: str, context: int, steps: int,
             warmup: int, seed: int, kernels: bool, trace: str | None = None, log=_log,
-            meet=None) -> dict:
+            meet=None, step_events: dict | None = None) -> dict:
     """One (mode, granularity): decoder over the model at position `context`, warmed up, timed;
     `log` takes the profiled step's lines (a tensor-parallel rank other than 0: none); `meet`,
-    a tensor-parallel group's barrier, starts every rank's profiled step together."""
+    a tensor-parallel group's barrier, starts every rank's profiled step together. With
+    `step_events` (a dict), where a step is profiled, its kernels go there: `events` [(start us,
+    end us, name)] after `origin_ns`, the profile's start on the host clock (a tensor-parallel
+    rank's, for dsv4.bench.comm_skew)."""
     devices = list(dict.fromkeys([model.head_device, *model.placement]))
     sess = Session(model, SamplingParams(), mode=mode, granularity=granularity)
     he = None
@@ -117,8 +120,11 @@ def measure(model: Transformer, mode: str, granularity: str, context: int, steps
             top: dict = {}
             suffix = f"-{granularity}" if mode == "graph" else ""
             events: list = []
+            origin: list = []
             total = count_kernels(dec.step, devices, top, trace and f"{trace}-{mode}{suffix}.json",
-                                  events, meet)
+                                  events, meet, origin)
+            if step_events is not None:
+                step_events.update(origin_ns=origin[0], events=[e[1:] for e in events])
             res["top_kernels"] = sorted(([k, n, round(us, 1)] for k, (n, us) in top.items()),
                                         key=lambda r: -r[2])[:20]
             for k, n, us in res["top_kernels"][:12]:

@@ -7,7 +7,8 @@ copy bandwidth, the head/embed share and the extrapolation to the preset's full 
 one-process benchmark (dsv4.bench.decode), the all-reduce plan and the communication a layer;
 with --prefill the time to first token of each prompt length (every rank prefilling it), and
 with --prefill-profile (CUDA) one profiled prefill a rank: rank 0's kernels by device time; with
---trace PREFIX each rank's profiled graph step as a Chrome trace, PREFIX-rank<r>-graph-<granularity>.json;
+--trace PREFIX each rank's profiled graph step as a Chrome trace, PREFIX-rank<r>-graph-<granularity>.json,
+and the ranks' all-reduce calls of that step compared on the host's clock (dsv4.bench.comm_skew);
 with --speculative (every rank's MTP block built) the speculative mechanism's measurements
 (dsv4.bench.speculative: verify T = 1..4, the speculative step, end to end with an oracle
 drafting), every rank running the same sessions: rank 0's figures, every rank's verify times.
@@ -22,6 +23,7 @@ from ..errors import InputError
 from ..runtime.config import DTYPES, TP_PREFILL_GRAPHS, RuntimeConfig, resolve_tp_devices
 from ..weights.presets import get_preset
 from . import MIN_STEPS
+from . import comm_skew
 from . import prefill as bench_prefill
 from . import speculative as bench_spec
 from .common import _log, _versions, copy_bandwidth, fill_state
@@ -66,9 +68,11 @@ def run(args, command: str = "") -> dict:
     ranks = launch(_rank, devices, job)
     r0 = ranks[0]
     runs = r0["runs"]
-    for r in runs:
+    for i, r in enumerate(runs):
         r["ratio_to_floor"] = r["ms_per_token"] / r0["floor_ms"] if r0["floor_ms"] else None
         r["extrapolated_ms"] = r["per_layer_ms"] * full.n_layers + r["head_embed_ms"]
+        r["allreduce_skew"] = allreduce_skew([q["step_events"][i] for q in ranks],
+                                             f"{r['mode']}/{r['granularity']}")
     partial = cfg.n_layers < full.n_layers
     graph = next((r for r in runs if r["mode"] == "graph"), None)
     eager = next((r for r in runs if r["mode"] == "eager"), None)
@@ -118,18 +122,20 @@ def _rank(group, job: dict) -> dict:
     load_s = time.perf_counter() - t0
     copy = copy_bandwidth(dev) if dev.type == "cuda" else None
     nbytes = sum(token_bytes(model, job["context"]).values())
-    runs = []
+    runs, steps = [], []
     for mode in job["modes"]:
         for g in job["grans"] if mode == "graph" else job["grans"][:1]:
             if group.rank == 0:
                 _log(f"measuring {mode}" + (f"/{g}" if mode == "graph" else "") +
                      f" on {group.world_size} ranks")
             fill_state(model, job["context"], job["seed"])
+            got = {} if job["trace"] else None     # the profiled step's kernels: comm_skew's
             runs.append(measure(model, mode, g, job["context"], job["steps"], job["warmup"],
                                 job["seed"], kernels=job["kernels"] and mode == "graph",
                                 trace=job["trace"] and f"{job['trace']}-rank{group.rank}",
                                 log=_log if group.rank == 0 else lambda line: None,
-                                meet=group.barrier))
+                                meet=group.barrier, step_events=got))
+            steps.append(got or None)
     prefill = []
     for n in job["lengths"]:      # every rank the same prompts: the all-reduces keep them in step
         if group.rank == 0:
@@ -153,9 +159,28 @@ def _rank(group, job: dict) -> dict:
            "prefill_chunk": job["prefill_chunk"] or model.rt.prefill_chunk,
            "floor_ms": nbytes / (copy * 1e12) * 1e3 if copy else None, "capacity": cap,
            "load_s": load_s, "allreduce": comm.table(), "versions": _versions([dev]),
-           "spec": spec}
+           "spec": spec, "step_events": steps}
     comm.close()
     return out
+
+
+def allreduce_skew(steps: list, name: str) -> dict | None:
+    """Every rank's profiled step of one run (measure's step_events: None where no step was
+    profiled: --trace not given, eager, --no-kernels, the CPU) -> comm_skew's comparison of their
+    all-reduce calls (with `error` where the ranks' calls do not pair), logged as one line; None
+    without every rank's step."""
+    if any(s is None for s in steps):
+        return None
+    try:
+        if any(s["origin_ns"] is None for s in steps):
+            raise ValueError("this torch's profiler does not say when its trace started "
+                             "(kineto_results.trace_start_ns): the ranks' clocks do not line up")
+        sk = comm_skew.analyze(comm_skew.on_one_clock([s["origin_ns"] for s in steps],
+                                                      [s["events"] for s in steps]))
+    except ValueError as e:    # a diagnostic: the run's measurements stand without it
+        sk = {"error": str(e)}
+    _log(f"{name}: {comm_skew.format_line(sk)}")
+    return sk
 
 
 def _spec_report(ranks: list) -> dict:

@@ -3,7 +3,7 @@ names the torch code it replaces) and how to test it:
 
   decode/   the decode step's Triton kernels: mHC, attention prep and sparse attention, the
             compressor and indexer steps, FP8 / bf16 GEMVs, routed FP4 experts, routing, the
-            speculative journal (FP8 GEMV, experts, routing and top-k launch the CUDA C++ kernels
+            greedy pick (argmax), the speculative journal (FP8 GEMV, experts, routing and top-k launch the CUDA C++ kernels
             where they serve)
   prefill/  a prefill chunk's: stored-format GEMMs (gemm, gemm_kernels), grouped experts (moe),
             sparse attention rows, compressor entries, indexer scores, mHC rows

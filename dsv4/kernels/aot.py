@@ -15,6 +15,9 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from ..weights.presets import get_preset
+from .decode.argmax import BLOCK as ARGMAX_BLOCK
+from .decode.argmax import NUM_WARPS as ARGMAX_WARPS
+from .decode.argmax import _argmax_kernel
 from .decode.bf16_linear import _bf16_gemv_kernel, bf16_config
 from .decode.fp4_experts import _fp4_down_kernel, _fp4_up_kernel, down_config, up_config
 from .decode.fp8_linear import _fp8_gemv_kernel, fp8_config
@@ -73,6 +76,10 @@ def variants(preset: str) -> list[tuple[str, object, dict, dict, int]]:
     out.append(("fp4.down", _fp4_down_kernel, DOWN_SIG,
                 dict(D=D, I=I, TOPK=k, BN=cd.bn, NB=cd.nb, EVEN_K=I % (cd.nb * 128) == 0,
                      HAS_ADD=True, NATIVE=True, PDL=True), cd.num_warps))
+    for xdt in ("*fp32", "*bf16"):                # the greedy pick of the head's logits
+        out.append((f"argmax.{xdt[1:]}", _argmax_kernel,
+                    {"x_ptr": xdt, "out_ptr": "*i64", "V": "i32", "stride": "i32"},
+                    dict(BLOCK=ARGMAX_BLOCK), ARGMAX_WARPS))
     return out
 
 

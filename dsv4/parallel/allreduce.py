@@ -212,7 +212,9 @@ def plan_allreduce(group: TPGroup, max_bytes: int = MAX_BYTES, prefer: str | Non
     if large_bytes and order == ("nccl",):
         choice[LARGE] = "not tried: 'nccl' was asked for (NCCL serves every size)"
     elif large_bytes:
-        large, why = _try(LARGE, group, hosts, large_bytes, pdl, timeout_s)
+        # launched without PDL: inside a TP2 prefill the two-shot with PDL cost 73.7 ms TTFT, 64.6
+        # without (8 Flash layers, 2x H100; BENCHMARKS.md, sixteenth session)
+        large, why = _try(LARGE, group, hosts, large_bytes, False, timeout_s)
         choice[LARGE] = (f"chosen: {large.describe()}" if large is not None else
                          f"unavailable: {why}")
     choice["nccl"] = ("chosen: " if fast is None and large is None else "fallback: ") + \

@@ -79,9 +79,10 @@ class RuntimeConfig:
 # The multigpu test's failure (2 H100s, fourteenth session) came from its checkpoint's shard, whose
 # routed experts fell back to their host-reading torch reference (prefill_graphs.capture_blocker,
 # now a clear refusal for any model); the TP bench's capture on the tiny-tp preset then waited for
-# the group's timeout, the cause not seen. Lifted once the multigpu test passes.
-TP_PREFILL_GRAPHS = ("prefill chunk graphs are not yet verified on a tensor-parallel rank "
-                     "(issue 46)")
+# the group's timeout, and so did the multigpu test on tiny-tp shards (fifteenth session): the
+# ranks hang in the graphs' build, the cause not seen yet. Lifted once the multigpu test passes.
+TP_PREFILL_GRAPHS = ("prefill chunk graphs hang on tensor-parallel ranks (not yet working, "
+                     "issue 46)")
 
 
 def check_prefill_graphs(g, mode: str | None = None, speculative: bool = False,

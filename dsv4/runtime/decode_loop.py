@@ -80,7 +80,7 @@ class DecodeLoop:
     def steps(self) -> LoopResult:
         """Decode until EOS, the limit or on_token's word; -> the result (finish, tokens)."""
         s, b, req, res = self.s, self.s.bufs, self.req, self.res
-        force, p0 = req.force_ids, self.p0
+        force = req.force_ids
         stop = self._take(0)
         pending = None                  # step whose token copy to the host is in flight
         decoder = s.plain_decoder()     # greedy requests of a per-request session: no sampling

@@ -96,7 +96,8 @@ def capture_blocker(model) -> str | None:
         if be.moe_prefill:
             continue
         if be.act != torch.bfloat16:
-            why[dev] = f"activations in {str(be.act).replace('torch.', '')} (the prefill kernels are bfloat16)"
+            act = str(be.act).replace("torch.", "")
+            why[dev] = f"activations in {act} (the prefill kernels are bfloat16)"
         elif not be.rows:
             why[dev] = "the prefill kernels off on this device (no Triton, or switched off)"
         else:

@@ -47,14 +47,18 @@ def rank_runtime(rt: RuntimeConfig, group: TPGroup) -> RuntimeConfig:
     return replace(rt, devices=(group.device,), tp=group.world_size)
 
 
-def two_shot_bytes(group: TPGroup, rt: RuntimeConfig, cfg) -> int:
+def two_shot_bytes(group: TPGroup, rt: RuntimeConfig, cfg, opts: Options | None = None) -> int:
     """plan_allreduce's large_bytes for a rank: the largest prefill message (a chunk's
     [prefill_chunk, dim] partial in the activation dtype, up to LARGE_BYTES_LIMIT) on two CUDA
-    ranks, where our two-shot beat NCCL at every size timed (2x H100, in a graph: 1 MB 11.1 us
-    against NCCL bf16's 15.5, 8 MB 34.9 / 51.6, 32 MB 128.1 / 158.2; eager 21 / 61 us at 1 MB;
-    BENCHMARKS.md, fifteenth session); 0 elsewhere: four ranks keep NCCL's float32 route until the
-    two-shot's 4-GPU tests have run, gloo has no peer memory."""
-    if group.device.type != "cuda" or group.world_size != 2:
+    ranks where the two-shot is asked for (`opts.two_shot`, DSV4_TWO_SHOT=1); 0 elsewhere, and by
+    default. Alone in a graph our two-shot beats NCCL at every size timed (2x H100: 32 MB 128.1
+    against NCCL bf16's 158.2 us), but inside a TP2 prefill it was slower: 8 Flash layers, 4,096
+    tokens, one machine, TTFT 73.7 ms (64.6 launched without PDL) against NCCL bf16's 54.8
+    (BENCHMARKS.md, sixteenth session; not yet explained). Four ranks keep NCCL's float32 route
+    (the two-shot's 4-GPU tests have not run), gloo has no peer memory."""
+    opts = opts if opts is not None else (rt.options if rt.options is not None
+                                          else Options.from_env())
+    if not opts.two_shot or group.device.type != "cuda" or group.world_size != 2:
         return 0
     n = rt.prefill_chunk * cfg.dim * rt.dtype.itemsize
     return min(n, LARGE_BYTES_LIMIT) if n > MAX_BYTES else 0
@@ -65,11 +69,11 @@ def rank_communicator(group: TPGroup, rt: RuntimeConfig, cfg, prefer: str | None
     """The rank's collectives planned over the group (collective: every rank calls it; prefer:
     force an implementation, dsv4.parallel.plan_allreduce), the all-reduce launched with PDL
     where the rank's kernels are (the backend's switch: rt.options, else the environment), the
-    two-shot for a prefill chunk's messages where it pays (two_shot_bytes, from the model's
+    two-shot for a prefill chunk's messages where asked (two_shot_bytes, from the model's
     config `cfg`)."""
     opts = rt.options if rt.options is not None else Options.from_env()
     return Communicator.plan(group, prefer=prefer, pdl=opts.pdl,
-                             large_bytes=two_shot_bytes(group, rt, cfg))
+                             large_bytes=two_shot_bytes(group, rt, cfg, opts))
 
 
 def load_rank(group: TPGroup, ckpt_dir, rt: RuntimeConfig, progress: bool | None = None,

@@ -21,6 +21,7 @@ from ..sampling import (
     SamplingKnobs,
     SamplingParams,
     filtered_probs,
+    first_argmax,
     fixed,
     race,
     sample,
@@ -43,9 +44,9 @@ def draft(logits: torch.Tensor, pos: torch.Tensor, params: SamplingParams | Samp
     if isinstance(params, SamplingKnobs):
         q = filtered_probs(logits, params)
         d = race(q, stream_seed(params.seed, "draft"), pos)
-        return torch.where(params.greedy, logits.argmax(dim=-1, keepdim=True), d), q
+        return torch.where(params.greedy, first_argmax(logits), d), q
     if params.greedy:
-        return logits.argmax(dim=-1, keepdim=True), None
+        return first_argmax(logits), None
     q = filtered_probs(logits, params)
     return race(q, stream_seed(params.seed, "draft"), pos), q
 
@@ -78,7 +79,7 @@ def accept(logits: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor | None, p
     params = fixed(params)
     knobs = isinstance(params, SamplingKnobs)
     if knobs or params.greedy:
-        y_greedy = logits.argmax(dim=-1)                                            # [T]
+        y_greedy = first_argmax(logits)[:, 0]                                       # [T]
         ok_greedy = y_greedy[:-1] == drafts
     if knobs or not params.greedy:
         p = torch.stack([filtered_probs(logits[i], params) for i in range(T - 1)])  # [T-1, V]

@@ -204,7 +204,7 @@ def test_kernels_compile_for_sm90_without_spills():
                        env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     lines = [ln for ln in r.stdout.splitlines() if ln.strip()]
-    assert len(lines) == 30, r.stdout
+    assert len(lines) == 34, r.stdout
     for ln in lines:   # cuobjdump figures (absent when the tool is not bundled)
         res = dict(re.findall(r"'(\w+)': (\d+)", ln.split("warps=")[-1]))
         assert int(res.get("local", 0)) == 0 and int(res.get("stack", 0)) <= 16, f"spills: {ln}"
@@ -565,3 +565,35 @@ def test_pdl_and_branches_change_no_bit():
         for what, u, v in zip(("outputs", "kv cache"), a, b):
             assert torch.equal(u, v), (f"{name}: {what} differ from DSV4_PDL=0 / DSV4_OVERLAP=0 / "
                                        f"DSV4_PREFETCH=0")
+
+
+@pytest.mark.cuda
+def test_argmax_rows_cuda():
+    """The greedy pick's kernel gives torch's argmax on the GPU (the first of ties, the first NaN,
+    bf16, Flash's vocabulary), in a CUDA graph too; sampling's first_argmax takes it where the
+    Triton kernels may run."""
+    from dsv4.kernels.decode.argmax import argmax_reference, argmax_rows
+    from dsv4.runtime import sampling
+    g = fresh_gen("cuda")
+    rows = [torch.randn(129280, generator=g, device="cuda"),
+            torch.randn(4, 129280, generator=g, device="cuda").to(torch.bfloat16),
+            torch.full((2, 70000), float("-inf"), device="cuda")]
+    x = torch.randn(3, 129280, generator=g, device="cuda")
+    x[0, [7, 129279]] = 50.0
+    x[1, [40000, 90000]] = float("nan")
+    x[2, [8191, 8192, 16384]] = float("inf")
+    rows.append(x)
+    for x in rows:
+        assert torch.equal(argmax_rows(x), argmax_reference(x)), (x.shape, x.dtype)
+        assert torch.equal(sampling.first_argmax(x), argmax_reference(x))
+    assert sampling._kernel_ops(x.device, os.environ.get("DSV4_KERNELS")) is not None
+    logits = torch.randn(129280, device="cuda")
+    out = argmax_rows(logits)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = argmax_rows(logits)
+    for _ in range(3):
+        logits.copy_(torch.randn(129280, generator=g, device="cuda"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, argmax_reference(logits))

@@ -399,3 +399,42 @@ def test_moe_and_linear_kernel_paths_match_the_torch_path(monkeypatch):
     g = gate._gemv(x, torch.float32)
     assert torch.allclose(g, moe.gate(x, torch.float32), rtol=1e-5, atol=1e-6)
     assert gate._gemv(x.float(), torch.float32) is None          # float32 mode stays on torch
+
+
+# ---- the greedy pick ----------------------------------------------------------------------------
+
+def _argmax_cases():
+    """Rows where a wrong pick shows: ties inside a block, across blocks and at the edges of the
+    two-block step (8,192 / 16,384), -inf rows, NaN (the first wins), -0.0 against 0.0, bf16."""
+    from dsv4.kernels.decode.argmax import BLOCK
+    g = torch.Generator().manual_seed(3)
+    yield torch.randn(3, 20000, generator=g)
+    x = torch.randn(129280, generator=g)
+    x[[5000, 100000]] = 9.0                          # a tie across blocks: the first
+    yield x
+    yield torch.full((2, 9000), float("-inf"))
+    x = torch.randn(3, 9000, generator=g)
+    x[0, [8500, 8600]] = float("nan")
+    x[1, 0] = float("nan")
+    x[2, [3, 8999]] = float("inf")
+    yield x
+    x = torch.zeros(17)
+    x[3] = -0.0
+    yield x
+    yield torch.randn(2, 3, 300, generator=g)
+    yield torch.randn(4, BLOCK + 1, generator=g).to(torch.bfloat16)
+    for V in (1, 2, BLOCK - 1, BLOCK, BLOCK + 1, 2 * BLOCK, 2 * BLOCK + 1, 3 * BLOCK + 1):
+        for where in sorted({0, V // 2, V - 1}):
+            x = torch.zeros(2, V)
+            x[0, where] = 1.0
+            x[1, where] = float("nan")
+            x[1, V - 1] = float("nan")
+            yield x
+
+
+def test_argmax_rows_is_torchs_argmax():
+    from dsv4.kernels.decode.argmax import argmax_reference, argmax_rows
+    for x in _argmax_cases():
+        got = argmax_rows(x)
+        assert got.dtype == torch.int64 and got.shape == (*x.shape[:-1], 1)
+        assert torch.equal(got, argmax_reference(x)), (x.shape, x.dtype)

@@ -250,24 +250,32 @@ def test_a_rank_plans_its_all_reduce_with_the_backends_pdl_switch(monkeypatch):
     assert len(closed) == 4                          # refused before the checkpoint opened
 
 
-def test_the_two_shot_serves_a_prefill_chunk_on_two_cuda_ranks_only():
-    """A rank plans the two-shot (plan_allreduce's large_bytes) up to its largest prefill
-    message, [prefill_chunk, dim] in the activation dtype, on two CUDA ranks, where it was
-    timed against NCCL; four ranks (not yet run on 4 GPUs) and gloo ranks keep NCCL."""
+def test_the_two_shot_serves_a_prefill_chunk_on_two_cuda_ranks_where_asked():
+    """Where asked (Options.two_shot, DSV4_TWO_SHOT=1) a rank plans the two-shot
+    (plan_allreduce's large_bytes) up to its largest prefill message, [prefill_chunk, dim] in the
+    activation dtype, on two CUDA ranks; by default (slower than NCCL inside a prefill), on four
+    ranks (not yet run on 4 GPUs) and on gloo ranks, NCCL serves them."""
     import torch
 
+    from dsv4.backend.options import Options
     from dsv4.parallel.allreduce import LARGE_BYTES_LIMIT
     from dsv4.runtime.config import RuntimeConfig
     from dsv4.runtime.tp import two_shot_bytes
     cfg = types.SimpleNamespace(dim=4096)
+    on = Options(two_shot=True)
 
     def ranks(n, dev="cuda:0"):
         return types.SimpleNamespace(world_size=n, device=torch.device(dev))
-    assert two_shot_bytes(ranks(2), RuntimeConfig(8192), cfg) == 4096 * 4096 * 2
-    assert two_shot_bytes(ranks(2), RuntimeConfig(8192, prefill_chunk=512), cfg) == 512 * 8192
-    assert two_shot_bytes(ranks(2), RuntimeConfig(8192, dtype=torch.float32), cfg) == 64 << 20
-    assert two_shot_bytes(ranks(2), RuntimeConfig(1 << 16, prefill_chunk=16384), cfg) == \
+    assert two_shot_bytes(ranks(2), RuntimeConfig(8192), cfg, on) == 4096 * 4096 * 2
+    assert two_shot_bytes(ranks(2), RuntimeConfig(8192, prefill_chunk=512), cfg, on) == 512 * 8192
+    assert two_shot_bytes(ranks(2), RuntimeConfig(8192, dtype=torch.float32), cfg, on) == 64 << 20
+    assert two_shot_bytes(ranks(2), RuntimeConfig(1 << 16, prefill_chunk=16384), cfg, on) == \
         LARGE_BYTES_LIMIT                            # 128 MB of partials: NCCL above 64 MB
-    assert two_shot_bytes(ranks(2), RuntimeConfig(64, prefill_chunk=8), cfg) == 0   # the one-shot's
-    assert two_shot_bytes(ranks(4), RuntimeConfig(8192), cfg) == 0
-    assert two_shot_bytes(ranks(2, "cpu"), RuntimeConfig(8192), cfg) == 0
+    assert two_shot_bytes(ranks(2), RuntimeConfig(64, prefill_chunk=8), cfg, on) == 0  # one-shot's
+    assert two_shot_bytes(ranks(4), RuntimeConfig(8192), cfg, on) == 0
+    assert two_shot_bytes(ranks(2, "cpu"), RuntimeConfig(8192), cfg, on) == 0
+    # off by default: the options given, RuntimeConfig.options, the environment
+    assert two_shot_bytes(ranks(2), RuntimeConfig(8192), cfg, Options()) == 0
+    assert two_shot_bytes(ranks(2), RuntimeConfig(8192, options=on), cfg) == 4096 * 4096 * 2
+    assert Options.from_env({}).two_shot is False
+    assert Options.from_env({"DSV4_TWO_SHOT": "1"}).two_shot is True

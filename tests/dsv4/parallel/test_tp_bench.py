@@ -14,9 +14,9 @@ FAST = ["--device", "cpu,cpu", "--parallel", "tp", "--mode", "eager", "--steps",
         "--warmup", "1", "--context", "40", "--json", "-"]
 
 
-def test_tp_bench_on_two_cpu_ranks(capsys):
+def test_tp_bench_on_two_cpu_ranks(capsys, tmp_path):
     rc = bench.main(["--preset", "tiny-tp", "--prefill", "20,9", "--prefill-reps", "1",
-                     "--prefill-profile", *FAST])
+                     "--prefill-profile", "--trace", str(tmp_path / "t"), *FAST])
     out, err = capsys.readouterr()
     assert rc == 0, err
     assert "tensor parallel over 2: cpu,cpu" in err
@@ -40,6 +40,9 @@ def test_tp_bench_on_two_cpu_ranks(capsys):
     # the all-reduces' latency is measured in a CUDA graph only
     assert rep["allreduce_us"] is None and rep["allreduces_per_layer"] == 2
     assert "communication a layer: -" in err
+    # --trace profiles a CUDA graph step: on the CPU no step, no trace, no all-reduce comparison
+    assert r["allreduce_skew"] is None and "all-reduce across ranks" not in err
+    assert not list(tmp_path.iterdir())
     rc = bench.main(["--preset", "tiny-tp", "--device", "cpu", "--mode", "eager", "--steps", "3",
                      "--warmup", "1", "--context", "40", "--json", "-"])
     one = json.loads(capsys.readouterr()[0])
@@ -70,7 +73,7 @@ def test_tp_bench_refuses_what_it_does_not_measure(capsys):
     assert "cannot be split over 2 ranks" in capsys.readouterr()[1]
     assert bench.main(["--preset", "tiny-tp", "--prefill", "16", "--prefill-graphs", "1",
                        *FAST]) == 2
-    assert "--prefill-graphs 1 with --parallel tp: prefill chunk graphs are not yet verified" in \
+    assert "--prefill-graphs 1 with --parallel tp: prefill chunk graphs hang" in \
         capsys.readouterr()[1]
     assert bench.main(["--preset", "tiny-tp", "--prefill", "2000000", *FAST]) == 2
     assert "above the model's 1048576 positions" in capsys.readouterr()[1]
@@ -134,6 +137,11 @@ def test_tp_bench_profiles_a_prefill_and_traces_every_rank(capfd, tmp_path):
     # the profiled step is one step: its kernels span far less than 10 timed steps
     assert tl["span_us"] < 10 * 1e3 * run["ms_per_token"], (tl, run["ms_per_token"])
     assert err.count("a layer (profiled)") == 1        # rank 0's line only
+    # the ranks' all-reduce calls of that step on the host clock: two a layer and one line
+    sk = run["allreduce_skew"]
+    assert sk["calls"] >= 2 * rep["layers"], sk
+    assert sk["skew_us"]["median"] >= 0 and sum(sk["last_to_arrive"]) + sk["ties"] == sk["calls"]
+    assert err.count("graph/device: all-reduce across ranks: ") == 1
     (p,) = rep["prefill_runs"]
     assert len(p["profile_per_rank"]) == 2
     for q in p["profile_per_rank"]:
