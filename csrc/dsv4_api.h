@@ -47,7 +47,10 @@ int dsv4_fp4_up(const void* x, const void* idx, const void* rw, const void* w1, 
 // left zero) are the caller's workspace; add [D] bf16 or null. Grid (D / 16, k). all_experts:
 // fp4_down_all_kernel instead (grid D / 16, no workspace; k 6 (Flash, Pro), dec 0, the (spw, depth)
 // instantiated below). rows > 1 (all_experts only): rows activation rows, a [rows * k, I], idx
-// [rows * k], add / y [rows, D].
+// [rows * k], add / y [rows, D]. pdl 2: with PDL, and idx (with the weights and scales it
+// addresses) read before the wait: only where idx was written before the kernel this launch waits
+// for passed its own wait (the routing, with up between them; DecodeKernels), so that it is
+// complete and visible when this kernel starts.
 int dsv4_fp4_down(const void* act, const void* idx, const void* w2, const void* s2, const void* add,
                   void* y, void* ws, void* cnt, int D, int I, int k, int y_f32, int spw, int dec,
                   int depth, int all_experts, int rows, void* stream, int pdl);

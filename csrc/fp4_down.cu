@@ -1,7 +1,10 @@
 // The routed FP4 experts' down of decode tokens on tensor cores (dsv4_fp4_down): w2 of each routed
 // expert, the experts summed in slot order through a per-row-tile semaphore (fp4_down_kernel) or
 // all experts of a row tile in one CTA (fp4_down_all_kernel; the same bits), plus the shared
-// expert's output. fp4_experts.cuh: the decode and the tensor-core step.
+// expert's output. fp4_experts.cuh: the decode and the tensor-core step. early (the launch's pdl 2):
+// idx and the weights it addresses are requested before the PDL wait (idx comes from the routing,
+// which completed before up, the kernel waited for, passed its own wait), so the weights stream
+// while up finishes; the activation and everything else after it.
 #include "dsv4_api.h"
 #include "fp4_experts.cuh"
 
@@ -15,7 +18,7 @@ __global__ void __launch_bounds__(512) fp4_down_kernel(const __nv_bfloat16* act,
                                                        const uint8_t* w2, const uint8_t* s2,
                                                        const __nv_bfloat16* add, void* y,
                                                        float* ws, int* cnt, int D, int I, int k,
-                                                       int y_f32) {
+                                                       int y_f32, int early) {
   extern __shared__ __align__(128) uint8_t smem[];
   __shared__ int last;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
@@ -24,7 +27,7 @@ __global__ void __launch_bounds__(512) fp4_down_kernel(const __nv_bfloat16* act,
   float *ef, *red;
   int xstride;
   const uint4* xq = expert_smem<SPW>(smem, warp, nwarps, g, q, ef, red, xs, xstride);
-  pdl_wait();
+  if (!early) pdl_wait();
   const int64_t e = idx[j];
   const int k0 = warp * 128 * SPW;
   const size_t rowa = size_t(e) * D + r0 + g;
@@ -35,6 +38,7 @@ __global__ void __launch_bounds__(512) fp4_down_kernel(const __nv_bfloat16* act,
   ew.wp[0] = w2 + rowa * ew.wrow + (k0 >> 5) * 16;
   ew.sp[0] = s2 + rowa * ew.srow + (k0 >> 5);
   ew.prefetch();
+  if (early) pdl_wait();   // the weights of idx requested; now the activation (up's output)
   quant_slice<SPW, DEC>(act + size_t(j) * I + k0, reinterpret_cast<uint16_t*>(xs), ef, lane);
   __syncthreads();   // xs, and the zero operand
   float tot[1][2] = {{0.0f, 0.0f}};
@@ -84,7 +88,7 @@ __global__ void __launch_bounds__(512) fp4_down_all_kernel(const __nv_bfloat16* 
                                                            const int64_t* idx, const uint8_t* w2,
                                                            const uint8_t* s2,
                                                            const __nv_bfloat16* add, void* y,
-                                                           int D, int I, int y_f32) {
+                                                           int D, int I, int y_f32, int early) {
   constexpr int NS = NE * SPW;
   static_assert(NE % 2 == 0, "the scale loads take two experts");
   extern __shared__ __align__(128) uint8_t smem[];
@@ -98,7 +102,7 @@ __global__ void __launch_bounds__(512) fp4_down_all_kernel(const __nv_bfloat16* 
   float *ef, *red;   // the expert_smem layout with NS steps per warp; red [warps][NE][16]
   int xstride;
   const uint4* xq = expert_smem<NS>(smem, warp, nwarps, g, q, ef, red, xs, xstride);
-  pdl_wait();
+  if (!early) pdl_wait();
   const int k0 = warp * 128 * SPW;
   const size_t wrow = size_t(I) / 2, srow = size_t(I) / 32;
   const uint8_t* wp[NE];
@@ -121,6 +125,7 @@ __global__ void __launch_bounds__(512) fp4_down_all_kernel(const __nv_bfloat16* 
   for (int i = 0; i < NE / 2; ++i)
     ld_scales<SPW>(s2 + (size_t(idx[2 * i + (lane >> 4)]) * D + r0 + (lane & 15)) * srow + (k0 >> 5),
                    sc[i]);
+  if (early) pdl_wait();   // the weights of idx requested; now the activation (up's output)
 #pragma unroll
   for (int j = 0; j < NE; ++j)
     quant_slice<SPW, DEC>(act + size_t(j) * I + k0, reinterpret_cast<uint16_t*>(xs + j * SPW * 16),
@@ -187,12 +192,13 @@ int dsv4_fp4_down(const void* act, const void* idx, const void* w2, const void* 
   const auto* dp = static_cast<const __nv_bfloat16*>(add);
   auto* wsp = static_cast<float*>(ws);
   auto* cp = static_cast<int*>(cnt);
+  const int early = pdl == 2;
 #define DSV4_DOWN(S, DC, R) \
   launch(fp4_down_kernel<S, DC, R>, grid, block, expert_smem_bytes<S>(warps, 1), st, pdl, ap, ip, \
-         wp, sp, dp, y, wsp, cp, D, I, k, y_f32)
+         wp, sp, dp, y, wsp, cp, D, I, k, y_f32, early)
 #define DSV4_DOWN_ALL(S, E, R) \
   launch(fp4_down_all_kernel<S, E, 0, R>, dim3(D / 16, rows), block, expert_smem_bytes<S * E>(warps, E), st, \
-         pdl, ap, ip, wp, sp, dp, y, D, I, y_f32)
+         pdl, ap, ip, wp, sp, dp, y, D, I, y_f32, early)
   if (all_experts) {
     if (dec != 0) return -1;
     switch ((k * 10 + spw) * 100 + (depth > 0 ? depth : spw)) {

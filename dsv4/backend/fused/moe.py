@@ -52,10 +52,11 @@ class DecodeKernels:
         br.join()
         if self.down_ws is None:
             self.down_ws = ops.down_workspace(idx.numel() // T, a.shape[-1], x)
-        # a tensor-parallel rank's part (its inter slice of every expert) summed over the ranks
+        # a tensor-parallel rank's part (its inter slice of every expert) summed over the ranks;
+        # idx came from the routing, before up: down requests its weights before its PDL wait
         return moe.reduce(ops.fp4_experts_down(a, idx, bank.w2, bank.w2_scale, add=y_sh,
                                                out_dtype=x.dtype, workspace=self.down_ws or None,
-                                               rows=T))
+                                               rows=T, idx_early=True))
 
 
 def prefill_experts(moe, ops: Ops, x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor

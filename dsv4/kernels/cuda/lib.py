@@ -280,12 +280,13 @@ def topk_bf16(lib, scores, k: int, out, pdl: bool) -> None:
 
 
 def fp4_down(lib, a, idx, w2, s2, add, y, ws, cnt, D: int, I: int, k: int, y_f32: bool, cfg,
-             pdl: bool, rows: int = 1) -> None:
-    """dsv4_fp4_down; ws / cnt None (unused) for cfg.all_experts; rows > 1: all_experts only."""
+             pdl: int, rows: int = 1) -> None:
+    """dsv4_fp4_down; ws / cnt None (unused) for cfg.all_experts; rows > 1: all_experts only.
+    pdl: 0 off, 1 on, 2 on with idx and its weights read before the wait (dsv4_api.h says when)."""
     err = lib.dsv4_fp4_down(a.data_ptr(), idx.data_ptr(), w2.data_ptr(), s2.data_ptr(),
                             _ptr(add), y.data_ptr(), _ptr(ws), _ptr(cnt), D, I, k, int(y_f32),
                             cfg.spw, cfg.dec, cfg.depth, int(cfg.all_experts), rows, _stream(y),
-                            int(pdl))
+                            int(pdl))   # 0, 1 or 2
     _check(err, "fp4 experts down (CUDA)", lib)
 
 

@@ -286,14 +286,18 @@ def fp4_experts_down(a: torch.Tensor, idx: torch.Tensor, w2: torch.Tensor, s2: t
                      out: torch.Tensor | None = None,
                      config: Config | ExpertCudaConfig | None = None,
                      impl: str = "cuda", strict: bool = False, workspace: tuple | None = None,
-                     rows: int = 1, pdl: bool = True) -> torch.Tensor:
+                     rows: int = 1, pdl: bool = True, idx_early: bool = False) -> torch.Tensor:
     """a [k, I] bf16, idx [k] int64 -> y [1, D] = sum_j bf16(W8A8 w2[idx[j]] @ a[j]), summed in fp32
     in slot order j = 0..k-1 (pass idx sorted to match the reference), plus `add` ([1, D], e.g. the
     shared expert's bf16 output) in fp32, rounded to out_dtype (float32 or bfloat16).
     workspace: the per-expert CUDA kernel's (see down_workspace; default: one per device and
     shape; the all-experts kernel needs none, see down_needs_workspace).
     rows > 1 (the speculative verify rows): the k pairs split into `rows` runs -> y [rows, D], add
-    [rows, D], each row as a one-row call (one launch with the all-experts kernel). Capture-safe."""
+    [rows, D], each row as a one-row call (one launch with the all-experts kernel).
+    idx_early (with PDL, the CUDA kernels): idx and the weights it addresses are read before the
+    launch's PDL wait, so they stream while the kernel before finishes; only where idx was written
+    before that kernel passed its own wait (the routing, with the up kernel between: DecodeKernels).
+    The same bits. Capture-safe."""
     E, D, I = _check(w2, s2, "fp4_experts_down w2")
     k = idx.numel()
     if tuple(a.shape) != (k, I) or rows < 1 or k % rows:
@@ -324,7 +328,8 @@ def fp4_experts_down(a: torch.Tensor, idx: torch.Tensor, w2: torch.Tensor, s2: t
             with on_device(out):
                 cuda_cpp.fp4_down(cuda_cpp.lib_for(out.device), ac, idx.contiguous(), w2,
                                   s2.view(torch.uint8), addc, out, ws, cnt, D, I, k // rows,
-                                  out.dtype == torch.float32, ccfg, pdl_on(out, pdl), rows=rows)
+                                  out.dtype == torch.float32, ccfg,
+                                  (2 if idx_early else 1) if pdl_on(out, pdl) else 0, rows=rows)
             return out
     if rows > 1:   # one launch per row
         n = k // rows

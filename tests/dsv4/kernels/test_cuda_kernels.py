@@ -410,7 +410,9 @@ def test_fp4_experts_cuda_kernels(which):
 @pytest.mark.cuda
 def test_cuda_kernels_capture_and_pdl():
     """Captured in a CUDA graph (under sync debug 'error'), replayed on new inputs: the same bits as
-    eager calls; and the same bits without PDL (pdl=False: the backend's DSV4_PDL=0)."""
+    eager calls; and the same bits without PDL (pdl=False: the backend's DSV4_PDL=0). down with
+    idx_early (its weights requested before the PDL wait; idx written before the kernel it waits
+    for began) gives down's bits."""
     from dsv4.kernels.decode.fp4_experts import fp4_experts_down, fp4_experts_up
     from dsv4.kernels.decode.fp8_linear import fp8_linear, fp8_linear2, fp8_swiglu
     _need_lib()
@@ -431,7 +433,9 @@ def test_cuda_kernels_capture_and_pdl():
         a = fp4_experts_up(x, idx, rw, w1, s1, w3, s3, 10.0, pdl=pdl)
         sh = fp8_swiglu(x, sw1, ss1, sw3, ss3, 10.0, pdl=pdl)
         return (q, kv, fp8_linear(q, wo, so, pdl=pdl), sh,
-                fp4_experts_down(a, idx, w2, s2, add=x, out_dtype=torch.bfloat16, pdl=pdl))
+                fp4_experts_down(a, idx, w2, s2, add=x, out_dtype=torch.bfloat16, pdl=pdl),
+                fp4_experts_down(a, idx, w2, s2, add=x, out_dtype=torch.bfloat16, pdl=pdl,
+                                 idx_early=True))
     g, outs = capture_step(step)
     x.copy_(spiky_x(4096, gen, torch.bfloat16, dev))
     idx.copy_(torch.tensor([0, 2, 3, 7, 8, 11], device=dev))
@@ -439,6 +443,7 @@ def test_cuda_kernels_capture_and_pdl():
     want = step()
     for got, ref in zip(outs, want):
         assert torch.equal(got, ref)
+    assert torch.equal(want[-1], want[-2])
     if common.pdl(x):
         for got, ref in zip(step(pdl=False), want):
             assert torch.equal(got, ref)
