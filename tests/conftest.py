@@ -69,66 +69,9 @@ def interpreter_unusable() -> str | None:
     return None
 
 
-def skip_nested_interpreter_patching() -> bool:
-    """Triton's interpreter re-patches triton.language (an inspect.getmembers over the module, its
-    tensor class and tl.math) on every call of a nested @triton.jit function, though the launch
-    has already patched those modules and the re-patch changes nothing: over half of the
-    interpreter tests' time (hc_pre_norm_rows of 70 rows: 16 s, 7 s without it). Skip a nested
-    call's re-patch when every language module it sees is already patched by the running launch
-    (any other still patches, as Triton does). Installed only on an interpreter of the known
-    form (Triton 3.9's: _patch_lang returns a _LangPatchScope that the launch restores); anything
-    else runs as shipped. DSV4_TEST_FAST_INTERPRETER=0 turns it off. -> installed?"""
-    if os.environ.get("DSV4_TEST_FAST_INTERPRETER", "1") == "0":
-        return False
-    import inspect
-    try:
-        import triton.language as tl
-        import triton.runtime.interpreter as interp
-        grid_src = inspect.getsource(interp.GridExecutor.__call__)
-        nested_src = inspect.getsource(interp.InterpretedFunction.__call__)
-    except (ImportError, AttributeError, OSError, TypeError):
-        return False
-    if getattr(interp, "_dsv4_nested_patch_skip", False):
-        return True
-    if not (hasattr(interp, "_LangPatchScope") and callable(getattr(interp, "_patch_lang", None))
-            and "patch_scope = _patch_lang(self.fn)" in grid_src
-            and "patch_scope.restore()" in grid_src and "_patch_lang(self.fn)" in nested_src):
-        return False
-    patch_lang, grid_call = interp._patch_lang, interp.GridExecutor.__call__
-    # per running launch (innermost last): [its function, the ids of the language modules
-    # patched since its own _patch_lang; None before that]
-    running: list = []
-
-    def langs(fn) -> frozenset:
-        # read afresh each call, as Triton does: rewriting a function adds the interpreter's
-        # globals (its `tl`) to its module's globals, so they can gain a language module
-        return frozenset(id(v) for v in list(fn.__globals__.values())
-                         if inspect.ismodule(v) and v in (tl, tl.core))
-
-    def _patch_lang(fn):
-        seen = langs(fn)
-        if running and running[-1][1] is not None and seen and seen <= running[-1][1]:
-            return interp._LangPatchScope()         # nothing to patch, nothing to restore
-        scope = patch_lang(fn)   # (no language module in sight: Triton's own assertion)
-        if running and (running[-1][1] is not None or fn is running[-1][0]):
-            running[-1][1] = (running[-1][1] or frozenset()) | seen
-        return scope
-
-    def __call__(self, *args, **kwargs):
-        running.append([self.fn, None])     # recorded from the launch's own _patch_lang on
-        try:
-            return grid_call(self, *args, **kwargs)
-        finally:
-            running.pop()
-
-    interp._patch_lang = _patch_lang
-    interp.GridExecutor.__call__ = __call__
-    interp._dsv4_nested_patch_skip = True
-    return True
-
-
 if os.environ.get("TRITON_INTERPRET") == "1":      # the interpreter tests' subprocesses
-    skip_nested_interpreter_patching()
+    from fast_interpreter import install
+    install()
 
 
 _INTERPRETER_UNUSABLE = interpreter_unusable()
