@@ -51,6 +51,26 @@ constexpr int FLAG_X_F32 = 1, FLAG_Y_F32 = 2, FLAG_QUANT = 4, FLAG_TWO = 8;
     ys = (a).ys1;                                  \
   }
 
+// One output element of both FP8 GEMVs from its float32 sums v (SWIGLU: v[0] the gate w1, v[1] the
+// up w3): fp8_gemm outputs bf16, so the clamped SwiGLU runs on those values; stored at yp[o] as
+// float32 (FLAG_Y_F32) or bf16.
+template <int NM, bool SWIGLU>
+DEV void fp8_store(const Fp8Args& a, const float (&v)[NM], void* yp, size_t o) {
+  float y = v[0];
+  if constexpr (SWIGLU) {
+    float g = bf16_round(v[0]), u = bf16_round(v[1]);
+    if (a.limit > 0.0f) {
+      u = fminf(fmaxf(u, -a.limit), a.limit);
+      g = fminf(g, a.limit);
+    }
+    y = g / (1.0f + expf(-g)) * u;
+  }
+  if (a.flags & FLAG_Y_F32)
+    static_cast<float*>(yp)[o] = y;
+  else
+    static_cast<__nv_bfloat16*>(yp)[o] = __float2bfloat16_rn(y);
+}
+
 using Fp8Launch = cudaError_t (*)(const Fp8Args&, int, int, cudaStream_t, int);
 
 Fp8Args fp8_args(const void* w0, const void* s0, void* y0, const void* w1, const void* s1, void* y1,

@@ -136,20 +136,7 @@ __global__ void __launch_bounds__(512) fp8_gemv_kernel(const Fp8Args a) {
         t[m] = 0.0f;
         for (int w = 0; w < nwarps; ++w) t[m] += red[(w * NM + m) * ROWS + r];
       }
-      float y = t[0];
-      if constexpr (SWIGLU) {   // fp8_gemm outputs bf16; the clamped SwiGLU runs on those values
-        float g = bf16_round(t[0]), u = bf16_round(t[1]);
-        if (a.limit > 0.0f) {
-          u = fminf(fmaxf(u, -a.limit), a.limit);
-          g = fminf(g, a.limit);
-        }
-        y = g / (1.0f + expf(-g)) * u;
-      }
-      const size_t o = size_t(xr) * ys + row0 + r;
-      if (a.flags & FLAG_Y_F32)
-        static_cast<float*>(yp)[o] = y;
-      else
-        static_cast<__nv_bfloat16*>(yp)[o] = __float2bfloat16_rn(y);
+      fp8_store<NM, SWIGLU>(a, t, yp, size_t(xr) * ys + row0 + r);
     }
   }
 }

@@ -33,10 +33,11 @@ constexpr size_t fp8_mma_smem(int warps, int nx) {
   return size_t(warps) * nx * (2 * mma_xrow<SPW>() + 4 * SPW) + size_t(warps) * NM * 128 * 4;
 }
 
-// The pieces of fp8_mma_stream_kernel below, each the statements of fp8_mma_kernel's part of the
-// same name (written out there: moved into functions, its register allocation changed, a spill in
-// the spw-2 instance, and it is the tuned kernel); the stream kernel's test holds the two to the
-// same bits.
+// The pieces of fp8_mma_stream_kernel below. fp8_mma_kernel shares the epilogue (mma_partial,
+// mma_finish: its registers and instructions unchanged) and writes out the statements of the
+// others (mma_load, mma_quant_x, mma_blocks): with those moved into functions its register
+// allocation changed (a spill in the spw-2 instance), and it is the tuned kernel. The stream
+// kernel's test holds the two to the same bits.
 //
 // The weights of blocks [kb, kb + NB) of the tile whose first row (in its matrix) is row0, lane
 // (g, q)'s part: [matrix][block][row g / g + 8][chunk q / q + 4], and the blocks' scale bytes.
@@ -169,20 +170,7 @@ DEV void mma_finish(const Fp8Args& a, const float* red, int nwarps, void* yp, in
       v[m] = 0.0f;
       for (int w = 0; w < nwarps; ++w) v[m] += red[((w * NM + m) * 16 + r) * 8 + n];
     }
-    float y = v[0];
-    if constexpr (SWIGLU) {   // fp8_gemm outputs bf16; the clamped SwiGLU runs on those values
-      float gt = bf16_round(v[0]), u = bf16_round(v[1]);
-      if (a.limit > 0.0f) {
-        u = fminf(fmaxf(u, -a.limit), a.limit);
-        gt = fminf(gt, a.limit);
-      }
-      y = gt / (1.0f + expf(-gt)) * u;
-    }
-    const size_t o = size_t(n) * ys + row0 + r;
-    if (a.flags & FLAG_Y_F32)
-      static_cast<float*>(yp)[o] = y;
-    else
-      static_cast<__nv_bfloat16*>(yp)[o] = __float2bfloat16_rn(y);
+    fp8_store<NM, SWIGLU>(a, v, yp, size_t(n) * ys + row0 + r);
   }
 }
 
@@ -297,38 +285,9 @@ __global__ void __launch_bounds__(512) fp8_mma_kernel(const Fp8Args a) {
   }
 
   // red[warp][m][row][column]; then thread (column n, row r) adds the warps' sums in warp order
-#pragma unroll
-  for (int m = 0; m < NM; ++m)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      float* rp = red + ((warp * NM + m) * 16 + g + 8 * h) * 8 + 2 * q;
-      rp[0] = tot[m][h][0];
-      rp[1] = tot[m][h][1];
-    }
+  mma_partial<NM>(tot, red, warp, g, q);
   __syncthreads();
-  for (int t = threadIdx.x; t < 16 * nx; t += blockDim.x) {
-    const int r = t & 15, n = t >> 4;
-    float v[NM];
-#pragma unroll
-    for (int m = 0; m < NM; ++m) {
-      v[m] = 0.0f;
-      for (int w = 0; w < nwarps; ++w) v[m] += red[((w * NM + m) * 16 + r) * 8 + n];
-    }
-    float y = v[0];
-    if constexpr (SWIGLU) {   // fp8_gemm outputs bf16; the clamped SwiGLU runs on those values
-      float gt = bf16_round(v[0]), u = bf16_round(v[1]);
-      if (a.limit > 0.0f) {
-        u = fminf(fmaxf(u, -a.limit), a.limit);
-        gt = fminf(gt, a.limit);
-      }
-      y = gt / (1.0f + expf(-gt)) * u;
-    }
-    const size_t o = size_t(n) * ys + row0 + r;
-    if (a.flags & FLAG_Y_F32)
-      static_cast<float*>(yp)[o] = y;
-    else
-      static_cast<__nv_bfloat16*>(yp)[o] = __float2bfloat16_rn(y);
-  }
+  mma_finish<NM, SWIGLU>(a, red, nwarps, yp, ys, row0);
 }
 
 // fp8_mma_kernel over a fixed grid of G CTAs: CTA b takes the tiles b, b + G, b + 2G, ... of the
