@@ -27,6 +27,15 @@
 // the host-mapped status words, writes NaN (0xFF bytes) over its output chunk and returns; the
 // host reads the status without a sync (dsv4.parallel.oneshot.OneShotAllReduce.check).
 //
+// With the mHC post (dsv4_allreduce_post; HC = 4 streams): step 5 goes on from the sum, rounded to
+// the dtype as above (the bits the plain call writes), to the block's hc_post of those rows
+// (dsv4.numerics.mhc.hc_post): for every row t and stream j, out[t, j] = dtype(post[t, j] * x[t] +
+// sum_i comb[t, i, j] * res[t, i]) in float32, i in order 0..3, the element's own values only
+// (out may not overlap res). The message x is [rows, D], res and out [rows, HC, D], post
+// [rows, HC] and comb [rows, HC, HC] float32; the summed x itself is not written. One launch
+// where the layer had two (the all-reduce, then hc_post after it); what the sum reads and the
+// flags are the plain call's, so both calls share a buffer and its epochs.
+//
 // ---- the two-shot ----
 //
 // A message of n bytes is cut into chunks of `chunk` bytes (the last one shorter); chunk k is owned
@@ -104,6 +113,12 @@ struct ArCall {                  // one launch: the message, the buffers' sizes,
   int n16, rank, cap, chunk;     // 16-byte vectors of the message; this rank; buffer sizes
   uint64_t timeout_ns;
   int* status;                   // host-mapped status words (device address)
+  // the mHC post (HC > 0 launches only): res / out [rows, HC, D], post [rows, HC], comb
+  // [rows, HC, HC]; d16: 16-byte vectors of a row of x
+  const uint4* res = nullptr;
+  const float* post = nullptr;
+  const float* comb = nullptr;
+  int d16 = 0;
 };
 
 struct ArLayout {
@@ -236,8 +251,39 @@ DEV void report_timeout(volatile int* status, int missing, uint32_t e, int b) {
   status[0] = 1;
 }
 
+// Step 5 with the mHC post for one 16-byte vector gv of x (row t = gv / d16): acc, the rounded
+// sum's float32 values -> out[t, j] for the HC streams j (the file's header).
+template <typename T, int HC>
+DEV void ar_post_vector(const ArCall& c, int gv, const float* acc) {
+  using L = Lanes<T>;
+  const int t = gv / c.d16, dv = gv - t * c.d16;
+  const float* post = c.post + size_t(t) * HC;
+  const float* comb = c.comb + size_t(t) * HC * HC;
+  const size_t row0 = size_t(t) * HC * size_t(c.d16) + size_t(dv);   // res / out [t, 0, dv]
+  float r[HC][L::E];
+#pragma unroll
+  for (int i = 0; i < HC; ++i) L::load(c.res[row0 + size_t(i) * c.d16], r[i]);
+#pragma unroll
+  for (int j = 0; j < HC; ++j) {
+    const float pj = post[j];
+    float cj[HC];
+#pragma unroll
+    for (int i = 0; i < HC; ++i) cj[i] = comb[i * HC + j];
+    float y[L::E];
+#pragma unroll
+    for (int k = 0; k < L::E; ++k) {
+      float s = cj[0] * r[0][k];
+#pragma unroll
+      for (int i = 1; i < HC; ++i) s = fmaf(cj[i], r[i][k], s);
+      y[k] = fmaf(pj, acc[k], s);
+    }
+    c.out[row0 + size_t(j) * c.d16] = L::store(y);
+  }
+}
+
 // The steps in the file's header; grid ceil(nbytes / chunk), block min(AR_THREADS, chunk / 16).
-template <typename T, int NR>
+// HC > 0: with the mHC post of HC streams (dsv4_allreduce_post).
+template <typename T, int NR, int HC>
 __global__ void __launch_bounds__(AR_THREADS)
     allreduce_oneshot_kernel(ArPeers peers, char* own, ArCall c) {
   pdl_wait();                    // the input (and the previous launch's buffer reads) complete
@@ -293,8 +339,16 @@ __global__ void __launch_bounds__(AR_THREADS)
   }
   __syncthreads();
   if (s_failed) {                // NaN out: nothing downstream may read a partial sum as data
-    for (int v = threadIdx.x; v < nv; v += blockDim.x)
-      out[v0 + v] = make_uint4(0xFFFFFFFFu, 0xFFFFFFFFu, 0xFFFFFFFFu, 0xFFFFFFFFu);
+    const uint4 nan = make_uint4(0xFFFFFFFFu, 0xFFFFFFFFu, 0xFFFFFFFFu, 0xFFFFFFFFu);
+    for (int v = threadIdx.x; v < nv; v += blockDim.x) {
+      if constexpr (HC == 0) {
+        out[v0 + v] = nan;
+      } else {                   // every stream of the chunk's elements
+        const int gv = v0 + v, t = gv / c.d16, dv = gv - t * c.d16;
+#pragma unroll
+        for (int j = 0; j < HC; ++j) out[(size_t(t) * HC + j) * size_t(c.d16) + dv] = nan;
+      }
+    }
     return;
   }
 
@@ -307,12 +361,17 @@ __global__ void __launch_bounds__(AR_THREADS)
     L::load(ld_l2(slots + v), acc);
 #pragma unroll
     for (int r = 1; r < NR; ++r) L::add(ld_l2(slots + size_t(r) * stride + v), acc);
-    out[v0 + v] = L::store(acc);
+    if constexpr (HC == 0) {
+      out[v0 + v] = L::store(acc);
+    } else {                     // the sum rounded once to T (the plain call's bits), then post
+      L::load(L::store(acc), acc);
+      ar_post_vector<T, HC>(c, v0 + v, acc);
+    }
   }
   if (threadIdx.x == 0) *epoch_p = e;   // 6.
 }
 
-template <typename T>
+template <typename T, int HC = 0>
 cudaError_t launch_ar(int world, cudaStream_t st, int pdl, const ArPeers& peers, const ArCall& c) {
   const dim3 grid(unsigned((c.n16 * 16 + c.chunk - 1) / c.chunk));
   const dim3 block(unsigned(std::min(AR_THREADS, c.chunk / 16)));
@@ -320,7 +379,7 @@ cudaError_t launch_ar(int world, cudaStream_t st, int pdl, const ArPeers& peers,
   switch (world) {
 #define AR_CASE(N) \
   case N:          \
-    return launch(allreduce_oneshot_kernel<T, N>, grid, block, 0, st, pdl, peers, own, c);
+    return launch(allreduce_oneshot_kernel<T, N, HC>, grid, block, 0, st, pdl, peers, own, c);
     AR_CASE(2) AR_CASE(3) AR_CASE(4) AR_CASE(5) AR_CASE(6) AR_CASE(7) AR_CASE(8)
 #undef AR_CASE
     default:
@@ -650,6 +709,36 @@ int dsv4_allreduce(void* const* peers, int world, int rank, const void* x, void*
     case 1: return launch_ar<__nv_bfloat16>(world, st, pdl, p, c);
     default: return launch_ar<__half>(world, st, pdl, p, c);
   }
+}
+
+int dsv4_allreduce_post(void* const* peers, int world, int rank, const void* x,
+                        const void* res, const float* post, const float* comb, void* out,
+                        long long nbytes, int row_bytes, int hc, int dtype, int cap, int chunk,
+                        unsigned long long timeout_ns, void* status, void* stream, int pdl) {
+  const auto misaligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 != 0; };
+  if (world < 2 || world > AR_MAX_RANKS || rank < 0 || rank >= world || !ar_sizes_ok(cap, chunk) ||
+      nbytes <= 0 || nbytes > cap || nbytes % 16 != 0 || row_bytes <= 0 || row_bytes % 16 != 0 ||
+      nbytes % row_bytes != 0 || hc != 4 || (dtype != 0 && dtype != 1) || misaligned(x) ||
+      misaligned(res) || misaligned(out) || post == nullptr || comb == nullptr)
+    return -1;
+  ArPeers p = {};
+  for (int r = 0; r < world; ++r) p.base[r] = static_cast<char*>(peers[r]);
+  ArCall c;
+  c.x = static_cast<const uint4*>(x);
+  c.out = static_cast<uint4*>(out);
+  c.n16 = int(nbytes / 16);
+  c.rank = rank;
+  c.cap = cap;
+  c.chunk = chunk;
+  c.timeout_ns = timeout_ns;
+  c.status = static_cast<int*>(status);
+  c.res = static_cast<const uint4*>(res);
+  c.post = post;
+  c.comb = comb;
+  c.d16 = row_bytes / 16;
+  const cudaStream_t st = static_cast<cudaStream_t>(stream);
+  return dtype == 0 ? launch_ar<float, 4>(world, st, pdl, p, c)
+                    : launch_ar<__nv_bfloat16, 4>(world, st, pdl, p, c);
 }
 
 int dsv4_allreduce2(void* const* peers, int world, int rank, const void* x, void* out,

@@ -104,6 +104,19 @@ int dsv4_allreduce(void* const* peers, int world, int rank, const void* x, void*
                    long long nbytes, int dtype, int cap, int chunk, unsigned long long timeout_ns,
                    void* status, void* stream, int pdl);
 
+// out = hc_post(the sum over the world ranks of x, res, post, comb) in one launch (allreduce.cu's
+// header; dsv4.parallel.oneshot.OneShotAllReduce.post): x [rows, D] (nbytes, rows of row_bytes)
+// summed as dsv4_allreduce sums it (the same arguments, buffer and epochs) and rounded to the
+// dtype, then out[t, j] = dtype(post[t, j] * x[t] + sum_i comb[t, i, j] * res[t, i]) for hc = 4
+// streams (res, out [rows, 4, D] of the dtype, apart from each other; post [rows, 4], comb
+// [rows, 4, 4] float32); x itself is not written. dtype 0 float32 or 1 bf16. A rank that does not
+// arrive: status as dsv4_allreduce's and out = NaN. -1: not supported (sizes, hc, dtype,
+// alignment).
+int dsv4_allreduce_post(void* const* peers, int world, int rank, const void* x,
+                        const void* res, const float* post, const float* comb, void* out,
+                        long long nbytes, int row_bytes, int hc, int dtype, int cap, int chunk,
+                        unsigned long long timeout_ns, void* status, void* stream, int pdl);
+
 // ---- the two-shot all-reduce of a large message (allreduce.cu; dsv4/parallel/twoshot.py) -------
 // Its buffer is allocated, shared, mapped and freed with the dsv4_ar_* calls above.
 

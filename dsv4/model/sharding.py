@@ -113,6 +113,21 @@ class TensorParallel:
         self.comm.all_reduce(y32)
         return y32.to(y.dtype)
 
+    def reduce_post(self, y: torch.Tensor, res: torch.Tensor, post: torch.Tensor,
+                    comb: torch.Tensor, post_fn, out: torch.Tensor | None = None) -> torch.Tensor:
+        """post_fn(reduce(y), res, post, comb, out=out): a sublayer's partial output y [T, D]
+        summed over the ranks and put into the block's mHC streams (res [T, c, D], post [T, c],
+        comb [T, c, c]; post_fn: hc_post's signature). In one launch where the all-reduce serving
+        y adds the post itself (Communicator.all_reduce_post: our one-shot kernel; its sum the
+        bits of reduce's, the post in a float order of its own); otherwise reduce, then post_fn.
+        Which of the two goes by sizes and dtypes: the same on every rank and every run.
+        Capture-safe where the communicator is."""
+        if out is None:
+            out = torch.empty_like(res)
+        if y.is_contiguous() and self.comm.all_reduce_post(y, res, post, comb, out):
+            return out
+        return post_fn(self.reduce(y), res, post, comb, out=out)
+
     def gather(self, local: torch.Tensor, vocab: int, out: torch.Tensor | None = None
                ) -> torch.Tensor:
         """local [T, Vs] float32, this rank's logits -> [T, V] (into out if given): every rank's

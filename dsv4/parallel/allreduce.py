@@ -84,6 +84,20 @@ class AllReduce:
             self.impl_for(x.numel() * x.element_size(), x.dtype)(x, out)
         return out
 
+    def post(self, x: torch.Tensor, res: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+             out: torch.Tensor) -> bool:
+        """out = hc_post(the sum over the ranks of x, res, post, comb) in one launch where the
+        implementation serving x adds the mHC post itself (our one-shot: OneShotAllReduce.post);
+        -> whether it did (False: nothing ran; the caller all-reduces and posts). It goes by
+        sizes, dtypes and addresses: the same answer on every rank for the same calls."""
+        if not x.numel() or x.device != self.group.device:
+            return False
+        impl = self.impl_for(x.numel() * x.element_size(), x.dtype)
+        if not hasattr(impl, "supports_post") or not impl.supports_post(x, res, post, comb, out):
+            return False
+        impl.post(x, res, post, comb, out)
+        return True
+
     def check(self) -> None:
         """Raise ParallelError if an earlier call gave up waiting for a rank (no sync)."""
         for impl in (self.fast, self.large):

@@ -43,6 +43,12 @@ class Communicator:
         """x (contiguous, on the group's device) = the sum over the ranks of x, in place."""
         return self.allreduce(x)
 
+    def all_reduce_post(self, x: torch.Tensor, res: torch.Tensor, post: torch.Tensor,
+                        comb: torch.Tensor, out: torch.Tensor) -> bool:
+        """out = hc_post(the sum over the ranks of x, res, post, comb) in one launch where the
+        all-reduce serving x can add the mHC post (AllReduce.post) -> whether it did."""
+        return self.allreduce.post(x, res, post, comb, out)
+
     def sums_in_float32(self, x: torch.Tensor) -> bool:
         """Whether all_reduce(x) sums x's exact float32 values in rank order and rounds once
         (AllReduce.sums_in_float32): the same on every rank (it goes by size and dtype)."""

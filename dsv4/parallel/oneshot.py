@@ -122,6 +122,38 @@ class OneShotAllReduce:
             return
         self._launch(x, out)
 
+    POST_DTYPES = (torch.float32, torch.bfloat16)
+    POST_STREAMS = 4            # the mHC streams the kernel's post takes (hc_mult)
+
+    def supports_post(self, x: torch.Tensor, res: torch.Tensor, post: torch.Tensor,
+                      comb: torch.Tensor, out: torch.Tensor) -> bool:
+        """Whether `post` serves these tensors (x [rows, D], res and out [rows, 4, D] of x's
+        dtype, post [rows, 4] and comb [rows, 4, 4] float32; all contiguous and 16-byte aligned,
+        out apart from res): it goes by shapes, dtypes and addresses alone."""
+        if x.dim() != 2 or x.dtype not in self.POST_DTYPES:
+            return False
+        T, D = x.shape
+        C = self.POST_STREAMS
+        shapes = (res.shape == (T, C, D) and out.shape == (T, C, D) and post.shape == (T, C)
+                  and comb.shape == (T, C, C))
+        kinds = (res.dtype == out.dtype == x.dtype and post.dtype == comb.dtype == torch.float32
+                 and all(t.is_contiguous() and t.device == x.device
+                         for t in (x, res, post, comb, out)))
+        aligned = all(t.data_ptr() % 16 == 0 for t in (x, res, out))
+        lo, hi = out.data_ptr(), out.data_ptr() + out.numel() * out.element_size()
+        apart = res.data_ptr() >= hi or res.data_ptr() + res.numel() * res.element_size() <= lo
+        return (shapes and kinds and aligned and apart and (D * x.element_size()) % 16 == 0
+                and self.supports(x.numel() * x.element_size(), x.dtype))
+
+    def post(self, x: torch.Tensor, res: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+             out: torch.Tensor) -> None:
+        """out = hc_post(the sum over the ranks of x, res, post, comb) in one launch (x not
+        written; the sum's bits those of a plain call; supports_post must hold). The same calls
+        on every rank, in the order of the plain ones: both share the buffer and its epochs."""
+        cuda_lib.allreduce_post(self.lib, self.peers, self.group.world_size, self.group.rank, x,
+                                res, post, comb, out, self.cap, self.chunk, self.timeout_ns,
+                                self.status_dev.value, self.pdl)
+
     def _launch(self, x, out) -> None:
         cuda_lib.allreduce(self.lib, self.peers, self.group.world_size, self.group.rank, x, out,
                            self.cap, self.chunk, self.timeout_ns, self.status_dev.value, self.pdl)

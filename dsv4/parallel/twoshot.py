@@ -37,6 +37,11 @@ class TwoShotAllReduce(OneShotAllReduce):
     def _buffer_bytes(self, lib) -> int:
         return lib.dsv4_ar2_buffer_bytes(self.cap, self.chunk, self.ctas, self.group.world_size)
 
+    def supports_post(self, *tensors) -> bool:
+        """Never: the two-shot's kernel has no mHC post (AllReduce.post: the caller reduces,
+        then posts)."""
+        return False
+
     def _launch(self, x, out) -> None:
         cuda_lib.allreduce2(self.lib, self.peers, self.group.world_size, self.group.rank, x, out,
                             self.cap, self.chunk, self.ctas, self.timeout_ns,

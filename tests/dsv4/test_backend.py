@@ -47,6 +47,10 @@ def test_options_from_env_as_the_runtime_read_them():
     p = Options.from_env({"DSV4_PREFETCH": "attn, ffn,bad", "DSV4_PREFETCH_CFG": "1,132,128,4096"})
     assert p.prefetch == {"attn", "ffn"} and p.prefetch_cfg == (1, 132, 128, 4096)
     assert Options.from_env({"DSV4_PREFETCH": "0"}).prefetch == frozenset()
+    # the all-reduce with the mHC post in one launch: off unless asked
+    assert Options.from_env({}).ar_post is False
+    assert Options.from_env({"DSV4_AR_POST": "1"}).ar_post is True
+    assert Options.from_env({"DSV4_AR_POST": "yes"}).ar_post is False
 
 
 def test_cpu_and_meta_take_torch_everywhere():
@@ -170,6 +174,30 @@ def test_gpu_binding_takes_the_fused_paths(gpu):
     for blk in m.layers:
         bind_block(blk, Ops(off))
     assert all(_bound(m).values())
+
+
+def test_the_post_joins_the_all_reduce_only_where_asked_in_tensor_parallel(gpu):
+    """Block.post_reduce (each sublayer's all-reduce and the block's mHC post in one launch) is
+    bound only for a tensor-parallel block, with DSV4_AR_POST=1 asked, on the fused paths; the
+    sublayers then leave their outputs unreduced (decode_rows(reduce=False))."""
+    from dsv4.backend.fused.moe import DecodeKernels
+    from dsv4.model.block import Block
+    from dsv4.model.sharding import TensorParallel
+    from dsv4.weights.presets import TINY_TP
+    cfg = TINY_TP.replace(vocab_size=512)
+    tp = TensorParallel(0, 2)
+    be = resolve("cuda:0", torch.bfloat16, tp.shapes(cfg), Options(ar_post=True))
+    blk = Block(cfg, 0, "meta", tp=tp)
+    bind_block(blk, Ops(be))
+    assert blk.post_reduce is tp and blk.tp is tp
+    assert isinstance(blk.ffn.decode_rows, DecodeKernels)
+    for options, block_tp in ((Options(), tp), (Options(ar_post=True), None),
+                              (Options(ar_post=True, kernels="0"), tp)):
+        b = Block(cfg, 0, "meta", tp=block_tp)
+        bind_block(b, Ops(resolve("cuda:0", torch.bfloat16, cfg, options)))
+        assert b.post_reduce is None, options
+    # a one-process model: no all-reduce to join
+    assert Block(cfg, 0, "meta", tp=TensorParallel(0, 1)).tp is None
 
 
 def test_environment_read_once_at_build(monkeypatch):

@@ -20,7 +20,8 @@ from . import indexer as fused_indexer
 from .prefetch import LANE_ATTN, Prefetch
 
 
-def decode_rows(attn, ops: Ops, x: torch.Tensor, pos: torch.Tensor, st) -> torch.Tensor:
+def decode_rows(attn, ops: Ops, x: torch.Tensor, pos: torch.Tensor, st, reduce: bool = True
+                ) -> torch.Tensor:
     """The fused decode of T rows at positions pos .. pos+T-1, row t seeing rows < t: x [T, D]
     -> [T, D] (T = 1: one decode step; T > 1: the speculative verify rows, row t with the bits of
     a one-row call after the rows before it). Same math and state updates as
@@ -35,7 +36,9 @@ def decode_rows(attn, ops: Ops, x: torch.Tensor, pos: torch.Tensor, st) -> torch
     (each row's state follows the previous row's); the index query, scores, top-k, prep and
     attention take all rows in one launch each. For T > 1 the ring is written after every row's
     attention (row t + 1's slot holds a position that row t's window reads): until then a row
-    reads the slots of rows <= t from their prepped kv (sparse_attention_decode_rows)."""
+    reads the slots of rows <= t from their prepped kv (sparse_attention_decode_rows).
+    reduce=False: a tensor-parallel rank's partial output (wo_b of its heads), left for the block
+    to sum with its mHC post (TensorParallel.reduce_post); needs wo_a on the GEMV."""
     cfg, act, H, T = attn.cfg, x.dtype, attn.n_heads, x.shape[0]     # H: this rank's heads
     W, r, eps = cfg.window_size, attn.ratio, cfg.norm_eps
     ix = attn.indexer
@@ -83,7 +86,7 @@ def decode_rows(attn, ops: Ops, x: torch.Tensor, pos: torch.Tensor, st) -> torch
     else:
         ops.sparse_attention_decode_rows(q.view(T, -1), kv, st.kv_cache, attn.attn_sink, pos,
                                          attn.freqs, scale, H, W, r, n, idx, out=o)
-    y = project_out(attn, ops, o, rows=T > 1)
+    y = project_out(attn, ops, o, rows=T > 1, reduce=reduce)
     pf.join()
     return y
 
@@ -112,12 +115,17 @@ def side_projections(attn, ops: Ops, x: torch.Tensor) -> list:
     return ops.bf16_linear_multi(x, [lin.weight for lin in lins], dts)
 
 
-def project_out(attn, ops: Ops, o: torch.Tensor, rows: bool = False) -> torch.Tensor:
+def project_out(attn, ops: Ops, o: torch.Tensor, rows: bool = False, reduce: bool = True
+                ) -> torch.Tensor:
     """Attention.project_out on the kernels where the backend has them: the grouped wo_a of
     decode rows (rows: each row with the bits of a one-row call) in one FP8 GEMV launch, of a
-    chunk's rows on the prefill GEMM; then wo_b, summed over the tensor-parallel ranks."""
+    chunk's rows on the prefill GEMM; then wo_b, summed over the tensor-parallel ranks
+    (reduce=False: not summed, where wo_a runs on the GEMV: decode_rows)."""
     be, act, G = ops.backend, o.dtype, attn.n_groups
     o = o.reshape(o.shape[0], -1)                                           # [s, h*d]
+    if not reduce and not be.wo_a_gemv:
+        raise ValueError("project_out(reduce=False) needs wo_a on the FP8 GEMV (the other paths "
+                         "sum over the ranks themselves)")
     if rows and not be.wo_a_gemv:   # each row as decode's one-row path (not the prefill GEMM)
         return torch.cat([attn.project_out(o[t:t + 1]) for t in range(o.shape[0])])
     if be.wo_a_gemv and (o.shape[0] == 1 or rows):
@@ -128,7 +136,8 @@ def project_out(attn, ops: Ops, o: torch.Tensor, rows: bool = False) -> torch.Te
                                out_dtype=act, quant_act=False, group_k=o.shape[-1] // G)
     else:
         return attn.project_out(o)
-    return attn.reduce(attn.wo_b.rows(z, act) if rows else attn.wo_b(z, act))
+    y = attn.wo_b.rows(z, act) if rows else attn.wo_b(z, act)
+    return attn.reduce(y) if reduce else y
 
 
 def prefill(attn, ops: Ops, x: torch.Tensor, st, start=0, shared: dict | None = None

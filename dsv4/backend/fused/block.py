@@ -20,26 +20,49 @@ def decode_rows(blk, ops: Ops, h: torch.Tensor, ids: torch.Tensor, pos: torch.Te
     (one binary per row: the same bits; the linears read each weight once), attention and the
     MoE as bound. Each Sinkhorn runs beside its sublayer (hc_pre_norm's branch forks after its
     mix); each half's first weights are prefetched into L2 during its mHC. Capture-safe."""
-    cfg = blk.cfg
+    cfg, tp = blk.cfg, blk.post_reduce
+    part = {"reduce": False} if tp is not None else {}   # the sublayers' partial outputs
+
+    def post_of(y, h, post, comb, out=None):   # (the sum over the ranks of) y into the streams
+        if tp is None:
+            return ops.hc_post(y, h, post, comb, out=out)
+        return tp.reduce_post(y, h, post, comb, ops.hc_post, out=out)
+
     pf = Prefetch(ops, LANE_BLOCK)
     pf.start("layer", h, layer_weights(blk.attn))
     sk = branches.Branch(h, "mhc", ops.backend.branches, lane=2, fork=False)
     x, post, comb = ops.hc_pre_norm(h, *blk.mix_weights("attn"), blk.attn_norm, cfg, sk)
-    a = blk.attn.decode_rows(x, pos, st)
+    a = blk.attn.decode_rows(x, pos, st, **part)
     sk.join()
-    h = ops.hc_post(a, h, post, comb)
+    h = post_of(a, h, post, comb)
     pf.start("ffn", h, ffn_weights(blk.ffn))
     sk = branches.Branch(h, "mhc", ops.backend.branches, lane=2, fork=False)
     x, post, comb = ops.hc_pre_norm(h, *blk.mix_weights("ffn"), blk.ffn_norm, cfg, sk)
-    f = blk.ffn.decode_rows(x, ids)
+    f = blk.ffn.decode_rows(x, ids, **part)
     sk.join()
     pf.join()
-    return ops.hc_post(f, h, post, comb, out=out)
+    return post_of(f, h, post, comb, out=out)
 
 
 def mix_rows(blk, ops: Ops, h: torch.Tensor, kind: str, norm: torch.Tensor):
     """Block.mix of a chunk's rows in one launch."""
     return ops.hc_pre_norm_rows(h, *blk.mix_weights(kind), norm, blk.cfg)
+
+
+def bind_post_reduce(blk, ops: Ops) -> None:
+    """blk.post_reduce: the block's TensorParallel where each sublayer's all-reduce takes the
+    mHC post after it into its own launch (TensorParallel.reduce_post; asked for with
+    Options.ar_post, DSV4_AR_POST=1), else None. Only where decode_rows above runs and both
+    sublayers' decode rows are the kernel paths that can leave their output unreduced (the fused
+    attention with wo_a on the GEMV, the MoE's DecodeKernels). Call after the sublayers are
+    bound."""
+    from . import attention as fused_attention
+    from .moe import DecodeKernels
+    attn, be = blk.attn.decode_rows, ops.backend
+    ok = (blk.tp is not None and be.options.ar_post and be.mhc_decode and be.wo_a_gemv
+          and getattr(attn, "func", None) is fused_attention.decode_rows
+          and isinstance(blk.ffn.decode_rows, DecodeKernels))
+    blk.post_reduce = blk.tp if ok else None
 
 
 def bind(blk, ops: Ops) -> None:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-ABI = 8
+ABI = 9
 CSRC = Path(__file__).resolve().parents[3] / "csrc"
 # the kernel families and the C interface, compiled into one library (the headers are in the key)
 SOURCES = ("fp8_gemv.cu", "fp8_mma.cu", "route.cu", "fp4_up.cu", "fp4_down.cu", "topk.cu",
@@ -122,6 +122,9 @@ def _declare(lib) -> None:
     lib.dsv4_allreduce.restype = i
     lib.dsv4_allreduce.argtypes = [pp, i, i, p, p, ctypes.c_longlong, i, i, i, ctypes.c_ulonglong,
                                    p, p, i]
+    lib.dsv4_allreduce_post.restype = i
+    lib.dsv4_allreduce_post.argtypes = [pp, i, i, p, p, p, p, p, ctypes.c_longlong, i, i, i, i, i,
+                                        ctypes.c_ulonglong, p, p, i]
     lib.dsv4_ar2_buffer_bytes.restype = ctypes.c_size_t
     lib.dsv4_ar2_buffer_bytes.argtypes = [i, i, i, i]
     lib.dsv4_allreduce2.restype = i
@@ -303,6 +306,20 @@ def allreduce(lib, peers, world: int, rank: int, x, out, cap: int, chunk: int, t
                              x.numel() * x.element_size(), AR_DTYPES[x.dtype], cap, chunk,
                              timeout_ns, status, _stream(out), int(pdl))
     _check(err, "all-reduce (CUDA, one-shot)", lib)
+
+
+def allreduce_post(lib, peers, world: int, rank: int, x, res, post, comb, out, cap: int,
+                   chunk: int, timeout_ns: int, status: int, pdl: bool) -> None:
+    """dsv4_allreduce_post (see csrc/allreduce.cu): out = hc_post(the sum over the ranks of x,
+    res, post, comb) in one launch; x [rows, D] (float32 / bf16, contiguous, 16-byte aligned,
+    x.nbytes <= cap), res and out [rows, 4, D] of x's dtype, post [rows, 4] and comb [rows, 4, 4]
+    float32, all contiguous; x is not written."""
+    err = lib.dsv4_allreduce_post(peers, world, rank, x.data_ptr(), res.data_ptr(),
+                                  post.data_ptr(), comb.data_ptr(), out.data_ptr(),
+                                  x.numel() * x.element_size(), x.shape[-1] * x.element_size(),
+                                  res.shape[-2], AR_DTYPES[x.dtype], cap, chunk, timeout_ns,
+                                  status, _stream(out), int(pdl))
+    _check(err, "all-reduce + mHC post (CUDA, one-shot)", lib)
 
 
 def allreduce2(lib, peers, world: int, rank: int, x, out, cap: int, chunk: int, ctas: int,

@@ -198,6 +198,92 @@ def gpu_checks(group, prefer: str, pdl: bool = False) -> dict:
     return res
 
 
+def post_checks(group, pdl: bool = False) -> dict:
+    """On GPUs, our one-shot kernel with the mHC post (AllReduce.post; DSV4_AR_POST): into
+    poisoned outputs, x [T, D] of each rank summed and put into the 4 streams (res, post, comb the
+    same on every rank, as a TP block's are) -> per case: the same bits on every rank (digest),
+    on a second call, x left as it was, the bits of its sum as the plain call writes them (the
+    post of the plain call's output through the Triton hc_post within one rounding of the
+    output dtype, and the float64 post of that sum within the bound of its float32 sums); then
+    a graph (a kernel writing x, the fused call) replayed with new inputs gives the eager bits.
+    Returns {"skip": reason} where the one-shot is unavailable."""
+    from dsv4.kernels.decode.mhc import hc_post as triton_hc_post
+    dev, C = group.device, 4
+    _poison(dev)
+    try:
+        ar = plan_allreduce(group, prefer="oneshot", pdl=pdl)
+    except DeviceError as e:
+        return {"skip": str(e)}
+    res = {"cases": []}
+
+    def inputs(T, D, dtype, seed):
+        g = torch.Generator().manual_seed(seed)
+        h = torch.randn(T, C, D, generator=g).to(dtype).to(dev)
+        post = (2 * torch.rand(T, C, generator=g)).to(dev)
+        comb = torch.rand(T, C, C, generator=g).to(dev)
+        xg = torch.Generator().manual_seed(seed + 100 + group.rank)
+        return torch.randn(T, D, generator=xg).to(dtype).to(dev), h, post, comb
+
+    # up to the buffer's 64 KB: 8 bf16 rows of 4096 (the speculative verify rows), 4 float32
+    for dtype, rows in ((torch.bfloat16, 8), (torch.float32, 4)):
+        for T, D in ((1, 4096), (3, 1024), (rows, 4096)):
+            x, h, post, comb = inputs(T, D, dtype, 11 + T)
+            x0 = x.clone()
+            out = torch.full((T, C, D), POISON, dtype=dtype, device=dev)
+            took = ar.post(x, h, post, comb, out)
+            again = torch.full_like(out, POISON)
+            ar.post(x, h, post, comb, again)
+            s = x.clone()
+            ar(s)                                         # the plain call's sum
+            via = triton_hc_post(s, h, post, comb, pdl=False)
+            terms = (post.double().unsqueeze(-1) * s.double().unsqueeze(-2),
+                     comb.double().unsqueeze(-1) * h.double().unsqueeze(-2))
+            want = terms[0] + terms[1].sum(1)
+            size = terms[0].abs() + terms[1].abs().sum(1)
+            u = 2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -24
+            near = bool(((out.double() - want).abs() <= u * want.abs() + 8 * 2.0 ** -24 * size)
+                        .all())
+            one = bool(((out.double() - via.double()).abs() <= 2 * u * via.double().abs()
+                        + 16 * 2.0 ** -24 * size).all())
+            torch.cuda.synchronize(dev)
+            res["cases"].append({"case": (str(dtype), T, D), "took": took,
+                                 "digest": digest(out), "repeat": torch.equal(out, again),
+                                 "x kept": torch.equal(x, x0), "near": near, "one rounding": one,
+                                 "finite": bool(out.isfinite().all()),
+                                 "same as triton": torch.equal(out, via)})
+    # a graph: a kernel writes x, then the fused call; replayed with new inputs
+    T, D, dtype = 1, 4096, torch.bfloat16
+    x, h, post, comb = inputs(T, D, dtype, 3)
+    src, xs = x.clone(), torch.full_like(x, POISON)
+    o = torch.full((T, C, D), POISON, dtype=dtype, device=dev)
+    torch.cuda.synchronize(dev)
+    group.barrier()
+    graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream(dev)
+    side.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(side):
+        with torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"):
+            torch.add(src, 0, out=xs)               # the fused call must wait for this write
+            ar.post(xs, h, post, comb, o)
+    torch.cuda.current_stream(dev).wait_stream(side)
+    res["graph"] = []
+    for step in range(3):
+        x2, h2, post2, comb2 = inputs(T, D, dtype, 40 + step)
+        src.copy_(x2)
+        h.copy_(h2)
+        post.copy_(post2)
+        comb.copy_(comb2)
+        o.fill_(POISON)
+        graph.replay()
+        eager = torch.full_like(o, POISON)
+        ar.post(x2, h2, post2, comb2, eager)
+        torch.cuda.synchronize(dev)
+        res["graph"].append((torch.equal(o, eager), digest(o)))
+    ar.check()
+    group.barrier()
+    ar.close()
+    return res
+
+
 class FakeLib:
     """The CUDA library's buffer calls on the CPU, one of them failing on one rank: what the
     one-shot all-reduce's host side does with a failure (every rank agrees, every rank frees)."""

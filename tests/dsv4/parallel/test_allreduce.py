@@ -211,6 +211,100 @@ def test_reduce_skips_the_casts_only_where_the_kernel_sums_in_float32():
         assert out is y32 and comm.calls == [torch.float32]
 
 
+def _post_tensors(T=2, C=4, D=64, dtype=None, seed=5):
+    import torch
+    gen = torch.Generator().manual_seed(seed)
+    dtype = dtype or torch.bfloat16
+    return (torch.randn(T, D, generator=gen).to(dtype), torch.randn(T, C, D, generator=gen).to(dtype),
+            torch.rand(T, C, generator=gen), torch.rand(T, C, C, generator=gen),
+            torch.empty(T, C, D, dtype=dtype))
+
+
+def test_the_one_shot_takes_the_post_by_shapes_dtypes_and_addresses():
+    """OneShotAllReduce.supports_post: x [T, D] within the buffer, res / out [T, 4, D] of x's
+    dtype, post / comb float32 [T, 4] / [T, 4, 4], all contiguous and 16-byte aligned, out apart
+    from res; float32 or bf16. What it refuses, the caller serves as before (reduce, then post)."""
+    import torch
+
+    from dsv4.parallel.oneshot import OneShotAllReduce
+    impl = _kernel(OneShotAllReduce, 64 << 10, [])
+    x, res, post, comb, out = _post_tensors()
+    assert impl.supports_post(x, res, post, comb, out)
+    assert impl.supports_post(*_post_tensors(dtype=torch.float32))
+    assert not impl.supports_post(*_post_tensors(dtype=torch.float16))
+    assert not impl.supports_post(*_post_tensors(C=3))                 # hc_mult 4 only
+    assert not impl.supports_post(x, res, post, comb, res)             # in place over res
+    assert not impl.supports_post(x, res, post.double(), comb, out)
+    assert not impl.supports_post(x, res, post, comb, out.float())
+    assert not impl.supports_post(x[:, 8:], res, post, comb, out)      # not contiguous / aligned
+    big = _post_tensors(T=9, D=4096)                                   # 72 KB > the buffer
+    assert not impl.supports_post(*big)
+    assert impl.supports_post(*_post_tensors(T=8, D=4096))             # 64 KB: the buffer's size
+    odd = torch.empty(2 * 64 + 1, dtype=torch.bfloat16)[1:].view(2, 64)   # 2-byte offset
+    assert not impl.supports_post(odd, res, post, comb, out)
+
+
+def test_the_all_reduce_adds_the_post_where_its_serving_kernel_can():
+    """AllReduce.post: the one-shot's fused launch where it serves the size and takes the
+    tensors; otherwise False and nothing runs (NCCL above the one-shot's sizes, no one-shot)."""
+    import torch
+    launched = []
+    ar = _planned()
+    ar.group.device = torch.device("cpu")
+    ar.fast.post = lambda *t: launched.append(t)
+    t = _post_tensors()
+    assert ar.post(*t) is True and len(launched) == 1 and launched[0][0] is t[0]
+    assert ar.post(*_post_tensors(C=3)) is False                       # refused: not launched
+    assert ar.post(*_post_tensors(T=9, D=4096)) is False               # the two-shot's size
+    no_fast = _planned(fast=False)
+    no_fast.group.device = torch.device("cpu")
+    assert no_fast.post(*t) is False and len(launched) == 1
+
+
+def test_reduce_post_is_the_post_of_the_reduce_where_no_kernel_fuses_them():
+    """TensorParallel.reduce_post: where the communicator's all-reduce cannot add the mHC
+    post (gloo, NCCL, sizes past the one-shot's), the sum over the ranks (reduce) and then the
+    post, into `out` when given; where it can, its own output and nothing else runs."""
+    import torch
+
+    from dsv4.model.sharding import TensorParallel
+    from dsv4.numerics.mhc import hc_post
+    y, res, post, comb, _ = _post_tensors()
+    other = torch.randn(y.shape).to(y.dtype)
+
+    class Comm:
+        def __init__(self, fuses):
+            self.fuses, self.calls = fuses, []
+
+        def sums_in_float32(self, x):
+            return True
+
+        def all_reduce(self, x):
+            self.calls.append("all_reduce")
+            return x.copy_((x.float() + other.float()).to(x.dtype))
+
+        def all_reduce_post(self, x, res, post, comb, out):
+            self.calls.append("all_reduce_post")
+            if self.fuses:
+                out.fill_(7)
+            return self.fuses
+
+    def post_fn(x, res, post, comb, out=None):
+        return out.copy_(hc_post(x, res, post, comb))
+
+    want = hc_post((y.float() + other.float()).to(y.dtype), res, post, comb)
+    comm = Comm(False)
+    got = TensorParallel(0, 2, comm).reduce_post(y.clone(), res, post, comb, post_fn)
+    assert torch.equal(got, want) and comm.calls == ["all_reduce_post", "all_reduce"]
+    into = torch.empty_like(res)
+    assert TensorParallel(0, 2, Comm(False)).reduce_post(y.clone(), res, post, comb, post_fn,
+                                                         out=into) is into
+    assert torch.equal(into, want)
+    comm = Comm(True)
+    got = TensorParallel(0, 2, comm).reduce_post(y.clone(), res, post, comb, post_fn)
+    assert comm.calls == ["all_reduce_post"] and bool((got == 7).all())
+
+
 def test_a_rank_plans_its_all_reduce_with_the_backends_pdl_switch(monkeypatch):
     """A TP rank's all-reduce launches with PDL exactly where the rank's kernels do: the runtime
     options' switch (RuntimeConfig.options), else DSV4_PDL. A runtime a rank refuses

@@ -63,6 +63,27 @@ def test_oneshot_with_pdl_sums_exactly_everywhere(world):
 
 
 @pytest.mark.multigpu
+@pytest.mark.parametrize("world, pdl", [(2, False), (2, True), (4, True)])
+def test_oneshot_with_the_mhc_post_gives_the_post_of_the_sum_everywhere(world, pdl):
+    """Our kernel's all-reduce + mHC post in one launch (DSV4_AR_POST): every output element
+    written (poisoned memory), the same bits on every rank and on a second call, x untouched,
+    the float64 post of the plain call's sum within its float32 bound and the Triton hc_post of
+    that sum within one rounding of the dtype; a graph replay gives the eager bits."""
+    got = launch(parallel_ranks.post_checks, _devices(world), pdl, deadline_s=600)
+    if "skip" in got[0]:
+        pytest.skip(got[0]["skip"])
+    for r in got:
+        for c, c0 in zip(r["cases"], got[0]["cases"]):
+            assert c["took"] and c["finite"] and c["repeat"] and c["x kept"], c
+            assert c["near"] and c["one rounding"], c
+            assert c["digest"] == c0["digest"], (c["case"], "differs between ranks")
+        assert all(ok for ok, _ in r["graph"]) and r["graph"] == got[0]["graph"], r["graph"]
+    # how often the fused post's float order gives the Triton hc_post's bits: reported, not
+    # required (its float order is its own)
+    print({str(c["case"]): c["same as triton"] for c in got[0]["cases"]})
+
+
+@pytest.mark.multigpu
 def test_oneshot_gives_up_on_a_rank_that_never_arrives():
     got = launch(parallel_ranks.oneshot_timeout, _devices(2), deadline_s=600)
     if got[0].startswith("all-reduce implementation 'oneshot' is unavailable"):
@@ -146,3 +167,26 @@ def test_the_twoshot_entry_refuses_what_it_does_not_support():
         for v in values:
             args = (*good[:i], v, *good[i + 1:])
             assert lib.dsv4_allreduce2(peers, *args, 10 ** 9, None, None, 0) == -1, args
+
+
+@pytest.mark.cuda
+def test_the_post_entry_refuses_what_it_does_not_support():
+    """dsv4_allreduce_post returns -1 (nothing launched) for each unsupported argument: the
+    one-shot's (world, rank, sizes, alignment), rows that do not divide the message, hc other
+    than 4, a dtype other than float32 / bf16, a missing post or comb."""
+    lib = cuda_lib.lib_for(torch.device("cuda:0"))
+    if lib is None:
+        pytest.skip(cuda_lib.status("cuda:0"))
+    cap, chunk = 64 << 10, 8192
+    peers = (ctypes.c_void_p * 2)(16, 32)
+    # (world, rank, x, res, post, comb, out, nbytes, row_bytes, hc, dtype, cap, chunk) of a
+    # supported call (never made: the addresses are not buffers), then each argument in turn
+    # out of bounds
+    good = (2, 0, 16, 32, 48, 64, 80, 8192, 8192, 4, 1, cap, chunk)
+    bad = {0: (1, 9), 1: (-1, 2), 2: (8,), 3: (40,), 4: (None,), 5: (None,), 6: (24,),
+           7: (0, 24, cap + 8192), 8: (0, 24, 3072), 9: (3, 8), 10: (-1, 2, 3),
+           11: (cap + 512,), 12: (1000,)}
+    for i, values in bad.items():
+        for v in values:
+            args = (*good[:i], v, *good[i + 1:])
+            assert lib.dsv4_allreduce_post(peers, *args, 10 ** 9, None, None, 0) == -1, args

@@ -83,6 +83,32 @@ def test_tp2_prefill_graphs_plan_alike_and_decode_as_eager_pieces(tmp_path):
 
 
 @pytest.mark.multigpu
+def test_tp2_all_reduce_with_the_mhc_post_decodes_as_reduce_then_post(tmp_path):
+    """DSV4_AR_POST=1 (Options.ar_post) on an FP8 checkpoint in bfloat16, TP2: every block
+    binds it and a decode step makes its 2 all-reduces a layer through the fused launch; graph
+    == eager and a second graph Session give the same bits, the same on every rank; the logits
+    stay within rounding of the run without it (the post's float order is the kernel's own)."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"needs 2 GPUs, {torch.cuda.device_count()} visible")
+    from dsv4.weights.presets import TINY_TP
+    d = small_checkpoint(tmp_path, "fp8", cfg=TINY_TP)
+    prompt, forced = list(range(5, 17)), [(11 * i + 7) % 500 for i in range(8)]
+    got = launch(tp_ranks.ar_post_rank, ["cuda:0", "cuda:1"], str(d), prompt, forced,
+                 deadline_s=240)
+    n = TINY_TP.n_layers
+    for r in got:
+        on, off = r["on"], r["off"]
+        assert on["bound"] == n and off["bound"] == 0, (on["bound"], off["bound"])
+        assert on["fused"] == 2 * n and off["fused"] == 0, (on["fused"], off["fused"])
+        for runs in (on, off):
+            assert torch.equal(runs["graph"], runs["eager"]), f"rank {r['rank']}: graph != eager"
+            assert torch.equal(runs["graph2"], runs["graph"]), f"rank {r['rank']}: second run"
+        assert torch.equal(on["eager"], got[0]["on"]["eager"]), f"rank {r['rank']}: not rank 0's"
+        med, p95 = _rel_l2(on["eager"].numpy(), off["eager"].numpy())
+        assert med < 5e-2 and p95 < 1e-1, (med, p95)     # a missing sum or stream: O(1)
+
+
+@pytest.mark.multigpu
 def test_tp2_prefill_chunks_through_the_two_shot_give_nccls_bits(tmp_path):
     """A TP2 rank plans our two-shot for a prefill chunk's partials (dsv4.runtime.tp.
     two_shot_bytes): a float32 prompt of 300 tokens in chunks of 256 rows goes through it (and

@@ -170,6 +170,39 @@ def parity_rank(group, ckpt_dir: str, dtype: str, prompt: list, forced: list) ->
     return out
 
 
+def ar_post_rank(group, ckpt_dir: str, prompt: list, forced: list) -> dict:
+    """On a GPU rank (memory poisoned first): the rank's shard of an FP8 checkpoint in bfloat16,
+    the tokens `forced` after the prompt, with each sublayer's all-reduce and the block's mHC
+    post in one launch (Options.ar_post) and without -> {rank, on / off: {eager, graph, graph2:
+    logits [n, V] f32 on the CPU, bound: blocks with post_reduce, fused: the fused calls of one
+    eager decode step}}."""
+    from parallel_ranks import _poison
+    _poison(group.device)
+    out = {"rank": group.rank}
+    for name, on in (("on", True), ("off", False)):
+        rt = RuntimeConfig(max_seq_len=128, dtype=torch.bfloat16,
+                           options=Options.from_env().replace(ar_post=on))
+        model, ck = load_rank(group, ckpt_dir, rt)
+        ck.close()
+        got = {"bound": sum(blk.post_reduce is not None for blk in model.layers)}
+        comm, fused = model.tp.comm, []
+        post_ = comm.all_reduce_post
+        comm.all_reduce_post = lambda *t: (fused.append(post_(*t)), fused[-1])[1]
+        model.prefill(torch.tensor(prompt))
+        model.decode_step(torch.tensor([forced[0]]), torch.tensor([len(prompt)]))
+        del comm.all_reduce_post
+        got["fused"] = fused[-2 * model.cfg.n_layers:].count(True)
+        model.reset()
+        for run, mode in (("eager", "eager"), ("graph", "graph"), ("graph2", "graph")):
+            with Session(model, SamplingParams(), mode=mode) as s:
+                r = s.generate(prompt, len(forced), force_ids=forced, keep_logits=True)
+            got[run] = r.logits.cpu()
+        model.tp.comm.check()
+        model.tp.comm.close()
+        out[name] = got
+    return out
+
+
 def prefill_graphs_rank(group, ckpt_dir: str, prompt: list, n_new: int) -> dict:
     """On a GPU rank (memory poisoned first): a graph Session whose prompt goes through prefill
     chunk graphs (8 + 4 rows of a 12-token prompt), and one without them that prefills the same
