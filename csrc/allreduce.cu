@@ -260,23 +260,20 @@ DEV void ar_post_vector(const ArCall& c, int gv, const float* acc) {
   const float* post = c.post + size_t(t) * HC;
   const float* comb = c.comb + size_t(t) * HC * HC;
   const size_t row0 = size_t(t) * HC * size_t(c.d16) + size_t(dv);   // res / out [t, 0, dv]
-  float r[HC][L::E];
+  static_assert(HC == MHC_STREAMS, "the post takes the block's 4 streams");
+  float r[L::E][HC];
 #pragma unroll
-  for (int i = 0; i < HC; ++i) L::load(c.res[row0 + size_t(i) * c.d16], r[i]);
+  for (int i = 0; i < HC; ++i) {
+    float v[L::E];
+    L::load(c.res[row0 + size_t(i) * c.d16], v);
+#pragma unroll
+    for (int k = 0; k < L::E; ++k) r[k][i] = v[k];
+  }
 #pragma unroll
   for (int j = 0; j < HC; ++j) {
-    const float pj = post[j];
-    float cj[HC];
-#pragma unroll
-    for (int i = 0; i < HC; ++i) cj[i] = comb[i * HC + j];
     float y[L::E];
 #pragma unroll
-    for (int k = 0; k < L::E; ++k) {
-      float s = cj[0] * r[0][k];
-#pragma unroll
-      for (int i = 1; i < HC; ++i) s = fmaf(cj[i], r[i][k], s);
-      y[k] = fmaf(pj, acc[k], s);
-    }
+    for (int k = 0; k < L::E; ++k) y[k] = mhc_post_one(acc[k], r[k], post, comb, j);
     c.out[row0 + size_t(j) * c.d16] = L::store(y);
   }
 }

@@ -51,10 +51,14 @@ int dsv4_fp4_up(const void* x, const void* idx, const void* rw, const void* w1, 
 // [rows * k], add / y [rows, D]. pdl 2: with PDL, and idx (with the weights and scales it
 // addresses) read before the wait: only where idx was written before the kernel this launch waits
 // for passed its own wait (the routing, with up between them; DecodeKernels), so that it is
-// complete and visible when this kernel starts.
+// complete and visible when this kernel starts. post non-null: the block's mHC post of that
+// output instead (y bf16 [rows, 4, D] the streams after; res bf16 [rows, 4, D] before; post
+// [rows, 4], comb [rows, 4, 4] float32): y[b, j] = bf16(post[b, j] * bf16(sum) + sum_i comb[b, i,
+// j] * res[b, i]), the float order of dsv4_allreduce_post's post.
 int dsv4_fp4_down(const void* act, const void* idx, const void* w2, const void* s2, const void* add,
                   void* y, void* ws, void* cnt, int D, int I, int k, int y_f32, int spw, int dec,
-                  int depth, int all_experts, int rows, void* stream, int pdl);
+                  int depth, int all_experts, int rows, const void* res, const float* post,
+                  const float* comb, void* stream, int pdl);
 
 
 // The MoE routing of one token (kernels/decode/route.py semantics): logits [E] float32 with bias [E]

@@ -65,6 +65,19 @@ DEV float pow2f(int e) { return __uint_as_float(uint32_t(e + 127) << 23); }   //
 
 DEV float bf16_round(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
 
+// The block's mHC post of one element (dsv4.numerics.mhc.hc_post) for stream j of the 4: v the
+// sublayer's output there (already rounded to the activation dtype), r[i] stream i's residual,
+// post [4] and comb [4, 4] (comb[i, j] at i * 4 + j) the row's: post[j] * v + sum_i comb[i, j] *
+// r[i] in float32, i in order (one float order for every kernel that takes the post).
+constexpr int MHC_STREAMS = 4;
+DEV float mhc_post_one(float v, const float (&r)[MHC_STREAMS], const float* post,
+                       const float* comb, int j) {
+  float s = comb[j] * r[0];
+#pragma unroll
+  for (int i = 1; i < MHC_STREAMS; ++i) s = fmaf(comb[i * MHC_STREAMS + j], r[i], s);
+  return fmaf(post[j], v, s);
+}
+
 // Four e4m3 bytes (byte j = element j) -> four float32 (exact).
 DEV void e4m3x4_to_f32(uint32_t v, float* f) {
   const __half2_raw lo = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(v & 0xFFFFu), __NV_E4M3);

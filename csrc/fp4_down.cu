@@ -10,15 +10,33 @@
 
 namespace {
 
+// The block's mHC post of down's output (post != null): v, y's element r before its rounding to
+// bf16, put into the row's 4 streams: y [4, D] bf16 (the streams after), res [4, D] bf16 (before),
+// post [4], comb [4, 4] (mhc_post_one: the float order of every kernel that takes the post).
+DEV void down_post(float v, const __nv_bfloat16* res, const float* post, const float* comb,
+                   __nv_bfloat16* y, int D, int r) {
+  float rr[MHC_STREAMS];
+#pragma unroll
+  for (int i = 0; i < MHC_STREAMS; ++i) rr[i] = __bfloat162float(res[size_t(i) * D + r]);
+  const float vb = bf16_round(v);
+#pragma unroll
+  for (int j = 0; j < MHC_STREAMS; ++j)
+    y[size_t(j) * D + r] = __float2bfloat16_rn(mhc_post_one(vb, rr, post, comb, j));
+}
+
 // y[r] = sum_j bf16(W8A8 w2[idx[j]] @ a[j])[r] in float32, slot order j = 0..k-1, (+ add[r]),
 // rounded to y's dtype. Grid (D / 16, k): CTA (t, j) writes expert j's bf16 rows of tile t to
 // ws[j, :]; the last CTA of tile t (semaphore cnt[t], reset by it) adds them up in slot order.
-template <int SPW, int DEC, int DEPTH>
+// POST: y [4, D] bf16 gets the block's mHC post of that output instead (down_post; an
+// instantiation of its own, so the kernel without it keeps its code).
+template <int SPW, int DEC, int DEPTH, bool POST>
 __global__ void __launch_bounds__(512) fp4_down_kernel(const __nv_bfloat16* act, const int64_t* idx,
                                                        const uint8_t* w2, const uint8_t* s2,
                                                        const __nv_bfloat16* add, void* y,
                                                        float* ws, int* cnt, int D, int I, int k,
-                                                       int y_f32, int early) {
+                                                       int y_f32, int early,
+                                                       const __nv_bfloat16* res,
+                                                       const float* post, const float* comb) {
   extern __shared__ __align__(128) uint8_t smem[];
   __shared__ int last;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
@@ -69,7 +87,9 @@ __global__ void __launch_bounds__(512) fp4_down_kernel(const __nv_bfloat16* act,
     float t = 0.0f;
     for (int jj = 0; jj < k; ++jj) t += __ldcg(ws + size_t(jj) * D + r);
     if (add != nullptr) t += __bfloat162float(add[r]);
-    if (y_f32)
+    if constexpr (POST)
+      down_post(t, res, post, comb, static_cast<__nv_bfloat16*>(y), D, r);
+    else if (y_f32)
       static_cast<float*>(y)[r] = t;
     else
       static_cast<__nv_bfloat16*>(y)[r] = __float2bfloat16_rn(t);
@@ -83,12 +103,15 @@ __global__ void __launch_bounds__(512) fp4_down_kernel(const __nv_bfloat16* act,
 // the same SPW (per expert: warps in order, then bf16; experts in slot order), without its
 // workspace, semaphore and second pass, and with one CTA per row tile instead of NE. Grid axis y:
 // the activation row b (the speculative verify rows): act, idx, add and y move to row b's.
-template <int SPW, int NE, int DEC, int DEPTH>
+// POST: as fp4_down_kernel's (y [rows, 4, D]; res, post, comb row b's).
+template <int SPW, int NE, int DEC, int DEPTH, bool POST>
 __global__ void __launch_bounds__(512) fp4_down_all_kernel(const __nv_bfloat16* act,
                                                            const int64_t* idx, const uint8_t* w2,
                                                            const uint8_t* s2,
                                                            const __nv_bfloat16* add, void* y,
-                                                           int D, int I, int y_f32, int early) {
+                                                           int D, int I, int y_f32, int early,
+                                                           const __nv_bfloat16* res,
+                                                           const float* post, const float* comb) {
   constexpr int NS = NE * SPW;
   static_assert(NE % 2 == 0, "the scale loads take two experts");
   extern __shared__ __align__(128) uint8_t smem[];
@@ -97,7 +120,14 @@ __global__ void __launch_bounds__(512) fp4_down_all_kernel(const __nv_bfloat16* 
   act += size_t(blockIdx.y) * NE * I;
   idx += size_t(blockIdx.y) * NE;
   if (add != nullptr) add += size_t(blockIdx.y) * D;
-  y = static_cast<char*>(y) + size_t(blockIdx.y) * D * (y_f32 ? 4 : 2);
+  if constexpr (POST) {          // row b's streams: y and res [rows, 4, D], post / comb its own
+    res += size_t(blockIdx.y) * MHC_STREAMS * D;
+    post += size_t(blockIdx.y) * MHC_STREAMS;
+    comb += size_t(blockIdx.y) * MHC_STREAMS * MHC_STREAMS;
+    y = static_cast<char*>(y) + size_t(blockIdx.y) * MHC_STREAMS * D * 2;
+  } else {
+    y = static_cast<char*>(y) + size_t(blockIdx.y) * D * (y_f32 ? 4 : 2);
+  }
   uint4* xs;
   float *ef, *red;   // the expert_smem layout with NS steps per warp; red [warps][NE][16]
   int xstride;
@@ -160,7 +190,9 @@ __global__ void __launch_bounds__(512) fp4_down_all_kernel(const __nv_bfloat16* 
       acc += bf16_round(t);   // fp4_gemm outputs bf16
     }
     if (add != nullptr) acc += __bfloat162float(add[r0 + r]);
-    if (y_f32)
+    if constexpr (POST)
+      down_post(acc, res, post, comb, static_cast<__nv_bfloat16*>(y), D, r0 + r);
+    else if (y_f32)
       static_cast<float*>(y)[r0 + r] = acc;
     else
       static_cast<__nv_bfloat16*>(y)[r0 + r] = __float2bfloat16_rn(acc);
@@ -178,11 +210,14 @@ extern "C" {
 // [rows * k], add / y [rows, D].
 int dsv4_fp4_down(const void* act, const void* idx, const void* w2, const void* s2, const void* add,
                   void* y, void* ws, void* cnt, int D, int I, int k, int y_f32, int spw, int dec,
-                  int depth, int all_experts, int rows, void* stream, int pdl) {
+                  int depth, int all_experts, int rows, const void* res, const float* post,
+                  const float* comb, void* stream, int pdl) {
   const int warps = I / (128 * spw);
   if (warps < 1 || warps > 16 || D % 16 || I % (128 * spw) || k < 1 || rows < 1 ||
-      (rows > 1 && !all_experts))
+      (rows > 1 && !all_experts) ||
+      (post != nullptr && (y_f32 || res == nullptr || comb == nullptr)))
     return -1;
+  const auto* rp = static_cast<const __nv_bfloat16*>(res);
   const dim3 grid(D / 16, k), block(32 * warps);
   const cudaStream_t st = static_cast<cudaStream_t>(stream);
   const auto* ap = static_cast<const __nv_bfloat16*>(act);
@@ -193,12 +228,17 @@ int dsv4_fp4_down(const void* act, const void* idx, const void* w2, const void* 
   auto* wsp = static_cast<float*>(ws);
   auto* cp = static_cast<int*>(cnt);
   const int early = pdl == 2;
+#define DSV4_DOWN_P(S, DC, R, P) \
+  launch(fp4_down_kernel<S, DC, R, P>, grid, block, expert_smem_bytes<S>(warps, 1), st, pdl, ap, \
+         ip, wp, sp, dp, y, wsp, cp, D, I, k, y_f32, early, rp, post, comb)
 #define DSV4_DOWN(S, DC, R) \
-  launch(fp4_down_kernel<S, DC, R>, grid, block, expert_smem_bytes<S>(warps, 1), st, pdl, ap, ip, \
-         wp, sp, dp, y, wsp, cp, D, I, k, y_f32, early)
+  (post != nullptr ? DSV4_DOWN_P(S, DC, R, true) : DSV4_DOWN_P(S, DC, R, false))
+#define DSV4_DOWN_ALL_P(S, E, R, P) \
+  launch(fp4_down_all_kernel<S, E, 0, R, P>, dim3(D / 16, rows), block, \
+         expert_smem_bytes<S * E>(warps, E), st, pdl, ap, ip, wp, sp, dp, y, D, I, y_f32, early, \
+         rp, post, comb)
 #define DSV4_DOWN_ALL(S, E, R) \
-  launch(fp4_down_all_kernel<S, E, 0, R>, dim3(D / 16, rows), block, expert_smem_bytes<S * E>(warps, E), st, \
-         pdl, ap, ip, wp, sp, dp, y, D, I, y_f32, early)
+  (post != nullptr ? DSV4_DOWN_ALL_P(S, E, R, true) : DSV4_DOWN_ALL_P(S, E, R, false))
   if (all_experts) {
     if (dec != 0) return -1;
     switch ((k * 10 + spw) * 100 + (depth > 0 ? depth : spw)) {
@@ -219,7 +259,9 @@ int dsv4_fp4_down(const void* act, const void* idx, const void* w2, const void* 
     default: return -1;
   }
 #undef DSV4_DOWN
+#undef DSV4_DOWN_P
 #undef DSV4_DOWN_ALL
+#undef DSV4_DOWN_ALL_P
 }
 
 }  // extern "C"

@@ -68,7 +68,7 @@ def bind_block(blk, ops: Ops) -> None:
     fused_block.bind(blk, ops)
     bind_attention(blk.attn, ops)
     bind_moe(blk.ffn, ops)
-    fused_block.bind_post_reduce(blk, ops)
+    fused_block.bind_fused_post(blk, ops)
 
 
 def bind_moe(moe, ops: Ops) -> None:

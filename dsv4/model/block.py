@@ -42,11 +42,13 @@ class Block:
                    for p, shape in (("fn", (mix, cfg.hc_mult * D)), ("base", (mix,)), ("scale", (3,)))}
         self.decode_rows = self.decode_rows_reference
         self.mix_rows, self.post_rows = self.mix, hc_post
-        # tensor parallel: the rank's place (its sublayers reduce their outputs over the ranks);
-        # post_reduce: where the backend fuses each sublayer's all-reduce with the block's mHC
-        # post (bound by dsv4/backend/binding.py; None: the sublayers reduce, then the post)
+        # tensor parallel: the rank's place (its sublayers reduce their outputs over the ranks).
+        # Where the backend puts the block's mHC post into the launch before it (bound by
+        # dsv4/backend/binding.py): post_reduce, each sublayer's all-reduce (tensor parallel);
+        # post_in_down, the routed experts' down (one process). None / False: a launch of its own
         self.tp = tp if tp is not None and tp.world > 1 else None
         self.post_reduce: TensorParallel | None = None
+        self.post_in_down = False
 
     def tensors(self, prefix: str) -> dict[str, torch.Tensor]:
         d = {f"{prefix}.attn_norm.weight": self.attn_norm, f"{prefix}.ffn_norm.weight": self.ffn_norm}

@@ -48,9 +48,9 @@ def test_options_from_env_as_the_runtime_read_them():
     assert p.prefetch == {"attn", "ffn"} and p.prefetch_cfg == (1, 132, 128, 4096)
     assert Options.from_env({"DSV4_PREFETCH": "0"}).prefetch == frozenset()
     # the all-reduce with the mHC post in one launch: off unless asked
-    assert Options.from_env({}).ar_post is False
-    assert Options.from_env({"DSV4_AR_POST": "1"}).ar_post is True
-    assert Options.from_env({"DSV4_AR_POST": "yes"}).ar_post is False
+    assert Options.from_env({}).fuse_post is False
+    assert Options.from_env({"DSV4_FUSE_POST": "1"}).fuse_post is True
+    assert Options.from_env({"DSV4_FUSE_POST": "yes"}).fuse_post is False
 
 
 def test_cpu_and_meta_take_torch_everywhere():
@@ -176,26 +176,32 @@ def test_gpu_binding_takes_the_fused_paths(gpu):
     assert all(_bound(m).values())
 
 
-def test_the_post_joins_the_all_reduce_only_where_asked_in_tensor_parallel(gpu):
-    """Block.post_reduce (each sublayer's all-reduce and the block's mHC post in one launch) is
-    bound only for a tensor-parallel block, with DSV4_AR_POST=1 asked, on the fused paths; the
-    sublayers then leave their outputs unreduced (decode_rows(reduce=False))."""
+def test_the_post_joins_the_launch_before_it_only_where_asked(gpu):
+    """DSV4_FUSE_POST=1 on the fused paths: a tensor-parallel block binds Block.post_reduce (each
+    sublayer's all-reduce takes the block's mHC post; the sublayers then leave their outputs
+    unreduced), a one-process block Block.post_in_down (the routed experts' down takes the FFN's
+    post); neither without the switch or off the kernels."""
     from dsv4.backend.fused.moe import DecodeKernels
     from dsv4.model.block import Block
     from dsv4.model.sharding import TensorParallel
     from dsv4.weights.presets import TINY_TP
     cfg = TINY_TP.replace(vocab_size=512)
     tp = TensorParallel(0, 2)
-    be = resolve("cuda:0", torch.bfloat16, tp.shapes(cfg), Options(ar_post=True))
+    be = resolve("cuda:0", torch.bfloat16, tp.shapes(cfg), Options(fuse_post=True))
     blk = Block(cfg, 0, "meta", tp=tp)
     bind_block(blk, Ops(be))
-    assert blk.post_reduce is tp and blk.tp is tp
+    assert blk.post_reduce is tp and blk.tp is tp and not blk.post_in_down
     assert isinstance(blk.ffn.decode_rows, DecodeKernels)
-    for options, block_tp in ((Options(), tp), (Options(ar_post=True), None),
-                              (Options(ar_post=True, kernels="0"), tp)):
+    one = Block(cfg, 0, "meta")
+    bind_block(one, Ops(resolve("cuda:0", torch.bfloat16, cfg, Options(fuse_post=True))))
+    assert one.post_in_down and one.post_reduce is None
+    for options, block_tp in ((Options(), tp), (Options(), None),
+                              (Options(fuse_post=True, kernels="0"), tp),
+                              (Options(fuse_post=True, kernels="0"), None)):
         b = Block(cfg, 0, "meta", tp=block_tp)
-        bind_block(b, Ops(resolve("cuda:0", torch.bfloat16, cfg, options)))
-        assert b.post_reduce is None, options
+        shapes = block_tp.shapes(cfg) if block_tp else cfg
+        bind_block(b, Ops(resolve("cuda:0", torch.bfloat16, shapes, options)))
+        assert b.post_reduce is None and not b.post_in_down, options
     # a one-process model: no all-reduce to join
     assert Block(cfg, 0, "meta", tp=TensorParallel(0, 1)).tp is None
 

@@ -38,6 +38,10 @@ def decode_rows(blk, ops: Ops, h: torch.Tensor, ids: torch.Tensor, pos: torch.Te
     pf.start("ffn", h, ffn_weights(blk.ffn))
     sk = branches.Branch(h, "mhc", ops.backend.branches, lane=2, fork=False)
     x, post, comb = ops.hc_pre_norm(h, *blk.mix_weights("ffn"), blk.ffn_norm, cfg, sk)
+    if blk.post_in_down:    # down's launch takes the post (and joins the Sinkhorn before it)
+        f = blk.ffn.decode_rows(x, ids, post=(sk, h, post, comb, out))
+        pf.join()
+        return f
     f = blk.ffn.decode_rows(x, ids, **part)
     sk.join()
     pf.join()
@@ -49,20 +53,22 @@ def mix_rows(blk, ops: Ops, h: torch.Tensor, kind: str, norm: torch.Tensor):
     return ops.hc_pre_norm_rows(h, *blk.mix_weights(kind), norm, blk.cfg)
 
 
-def bind_post_reduce(blk, ops: Ops) -> None:
-    """blk.post_reduce: the block's TensorParallel where each sublayer's all-reduce takes the
-    mHC post after it into its own launch (TensorParallel.reduce_post; asked for with
-    Options.ar_post, DSV4_AR_POST=1), else None. Only where decode_rows above runs and both
-    sublayers' decode rows are the kernel paths that can leave their output unreduced (the fused
-    attention with wo_a on the GEMV, the MoE's DecodeKernels). Call after the sublayers are
-    bound."""
+def bind_fused_post(blk, ops: Ops) -> None:
+    """Where the block's mHC post joins the launch before it (Options.fuse_post,
+    DSV4_FUSE_POST=1; only where decode_rows above runs): in tensor parallel blk.post_reduce = the
+    block's TensorParallel where both sublayers' decode rows are the kernel paths that can leave
+    their output unreduced (the fused attention with wo_a on the GEMV, the MoE's DecodeKernels):
+    each sublayer's all-reduce takes the post (TensorParallel.reduce_post); in one process
+    blk.post_in_down where the MoE runs DecodeKernels: the routed experts' down takes the FFN's
+    post (the attention's stays a launch of its own). Call after the sublayers are bound."""
     from . import attention as fused_attention
     from .moe import DecodeKernels
     attn, be = blk.attn.decode_rows, ops.backend
-    ok = (blk.tp is not None and be.options.ar_post and be.mhc_decode and be.wo_a_gemv
-          and getattr(attn, "func", None) is fused_attention.decode_rows
-          and isinstance(blk.ffn.decode_rows, DecodeKernels))
-    blk.post_reduce = blk.tp if ok else None
+    on = be.options.fuse_post and be.mhc_decode and isinstance(blk.ffn.decode_rows, DecodeKernels)
+    tp_ok = (on and blk.tp is not None and be.wo_a_gemv
+             and getattr(attn, "func", None) is fused_attention.decode_rows)
+    blk.post_reduce = blk.tp if tp_ok else None
+    blk.post_in_down = bool(on and blk.tp is None)
 
 
 def bind(blk, ops: Ops) -> None:

@@ -286,7 +286,8 @@ def fp4_experts_down(a: torch.Tensor, idx: torch.Tensor, w2: torch.Tensor, s2: t
                      out: torch.Tensor | None = None,
                      config: Config | ExpertCudaConfig | None = None,
                      impl: str = "cuda", strict: bool = False, workspace: tuple | None = None,
-                     rows: int = 1, pdl: bool = True, idx_early: bool = False) -> torch.Tensor:
+                     rows: int = 1, pdl: bool = True, idx_early: bool = False,
+                     post: tuple | None = None) -> torch.Tensor:
     """a [k, I] bf16, idx [k] int64 -> y [1, D] = sum_j bf16(W8A8 w2[idx[j]] @ a[j]), summed in fp32
     in slot order j = 0..k-1 (pass idx sorted to match the reference), plus `add` ([1, D], e.g. the
     shared expert's bf16 output) in fp32, rounded to out_dtype (float32 or bfloat16).
@@ -297,9 +298,16 @@ def fp4_experts_down(a: torch.Tensor, idx: torch.Tensor, w2: torch.Tensor, s2: t
     idx_early (with PDL, the CUDA kernels): idx and the weights it addresses are read before the
     launch's PDL wait, so they stream while the kernel before finishes; only where idx was written
     before that kernel passed its own wait (the routing, with the up kernel between: DecodeKernels).
-    The same bits. Capture-safe."""
+    The same bits. Capture-safe.
+    post = (res, post, comb, streams): the block's mHC post of y (bf16) into streams -> streams
+    (res, streams [rows, 4, D] bf16, apart; post [rows, 4], comb [rows, 4, 4] float32): in the
+    CUDA kernel's own epilogue where it serves (dsv4_fp4_down: the float order of the all-reduce's
+    post), else y and then hc_post."""
     E, D, I = _check(w2, s2, "fp4_experts_down w2")
     k = idx.numel()
+    if post is not None:
+        return _down_post(a, idx, w2, s2, add, out_dtype, out, config, impl, strict, workspace,
+                          rows, pdl, idx_early, post, D)
     if tuple(a.shape) != (k, I) or rows < 1 or k % rows:
         raise ValueError(f"fp4_experts_down: a {tuple(a.shape)}, {rows} rows; expected {(k, I)}")
     if out_dtype not in (torch.float32, torch.bfloat16) or (add is not None
@@ -348,6 +356,53 @@ def fp4_experts_down(a: torch.Tensor, idx: torch.Tensor, w2: torch.Tensor, s2: t
             num_warps=cfg.num_warps,
             **launch_args(out, pdl))
     return out
+
+
+def _down_post(a, idx, w2, s2, add, out_dtype, out, config, impl, strict, workspace, rows, pdl,
+               idx_early, post, D):
+    """fp4_experts_down's post: the CUDA kernel's epilogue where it serves, else down, then
+    hc_post (the Triton kernel)."""
+    res, pw, comb, streams = post
+    C = 4
+    bf16 = torch.bfloat16
+    ok = (out_dtype == bf16 and out is None and res.dtype == streams.dtype == bf16
+          and tuple(res.shape) == tuple(streams.shape) == (rows, C, D)
+          and tuple(pw.shape) == (rows, C) and tuple(comb.shape) == (rows, C, C)
+          and pw.dtype == comb.dtype == torch.float32
+          and all(t.is_contiguous() for t in (res, pw, comb, streams))
+          and streams.data_ptr() != res.data_ptr())
+    if not ok:
+        raise ValueError(f"fp4_experts_down(post=...): res / streams {tuple(res.shape)} / "
+                         f"{tuple(streams.shape)} bf16, post {tuple(pw.shape)}, comb "
+                         f"{tuple(comb.shape)} float32, contiguous, apart; expected [{rows}, {C}, "
+                         f"{D}], [{rows}, {C}], [{rows}, {C}, {C}] with out_dtype bfloat16")
+    k, I = idx.numel(), _check(w2, s2, "fp4_experts_down w2")[2]
+    ac = a.contiguous()
+    addc = None if add is None else add.contiguous()
+    if (cuda_cpp.pick("fp4 experts", impl, ac, w2, streams, *(() if addc is None else (addc,)),
+                      declined=isinstance(config, Config),
+                      strict=strict or isinstance(config, ExpertCudaConfig))
+            and D % 16 == 0 and idx.dtype == torch.int64 and tuple(ac.shape) == (k, I)
+            and (addc is None or (addc.dtype == torch.bfloat16 and addc.numel() == rows * D))):
+        ccfg = config if isinstance(config, ExpertCudaConfig) else cuda_down_config(k // rows, I, D)
+        if ccfg is not None and (rows == 1 or ccfg.all_experts):
+            ws, cnt = ((None, None) if ccfg.all_experts
+                       else workspace or down_workspace(k, D, streams.device))
+            if ws is not None and (ws.shape[0] < k or ws.shape[1] != D or cnt.numel() != D // 16):
+                raise ValueError(f"fp4_experts_down: workspace {tuple(ws.shape)} / {cnt.numel()} "
+                                 f"does not fit k = {k}, D = {D}")
+            with on_device(streams):
+                cuda_cpp.fp4_down(cuda_cpp.lib_for(streams.device), ac, idx.contiguous(), w2,
+                                  s2.view(torch.uint8), addc, streams, ws, cnt, D, I, k // rows,
+                                  False, ccfg,
+                                  (2 if idx_early else 1) if pdl_on(streams, pdl) else 0,
+                                  rows=rows, post=(res, pw, comb))
+            return streams
+    from .mhc import hc_post
+    y = fp4_experts_down(a, idx, w2, s2, add=add, out_dtype=torch.bfloat16, config=config,
+                         impl=impl, strict=strict, workspace=workspace, rows=rows, pdl=pdl,
+                         idx_early=idx_early)
+    return hc_post(y.view(rows, D), res, pw, comb, out=streams, pdl=pdl)
 
 
 # ---- plain-torch references ---------------------------------------------------------------------

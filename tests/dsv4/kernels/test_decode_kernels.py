@@ -342,6 +342,123 @@ def test_fp4_experts_cuda(bank, limit, impl):
     assert torch.equal(yb, (y + add.float()).to(torch.bfloat16))
 
 
+def test_fp4_experts_down_refuses_a_post_it_cannot_take():
+    """fp4_experts_down(post=...) checks the streams before any launch: bf16 res / streams of
+    [rows, 4, D], float32 post / comb, out_dtype bf16, streams apart from res."""
+    from dsv4.kernels.decode.fp4_experts import fp4_experts_down
+    E, I, D, k = 8, 256, 256, 2
+    w2 = torch.zeros(E, D, I // 2, dtype=torch.int8)
+    s2 = torch.zeros(E, D, I // 32, dtype=torch.uint8).view(torch.float8_e8m0fnu)
+    a, idx = torch.zeros(k, I, dtype=torch.bfloat16), torch.tensor([1, 5])
+    res = torch.zeros(1, 4, D, dtype=torch.bfloat16)
+    pw, comb = torch.zeros(1, 4), torch.zeros(1, 4, 4)
+    for bad, kw in (((res, pw, comb, res), {}),                              # in place
+                    ((res.float(), pw, comb, res.float()), {}),
+                    ((res[:, :3], pw[:, :3], comb[:, :3, :3], res[:, :3].clone()), {}),
+                    ((res, pw.double(), comb, torch.empty_like(res)), {}),
+                    ((res, pw, comb, torch.empty_like(res)), {"out_dtype": torch.float32})):
+        with pytest.raises(ValueError, match="post"):
+            fp4_experts_down(a, idx, w2, s2, post=bad, **{"out_dtype": torch.bfloat16, **kw})
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("impl", ["triton", "cuda"])
+def test_fp4_experts_down_takes_the_mhc_post(bank, impl):
+    """fp4_experts_down(post=...) (DSV4_FUSE_POST on one GPU): the block's mHC post of down's
+    bf16 output into the 4 streams, for 1 and 3 rows (the verify rows: the all-experts kernel),
+    into poisoned memory: on the CUDA kernel within one bf16 rounding of hc_post of the plain
+    output (its float order is the all-reduce post's: float64 of that output within the float32
+    bound), deterministic; on Triton exactly hc_post of the plain output (a launch of its own)."""
+    from dsv4.kernels.decode.fp4_experts import fp4_experts_down
+    from dsv4.kernels.decode.mhc import hc_post
+    _, (E, inter, dim), (w1, s1, w3, s3, w2, s2) = bank
+    dev, gen, k, C = torch.device("cuda"), fresh_gen("cuda"), 6, 4
+    for T in (1, 3):
+        idx = torch.cat([torch.randperm(E, generator=gen, device=dev)[:k].sort().values
+                         for _ in range(T)])
+        a = (torch.randn(T * k, inter, generator=gen, device=dev) * 0.5).to(torch.bfloat16)
+        add = spiky_x(dim, gen, torch.bfloat16, dev).repeat(T, 1)
+        res = torch.randn(T, C, dim, generator=gen, device=dev).to(torch.bfloat16)
+        pw = 2 * torch.rand(T, C, generator=gen, device=dev)
+        comb = torch.rand(T, C, C, generator=gen, device=dev)
+        y = fp4_experts_down(a, idx, w2, s2, add=add, out_dtype=torch.bfloat16, rows=T, impl=impl)
+        via = hc_post(y.view(T, dim), res, pw, comb)
+        streams = poisoned(T, C, dim, device=dev)
+        got = fp4_experts_down(a, idx, w2, s2, add=add, out_dtype=torch.bfloat16, rows=T,
+                               impl=impl, post=(res, pw, comb, streams))
+        assert got is streams and not got.isnan().any(), (T, impl)
+        if impl == "triton":
+            assert torch.equal(got, via), T
+            continue
+        terms = (pw.double().unsqueeze(-1) * y.view(T, 1, dim).double(),
+                 comb.double().unsqueeze(-1) * res.double().unsqueeze(-2))
+        want, size = terms[0] + terms[1].sum(1), terms[0].abs() + terms[1].abs().sum(1)
+        assert ((got.double() - want).abs() <= 2 ** -8 * want.abs() + 8 * 2 ** -24 * size).all()
+        assert ((got.double() - via.double()).abs()
+                <= 2 ** -7 * via.double().abs() + 16 * 2 ** -24 * size).all()
+        again = fp4_experts_down(a, idx, w2, s2, add=add, out_dtype=torch.bfloat16, rows=T,
+                                 impl=impl, post=(res, pw, comb, torch.empty_like(res)))
+        assert torch.equal(again, got), "not deterministic"
+        print(T, "the Triton hc_post's bits:", bool(torch.equal(got, via)))
+
+
+@pytest.mark.cuda
+def test_the_fused_post_decodes_a_layer_as_graph_and_eager_alike():
+    """DSV4_FUSE_POST=1 on one GPU (the FFN's mHC post in the routed experts' down): a
+    Flash-shaped ratio-4 layer decodes 12 steps with the same bits eager and from a CUDA graph
+    (with the PDL and branch switches as decoding runs), and within bf16 roundings of the layer
+    without it (the same kv cache: the post comes after the attention)."""
+    from dsv4.backend import branches
+    from dsv4.backend.binding import bind_block
+    from dsv4.backend.decision import Options
+    from dsv4.backend.ops import Ops
+    from dsv4.model.block import Block
+    from dsv4.model.state import LayerState
+    from dsv4.numerics.quant import hadamard_matrix
+    from dsv4.weights.device_weights import DeviceWeights
+    from dsv4.weights.presets import get_preset
+    cfg = get_preset("flash", n_layers=3)
+    dev, layer = torch.device("cuda"), 2
+    blk = Block(cfg, layer, dev, hadamard_matrix(cfg.index_head_dim, dev))
+    src = DeviceWeights(cfg, seed=SEED)
+    for name, t in blk.tensors(f"layers.{layer}").items():
+        src.load_into(name, t)
+    gen = fresh_gen("cuda")
+    hs = [torch.randn(1, cfg.hc_mult, cfg.dim, generator=gen, device=dev).to(torch.bfloat16)
+          for _ in range(12)]
+
+    def run(graph: bool, fuse: bool):
+        bind_block(blk, Ops.for_device(dev, cfg=cfg, options=Options(fuse_post=fuse)))
+        assert blk.post_in_down == fuse
+        st = LayerState.allocate(cfg, cfg.ratio(layer), 256, torch.bfloat16, dev)
+        h_in = hs[0].clone()
+        pos, ids = torch.zeros(1, dtype=torch.int64, device=dev), torch.tensor([7], device=dev)
+        step = lambda: blk.decode(h_in, ids, pos, st)        # noqa: E731
+        if graph:
+            g, out = capture_step(step, strict=False)
+            st.reset()
+        outs = []
+        for p, h in enumerate(hs):
+            h_in.copy_(h)
+            pos.fill_(p)
+            if graph:
+                g.replay()
+                outs.append(out.clone())
+            else:
+                outs.append(step().clone())
+        return torch.stack(outs), st.kv_cache.clone()
+    branches.prepare(dev)
+    with torch.inference_mode():
+        eager, graph = run(False, True), run(True, True)
+        plain = run(False, False)
+    assert torch.equal(eager[0], graph[0]) and torch.equal(eager[1], graph[1])
+    assert torch.equal(eager[1], plain[1])
+    a, b = eager[0].float(), plain[0].float()
+    assert not a.isnan().any()
+    rel = ((a - b).norm(dim=-1) / b.norm(dim=-1)).max().item()
+    assert rel < 1e-2, rel
+
+
 def capture_step(step, strict: bool = True):
     """Warm `step` up on a side stream (compiles, allocates), then capture it in a CUDA graph (under
     sync debug mode "error" when strict: any host sync raises); returns (graph, its outputs)."""

@@ -199,7 +199,7 @@ def gpu_checks(group, prefer: str, pdl: bool = False) -> dict:
 
 
 def post_checks(group, pdl: bool = False) -> dict:
-    """On GPUs, our one-shot kernel with the mHC post (AllReduce.post; DSV4_AR_POST): into
+    """On GPUs, our one-shot kernel with the mHC post (AllReduce.post; DSV4_FUSE_POST): into
     poisoned outputs, x [T, D] of each rank summed and put into the 4 streams (res, post, comb the
     same on every rank, as a TP block's are) -> per case: the same bits on every rank (digest),
     on a second call, x left as it was, the bits of its sum as the plain call writes them (the

@@ -65,7 +65,7 @@ def test_oneshot_with_pdl_sums_exactly_everywhere(world):
 @pytest.mark.multigpu
 @pytest.mark.parametrize("world, pdl", [(2, False), (2, True), (4, True)])
 def test_oneshot_with_the_mhc_post_gives_the_post_of_the_sum_everywhere(world, pdl):
-    """Our kernel's all-reduce + mHC post in one launch (DSV4_AR_POST): every output element
+    """Our kernel's all-reduce + mHC post in one launch (DSV4_FUSE_POST): every output element
     written (poisoned memory), the same bits on every rank and on a second call, x untouched,
     the float64 post of the plain call's sum within its float32 bound and the Triton hc_post of
     that sum within one rounding of the dtype; a graph replay gives the eager bits."""

@@ -170,10 +170,10 @@ def parity_rank(group, ckpt_dir: str, dtype: str, prompt: list, forced: list) ->
     return out
 
 
-def ar_post_rank(group, ckpt_dir: str, prompt: list, forced: list) -> dict:
+def fuse_post_rank(group, ckpt_dir: str, prompt: list, forced: list) -> dict:
     """On a GPU rank (memory poisoned first): the rank's shard of an FP8 checkpoint in bfloat16,
     the tokens `forced` after the prompt, with each sublayer's all-reduce and the block's mHC
-    post in one launch (Options.ar_post) and without -> {rank, on / off: {eager, graph, graph2:
+    post in one launch (Options.fuse_post) and without -> {rank, on / off: {eager, graph, graph2:
     logits [n, V] f32 on the CPU, bound: blocks with post_reduce, fused: the fused calls of one
     eager decode step}}."""
     from parallel_ranks import _poison
@@ -181,7 +181,7 @@ def ar_post_rank(group, ckpt_dir: str, prompt: list, forced: list) -> dict:
     out = {"rank": group.rank}
     for name, on in (("on", True), ("off", False)):
         rt = RuntimeConfig(max_seq_len=128, dtype=torch.bfloat16,
-                           options=Options.from_env().replace(ar_post=on))
+                           options=Options.from_env().replace(fuse_post=on))
         model, ck = load_rank(group, ckpt_dir, rt)
         ck.close()
         got = {"bound": sum(blk.post_reduce is not None for blk in model.layers)}
