@@ -338,8 +338,8 @@ def check_attention_decode(dev, g, capacity=64, steps=36, layers=(0, 1, 2), seed
             # torch path) and fused (the fused project_out)
             attn.project_out = lambda o: ((outs.append(o.reshape(1, -1)) if ref else None),
                                           project(o))[1]
-            FA.project_out = lambda a, ops_, o, rows=False: (
-                outs.append(o.reshape(1, -1)), ref.clear(), fused_out(a, ops_, o, rows))[2]
+            FA.project_out = lambda a, ops_, o, rows=False, **kw: (
+                outs.append(o.reshape(1, -1)), ref.clear(), fused_out(a, ops_, o, rows, **kw))[2]
             G = cfg.o_groups
             wo_a = attn.wo_a.dense(torch.float32).view(G, cfg.o_lora_rank, -1)
             st_r = LayerState.allocate(cfg, r, capacity, torch.bfloat16, dev)
