@@ -90,6 +90,14 @@ def test_bad_inputs_exit_2(ckpt, args, words):
     _one_error_line(run("--ckpt", str(ckpt), *args), *words)
 
 
+def test_a_prompt_file_that_is_not_utf8_exits_2(ckpt, tmp_path):
+    """(It was exit 1, `runtime error: UnicodeDecodeError`.)"""
+    bad = tmp_path / "latin1.txt"
+    bad.write_bytes("caf\u00e9".encode("latin-1"))
+    _one_error_line(run("--ckpt", str(ckpt), "--prompt-file", str(bad)),
+                    "--prompt-file", "not UTF-8", "0xe9", "offset 3")
+
+
 def test_no_prompt_with_ckpt(ckpt):
     _one_error_line(run("--ckpt", str(ckpt)), "no prompt")
 

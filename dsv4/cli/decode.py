@@ -77,6 +77,10 @@ def _prompt_ids(args, tok, demo: bool) -> list[int]:
         except OSError as e:
             raise InputError(f"--prompt-file {args.prompt_file}: cannot read ({e.strerror})") \
                 from None
+        except UnicodeDecodeError as e:
+            raise InputError(f"--prompt-file {args.prompt_file} is not UTF-8 text (byte "
+                             f"0x{e.object[e.start]:02x} at offset {e.start}); save it as UTF-8") \
+                from None
     messages = load_messages(args.messages) if args.messages is not None else None
     if text is None and messages is None:
         if not demo:

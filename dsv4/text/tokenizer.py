@@ -43,8 +43,14 @@ class Tokenizer:
         return tid
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of `text`; adds no BOS/EOS (special-token strings in the text still match)."""
-        return self._tok.encode(text, add_special_tokens=False).ids
+        """Token ids of `text`; adds no BOS/EOS (special-token strings in the text still match).
+        Text that is not Unicode (an unpaired surrogate) is an InputError naming where."""
+        try:
+            return self._tok.encode(text, add_special_tokens=False).ids
+        except TypeError:
+            if isinstance(text, str):
+                _check_unicode(text)
+            raise
 
     def decode(self, ids: list[int]) -> str:
         """Text of `ids`, special tokens included."""
@@ -73,6 +79,22 @@ class Tokenizer:
 
     def __repr__(self) -> str:
         return f"Tokenizer(path={str(self.path)!r}, vocab_size={self.vocab_size})"
+
+
+def _check_unicode(text: str) -> None:
+    """InputError for the first unpaired surrogate in `text` (what `tokenizers` refuses with a
+    bare TypeError): a JSON "\\ud800" escape without its pair, or a byte that is not UTF-8
+    (Python reads such a byte of a command-line argument as U+DC80..U+DCFF)."""
+    for i, ch in enumerate(text):
+        c = ord(ch)
+        if not 0xD800 <= c <= 0xDFFF:
+            continue
+        where = f"after {text[max(0, i - 24):i]!r}" if i else "at the start"
+        cause = "a \\u escape without its pair"
+        if 0xDC80 <= c <= 0xDCFF:         # how Python reads a byte of argv that is not UTF-8
+            cause += f", or the byte 0x{c - 0xDC00:02x}, which is not UTF-8"
+        raise InputError(f"the text holds U+{c:04X} {where}: an unpaired UTF-16 surrogate, which "
+                         f"is not a Unicode character ({cause}); give valid UTF-8 text")
 
 
 def packaged_tokenizer_path() -> Path | None:

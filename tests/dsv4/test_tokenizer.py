@@ -81,6 +81,13 @@ def test_messages_file_forms(tok, tmp_path):
     (dict(messages=[{"role": "user", "content": ""}]), "no user content"),
     (dict(messages=[{"role": "wizard", "content": "x"}]), "role 'wizard'"),
     (dict(prompt="x<｜begin▁of▁sentence｜>y"), "contains the BOS marker"),
+    # not Unicode: a JSON "\\ud800" escape without its pair, a byte of argv that is not UTF-8
+    # (tokenizers refused both with a bare TypeError: exit 1 / HTTP 500)
+    (dict(prompt="hi\ud800 there"), "U\\+D800 after .*hi'.*unpaired"),
+    (dict(prompt="ab\udcff", raw=True), "U\\+DCFF after 'ab'.*byte 0xff"),
+    (dict(messages={"messages": [{"role": "user", "content": "x"}],
+                    "tools": [{"type": "function", "function": {"name": "f\udc00"}}]}),
+     "U\\+DC00.*unpaired"),
     (dict(messages=[{"role": "system", "content": "s"}, {"role": "user", "content": "u"}],
           system="t"), "already have a system"),
 ])

@@ -277,6 +277,25 @@ def test_bad_requests_get_4xx_json_and_the_server_keeps_serving(server, body, st
     assert httpx.get(server.url + "/health").status_code == 200
 
 
+def test_text_that_is_not_unicode_gets_400_naming_it(server):
+    """A lone surrogate escape (valid JSON, not Unicode) in a message, a tool or a prompt: the
+    tokenizer refused it with a bare TypeError, answered as 500 `internal error`."""
+    hi = '[{"role": "user", "content": "hi \\ud800"}]'
+    tool = '[{"type": "function", "function": {"name": "f\\udfff"}}]'
+    for path, raw, param, words in (
+            ("chat/completions", '{"messages": %s, "max_tokens": 1}' % hi, "messages", "U+D800"),
+            ("chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "tools": %s}'
+             % tool, "messages", "U+DFFF"),
+            ("completions", '{"prompt": "\\udcff", "max_tokens": 1}', "prompt", "U+DCFF")):
+        r = httpx.post(f"{server.url}/v1/{path}", content=raw.encode(),
+                       headers={"content-type": "application/json"}, timeout=60)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == param and words in err["message"], err
+        assert "unpaired UTF-16 surrogate" in err["message"], err
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
 def test_malformed_json_and_unknown_routes(server, client):
     for raw in (b"{bad", b"[1, 2]", b"\xff\xfe"):
         r = httpx.post(server.url + "/v1/chat/completions", content=raw,
