@@ -296,6 +296,16 @@ def test_text_that_is_not_unicode_gets_400_naming_it(server):
     assert httpx.get(server.url + "/health").status_code == 200
 
 
+def test_a_top_k_past_int64_samples_from_every_token(server):
+    """top_k at or above the vocabulary keeps every token, however large (it was a 500 `decode
+    failed: OverflowError` past int64, writing it into the sampling knobs)."""
+    body = {"prompt": [0, 5, 6], "max_tokens": 1, "temperature": 1, "seed": 3}
+    r = [httpx.post(server.url + "/v1/completions", json=dict(body, top_k=k), timeout=60)
+         for k in (10 ** 20, 0)]
+    assert [x.status_code for x in r] == [200, 200], r[0].text
+    assert r[0].json()["choices"][0]["text"] == r[1].json()["choices"][0]["text"]
+
+
 def test_malformed_json_and_unknown_routes(server, client):
     for raw in (b"{bad", b"[1, 2]", b"\xff\xfe"):
         r = httpx.post(server.url + "/v1/chat/completions", content=raw,
