@@ -266,6 +266,12 @@ def test_a_full_queue_answers_503_with_retry_after(server, client):
     ({"messages": [{"role": "wizard", "content": "hi"}]}, 400, ["messages.0.role"]),
     ({"prompt": "hi", "messages": MESSAGES}, 400, ["Unrecognized", "prompt"]),
     ({"messages": MESSAGES, "speculative": True}, 400, ["--speculative"]),
+    # (these two were rendered into the prompt as they came, and a 500 AttributeError)
+    ({"messages": MESSAGES, "tools": [{"type": "function", "function": {"description": "x"}}]},
+     400, ["tools[0] is not a function tool with a name"]),
+    ({"messages": MESSAGES[1:] + [{"role": "assistant", "tool_calls": [
+        {"id": "1", "type": "function", "function": {"name": "f", "arguments": 5}}]}]},
+     400, ["message 1: tool_calls[0] (f) has arguments 5"]),
 ])
 def test_bad_requests_get_4xx_json_and_the_server_keeps_serving(server, body, status, words):
     r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
