@@ -58,7 +58,8 @@ def build_parser() -> Parser:
 
 def _parse_ids(text: str, flag: str) -> list[int]:
     try:
-        ids = [int(t) for t in text.replace(" ", "").split(",") if t != ""]
+        # each item stripped, never the spaces inside it: "1 2 3" is not the id 123
+        ids = [int(t) for t in text.split(",") if t.strip() != ""]
     except ValueError:
         raise InputError(f"{flag} {text!r}: expected comma-separated integers like 1,2,3") from None
     if not ids:
