@@ -68,6 +68,8 @@ def test_force_ids_run_exactly_that_many_steps(ckpt, tmp_path):
     (["--prompt-ids", "1,2,x"], ["--prompt-ids", "integers"]),
     (["--prompt-ids", "5,99999"], ["99999", "2048"]),
     (["--prompt-ids", "-3"], ["-3", "2048"]),
+    # "7 8" was read as the id 78 (every space dropped); spaces around an item are still fine
+    (["--prompt-ids", " 1, 2 ", "--force-ids", "7 8"], ["--force-ids '7 8'", "comma-separated"]),
     (["--force-ids", "1,70000", "--prompt-ids", "1"], ["70000", "2048"]),
     (["--prompt-ids", "1,2,3", "--max-new-tokens", "300", "--max-seq-len", "64"],
      ["303", "64", "--max-seq-len", "--max-new-tokens"]),
@@ -88,6 +90,14 @@ def test_force_ids_run_exactly_that_many_steps(ckpt, tmp_path):
 ])
 def test_bad_inputs_exit_2(ckpt, args, words):
     _one_error_line(run("--ckpt", str(ckpt), *args), *words)
+
+
+def test_a_prompt_file_that_is_not_utf8_exits_2(ckpt, tmp_path):
+    """(It was exit 1, `runtime error: UnicodeDecodeError`.)"""
+    bad = tmp_path / "latin1.txt"
+    bad.write_bytes("caf\u00e9".encode("latin-1"))
+    _one_error_line(run("--ckpt", str(ckpt), "--prompt-file", str(bad)),
+                    "--prompt-file", "not UTF-8", "0xe9", "offset 3")
 
 
 def test_no_prompt_with_ckpt(ckpt):

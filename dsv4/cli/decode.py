@@ -58,7 +58,8 @@ def build_parser() -> Parser:
 
 def _parse_ids(text: str, flag: str) -> list[int]:
     try:
-        ids = [int(t) for t in text.replace(" ", "").split(",") if t != ""]
+        # each item stripped, never the spaces inside it: "1 2 3" is not the id 123
+        ids = [int(t) for t in text.split(",") if t.strip() != ""]
     except ValueError:
         raise InputError(f"{flag} {text!r}: expected comma-separated integers like 1,2,3") from None
     if not ids:
@@ -76,6 +77,10 @@ def _prompt_ids(args, tok, demo: bool) -> list[int]:
             text = Path(args.prompt_file).read_text(encoding="utf-8")
         except OSError as e:
             raise InputError(f"--prompt-file {args.prompt_file}: cannot read ({e.strerror})") \
+                from None
+        except UnicodeDecodeError as e:
+            raise InputError(f"--prompt-file {args.prompt_file} is not UTF-8 text (byte "
+                             f"0x{e.object[e.start]:02x} at offset {e.start}); save it as UTF-8") \
                 from None
     messages = load_messages(args.messages) if args.messages is not None else None
     if text is None and messages is None:

@@ -18,6 +18,7 @@ import torch
 from ..errors import InputError
 
 _MASK31 = 0x7FFFFFFF
+_INT64_MAX = 2 ** 63 - 1
 _M1, _M2 = 0x2C1B3C6D, 0x297A2D39   # odd 30-bit multipliers: products stay below 2^62
 
 
@@ -29,8 +30,9 @@ class SamplingParams:
     seed: int = 0
 
     def __post_init__(self):
-        if not (self.temperature >= 0) or self.temperature != self.temperature:
-            raise InputError(f"temperature = {self.temperature}: must be >= 0 (0 = greedy)")
+        if not 0 <= self.temperature < float("inf"):
+            raise InputError(f"temperature = {self.temperature}: must be a finite number >= 0 "
+                             f"(0 = greedy)")
         if not (0 < self.top_p <= 1):
             raise InputError(f"top_p = {self.top_p}: must be in (0, 1]")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
@@ -70,7 +72,8 @@ class SamplingKnobs:
             raise InputError(f"seed = {params.seed}: must be < 2**63 (a signed 64-bit integer)")
         self.temperature.fill_(params.temperature)
         self.top_p.fill_(params.top_p)
-        self.top_k.fill_(params.top_k)
+        # a top_k at or above the vocabulary keeps every token: past int64 it keeps them too
+        self.top_k.fill_(min(params.top_k, _INT64_MAX))
         self.seed.fill_(params.seed)
         # decided on the host exactly as SamplingParams' branches decide (a temperature or top_p
         # that float32 rounds to 0 or 1 must not change the path)

@@ -115,6 +115,8 @@ def chat_job(req: ChatRequest, tok, d: Defaults, loop) -> Job:
         ids = build_prompt_ids(tok, messages={"messages": req.dsv4_messages(), "tools": tools},
                                thinking=req.thinking, reasoning_effort=req.encoding_effort)
     except UserInputError as e:
+        if str(e).startswith("tools["):
+            raise ApiError(400, str(e), "tools") from None
         raise ApiError(400, f"messages: {e}", "messages") from None
     parser = ReplyParser(thinking=req.thinking, stop=tuple(req.stop), tools=True)
     job = _job_common(req, d, loop, ids, req.limit, parser, "messages")

@@ -43,8 +43,14 @@ class Tokenizer:
         return tid
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of `text`; adds no BOS/EOS (special-token strings in the text still match)."""
-        return self._tok.encode(text, add_special_tokens=False).ids
+        """Token ids of `text`; adds no BOS/EOS (special-token strings in the text still match).
+        Text that is not Unicode (an unpaired surrogate) is an InputError naming where."""
+        try:
+            return self._tok.encode(text, add_special_tokens=False).ids
+        except TypeError:
+            if isinstance(text, str):
+                _check_unicode(text)
+            raise
 
     def decode(self, ids: list[int]) -> str:
         """Text of `ids`, special tokens included."""
@@ -73,6 +79,22 @@ class Tokenizer:
 
     def __repr__(self) -> str:
         return f"Tokenizer(path={str(self.path)!r}, vocab_size={self.vocab_size})"
+
+
+def _check_unicode(text: str) -> None:
+    """InputError for the first unpaired surrogate in `text` (what `tokenizers` refuses with a
+    bare TypeError): a JSON "\\ud800" escape without its pair, or a byte that is not UTF-8
+    (Python reads such a byte of a command-line argument as U+DC80..U+DCFF)."""
+    for i, ch in enumerate(text):
+        c = ord(ch)
+        if not 0xD800 <= c <= 0xDFFF:
+            continue
+        where = f"after {text[max(0, i - 24):i]!r}" if i else "at the start"
+        cause = "a \\u escape without its pair"
+        if 0xDC80 <= c <= 0xDCFF:         # how Python reads a byte of argv that is not UTF-8
+            cause += f", or the byte 0x{c - 0xDC00:02x}, which is not UTF-8"
+        raise InputError(f"the text holds U+{c:04X} {where}: an unpaired UTF-16 surrogate, which "
+                         f"is not a Unicode character ({cause}); give valid UTF-8 text")
 
 
 def packaged_tokenizer_path() -> Path | None:
@@ -155,16 +177,84 @@ def _split_messages(messages: Any) -> tuple[list[dict], list | None]:
         messages = messages["messages"]
     if not isinstance(messages, list) or not messages:
         raise InputError('messages must be a non-empty list of {"role": ..., "content": ...}')
+    if tools is not None:
+        _check_tools(tools, "tools")
     out = []
     for i, msg in enumerate(messages):
         if not isinstance(msg, dict) or msg.get("role") not in ROLES:
             role = msg.get("role") if isinstance(msg, dict) else type(msg).__name__
             raise InputError(f"message {i} has role {role!r}; expected one of {', '.join(ROLES)}")
-        out.append(dict(msg))
+        out.append(_checked_message(msg, i))
     if not any(_has_user_content(m) for m in out):
         raise InputError("the messages hold no user content (every user/developer/tool turn is "
                          "empty); give a non-empty prompt")
     return out, tools
+
+
+def _checked_message(msg: dict, i: int) -> dict:
+    """A copy of message i whose content the template can render: a string (None and a missing
+    one render as no text), OpenAI's list of {"type": "text", "text": ...} parts joined (a tool
+    result's list is left to the template, which joins its text blocks), and checked tool calls
+    and tools; anything else an InputError naming the message."""
+    msg = dict(msg)
+    content = msg.get("content")
+    if content is None:
+        if "content" in msg:
+            msg["content"] = ""
+    elif isinstance(content, list):
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text":
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise InputError(f"message {i} has a content part of type {kind!r}: this model "
+                                 f"reads text only (give {{\"type\": \"text\", \"text\": ...}} "
+                                 f"parts or a string)")
+            if not isinstance(part.get("text", ""), str):
+                raise InputError(f"message {i} has a text part whose text is a "
+                                 f"{type(part['text']).__name__}; give a string")
+        if msg["role"] != "tool":
+            msg["content"] = "".join(part.get("text", "") for part in content)
+    elif not isinstance(content, str):
+        raise InputError(f"message {i} has content of type {type(content).__name__}; give a "
+                         f"string or a list of {{\"type\": \"text\", \"text\": ...}} parts")
+    calls = msg.get("tool_calls")
+    if calls is not None:
+        if not isinstance(calls, list):
+            raise InputError(f"message {i}: tool_calls is a {type(calls).__name__}; give a list")
+        for k, call in enumerate(calls):
+            fn = call.get("function", call) if isinstance(call, dict) else call
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                raise InputError(f"message {i}: tool_calls[{k}] needs a function with a name: "
+                                 f"{{\"type\": \"function\", \"function\": {{\"name\": ..., "
+                                 f"\"arguments\": \"{{...}}\"}}}}")
+            args = fn.get("arguments", "{}")
+            if not isinstance(args, (str, dict)):
+                raise InputError(f"message {i}: tool_calls[{k}] ({fn['name']}) has arguments "
+                                 f"{_short(args)}; give a JSON object as a string (or an object)")
+    if msg.get("tools") is not None:
+        _check_tools(msg["tools"], f"message {i}: tools")
+    return msg
+
+
+def _check_tools(tools: Any, where: str) -> None:
+    """InputError unless `tools` is a list of OpenAI function tools ({"type": "function",
+    "function": {"name": ..., "parameters": {...}}}, or the function object itself)."""
+    if not isinstance(tools, list):
+        raise InputError(f"{where} is a {type(tools).__name__}; give a list of "
+                         f"{{\"type\": \"function\", \"function\": {{...}}}}")
+    for k, tool in enumerate(tools):
+        fn = tool.get("function", tool) if isinstance(tool, dict) else tool
+        kind = tool.get("type", "function") if isinstance(tool, dict) else "function"
+        if kind != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str) \
+                or not isinstance(fn.get("parameters", {}), dict):
+            raise InputError(f"{where}[{k}] is not a function tool with a name: give "
+                             f"{{\"type\": \"function\", \"function\": {{\"name\": ..., "
+                             f"\"description\": ..., \"parameters\": {{JSON schema}}}}}} "
+                             f"(got {_short(tool)})")
+
+
+def _short(value: Any, n: int = 80) -> str:
+    text = json.dumps(value, ensure_ascii=False, default=str)
+    return text if len(text) <= n else text[:n] + "..."
 
 
 def load_messages(path: str | Path) -> list[dict]:

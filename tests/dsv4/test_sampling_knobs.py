@@ -14,7 +14,8 @@ from helpers import small_checkpoint
 PARAMS = [SamplingParams(), SamplingParams(0.7, seed=3), SamplingParams(1.0, top_p=0.9, seed=4),
           SamplingParams(0.5, top_k=5, seed=5), SamplingParams(1.3, 0.5, 20, seed=2 ** 40 + 7),
           SamplingParams(1.0, top_p=1e-6, seed=1), SamplingParams(0.9, top_k=10 ** 6, seed=8),
-          SamplingParams(1e-30, seed=9), SamplingParams(1.0, top_p=1 - 1e-9, seed=10)]
+          SamplingParams(1e-30, seed=9), SamplingParams(1.0, top_p=1 - 1e-9, seed=10),
+          SamplingParams(0.8, top_k=10 ** 20, seed=11)]     # past int64: every token (was 500)
 
 
 def _logits(seed, n=3, V=4096):
@@ -57,6 +58,12 @@ def test_speculative_draft_and_accept_with_knobs(params):
 def test_knobs_reject_a_seed_past_int64():
     with pytest.raises(ValueError, match="2\\*\\*63"):
         SamplingKnobs("cpu", SamplingParams(seed=2 ** 63))
+
+
+@pytest.mark.parametrize("t", [float("inf"), float("nan"), -1.0])
+def test_a_temperature_must_be_a_finite_number(t):
+    with pytest.raises(ValueError, match="finite number >= 0"):
+        SamplingParams(t)
 
 
 @pytest.fixture(scope="module")

@@ -72,6 +72,52 @@ def test_messages_file_forms(tok, tmp_path):
         load_messages(tmp_path / "nope.json")
 
 
+_CALL = {"role": "assistant", "content": None,
+         "tool_calls": [{"id": "1", "type": "function", "function": {"name": "f"}}]}
+
+
+@pytest.mark.parametrize("args", [5, None, [1, 2], True])
+def test_tool_call_arguments_that_are_not_an_object_raise_input_error(tok, args):
+    # (they were AttributeError: 'int' object has no attribute 'items': exit 1 / HTTP 500)
+    call = {**_CALL, "tool_calls": [{"function": {"name": "f", "arguments": args}}]}
+    with pytest.raises(InputError, match=r"message 1: tool_calls\[0\] \(f\) has arguments"):
+        build_prompt_ids(tok, messages=[{"role": "user", "content": "q"}, call])
+
+
+@pytest.mark.parametrize("tool", [{"type": "function"}, {"foo": 1}, {"type": "function",
+                                  "function": None}, {"type": "web_search"}, "f",
+                                  {"type": "function", "function": {"name": "f",
+                                                                    "parameters": "x"}}])
+def test_a_tool_that_is_not_a_named_function_raises_input_error(tok, tool):
+    # (it was rendered into the prompt as it came: a tool no reply could call)
+    msgs = [{"role": "user", "content": "q"}]
+    with pytest.raises(InputError, match=r"^tools\[0\] is not a function tool with a name"):
+        build_prompt_ids(tok, messages={"messages": msgs, "tools": [tool]})
+    with pytest.raises(InputError, match=r"message 0: tools\[0\] is not a function tool"):
+        build_prompt_ids(tok, messages=[{"role": "system", "content": "", "tools": [tool]}] +
+                         msgs)
+
+
+def test_openai_message_forms_encode_as_their_text(tok):
+    """A list of text parts (OpenAI's form, what the server takes) is its text joined; a null
+    content is no text (a second user turn's made a TypeError; a tool result's rendered as
+    "None"); other content is refused naming the message."""
+    text = [{"role": "user", "content": "Hello there"}]
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Hello "},
+                                          {"type": "text", "text": "there"}]}]
+    assert build_prompt_ids(tok, messages=parts) == build_prompt_ids(tok, messages=text)
+    q = {"role": "user", "content": "q"}
+    for role in ("user", "tool"):
+        assert build_prompt_ids(tok, messages=[q, {"role": role, "content": None}]) == \
+            build_prompt_ids(tok, messages=[q, {"role": role, "content": ""}])
+    for content, match in ((42, "message 0 has content of type int"),
+                           ([{"type": "image_url"}], "part of type 'image_url'"),
+                           (["hi"], "part of type 'str'"),
+                           ([{"type": "text", "text": 5}], "text is a int")):
+        with pytest.raises(InputError, match=match):
+            build_prompt_ids(tok, messages=[{"role": "user", "content": content}])
+
+
 @pytest.mark.parametrize("kwargs, match", [
     (dict(prompt=""), "prompt is empty"),
     (dict(prompt="   \n"), "prompt is empty"),
@@ -81,6 +127,13 @@ def test_messages_file_forms(tok, tmp_path):
     (dict(messages=[{"role": "user", "content": ""}]), "no user content"),
     (dict(messages=[{"role": "wizard", "content": "x"}]), "role 'wizard'"),
     (dict(prompt="x<｜begin▁of▁sentence｜>y"), "contains the BOS marker"),
+    # not Unicode: a JSON "\\ud800" escape without its pair, a byte of argv that is not UTF-8
+    # (tokenizers refused both with a bare TypeError: exit 1 / HTTP 500)
+    (dict(prompt="hi\ud800 there"), "U\\+D800 after .*hi'.*unpaired"),
+    (dict(prompt="ab\udcff", raw=True), "U\\+DCFF after 'ab'.*byte 0xff"),
+    (dict(messages={"messages": [{"role": "user", "content": "x"}],
+                    "tools": [{"type": "function", "function": {"name": "f\udc00"}}]}),
+     "U\\+DC00.*unpaired"),
     (dict(messages=[{"role": "system", "content": "s"}, {"role": "user", "content": "u"}],
           system="t"), "already have a system"),
 ])

@@ -266,6 +266,12 @@ def test_a_full_queue_answers_503_with_retry_after(server, client):
     ({"messages": [{"role": "wizard", "content": "hi"}]}, 400, ["messages.0.role"]),
     ({"prompt": "hi", "messages": MESSAGES}, 400, ["Unrecognized", "prompt"]),
     ({"messages": MESSAGES, "speculative": True}, 400, ["--speculative"]),
+    # (these two were rendered into the prompt as they came, and a 500 AttributeError)
+    ({"messages": MESSAGES, "tools": [{"type": "function", "function": {"description": "x"}}]},
+     400, ["tools[0] is not a function tool with a name"]),
+    ({"messages": MESSAGES[1:] + [{"role": "assistant", "tool_calls": [
+        {"id": "1", "type": "function", "function": {"name": "f", "arguments": 5}}]}]},
+     400, ["message 1: tool_calls[0] (f) has arguments 5"]),
 ])
 def test_bad_requests_get_4xx_json_and_the_server_keeps_serving(server, body, status, words):
     r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
@@ -275,6 +281,35 @@ def test_bad_requests_get_4xx_json_and_the_server_keeps_serving(server, body, st
         assert w in err["message"], (w, err["message"])
     assert err["type"] and "param" in err
     assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_text_that_is_not_unicode_gets_400_naming_it(server):
+    """A lone surrogate escape (valid JSON, not Unicode) in a message, a tool or a prompt: the
+    tokenizer refused it with a bare TypeError, answered as 500 `internal error`."""
+    hi = '[{"role": "user", "content": "hi \\ud800"}]'
+    tool = '[{"type": "function", "function": {"name": "f\\udfff"}}]'
+    for path, raw, param, words in (
+            ("chat/completions", '{"messages": %s, "max_tokens": 1}' % hi, "messages", "U+D800"),
+            ("chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "tools": %s}'
+             % tool, "messages", "U+DFFF"),
+            ("completions", '{"prompt": "\\udcff", "max_tokens": 1}', "prompt", "U+DCFF")):
+        r = httpx.post(f"{server.url}/v1/{path}", content=raw.encode(),
+                       headers={"content-type": "application/json"}, timeout=60)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == param and words in err["message"], err
+        assert "unpaired UTF-16 surrogate" in err["message"], err
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_a_top_k_past_int64_samples_from_every_token(server):
+    """top_k at or above the vocabulary keeps every token, however large (it was a 500 `decode
+    failed: OverflowError` past int64, writing it into the sampling knobs)."""
+    body = {"prompt": [0, 5, 6], "max_tokens": 1, "temperature": 1, "seed": 3}
+    r = [httpx.post(server.url + "/v1/completions", json=dict(body, top_k=k), timeout=60)
+         for k in (10 ** 20, 0)]
+    assert [x.status_code for x in r] == [200, 200], r[0].text
+    assert r[0].json()["choices"][0]["text"] == r[1].json()["choices"][0]["text"]
 
 
 def test_malformed_json_and_unknown_routes(server, client):
