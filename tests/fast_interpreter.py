@@ -158,7 +158,116 @@ def cache_np_dtypes() -> bool:
     return True
 
 
+# the shipped bodies the shape-type memo replaces (Triton 3.9's), line by line without comments,
+# docstrings or indentation: anything else runs as shipped
+_BLOCK_TYPE_INIT = [
+    "def __init__(self, element_ty: dtype, shape: List):", "self.element_ty = element_ty",
+    "assert (isinstance(shape, (list, tuple)))", "self.shape = tuple(_unwrap_shape(shape))",
+    "if not self.shape:", "raise TypeError('0d block_type is forbidden')",
+    "self.numel = validate_block_shape(self.shape)",
+    "self.name = f'<{self.shape}, {self.element_ty}>'"]
+_TENSOR_INIT = [
+    "def __init__(self, handle, type: dtype):", "super().__init__()", "self.handle = handle",
+    "self.shape = type.shape if type.is_block() else ()",
+    "self.numel = constexpr(math.prod(self.shape))", "self.type = type",
+    "self.dtype = type.scalar", "self.shape = tuple([constexpr(s) for s in self.shape])"]
+
+
+def _code_lines(fn) -> list[str]:
+    import inspect
+    out, doc = [], False
+    for ln in inspect.getsource(fn).splitlines():
+        ln = ln.split(" #")[0].strip() if not ln.strip().startswith("#") else ""
+        if ln.startswith('"""'):
+            doc = not (doc or (ln.count('"""') == 2))
+            continue
+        if doc:
+            doc = '"""' not in ln
+            continue
+        if ln:
+            out.append(ln)
+    return out
+
+
+def memoize_shape_types() -> bool:
+    """Every tl tensor the interpreter makes (each operation's result, hundreds of thousands per
+    kernel launch) builds its block type and its shape as tl.tuple objects whose tuple_type is
+    derived value by value (constexpr_type of each dimension, isinstance checks), and its block
+    type validates the shape again: a third of the prefill interpreter tests' CPU time. Derive
+    them once per shape: a block type whose shape (plain ints) was built and validated before
+    takes that shape's numel and tuple_type; a tensor of such a block type takes the tuple_type
+    of its constexpr shape. The objects are as shipped (fresh tl.tuple values lists, fresh
+    constexprs, equal types: tuple_type is replaced, never changed in place, by tl.tuple's
+    _setitem); a new shape, any other shape form and every error take the shipped path.
+    Installed only where both constructors have the known form (Triton 3.9's). -> installed?"""
+    if os.environ.get("DSV4_TEST_FAST_INTERPRETER", "1") == "0":
+        return False
+    try:
+        import triton.language.core as core
+        block_src, tensor_src = _code_lines(core.block_type.__init__), \
+            _code_lines(core.tensor.__init__)
+    except (ImportError, AttributeError, OSError, TypeError):
+        return False
+    if getattr(core, "_dsv4_shape_memo", False):
+        return True
+    if block_src != _BLOCK_TYPE_INIT or tensor_src != _TENSOR_INIT:
+        return False
+    shipped_block, shipped_tensor = core.block_type.__init__, core.tensor.__init__
+    tl_tuple, constexpr, tensor_cls = core.tuple, core.constexpr, core.tensor
+    shapes: dict = {}      # shape (ints) -> (numel, the block shape's tuple_type, the tensor's)
+
+    def ints(shape):
+        """shape's dimensions as a builtins tuple when each is a plain int (or a constexpr of
+        one) in a list or tl.tuple, the forms the shipped code unwraps; else None."""
+        t = type(shape)
+        vals = shape if t is list else shape.values if t is tl_tuple else None
+        if vals is None:
+            return None
+        out = []
+        for d in vals:
+            if type(d) is constexpr:
+                d = d.value
+            if type(d) is not int:
+                return None
+            out.append(d)
+        return tuple(out)
+
+    def block_type_init(self, element_ty, shape):
+        key = ints(shape)
+        hit = shapes.get(key) if key is not None else None
+        if hit is None:
+            shipped_block(self, element_ty, shape)
+            if key is not None and type(self.numel) is int:       # built and validated
+                shapes[key] = [self.numel, self.shape.type, None]
+            return
+        self.element_ty = element_ty
+        self.shape = tl_tuple(list(key), hit[1])
+        self.numel = hit[0]
+        self.name = f'<{self.shape}, {self.element_ty}>'
+
+    def tensor_init(self, handle, type):
+        shape = type.shape if type.is_block() else None
+        key = ints(shape) if shape is not None else None
+        hit = shapes.get(key) if key is not None else None
+        if hit is None or hit[2] is None:
+            shipped_tensor(self, handle, type)
+            if hit is not None:
+                hit[2] = self.shape.type
+            return
+        super(tensor_cls, self).__init__()
+        self.handle = handle
+        self.numel = constexpr(hit[0])
+        self.type = type
+        self.dtype = type.scalar
+        self.shape = tl_tuple([constexpr(s) for s in key], hit[2])
+
+    core.block_type.__init__ = block_type_init
+    core.tensor.__init__ = tensor_init
+    core._dsv4_shape_memo = True
+    return True
+
+
 def install() -> list[str]:
     """Every speed-up that fits this interpreter -> the names of those installed."""
     return [f.__name__ for f in (skip_nested_interpreter_patching, skip_discarded_overflow_checks,
-                                 cache_np_dtypes) if f()]
+                                 cache_np_dtypes, memoize_shape_types) if f()]

@@ -276,6 +276,36 @@ def test_rejection_sampling_keeps_the_distribution(params):
     assert stat > CHI2_999[min(df, 7)]
 
 
+def _plain_first_two(m, prompt, temperature, seeds):
+    """counts [V, V] of the first two tokens of plain sampling, Session(m, SamplingParams(
+    temperature, seed)).generate(prompt, 2) for every seed: the tokens those runs output, with one
+    run of the model per distinct first token instead of one per seed. Decoding is deterministic:
+    the prompt's logits are the same in every run and the second token's logits depend on the
+    first token only, and each token is the sampler's draw from its logits with noise keyed by
+    (seed, position). So each seed's tokens are drawn here by the sampler the runs use, from the
+    logits of a real run (keep_logits) that chose the same first token; every real run's own
+    two tokens are checked to be these draws (a wrong position or logits row would fail)."""
+    from dsv4.runtime.sampling import sample
+    from dsv4.runtime.session import Session as S
+    V = m.cfg.vocab_size
+    counts = np.zeros((V, V))
+    pos0, pos1 = torch.tensor([len(prompt) - 1]), torch.tensor([len(prompt)])
+    rows0, rows1 = None, {}                  # the prompt's logits; the second token's, by first
+    for seed in seeds:
+        params = SamplingParams(temperature=temperature, seed=seed)
+        x = None if rows0 is None else int(sample(rows0, pos0, params))
+        if x is None or x not in rows1:      # a first token not seen yet: a real plain run
+            run = S(m, params).generate(prompt, 2, keep_logits=True)
+            if rows0 is None:
+                rows0 = run.logits[0]
+                x = int(sample(rows0, pos0, params))
+            assert torch.equal(run.logits[0], rows0) and run.output_ids[0] == x, seed
+            rows1[x] = run.logits[1]
+            assert int(sample(rows1[x], pos1, params)) == run.output_ids[1], seed
+        counts[x, int(sample(rows1[x], pos1, params))] += 1
+    return counts
+
+
 def test_speculative_sampling_matches_plain_on_a_model(small):
     """A small-vocabulary model: the second generated token (the first a speculative step
     emits) has the same distribution with and without speculation over many seeds."""
@@ -287,18 +317,15 @@ def test_speculative_sampling_matches_plain_on_a_model(small):
         path = write_checkpoint(SMALL.replace(vocab_size=16), tmp, weights="bf16", seed=1)
         m = _model(path, cap=32, sharpen=1.0)
         V = m.cfg.vocab_size
-        counts = {0: np.zeros((V, V)), 1: np.zeros((V, V))}
+        counts = {0: _plain_first_two(m, [1, 2, 3], 3.0, range(300)), 1: np.zeros((V, V))}
         acc = []
-        for k in (0, 1):
-            for seed in range(300):
-                s = S(m, SamplingParams(temperature=3.0, seed=seed), speculative=k)
-                # two tokens are read; the speculative run asks for three, so that its first
-                # step may emit two (a step allowed one token is a plain one); plain decoding's
-                # first two tokens do not depend on a third (noise keyed by seed and position)
-                out = s.generate([1, 2, 3], 3 if k else 2).output_ids
-                counts[k][out[0], out[1]] += 1
-                if k:
-                    acc.append(s.spec.accepted)
+        for seed in range(300):
+            s = S(m, SamplingParams(temperature=3.0, seed=seed), speculative=1)
+            # two tokens are read; the speculative run asks for three, so that its first step
+            # may emit two (a step allowed one token is a plain one)
+            out = s.generate([1, 2, 3], 3).output_ids
+            counts[1][out[0], out[1]] += 1
+            acc.append(s.spec.accepted)
     # the second token given the first (pooled over first tokens with enough draws)
     a, b = counts[0].sum(0), counts[1].sum(0)
     keep = (a + b) >= 10
