@@ -7,6 +7,7 @@ that does not join, dies or stalls ends the run with a ParallelError naming the 
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -81,11 +82,25 @@ class TPGroup:
             raise self.failed("barrier", e) from e
 
     def close(self) -> None:
-        """Meet the other ranks, then destroy the process group (collective: every rank calls it
-        once done; gloo aborts a process now and then when a peer tears down first)."""
-        if dist.is_initialized():
-            self.barrier()
-            dist.destroy_process_group(self.pg)
+        """Meet the other ranks, destroy the process group, then wait (at most 30 s) until
+        every rank has destroyed its own before returning (collective: every rank calls it once
+        done). gloo aborts a process now and then ("terminate called without an active
+        exception") when a peer tears down while it still does: two CPU ranks under torchrun on
+        a loaded 2-core machine aborted in 7 of 90 runs with the meeting alone, 1 of 160 with
+        the wait after it (the rendezvous store outlives the group)."""
+        if not dist.is_initialized():
+            return
+        store = dist.distributed_c10d._get_default_store()
+        self.barrier()
+        dist.destroy_process_group(self.pg)
+        try:
+            store.add("dsv4/closed", 1)
+            t0 = time.monotonic()
+            while (store.add("dsv4/closed", 0) < self.world_size
+                   and time.monotonic() - t0 < min(self.timeout_s, 30.0)):
+                time.sleep(0.005)
+        except RuntimeError:          # the store's host is gone: nothing left to wait for
+            pass
 
 
 def _device(device, rank: int) -> torch.device:
