@@ -615,6 +615,27 @@ struct DeviceScope {             // the calls below on `device`, the caller's cu
   }
 };
 
+// The world's buffers and one launch's arguments, as every C entry below passes them.
+ArPeers ar_peers(void* const* peers, int world) {
+  ArPeers p = {};
+  for (int r = 0; r < world; ++r) p.base[r] = static_cast<char*>(peers[r]);
+  return p;
+}
+
+ArCall ar_call(const void* x, void* out, long long nbytes, int rank, int cap, int chunk,
+               unsigned long long timeout_ns, void* status) {
+  ArCall c;
+  c.x = static_cast<const uint4*>(x);
+  c.out = static_cast<uint4*>(out);
+  c.n16 = int(nbytes / 16);
+  c.rank = rank;
+  c.cap = cap;
+  c.chunk = chunk;
+  c.timeout_ns = timeout_ns;
+  c.status = static_cast<int*>(status);
+  return c;
+}
+
 }  // namespace
 
 extern "C" {
@@ -689,17 +710,8 @@ int dsv4_allreduce(void* const* peers, int world, int rank, const void* x, void*
       nbytes <= 0 || nbytes > cap || nbytes % 16 != 0 || dtype < 0 || dtype > 2 ||
       reinterpret_cast<uintptr_t>(x) % 16 != 0 || reinterpret_cast<uintptr_t>(out) % 16 != 0)
     return -1;
-  ArPeers p = {};
-  for (int r = 0; r < world; ++r) p.base[r] = static_cast<char*>(peers[r]);
-  ArCall c;
-  c.x = static_cast<const uint4*>(x);
-  c.out = static_cast<uint4*>(out);
-  c.n16 = int(nbytes / 16);
-  c.rank = rank;
-  c.cap = cap;
-  c.chunk = chunk;
-  c.timeout_ns = timeout_ns;
-  c.status = static_cast<int*>(status);
+  const ArPeers p = ar_peers(peers, world);
+  const ArCall c = ar_call(x, out, nbytes, rank, cap, chunk, timeout_ns, status);
   const cudaStream_t st = static_cast<cudaStream_t>(stream);
   switch (dtype) {
     case 0: return launch_ar<float>(world, st, pdl, p, c);
@@ -718,17 +730,8 @@ int dsv4_allreduce_post(void* const* peers, int world, int rank, const void* x,
       nbytes % row_bytes != 0 || hc != 4 || (dtype != 0 && dtype != 1) || misaligned(x) ||
       misaligned(res) || misaligned(out) || post == nullptr || comb == nullptr)
     return -1;
-  ArPeers p = {};
-  for (int r = 0; r < world; ++r) p.base[r] = static_cast<char*>(peers[r]);
-  ArCall c;
-  c.x = static_cast<const uint4*>(x);
-  c.out = static_cast<uint4*>(out);
-  c.n16 = int(nbytes / 16);
-  c.rank = rank;
-  c.cap = cap;
-  c.chunk = chunk;
-  c.timeout_ns = timeout_ns;
-  c.status = static_cast<int*>(status);
+  const ArPeers p = ar_peers(peers, world);
+  ArCall c = ar_call(x, out, nbytes, rank, cap, chunk, timeout_ns, status);
   c.res = static_cast<const uint4*>(res);
   c.post = post;
   c.comb = comb;
@@ -746,17 +749,8 @@ int dsv4_allreduce2(void* const* peers, int world, int rank, const void* x, void
       dtype < 0 || dtype > 2 || reinterpret_cast<uintptr_t>(x) % 16 != 0 ||
       reinterpret_cast<uintptr_t>(out) % 16 != 0)
     return -1;
-  ArPeers p = {};
-  for (int r = 0; r < world; ++r) p.base[r] = static_cast<char*>(peers[r]);
-  ArCall c;
-  c.x = static_cast<const uint4*>(x);
-  c.out = static_cast<uint4*>(out);
-  c.n16 = int(nbytes / 16);
-  c.rank = rank;
-  c.cap = cap;
-  c.chunk = chunk;
-  c.timeout_ns = timeout_ns;
-  c.status = static_cast<int*>(status);
+  const ArPeers p = ar_peers(peers, world);
+  const ArCall c = ar_call(x, out, nbytes, rank, cap, chunk, timeout_ns, status);
   const cudaStream_t st = static_cast<cudaStream_t>(stream);
   switch (dtype) {
     case 0: return launch_ar2<float>(world, ctas, st, pdl, p, c);
