@@ -305,9 +305,7 @@ def fp4_experts_down(a: torch.Tensor, idx: torch.Tensor, w2: torch.Tensor, s2: t
     post), else y and then hc_post."""
     E, D, I = _check(w2, s2, "fp4_experts_down w2")
     k = idx.numel()
-    if post is not None:
-        return _down_post(a, idx, w2, s2, add, out_dtype, out, config, impl, strict, workspace,
-                          rows, pdl, idx_early, post, D)
+    streams = None if post is None else _post_streams(post, rows, D, out_dtype, out)
     if tuple(a.shape) != (k, I) or rows < 1 or k % rows:
         raise ValueError(f"fp4_experts_down: a {tuple(a.shape)}, {rows} rows; expected {(k, I)}")
     if out_dtype not in (torch.float32, torch.bfloat16) or (add is not None
@@ -315,13 +313,14 @@ def fp4_experts_down(a: torch.Tensor, idx: torch.Tensor, w2: torch.Tensor, s2: t
         raise ValueError(f"fp4_experts_down: out_dtype {out_dtype}, add "
                          f"{None if add is None else tuple(add.shape)}; expected float32/bfloat16 "
                          f"and [{rows}, {D}]")
-    if out is None:
+    if out is None and post is None:
         out = torch.empty(rows, D, dtype=out_dtype, device=a.device)
-    elif out.numel() != rows * D or not out.is_contiguous():
+    elif out is not None and (out.numel() != rows * D or not out.is_contiguous()):
         raise ValueError(f"fp4_experts_down: out {tuple(out.shape)}; expected [{rows}, {D}]")
+    dst = out if post is None else streams            # what the CUDA kernel writes
     ac = a.contiguous()
     addc = None if add is None else add.contiguous()
-    if (cuda_cpp.pick("fp4 experts", impl, ac, w2, out, *(() if addc is None else (addc,)),
+    if (cuda_cpp.pick("fp4 experts", impl, ac, w2, dst, *(() if addc is None else (addc,)),
                       declined=isinstance(config, Config),
                       strict=strict or isinstance(config, ExpertCudaConfig))
             and D % 16 == 0 and idx.dtype == torch.int64
@@ -329,16 +328,23 @@ def fp4_experts_down(a: torch.Tensor, idx: torch.Tensor, w2: torch.Tensor, s2: t
         ccfg = config if isinstance(config, ExpertCudaConfig) else cuda_down_config(k // rows, I, D)
         if ccfg is not None and (rows == 1 or ccfg.all_experts):
             ws, cnt = ((None, None) if ccfg.all_experts
-                       else workspace or down_workspace(k, D, out.device))
+                       else workspace or down_workspace(k, D, dst.device))
             if ws is not None and (ws.shape[0] < k or ws.shape[1] != D or cnt.numel() != D // 16):
                 raise ValueError(f"fp4_experts_down: workspace {tuple(ws.shape)} / {cnt.numel()} "
                                  f"does not fit k = {k}, D = {D}")
-            with on_device(out):
-                cuda_cpp.fp4_down(cuda_cpp.lib_for(out.device), ac, idx.contiguous(), w2,
-                                  s2.view(torch.uint8), addc, out, ws, cnt, D, I, k // rows,
-                                  out.dtype == torch.float32, ccfg,
-                                  (2 if idx_early else 1) if pdl_on(out, pdl) else 0, rows=rows)
-            return out
+            with on_device(dst):
+                cuda_cpp.fp4_down(cuda_cpp.lib_for(dst.device), ac, idx.contiguous(), w2,
+                                  s2.view(torch.uint8), addc, dst, ws, cnt, D, I, k // rows,
+                                  dst.dtype == torch.float32, ccfg,
+                                  (2 if idx_early else 1) if pdl_on(dst, pdl) else 0, rows=rows,
+                                  post=None if post is None else post[:3])
+            return dst
+    if post is not None:   # down, then the post in a launch of its own
+        from .mhc import hc_post
+        y = fp4_experts_down(a, idx, w2, s2, add=add, out_dtype=out_dtype, config=config,
+                             impl=impl, strict=strict, workspace=workspace, rows=rows, pdl=pdl,
+                             idx_early=idx_early)
+        return hc_post(y.view(rows, D), *post[:3], out=streams, pdl=pdl)
     if rows > 1:   # one launch per row
         n = k // rows
         for t in range(rows):
@@ -358,13 +364,10 @@ def fp4_experts_down(a: torch.Tensor, idx: torch.Tensor, w2: torch.Tensor, s2: t
     return out
 
 
-def _down_post(a, idx, w2, s2, add, out_dtype, out, config, impl, strict, workspace, rows, pdl,
-               idx_early, post, D):
-    """fp4_experts_down's post: the CUDA kernel's epilogue where it serves, else down, then
-    hc_post (the Triton kernel)."""
+def _post_streams(post: tuple, rows: int, D: int, out_dtype, out) -> torch.Tensor:
+    """fp4_experts_down's post = (res, post, comb, streams) checked -> streams."""
     res, pw, comb, streams = post
-    C = 4
-    bf16 = torch.bfloat16
+    C, bf16 = 4, torch.bfloat16
     ok = (out_dtype == bf16 and out is None and res.dtype == streams.dtype == bf16
           and tuple(res.shape) == tuple(streams.shape) == (rows, C, D)
           and tuple(pw.shape) == (rows, C) and tuple(comb.shape) == (rows, C, C)
@@ -376,33 +379,7 @@ def _down_post(a, idx, w2, s2, add, out_dtype, out, config, impl, strict, worksp
                          f"{tuple(streams.shape)} bf16, post {tuple(pw.shape)}, comb "
                          f"{tuple(comb.shape)} float32, contiguous, apart; expected [{rows}, {C}, "
                          f"{D}], [{rows}, {C}], [{rows}, {C}, {C}] with out_dtype bfloat16")
-    k, I = idx.numel(), _check(w2, s2, "fp4_experts_down w2")[2]
-    ac = a.contiguous()
-    addc = None if add is None else add.contiguous()
-    if (cuda_cpp.pick("fp4 experts", impl, ac, w2, streams, *(() if addc is None else (addc,)),
-                      declined=isinstance(config, Config),
-                      strict=strict or isinstance(config, ExpertCudaConfig))
-            and D % 16 == 0 and idx.dtype == torch.int64 and tuple(ac.shape) == (k, I)
-            and (addc is None or (addc.dtype == torch.bfloat16 and addc.numel() == rows * D))):
-        ccfg = config if isinstance(config, ExpertCudaConfig) else cuda_down_config(k // rows, I, D)
-        if ccfg is not None and (rows == 1 or ccfg.all_experts):
-            ws, cnt = ((None, None) if ccfg.all_experts
-                       else workspace or down_workspace(k, D, streams.device))
-            if ws is not None and (ws.shape[0] < k or ws.shape[1] != D or cnt.numel() != D // 16):
-                raise ValueError(f"fp4_experts_down: workspace {tuple(ws.shape)} / {cnt.numel()} "
-                                 f"does not fit k = {k}, D = {D}")
-            with on_device(streams):
-                cuda_cpp.fp4_down(cuda_cpp.lib_for(streams.device), ac, idx.contiguous(), w2,
-                                  s2.view(torch.uint8), addc, streams, ws, cnt, D, I, k // rows,
-                                  False, ccfg,
-                                  (2 if idx_early else 1) if pdl_on(streams, pdl) else 0,
-                                  rows=rows, post=(res, pw, comb))
-            return streams
-    from .mhc import hc_post
-    y = fp4_experts_down(a, idx, w2, s2, add=add, out_dtype=torch.bfloat16, config=config,
-                         impl=impl, strict=strict, workspace=workspace, rows=rows, pdl=pdl,
-                         idx_early=idx_early)
-    return hc_post(y.view(rows, D), res, pw, comb, out=streams, pdl=pdl)
+    return streams
 
 
 # ---- plain-torch references ---------------------------------------------------------------------
