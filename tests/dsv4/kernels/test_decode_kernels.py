@@ -402,15 +402,13 @@ def test_fp4_experts_down_takes_the_mhc_post(bank, impl):
         print(T, "the Triton hc_post's bits:", bool(torch.equal(got, via)))
 
 
-@pytest.mark.cuda
-def test_the_fused_post_decodes_a_layer_as_graph_and_eager_alike():
-    """DSV4_FUSE_POST=1 on one GPU (the FFN's mHC post in the routed experts' down): a
-    Flash-shaped ratio-4 layer decodes 12 steps with the same bits eager and from a CUDA graph
-    (with the PDL and branch switches as decoding runs), and within bf16 roundings of the layer
-    without it (the same kv cache: the post comes after the attention)."""
+def flash_layer_steps():
+    """A Flash-shaped ratio-4 layer (indexer + compressor; layer 2 of 3, seeded weights) on the
+    GPU and 12 decode inputs -> (blk, run): run(graph, options) binds the layer with `options`
+    and decodes the 12 steps (eager, or replayed from a CUDA graph captured after a warm-up) ->
+    (outputs [12, 1, c, D], kv cache)."""
     from dsv4.backend import branches
     from dsv4.backend.binding import bind_block
-    from dsv4.backend.decision import Options
     from dsv4.backend.ops import Ops
     from dsv4.model.block import Block
     from dsv4.model.state import LayerState
@@ -426,18 +424,25 @@ def test_the_fused_post_decodes_a_layer_as_graph_and_eager_alike():
     gen = fresh_gen("cuda")
     hs = [torch.randn(1, cfg.hc_mult, cfg.dim, generator=gen, device=dev).to(torch.bfloat16)
           for _ in range(12)]
+    branches.prepare(dev)
 
-    def run(graph: bool, fuse: bool):
-        bind_block(blk, Ops.for_device(dev, cfg=cfg, options=Options(fuse_post=fuse)))
-        assert blk.post_in_down == fuse
+    def run(graph: bool, options):
+        bind_block(blk, Ops.for_device(dev, cfg=cfg, options=options))
         st = LayerState.allocate(cfg, cfg.ratio(layer), 256, torch.bfloat16, dev)
         h_in = hs[0].clone()
         pos, ids = torch.zeros(1, dtype=torch.int64, device=dev), torch.tensor([7], device=dev)
         step = lambda: blk.decode(h_in, ids, pos, st)        # noqa: E731
-        if graph:
-            g, out = capture_step(step, strict=False)
-            st.reset()
         outs = []
+        if graph:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                step()
+            torch.cuda.current_stream().wait_stream(side)
+            st.reset()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                out = step()
         for p, h in enumerate(hs):
             h_in.copy_(h)
             pos.fill_(p)
@@ -447,10 +452,22 @@ def test_the_fused_post_decodes_a_layer_as_graph_and_eager_alike():
             else:
                 outs.append(step().clone())
         return torch.stack(outs), st.kv_cache.clone()
-    branches.prepare(dev)
+    return blk, run
+
+
+@pytest.mark.cuda
+def test_the_fused_post_decodes_a_layer_as_graph_and_eager_alike():
+    """DSV4_FUSE_POST=1 on one GPU (the FFN's mHC post in the routed experts' down): a
+    Flash-shaped ratio-4 layer decodes 12 steps with the same bits eager and from a CUDA graph
+    (with the PDL and branch switches as decoding runs), and within bf16 roundings of the layer
+    without it (the same kv cache: the post comes after the attention)."""
+    from dsv4.backend.decision import Options
+    blk, run = flash_layer_steps()
     with torch.inference_mode():
-        eager, graph = run(False, True), run(True, True)
-        plain = run(False, False)
+        eager, graph = run(False, Options(fuse_post=True)), run(True, Options(fuse_post=True))
+        assert blk.post_in_down
+        plain = run(False, Options())
+        assert not blk.post_in_down
     assert torch.equal(eager[0], graph[0]) and torch.equal(eager[1], graph[1])
     assert torch.equal(eager[1], plain[1])
     a, b = eager[0].float(), plain[0].float()
@@ -622,55 +639,12 @@ def test_pdl_and_branches_change_no_bit():
     Flash-shaped layer's decode steps (eager and replayed from a CUDA graph) give the same bits
     with all on, and with DSV4_PDL=0 / DSV4_OVERLAP=0 / DSV4_PREFETCH=0 (the layer's backend
     resolved with those switches)."""
-    from dsv4.backend import branches
-    from dsv4.backend.binding import bind_block
     from dsv4.backend.decision import Options
-    from dsv4.backend.ops import Ops
-    from dsv4.model.block import Block
-    from dsv4.weights.device_weights import DeviceWeights
     from dsv4.kernels import common
-    from dsv4.weights.presets import get_preset
-    from dsv4.numerics.quant import hadamard_matrix
-    from dsv4.model.state import LayerState
     if not common.pdl(torch.empty(1, device="cuda")):
         pytest.skip("PDL needs sm_90+")
-    cfg = get_preset("flash", n_layers=3)
-    dev, layer = torch.device("cuda"), 2                     # ratio-4 layer: indexer + compressor
-    blk = Block(cfg, layer, dev, hadamard_matrix(cfg.index_head_dim, dev))
-    src = DeviceWeights(cfg, seed=SEED)
-    for name, t in blk.tensors(f"layers.{layer}").items():
-        src.load_into(name, t)
-    gen = fresh_gen("cuda")
-    hs = [torch.randn(1, cfg.hc_mult, cfg.dim, generator=gen, device=dev).to(torch.bfloat16)
-          for _ in range(12)]
-
-    def run(graph: bool, **switches):
-        bind_block(blk, Ops.for_device(dev, cfg=cfg, options=Options.from_env(switches)))
-        st = LayerState.allocate(cfg, cfg.ratio(layer), 256, torch.bfloat16, dev)
-        h_in = hs[0].clone()
-        pos, ids = torch.zeros(1, dtype=torch.int64, device=dev), torch.tensor([7], device=dev)
-        step = lambda: blk.decode(h_in, ids, pos, st)        # noqa: E731
-        outs = []
-        if graph:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                step()
-            torch.cuda.current_stream().wait_stream(side)
-            st.reset()
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                out = step()
-        for p, h in enumerate(hs):
-            h_in.copy_(h)
-            pos.fill_(p)
-            if graph:
-                g.replay()
-                outs.append(out.clone())
-            else:
-                outs.append(step().clone())
-        return torch.stack(outs), st.kv_cache.clone()
-    branches.prepare(dev)
+    _, steps = flash_layer_steps()
+    run = lambda graph, **switches: steps(graph, Options.from_env(switches))   # noqa: E731
     with torch.inference_mode():
         on = [run(False, DSV4_PREFETCH="1"), run(True, DSV4_PREFETCH="1")]
         no_branch = run(True, DSV4_OVERLAP="0", DSV4_PREFETCH="1")
