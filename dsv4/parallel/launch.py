@@ -5,6 +5,7 @@ failed first and why. torchrun users skip this and call group.start_from_env in 
 """
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -48,8 +49,11 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def _child(fn, rank: int, world: int, device: str, addr: str, port: int, timeout_s: float,
            conn, args) -> None:
-    """A rank's process: multicast off before anything starts CUDA or NCCL, join, run, report."""
+    """A rank's process: multicast off before anything starts CUDA or NCCL, join, run, report.
+    A rank terminated by the parent (past the deadline, or after another rank failed) first
+    prints every thread's Python stack on stderr: where it was stuck."""
     disable_multicast()
+    faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
     try:
         group = start(rank, world, device, master_addr=addr, master_port=port, timeout_s=timeout_s)
         result = fn(group, *args)
@@ -212,7 +216,7 @@ def _report(failures: list[RankFailure], stopped: list[int], world: int,
     if stopped:
         msg += f"; rank(s) {', '.join(map(str, stopped))} still running were terminated"
     msg += (f". The run stopped after {elapsed:.1f} s: when one rank fails every rank ends (the "
-            f"failed ranks' tracebacks are on stderr)")
+            f"failed ranks' tracebacks, and the terminated ranks' stacks, are on stderr)")
     err = ParallelError(msg)
     err.failures = {f.rank: f.text for f in failures}
     err.first_rank = first.rank

@@ -27,7 +27,7 @@ def test_a_rank_that_fails_ends_the_run(how, words):
     assert e.value.first_rank == 1 and set(e.value.failures) <= {0, 1}
 
 
-def test_a_stalled_rank_times_out_and_is_ended():
+def test_a_stalled_rank_times_out_and_is_ended(capfd):
     t0 = time.monotonic()
     with pytest.raises(ParallelError) as e:
         launch(parallel_ranks.fail_after_start, ["cpu", "cpu"], "stall", timeout_s=3, grace_s=2,
@@ -38,6 +38,9 @@ def test_a_stalled_rank_times_out_and_is_ended():
             "all-reduce") in msg
     assert "stalled past the 3 s timeout" in msg
     assert "rank(s) 1 still running were terminated" in msg, msg
+    # the terminated rank printed where it was stuck (its stack, on the stderr it inherits)
+    err = capfd.readouterr().err
+    assert "in fail_after_start" in err and "parallel_ranks.py" in err, err[-2000:]
 
 
 def test_results_come_back_in_rank_order():
