@@ -29,9 +29,9 @@ ENV = {
                      "no faster, BENCHMARKS.md); or the points to take (layer, attn, ffn)",
     "DSV4_TWO_SHOT": "1: a TP2 prefill chunk's all-reduces through our two-shot kernel (off by "
                      "default: slower than NCCL inside a prefill, BENCHMARKS.md)",
-    "DSV4_FUSE_POST": "1: the block's mHC post in the launch before it: the routed experts' down "
-                      "on one GPU, each sublayer's all-reduce (our one-shot kernel) in tensor "
-                      "parallel (off by default: not yet measured)",
+    "DSV4_FUSE_POST": "0: the block's mHC post as a launch of its own, not in the launch before "
+                      "it (the routed experts' down on one GPU, each sublayer's all-reduce in "
+                      "tensor parallel)",
     "DSV4_PREFETCH_CFG": "mode,ctas,threads,piece: the L2 prefetch launch (mode 0 bulk, 1 per "
                          "line; default " + ",".join(map(str, PREFETCH_CFG)) + ")",
     "DSV4_PREFILL_MMA": "fp8=bf16,fp4=fp8: the prefill GEMMs' tensor-core path per weight format",
@@ -55,7 +55,7 @@ class Options:
     prefetch: frozenset = frozenset()    # DSV4_PREFETCH: the prefetch points that are on
     prefetch_cfg: tuple = PREFETCH_CFG   # DSV4_PREFETCH_CFG
     two_shot: bool = False               # DSV4_TWO_SHOT (off unless "1")
-    fuse_post: bool = False              # DSV4_FUSE_POST (off unless "1")
+    fuse_post: bool = True               # DSV4_FUSE_POST
     prefill_mma: tuple = ()              # DSV4_PREFILL_MMA: ((format, "fp8" | "bf16"), ...)
     prefill_cublas: bool = True          # DSV4_PREFILL_CUBLAS
     split_programs: int = SPLIT_PROGRAMS  # DSV4_SPLIT_PROGRAMS
@@ -85,7 +85,7 @@ class Options:
                    overlap=names("DSV4_OVERLAP", BRANCHES),
                    prefetch=names("DSV4_PREFETCH", PREFETCH, "0"), prefetch_cfg=pcfg,
                    two_shot=env.get("DSV4_TWO_SHOT", "0") == "1",
-                   fuse_post=env.get("DSV4_FUSE_POST", "0") == "1",
+                   fuse_post=not off("DSV4_FUSE_POST"),
                    prefill_mma=tuple(mma),
                    prefill_cublas=not off("DSV4_PREFILL_CUBLAS"),
                    split_programs=int(env.get("DSV4_SPLIT_PROGRAMS", SPLIT_PROGRAMS)),

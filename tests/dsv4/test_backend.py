@@ -47,10 +47,10 @@ def test_options_from_env_as_the_runtime_read_them():
     p = Options.from_env({"DSV4_PREFETCH": "attn, ffn,bad", "DSV4_PREFETCH_CFG": "1,132,128,4096"})
     assert p.prefetch == {"attn", "ffn"} and p.prefetch_cfg == (1, 132, 128, 4096)
     assert Options.from_env({"DSV4_PREFETCH": "0"}).prefetch == frozenset()
-    # the all-reduce with the mHC post in one launch: off unless asked
-    assert Options.from_env({}).fuse_post is False
-    assert Options.from_env({"DSV4_FUSE_POST": "1"}).fuse_post is True
-    assert Options.from_env({"DSV4_FUSE_POST": "yes"}).fuse_post is False
+    # the block's mHC post in the launch before it: on unless "0"
+    assert Options.from_env({}).fuse_post is True
+    assert Options.from_env({"DSV4_FUSE_POST": "0"}).fuse_post is False
+    assert Options.from_env({"DSV4_FUSE_POST": "yes"}).fuse_post is True
 
 
 def test_cpu_and_meta_take_torch_everywhere():
@@ -176,8 +176,8 @@ def test_gpu_binding_takes_the_fused_paths(gpu):
     assert all(_bound(m).values())
 
 
-def test_the_post_joins_the_launch_before_it_only_where_asked(gpu):
-    """DSV4_FUSE_POST=1 on the fused paths: a tensor-parallel block binds Block.post_reduce (each
+def test_the_post_joins_the_launch_before_it_only_where_it_can(gpu):
+    """DSV4_FUSE_POST (on by default) on the fused paths: a tensor-parallel block binds Block.post_reduce (each
     sublayer's all-reduce takes the block's mHC post; the sublayers then leave their outputs
     unreduced), a one-process block Block.post_in_down (the routed experts' down takes the FFN's
     post); neither without the switch or off the kernels."""
@@ -195,7 +195,7 @@ def test_the_post_joins_the_launch_before_it_only_where_asked(gpu):
     one = Block(cfg, 0, "meta")
     bind_block(one, Ops(resolve("cuda:0", torch.bfloat16, cfg, Options(fuse_post=True))))
     assert one.post_in_down and one.post_reduce is None
-    for options, block_tp in ((Options(), tp), (Options(), None),
+    for options, block_tp in ((Options(fuse_post=False), tp), (Options(fuse_post=False), None),
                               (Options(fuse_post=True, kernels="0"), tp),
                               (Options(fuse_post=True, kernels="0"), None)):
         b = Block(cfg, 0, "meta", tp=block_tp)

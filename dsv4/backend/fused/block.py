@@ -54,8 +54,8 @@ def mix_rows(blk, ops: Ops, h: torch.Tensor, kind: str, norm: torch.Tensor):
 
 
 def bind_fused_post(blk, ops: Ops) -> None:
-    """Where the block's mHC post joins the launch before it (Options.fuse_post,
-    DSV4_FUSE_POST=1; only where decode_rows above runs): in tensor parallel blk.post_reduce = the
+    """Where the block's mHC post joins the launch before it (Options.fuse_post, on unless
+    DSV4_FUSE_POST=0; only where decode_rows above runs): in tensor parallel blk.post_reduce = the
     block's TensorParallel where both sublayers' decode rows are the kernel paths that can leave
     their output unreduced (the fused attention with wo_a on the GEMV, the MoE's DecodeKernels):
     each sublayer's all-reduce takes the post (TensorParallel.reduce_post); in one process

@@ -84,7 +84,7 @@ def test_tp2_prefill_graphs_plan_alike_and_decode_as_eager_pieces(tmp_path):
 
 @pytest.mark.multigpu
 def test_tp2_all_reduce_with_the_mhc_post_decodes_as_reduce_then_post(tmp_path):
-    """DSV4_FUSE_POST=1 (Options.fuse_post) on an FP8 checkpoint in bfloat16, TP2: every block
+    """DSV4_FUSE_POST (Options.fuse_post, on by default) on an FP8 checkpoint in bfloat16, TP2: every block
     binds it and a decode step makes its 2 all-reduces a layer through the fused launch; graph
     == eager and a second graph Session give the same bits, the same on every rank; the logits
     stay within rounding of the run without it (the post's float order is the kernel's own)."""

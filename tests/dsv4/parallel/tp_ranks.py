@@ -188,8 +188,10 @@ def fuse_post_rank(group, ckpt_dir: str, prompt: list, forced: list) -> dict:
         comm, fused = model.tp.comm, []
         post_ = comm.all_reduce_post
         comm.all_reduce_post = lambda *t: (fused.append(post_(*t)), fused[-1])[1]
-        model.prefill(torch.tensor(prompt))
-        model.decode_step(torch.tensor([forced[0]]), torch.tensor([len(prompt)]))
+        dev = group.device
+        model.prefill(torch.tensor(prompt, device=dev))
+        model.decode_step(torch.tensor([forced[0]], device=dev),
+                          torch.tensor([len(prompt)], device=dev))
         del comm.all_reduce_post
         got["fused"] = fused[-2 * model.cfg.n_layers:].count(True)
         model.reset()
