@@ -42,7 +42,8 @@ def disable_multicast(environ=None) -> None:
 
 @dataclass(frozen=True)
 class TPGroup:
-    """One rank of a tensor-parallel run. `pg` is the torch.distributed group of all ranks."""
+    """One rank of a tensor-parallel run. `pg` is the torch.distributed group of all ranks (None
+    once closed)."""
     rank: int
     world_size: int
     device: torch.device
@@ -82,17 +83,20 @@ class TPGroup:
             raise self.failed("barrier", e) from e
 
     def close(self) -> None:
-        """Meet the other ranks, destroy the process group, then wait (at most 30 s) until
-        every rank has destroyed its own before returning (collective: every rank calls it once
-        done). gloo aborts a process now and then ("terminate called without an active
-        exception") when a peer tears down while it still does: two CPU ranks under torchrun on
-        a loaded 2-core machine aborted in 7 of 90 runs with the meeting alone, 1 of 160 with
-        the wait after it (the rendezvous store outlives the group)."""
-        if not dist.is_initialized():
+        """Meet the other ranks, destroy the process group and drop this object's reference to
+        it, then wait (at most 30 s) until every rank has done the same before returning
+        (collective: every rank calls it once done; a second call does nothing).
+        destroy_process_group leaves the group's object alive while anything refers to it, and
+        with it gloo's threads (a transport loop and the workers): held here they ran on until
+        the interpreter's teardown, where gloo aborted now and then ("terminate called without
+        an active exception"; two CPU ranks under torchrun on a loaded 2-core machine: 7 of 90
+        runs). Dropping the last reference joins them here, while every peer is still up."""
+        if self.pg is None or not dist.is_initialized():
             return
         store = dist.distributed_c10d._get_default_store()
         self.barrier()
         dist.destroy_process_group(self.pg)
+        object.__setattr__(self, "pg", None)    # frozen otherwise: the group is gone now
         try:
             store.add("dsv4/closed", 1)
             t0 = time.monotonic()
