@@ -366,20 +366,12 @@ def fp4_experts_down(a: torch.Tensor, idx: torch.Tensor, w2: torch.Tensor, s2: t
 
 def _post_streams(post: tuple, rows: int, D: int, out_dtype, out) -> torch.Tensor:
     """fp4_experts_down's post = (res, post, comb, streams) checked -> streams."""
-    res, pw, comb, streams = post
-    C, bf16 = 4, torch.bfloat16
-    ok = (out_dtype == bf16 and out is None and res.dtype == streams.dtype == bf16
-          and tuple(res.shape) == tuple(streams.shape) == (rows, C, D)
-          and tuple(pw.shape) == (rows, C) and tuple(comb.shape) == (rows, C, C)
-          and pw.dtype == comb.dtype == torch.float32
-          and all(t.is_contiguous() for t in (res, pw, comb, streams))
-          and streams.data_ptr() != res.data_ptr())
-    if not ok:
-        raise ValueError(f"fp4_experts_down(post=...): res / streams {tuple(res.shape)} / "
-                         f"{tuple(streams.shape)} bf16, post {tuple(pw.shape)}, comb "
-                         f"{tuple(comb.shape)} float32, contiguous, apart; expected [{rows}, {C}, "
-                         f"{D}], [{rows}, {C}], [{rows}, {C}, {C}] with out_dtype bfloat16")
-    return streams
+    from .mhc import post_streams
+    if out_dtype != torch.bfloat16 or out is not None:
+        raise ValueError(f"fp4_experts_down(post=...): out_dtype {out_dtype}, out "
+                         f"{'given' if out is not None else 'None'}; the post writes the streams "
+                         f"(out_dtype bfloat16, no out)")
+    return post_streams(post, rows, D, "fp4_experts_down")
 
 
 # ---- plain-torch references ---------------------------------------------------------------------

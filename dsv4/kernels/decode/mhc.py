@@ -201,6 +201,26 @@ def hc_post(x, res, post, comb, out=None, pdl=True):
     return out
 
 
+def post_streams(post: tuple, rows: int, D: int, who: str) -> torch.Tensor:
+    """The `post` argument of a kernel that writes the block's mHC post of its output (`who`),
+    (res, post, comb, streams), checked -> streams: res and streams [rows, 4, D] bf16 apart, post
+    [rows, 4] and comb [rows, 4, 4] float32, all contiguous."""
+    res, pw, comb, streams = post
+    C, bf16 = 4, torch.bfloat16
+    ok = (res.dtype == streams.dtype == bf16
+          and tuple(res.shape) == tuple(streams.shape) == (rows, C, D)
+          and tuple(pw.shape) == (rows, C) and tuple(comb.shape) == (rows, C, C)
+          and pw.dtype == comb.dtype == torch.float32
+          and all(t.is_contiguous() for t in (res, pw, comb, streams))
+          and streams.data_ptr() != res.data_ptr())
+    if not ok:
+        raise ValueError(f"{who}(post=...): res / streams {tuple(res.shape)} / "
+                         f"{tuple(streams.shape)} bf16, post {tuple(pw.shape)}, comb "
+                         f"{tuple(comb.shape)} float32, contiguous, apart; expected [{rows}, {C}, "
+                         f"{D}], [{rows}, {C}], [{rows}, {C}, {C}]")
+    return streams
+
+
 def hc_pre_norm_reference(h, fn, scale, base, norm_w, norm_eps, hc_eps, iters):
     x, post, comb = torch_mhc.hc_pre(h, fn, scale, base, norm_eps, hc_eps, iters)
     return torch_mhc.rms_norm(x, norm_w, norm_eps), post, comb
