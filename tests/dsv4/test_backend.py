@@ -51,6 +51,8 @@ def test_options_from_env_as_the_runtime_read_them():
     assert Options.from_env({}).fuse_post is True
     assert Options.from_env({"DSV4_FUSE_POST": "0"}).fuse_post is False
     assert Options.from_env({"DSV4_FUSE_POST": "yes"}).fuse_post is True
+    assert Options.from_env({}).post_wo_b is False
+    assert Options.from_env({"DSV4_POST_WO_B": "1"}).post_wo_b is True
 
 
 def test_cpu_and_meta_take_torch_everywhere():
@@ -196,8 +198,15 @@ def test_the_post_joins_the_launch_before_it_only_where_it_can(gpu):
     assert isinstance(blk.ffn.decode_rows, DecodeKernels)
     one = Block(cfg, 0, "meta")
     bind_block(one, Ops(resolve("cuda:0", torch.bfloat16, cfg, Options(fuse_post=True))))
+    assert one.post_in_down and not one.post_in_wo_b and one.post_reduce is None
+    bind_block(one, Ops(resolve("cuda:0", torch.bfloat16, cfg,
+                                Options(fuse_post=True, post_wo_b=True))))
     assert one.post_in_down and one.post_in_wo_b and one.post_reduce is None
-    for options, block_tp in ((Options(fuse_post=False), tp), (Options(fuse_post=False), None),
+    bind_block(blk, Ops(resolve("cuda:0", torch.bfloat16, tp.shapes(cfg),
+                                Options(fuse_post=True, post_wo_b=True))))
+    assert blk.post_reduce is tp and not blk.post_in_wo_b      # TP: the all-reduce takes it
+    for options, block_tp in ((Options(fuse_post=False, post_wo_b=True), tp),
+                              (Options(fuse_post=False, post_wo_b=True), None),
                               (Options(fuse_post=True, kernels="0"), tp),
                               (Options(fuse_post=True, kernels="0"), None)):
         b = Block(cfg, 0, "meta", tp=block_tp)

@@ -64,8 +64,9 @@ def bind_fused_post(blk, ops: Ops) -> None:
     their output unreduced (the fused attention with wo_a on the GEMV, the MoE's DecodeKernels):
     each sublayer's all-reduce takes the post (TensorParallel.reduce_post); in one process
     blk.post_in_down where the MoE runs DecodeKernels (the routed experts' down takes the FFN's
-    post) and blk.post_in_wo_b where the attention runs the fused decode (wo_b's GEMV takes the
-    attention's post where it runs wo_b: project_out). Call after the sublayers are bound."""
+    post) and, with Options.post_wo_b (DSV4_POST_WO_B=1: not yet run on a GPU),
+    blk.post_in_wo_b where the attention runs the fused decode (wo_b's GEMV takes the attention's
+    post where it runs wo_b: project_out). Call after the sublayers are bound."""
     from . import attention as fused_attention
     from .moe import DecodeKernels
     attn, be = blk.attn.decode_rows, ops.backend
@@ -75,7 +76,7 @@ def bind_fused_post(blk, ops: Ops) -> None:
     tp_ok = moe_ok and blk.tp is not None and be.wo_a_gemv and fused_attn
     blk.post_reduce = blk.tp if tp_ok else None
     blk.post_in_down = bool(moe_ok and blk.tp is None)
-    blk.post_in_wo_b = bool(on and fused_attn and blk.tp is None)
+    blk.post_in_wo_b = bool(on and be.options.post_wo_b and fused_attn and blk.tp is None)
 
 
 def bind(blk, ops: Ops) -> None:

@@ -481,15 +481,16 @@ def flash_layer_steps():
 
 @pytest.mark.cuda
 def test_the_fused_post_decodes_a_layer_as_graph_and_eager_alike():
-    """DSV4_FUSE_POST (the default) on one GPU (the attention's mHC post in wo_b's GEMV, the
-    FFN's in the routed experts' down): a Flash-shaped ratio-4 layer decodes 12 steps with the
+    """DSV4_FUSE_POST (the default) with DSV4_POST_WO_B on one GPU (the attention's mHC post in
+    wo_b's GEMV, the FFN's in the routed experts' down): a Flash-shaped ratio-4 layer decodes 12 steps with the
     same bits eager and from a CUDA graph (with the PDL and branch switches as decoding runs), and
     within bf16 roundings of the layer without it (the same kv cache: the post comes after the
     attention)."""
     from dsv4.backend.decision import Options
     blk, run = flash_layer_steps()
     with torch.inference_mode():
-        eager, graph = run(False, Options(fuse_post=True)), run(True, Options(fuse_post=True))
+        on = Options(fuse_post=True, post_wo_b=True)
+        eager, graph = run(False, on), run(True, on)
         assert blk.post_in_down and blk.post_in_wo_b
         plain = run(False, Options(fuse_post=False))
         assert not blk.post_in_down and not blk.post_in_wo_b
