@@ -6,7 +6,9 @@ that does not join, dies or stalls ends the run with a ParallelError naming the 
 """
 from __future__ import annotations
 
+import gc
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -95,7 +97,7 @@ class TPGroup:
             return
         store = dist.distributed_c10d._get_default_store()
         self.barrier()
-        dist.destroy_process_group(self.pg)
+        self._destroy()
         object.__setattr__(self, "pg", None)    # frozen otherwise: the group is gone now
         try:
             store.add("dsv4/closed", 1)
@@ -105,6 +107,36 @@ class TPGroup:
                 time.sleep(0.005)
         except RuntimeError:          # the store's host is gone: nothing left to wait for
             pass
+
+
+    def _destroy(self) -> None:
+        """destroy_process_group, waited for at most min(timeout_s, 60) s. NCCL's teardown
+        waits until every CUDA graph that captured one of its collectives is destroyed: a graph
+        kept alive (or only in a reference cycle) made it hang for good. Cycles are collected
+        first; a teardown still stuck ends in a ParallelError that says so (its thread is left
+        behind, a daemon)."""
+        gc.collect()                           # graphs only a reference cycle still holds
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        failed: list = []
+
+        def destroy():
+            try:
+                dist.destroy_process_group(self.pg)
+            except BaseException as e:         # noqa: BLE001: reported by close's thread
+                failed.append(e)
+        t = threading.Thread(target=destroy, name="dsv4-destroy-group", daemon=True)
+        t.start()
+        wait = min(self.timeout_s, 60.0)
+        t.join(wait)
+        if t.is_alive():
+            raise ParallelError(
+                f"{self.describe()}: the process group did not tear down within {wait:g} s. "
+                f"NCCL waits for every CUDA graph that captured one of its collectives to be "
+                f"destroyed: close the Session (or drop the graphs, e.g. model.prefill_graphs = "
+                f"None) before closing the group")
+        if failed:
+            raise self.failed("destroy_process_group", failed[0]) from failed[0]
 
 
 def _device(device, rank: int) -> torch.device:

@@ -85,3 +85,24 @@ def test_torchrun_starts_two_cpu_ranks(tmp_path):
     lines = sorted(l for l in r.stdout.splitlines() if l.startswith("rank"))
     assert lines == ["rank 0 gloo threads left []", "rank 0 of 2 gloo 3.0 0",
                      "rank 1 gloo threads left []", "rank 1 of 2 gloo 3.0 0"], r.stdout
+
+
+def test_a_teardown_that_hangs_ends_in_an_error_that_says_why(monkeypatch):
+    """NCCL's teardown waits for every CUDA graph that captured one of its collectives: close()
+    waits for destroy_process_group at most min(timeout_s, 60) s and then names the likely
+    cause; an error of the teardown itself is reported as the group's."""
+    import torch
+
+    from dsv4.parallel.group import TPGroup
+    g = TPGroup(0, 2, torch.device("cpu"), 0.3, object())
+    monkeypatch.setattr(dist, "destroy_process_group", lambda pg: time.sleep(5))
+    t0 = time.monotonic()
+    with pytest.raises(ParallelError, match=r"did not tear down within 0.3 s.*CUDA graph"):
+        g._destroy()
+    assert time.monotonic() - t0 < 3
+
+    def boom(pg):
+        raise RuntimeError("comm error")
+    monkeypatch.setattr(dist, "destroy_process_group", boom)
+    with pytest.raises(ParallelError, match="destroy_process_group failed: comm error"):
+        g._destroy()

@@ -236,6 +236,9 @@ def prefill_graphs_rank(group, ckpt_dir: str, prompt: list, n_new: int) -> dict:
         out[name] = {"ids": r.output_ids, "logits": r.logits.cpu()}
         model.tp.comm.check()
         model.tp.comm.close()
+        # the chunk graphs captured NCCL all-reduces (16 rows: past the one-shot's 64 KB), and
+        # NCCL's teardown (TPGroup.close, after this returns) waits until they are destroyed
+        model.prefill_graphs = pg = None
     faulthandler.cancel_dump_traceback_later()
     return out
 
