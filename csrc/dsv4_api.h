@@ -150,4 +150,10 @@ int dsv4_allreduce2(void* const* peers, int world, int rank, const void* x, void
 int dsv4_l2_prefetch(const void* const* ptrs, const unsigned long long* bytes, int count, int mode,
                      int ctas, int threads, int piece, void* stream);
 
+// A plain streaming read of p[0, nbytes) (16-byte aligned, a multiple of 16): ctas CTAs of
+// `threads` threads, each 16-byte word read once; sink [ctas] 16-byte words gets each CTA's XOR
+// of its words. The bound a weight-streaming kernel of nbytes meets (dsv4.bench.layer_kernels).
+int dsv4_read_bytes(const void* p, unsigned long long nbytes, void* sink, int ctas, int threads,
+                    void* stream);
+
 }  // extern "C"

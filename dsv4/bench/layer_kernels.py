@@ -6,7 +6,10 @@ branches off). The layer's time minus the sum of its kernels alone is what its k
 cost (ramp-up, tail, the dependency wait of each launch). Each op also replayed with what fits of
 its bytes already in L2 (back to back, no flush), and with its weights prefetched into L2
 (dsv4.backend.fused.prefetch's kernel, then a pause) after the flush: what reading the weights
-from L2 could win at most, and what the prefetch wins.
+from L2 could win at most, and what the prefetch wins. And, for each op of 1 MB or more, a plain
+streaming read of as many bytes (csrc/prefetch.cu's dsv4_read_bytes, the best of a few grids,
+after the flush): what a kernel of that size can reach at all, ramp-up and tail included, so an
+op's distance from it is its own stream's inefficiency, not its size's.
 
 The ops are the named kernel ops of dsv4.backend.ops: the layer is bound to a recording Ops for
 one eager step (every call and its arguments kept), then each call is captured alone. Torch glue
@@ -135,6 +138,29 @@ def _kernel_us(fn, device, reps: int, before=None) -> tuple[dict, float]:
     return med, sum(med.values())
 
 
+READ_MIN_BYTES = 1 << 20      # ops below this get no read bound (latency-bound, not streams)
+
+
+def _read_us(nbytes: int, device, reps: int, scratch: dict) -> float | None:
+    """The fastest plain streaming read of nbytes from memory (after the flush; dsv4_read_bytes on
+    1, 2 and 4 CTAs an SM of 512 threads), us; None without the CUDA library."""
+    from ..kernels.cuda import lib as cuda_cpp
+    if cuda_cpp.status(device) != "ok":
+        return None
+    lib = cuda_cpp.lib_for(device)
+    n = nbytes // 16 * 16
+    if scratch.get("buf") is None or scratch["buf"].numel() < n:
+        scratch["buf"] = torch.ones(n, dtype=torch.uint8, device=device)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    sink = torch.empty(4 * sms, 4, dtype=torch.int32, device=device)
+    best = None
+    for ctas in (sms, 2 * sms, 4 * sms):
+        _, us = _kernel_us(lambda c=ctas: cuda_cpp.read_bytes(lib, scratch["buf"][:n], sink, c, 512),
+                           device, reps)
+        best = us if best is None else min(best, us)
+    return best
+
+
 def _weights(args, kw, blk, st) -> list:
     """The weights of a call that a prefetch could bring ahead: its tensors of 1 MB or more, not
     an expert bank (which experts is known only after routing) nor a cache."""
@@ -199,7 +225,7 @@ def layer_kernels(model, layer: int, context: int, copy_tbps: float, reps: int =
         layer_us = _layer_us(step, dev, reps)           # as decoding runs it
     finally:
         bind_block(blk, ops)
-    rows = []
+    rows, scratch = [], {}
     for name, args, kw in calls:
         fn = getattr(quiet, name)
         call = lambda: fn(*args, **kw)                  # noqa: E731
@@ -213,9 +239,11 @@ def layer_kernels(model, layer: int, context: int, copy_tbps: float, reps: int =
         if ws and ops.backend.gemv == "cuda":
             _, pre = _kernel_us(call, dev, reps, before=lambda: (ops.l2_prefetch(ws),
                                                                  torch.cuda._sleep(PAUSE_CYCLES)))
+        read = _read_us(nbytes, dev, reps, scratch) if nbytes >= READ_MIN_BYTES else None
         rows.append({"op": name, "kernels": sorted(kernels), "us": us, "bytes": nbytes,
                      "pct_copy": 100 * nbytes / (us * 1e-6) / (copy_tbps * 1e12) if us else None,
-                     "us_l2_warm": warm, "us_prefetched": pre})
+                     "us_l2_warm": warm, "us_prefetched": pre, "us_read": read})
+    scratch.clear()
     common.fill_state(model, context, layer)            # the replays moved the state
     sum_us = sum(r["us"] for r in rows)
     nbytes = sum(r["bytes"] for r in rows)
@@ -242,12 +270,13 @@ def format_rows(rep: dict) -> list[str]:
     lines = [f"{kind}: whole {rep['layer_us']:.1f} us (PDL/branches off {rep['layer_quiet_us']:.1f}), "
              f"kernels alone {rep['ops_sum_us']:.1f} us, boundaries {rep['boundary_us']:.1f} us; "
              f"bytes {rep['bytes'] / 1e6:.1f} MB, floor {rep['floor_us']:.1f} us",
-             f"  {'op':<30}{'us':>8}{'MB':>9}{'% copy':>8}{'L2 warm':>9}{'prefetched':>11}  "
-             f"kernels"]
+             f"  {'op':<30}{'us':>8}{'MB':>9}{'% copy':>8}{'L2 warm':>9}{'prefetched':>11}"
+             f"{'read':>7}  kernels"]
     f = lambda v: f"{v:.1f}" if v is not None else "-"         # noqa: E731
     for r in rep["ops"]:
         pct = f"{r['pct_copy']:.0f}" if r["pct_copy"] is not None else "-"
         lines.append(f"  {r['op']:<30}{r['us']:>8.1f}{r['bytes'] / 1e6:>9.2f}{pct:>8}"
-                     f"{f(r.get('us_l2_warm')):>9}{f(r.get('us_prefetched')):>11}  "
+                     f"{f(r.get('us_l2_warm')):>9}{f(r.get('us_prefetched')):>11}"
+                     f"{f(r.get('us_read')):>7}  "
                      f"{', '.join(k[:40] for k in r['kernels'])}")
     return lines

@@ -133,6 +133,8 @@ def _declare(lib) -> None:
                                     ctypes.c_ulonglong, p, p, i]
     lib.dsv4_l2_prefetch.restype = i
     lib.dsv4_l2_prefetch.argtypes = [pp, ctypes.POINTER(ctypes.c_ulonglong), i, i, i, i, i, p]
+    lib.dsv4_read_bytes.restype = i
+    lib.dsv4_read_bytes.argtypes = [p, ctypes.c_ulonglong, p, i, i, p]
 
 
 def _load(arch: str, path: str | None):
@@ -351,6 +353,18 @@ def l2_prefetch(lib, tensors, *, mode: int, ctas: int, threads: int, piece: int)
         err = lib.dsv4_l2_prefetch(ptrs, nbytes, len(part), mode, ctas, threads, piece,
                                    _stream(part[0]))
         _check(err, "L2 prefetch (CUDA)", lib)
+
+
+def read_bytes(lib, x: torch.Tensor, sink: torch.Tensor, ctas: int, threads: int) -> None:
+    """dsv4_read_bytes: a plain streaming read of x's bytes (contiguous, 16-byte aligned, a
+    multiple of 16) on the current stream of its device; sink (>= ctas * 16 bytes, contiguous)
+    gets each CTA's XOR of its 16-byte words."""
+    if not x.is_contiguous() or not sink.is_contiguous() or sink.numel() * sink.element_size() \
+            < 16 * ctas:
+        raise ValueError(f"read_bytes: x and sink contiguous, sink of at least {16 * ctas} bytes")
+    err = lib.dsv4_read_bytes(x.data_ptr(), x.numel() * x.element_size(), sink.data_ptr(), ctas,
+                              threads, _stream(x))
+    _check(err, "read (CUDA)", lib)
 
 
 def main(argv=None) -> int:

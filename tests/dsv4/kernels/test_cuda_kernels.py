@@ -634,3 +634,28 @@ def test_l2_prefetch_is_a_hint(mode):
     for bad in (dict(cfg, piece=100), dict(cfg, mode=2), dict(cfg, ctas=0)):
         with pytest.raises(ValueError):
             cuda_cpp.l2_prefetch(lib, ts, **bad)
+
+
+@pytest.mark.cuda
+def test_read_bytes_reads_every_word_once():
+    """dsv4_read_bytes (csrc/prefetch.cu; the read bound of bench --layer-kernels) reads each
+    16-byte word once on any grid: the XOR of its CTAs' sinks is the XOR of every word (a word
+    read twice or missed would change it), for sizes past and below one grid pass; bad launches
+    are refused (ValueError)."""
+    import numpy as np
+    _need_lib()
+    dev, gen = torch.device("cuda"), fresh_gen("cuda")
+    lib = cuda_cpp.lib_for(dev)
+    x = torch.randint(0, 255, ((5 << 20) + 48,), generator=gen, device=dev, dtype=torch.uint8)
+    for n, ctas, threads in ((x.numel(), 132, 512), (x.numel(), 7, 64), (48, 4, 32),
+                             (16 * 4099, 264, 1024)):
+        sink = torch.full((ctas, 4), -1, dtype=torch.int32, device=dev)
+        cuda_cpp.read_bytes(lib, x[:n], sink, ctas, threads)
+        words = x[:n].view(torch.int32).view(-1, 4).cpu().numpy()
+        got = np.bitwise_xor.reduce(sink.cpu().numpy(), axis=0)
+        assert (got == np.bitwise_xor.reduce(words, axis=0)).all(), (n, ctas, threads)
+    sink = torch.empty(132, 4, dtype=torch.int32, device=dev)
+    for bad in (dict(x=x[1:17]), dict(x=x[:20]), dict(threads=48), dict(ctas=0)):
+        kw = dict(dict(x=x[:64], threads=64, ctas=4), **bad)
+        with pytest.raises(ValueError):
+            cuda_cpp.read_bytes(lib, kw["x"], sink, kw["ctas"], kw["threads"])
