@@ -170,7 +170,11 @@ class Session:
             self.spec.reset()
 
     def close(self) -> None:
-        """Free the graphs and pools (idempotent); the model and its weights stay."""
+        """Free the graphs and pools (idempotent); the model and its weights stay. In tensor
+        parallel the model's prefill chunk graphs go too: they captured NCCL all-reduces, and
+        NCCL's teardown (TPGroup.close) waits until every such graph is destroyed."""
+        if self.model.tp is not None:
+            self.model.prefill_graphs = None
         self.decoder.close()
         if self.greedy is not None:
             self.greedy.close()

@@ -100,6 +100,9 @@ def test_a_session_runs_unchanged_on_every_rank(ranks, one):
         assert r["session"]["greedy"] == one["session"]["greedy"] == one["greedy"]["tokens"]
         assert r["session"]["sampled"] == ranks[0]["session"]["sampled"]
         assert r["session"]["sampled"] == one["session"]["sampled"]
+        # closing a rank's Session lets go of the model's prefill chunk graphs (their NCCL
+        # all-reduces would hold the group's teardown); one process keeps them for the next
+        assert r["session"]["graphs_released"] and not one["session"]["graphs_released"]
 
 
 def test_fp8_fp4_shards_are_the_parts_of_the_checkpoint(ranks):

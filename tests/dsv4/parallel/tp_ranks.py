@@ -42,11 +42,15 @@ def greedy_run(model, ids: torch.Tensor) -> dict:
 
 
 def session_tokens(model, ids: list) -> dict:
-    """A plain Session on the model (eager): greedy and seeded-sampled tokens."""
+    """A plain Session on the model (eager): greedy and seeded-sampled tokens; whether closing a
+    Session let go of the model's prefill chunk graphs (a stand-in put there after generate)."""
     got = {}
     for name, params in (("greedy", SamplingParams()), ("sampled", SAMPLED)):
         with Session(model, params, mode="eager") as s:
             got[name] = list(s.generate(ids, N_NEW).output_ids)
+            model.prefill_graphs = held = object()
+        got["graphs_released"] = model.prefill_graphs is not held
+        model.prefill_graphs = None
     return got
 
 
