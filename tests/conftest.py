@@ -159,9 +159,13 @@ def poison_cuda_memory(device: torch.device) -> float:
 @pytest.fixture(autouse=True, scope="module")
 def poisoned_cuda_memory(request):
     """CUDA test modules start on poisoned GPU memory (poison_cuda_memory on every GPU). Off with
-    DSV4_TEST_POISON=0."""
+    DSV4_TEST_POISON=0. A prebuilt CUDA C++ library named by DSV4_CUDA_LIB is loaded first (as the
+    backend would), so that the tests that ask for the library do not build one."""
     cuda_items = [i for i in request.session.items if i.module is request.module
                   and ("cuda" in i.keywords or "multigpu" in i.keywords)]
+    if cuda_items and _cuda_ok() and os.environ.get("DSV4_CUDA_LIB"):
+        from dsv4.kernels.cuda import lib as cuda_cpp
+        cuda_cpp.status(torch.device("cuda", 0), os.environ["DSV4_CUDA_LIB"])
     if cuda_items and _cuda_ok() and os.environ.get("DSV4_TEST_POISON", "1") != "0":
         for d in range(torch.cuda.device_count()):
             frac = poison_cuda_memory(torch.device("cuda", d))
