@@ -44,6 +44,7 @@ from ..cuda.experts import (
     cuda_expert_config,
     down_workspace,
 )
+from .mhc import hc_post, post_streams
 
 # The e2m1 decode (e2m1_word_to_f32): 4 nibbles become e4m3 bytes in three 32-bit ops (inline PTX),
 # then hardware e4m3x2 -> f16x2 -> f32 casts, then one FMA per weight.
@@ -305,7 +306,8 @@ def fp4_experts_down(a: torch.Tensor, idx: torch.Tensor, w2: torch.Tensor, s2: t
     post), else y and then hc_post."""
     E, D, I = _check(w2, s2, "fp4_experts_down w2")
     k = idx.numel()
-    streams = None if post is None else _post_streams(post, rows, D, out_dtype, out)
+    streams = (None if post is None
+               else post_streams(post, rows, D, "fp4_experts_down", out_dtype, out))
     if tuple(a.shape) != (k, I) or rows < 1 or k % rows:
         raise ValueError(f"fp4_experts_down: a {tuple(a.shape)}, {rows} rows; expected {(k, I)}")
     if out_dtype not in (torch.float32, torch.bfloat16) or (add is not None
@@ -340,7 +342,6 @@ def fp4_experts_down(a: torch.Tensor, idx: torch.Tensor, w2: torch.Tensor, s2: t
                                   post=None if post is None else post[:3])
             return dst
     if post is not None:   # down, then the post in a launch of its own
-        from .mhc import hc_post
         y = fp4_experts_down(a, idx, w2, s2, add=add, out_dtype=out_dtype, config=config,
                              impl=impl, strict=strict, workspace=workspace, rows=rows, pdl=pdl,
                              idx_early=idx_early)
@@ -362,16 +363,6 @@ def fp4_experts_down(a: torch.Tensor, idx: torch.Tensor, w2: torch.Tensor, s2: t
             num_warps=cfg.num_warps,
             **launch_args(out, pdl))
     return out
-
-
-def _post_streams(post: tuple, rows: int, D: int, out_dtype, out) -> torch.Tensor:
-    """fp4_experts_down's post = (res, post, comb, streams) checked -> streams."""
-    from .mhc import post_streams
-    if out_dtype != torch.bfloat16 or out is not None:
-        raise ValueError(f"fp4_experts_down(post=...): out_dtype {out_dtype}, out "
-                         f"{'given' if out is not None else 'None'}; the post writes the streams "
-                         f"(out_dtype bfloat16, no out)")
-    return post_streams(post, rows, D, "fp4_experts_down")
 
 
 # ---- plain-torch references ---------------------------------------------------------------------

@@ -33,6 +33,7 @@ from ..common import (
 )
 from ..cuda import lib as cuda_cpp
 from ..cuda.fp8 import cuda_config, launch_cuda, launch_mma, mma_config
+from .mhc import hc_post, post_streams
 
 TILE_BYTES = 16384   # weight bytes per program and step (one matrix); half of it for fp8_swiglu
 
@@ -292,12 +293,10 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, *, quant_act: 
     if post is None:
         return _launch(x, w, s, None, None, out, 0.0, quant_act, group_k, out_dtype, config,
                        native, add=add, impl=impl, strict=strict, pdl=pdl)
-    from .mhc import hc_post, post_streams
     T, N = x.numel() // max(x.shape[-1], 1), w.shape[0]
-    if out is not None or add is not None or out_dtype != torch.bfloat16:
-        raise ValueError("fp8_linear(post=...): the post writes the streams (out_dtype bfloat16, "
-                         "no out, no add)")
-    streams = post_streams(post, T, N, "fp8_linear")
+    if add is not None:
+        raise ValueError("fp8_linear(post=...): no add with the post (the streams take y only)")
+    streams = post_streams(post, T, N, "fp8_linear", out_dtype, out)
     if _launch(x, w, s, None, None, streams, 0.0, quant_act, group_k, out_dtype, config, native,
                impl=impl, strict=strict, pdl=pdl, post=post[:3]) is not None:
         return streams

@@ -240,10 +240,15 @@ def hc_post(x, res, post, comb, out=None, pdl=True):
     return out
 
 
-def post_streams(post: tuple, rows: int, D: int, who: str) -> torch.Tensor:
+def post_streams(post: tuple, rows: int, D: int, who: str, out_dtype, out) -> torch.Tensor:
     """The `post` argument of a kernel that writes the block's mHC post of its output (`who`),
     (res, post, comb, streams), checked -> streams: res and streams [rows, 4, D] bf16 apart, post
-    [rows, 4] and comb [rows, 4, 4] float32, all contiguous."""
+    [rows, 4] and comb [rows, 4, 4] float32, all contiguous; the call's out_dtype bf16 and no out
+    (the post writes the streams instead)."""
+    if out_dtype != torch.bfloat16 or out is not None:
+        raise ValueError(f"{who}(post=...): out_dtype {out_dtype}, out "
+                         f"{'given' if out is not None else 'None'}; the post writes the streams "
+                         f"(out_dtype bfloat16, no out)")
     res, pw, comb, streams = post
     C, bf16 = 4, torch.bfloat16
     ok = (res.dtype == streams.dtype == bf16
