@@ -17,6 +17,7 @@ from .. import branches
 from ..ops import Ops
 from . import compressor as fused_compressor
 from . import indexer as fused_indexer
+from .block import take_post
 from .prefetch import LANE_ATTN, Prefetch
 
 
@@ -134,16 +135,11 @@ def project_out(attn, ops: Ops, o: torch.Tensor, rows: bool = False, reduce: boo
         raise ValueError("project_out(reduce=False) needs wo_a on the FP8 GEMV (the other paths "
                          "sum over the ranks themselves)")
 
-    def streams():      # post's branch joined; its output streams
-        sk, res, _, _, out = post
-        sk.join()
-        return torch.empty_like(res) if out is None else out
-
     def posted(y):      # the post as a launch of its own
         if post is None:
             return y
-        out = streams()
-        return ops.hc_post(y.view(out.shape[0], -1), *post[1:4], out=out)
+        res, pw, comb, streams = take_post(post)
+        return ops.hc_post(y.view(streams.shape[0], -1), res, pw, comb, out=streams)
 
     if rows and not be.wo_a_gemv:   # each row as decode's one-row path (not the prefill GEMM)
         return posted(torch.cat([attn.project_out(o[t:t + 1]) for t in range(o.shape[0])]))
@@ -157,8 +153,7 @@ def project_out(attn, ops: Ops, o: torch.Tensor, rows: bool = False, reduce: boo
         return posted(attn.project_out(o))
     if (post is not None and attn.heads is None and be.kernels and act == torch.bfloat16
             and attn.wo_b.fmt == "fp8"):   # one process: wo_b as KernelLinear runs it, + post
-        out = streams()
-        return ops.fp8_linear(z, attn.wo_b.weight, attn.wo_b.scale, post=(*post[1:4], out))
+        return ops.fp8_linear(z, attn.wo_b.weight, attn.wo_b.scale, post=take_post(post))
     y = attn.wo_b.rows(z, act) if rows else attn.wo_b(z, act)
     return posted(attn.reduce(y) if reduce else y)
 

@@ -52,6 +52,16 @@ def decode_rows(blk, ops: Ops, h: torch.Tensor, ids: torch.Tensor, pos: torch.Te
     return post_of(f, h, post, comb, out=out)
 
 
+def take_post(post: tuple) -> tuple:
+    """A sublayer's `post` argument (branch, res, post, comb, out), as decode_rows above passes
+    it, for the launch that writes the block's mHC post: the branch (the Sinkhorn, which
+    computes post and comb) joined -> (res, post, comb, streams), streams = out or a new tensor
+    like res."""
+    sk, res, pw, comb, out = post
+    sk.join()
+    return res, pw, comb, torch.empty_like(res) if out is None else out
+
+
 def mix_rows(blk, ops: Ops, h: torch.Tensor, kind: str, norm: torch.Tensor):
     """Block.mix of a chunk's rows in one launch."""
     return ops.hc_pre_norm_rows(h, *blk.mix_weights(kind), norm, blk.cfg)

@@ -12,6 +12,7 @@ import torch
 
 from .. import branches
 from ..ops import Ops
+from .block import take_post
 
 
 class DecodeKernels:
@@ -63,11 +64,8 @@ class DecodeKernels:
         kw = dict(add=y_sh, out_dtype=x.dtype, workspace=self.down_ws or None, rows=T,
                   idx_early=True)
         if post is not None:
-            sk, res, pw, comb, out = post
-            sk.join()
-            streams = torch.empty_like(res) if out is None else out
-            return ops.fp4_experts_down(a, idx, bank.w2, bank.w2_scale,
-                                        post=(res, pw, comb, streams), **kw)
+            return ops.fp4_experts_down(a, idx, bank.w2, bank.w2_scale, post=take_post(post),
+                                        **kw)
         y = ops.fp4_experts_down(a, idx, bank.w2, bank.w2_scale, **kw)
         return moe.reduce(y) if reduce else y
 
