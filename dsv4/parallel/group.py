@@ -108,7 +108,6 @@ class TPGroup:
         except RuntimeError:          # the store's host is gone: nothing left to wait for
             pass
 
-
     def _destroy(self) -> None:
         """destroy_process_group, waited for at most min(timeout_s, 60) s. NCCL's teardown
         waits until every CUDA graph that captured one of its collectives is destroyed: a graph
