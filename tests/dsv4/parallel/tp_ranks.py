@@ -54,6 +54,17 @@ def session_tokens(model, ids: list) -> dict:
     return got
 
 
+def forced_logits(model, prompt: list, forced: list) -> dict:
+    """The tokens `forced` after the prompt, through an eager Session, a graph Session and a
+    second graph Session -> {eager, graph, graph2: logits [n, V] float32 on the CPU}."""
+    got = {}
+    for name, mode in (("eager", "eager"), ("graph", "graph"), ("graph2", "graph")):
+        with Session(model, SamplingParams(), mode=mode) as s:
+            r = s.generate(prompt, len(forced), force_ids=forced, keep_logits=True)
+        got[name] = r.logits.cpu()
+    return got
+
+
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and a.dtype == b.dtype and torch.equal(
         a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8))
@@ -164,11 +175,8 @@ def parity_rank(group, ckpt_dir: str, dtype: str, prompt: list, forced: list) ->
     rt = RuntimeConfig(max_seq_len=256, dtype=getattr(torch, dtype))
     model, ck = load_rank(group, ckpt_dir, rt)
     ck.close()
-    out = {"rank": group.rank, "table": model.tp.comm.table()}
-    for name, mode in (("eager", "eager"), ("graph", "graph"), ("graph2", "graph")):
-        with Session(model, SamplingParams(), mode=mode) as s:
-            r = s.generate(prompt, len(forced), force_ids=forced, keep_logits=True)
-        out[name] = r.logits.cpu()
+    out = {"rank": group.rank, "table": model.tp.comm.table(),
+           **forced_logits(model, prompt, forced)}
     model.tp.comm.check()
     model.tp.comm.close()
     return out
@@ -199,10 +207,7 @@ def fuse_post_rank(group, ckpt_dir: str, prompt: list, forced: list) -> dict:
         del comm.all_reduce_post
         got["fused"] = fused[-2 * model.cfg.n_layers:].count(True)
         model.reset()
-        for run, mode in (("eager", "eager"), ("graph", "graph"), ("graph2", "graph")):
-            with Session(model, SamplingParams(), mode=mode) as s:
-                r = s.generate(prompt, len(forced), force_ids=forced, keep_logits=True)
-            got[run] = r.logits.cpu()
+        got.update(forced_logits(model, prompt, forced))
         model.tp.comm.check()
         model.tp.comm.close()
         out[name] = got
