@@ -82,8 +82,8 @@ def _mix_x_kernel(h_ptr, fn_ptr, part_ptr, cnt_ptr, scale_ptr, base_ptr, normw_p
     ticket = tl.atomic_add(cnt_ptr + row, 1, sem="acq_rel", scope="gpu")
     if ticket == NCH - 1:
         tl.store(cnt_ptr + row, 0)
-        _finish_x(h_ptr + row * (C * D), prow, scale_ptr, base_ptr, normw_ptr, x_ptr + row * D, D, C,
-                  NCH, NCHP, MP, BD, norm_eps, hc_eps, ROUND, True)
+        _finish_x(h_ptr + row * (C * D), prow, scale_ptr, base_ptr, normw_ptr, x_ptr + row * D,
+                  D, C, NCH, NCHP, MP, BD, norm_eps, hc_eps, ROUND, True)
 
 
 @triton.jit(do_not_specialize=["first"])
@@ -93,10 +93,10 @@ def _pre_finish_kernel(h_ptr, part_ptr, scale_ptr, base_ptr, normw_ptr, x_ptr, p
                        BD: tl.constexpr, ITERS: tl.constexpr, norm_eps, hc_eps,
                        ROUND: tl.constexpr, PDL: tl.constexpr):
     # mixes -> (pre, post, comb) -> x = sum_k pre_k h_k -> RMSNorm(x) * w. Program first + pid:
-    # 0: x; 1 (hc_pre, not the head's one-program launch): post and comb (the Sinkhorn), side by
-    # side in a launch of two programs, or each a launch of one. `first` is a runtime argument
-    # that is never specialized: one binary for all three launches (compiled by the eager
-    # warm-up, not during capture), the same code and so the same bits.
+    # 0: x; 1: post and comb (the Sinkhorn), side by side in a prefill chunk's launch of two
+    # programs, or the Sinkhorn alone in decode's launch of one (first = 1; decode's x:
+    # _mix_x_kernel). `first` is a runtime argument that is never specialized: one binary for
+    # both launches, the same code and so the same bits.
     pdl_wait(PDL)
     row = tl.program_id(1)            # rows of a prefill chunk (decode: one row, 0)
     h_ptr += row * (C * D)
