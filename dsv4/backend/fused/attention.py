@@ -17,12 +17,11 @@ from .. import branches
 from ..ops import Ops
 from . import compressor as fused_compressor
 from . import indexer as fused_indexer
-from .block import take_post
 from .prefetch import LANE_ATTN, Prefetch
 
 
 def decode_rows(attn, ops: Ops, x: torch.Tensor, pos: torch.Tensor, st, reduce: bool = True,
-                post: tuple | None = None) -> torch.Tensor:
+                post=None) -> torch.Tensor:
     """The fused decode of T rows at positions pos .. pos+T-1, row t seeing rows < t: x [T, D]
     -> [T, D] (T = 1: one decode step; T > 1: the speculative verify rows, row t with the bits of
     a one-row call after the rows before it). Same math and state updates as
@@ -40,8 +39,8 @@ def decode_rows(attn, ops: Ops, x: torch.Tensor, pos: torch.Tensor, st, reduce: 
     reads the slots of rows <= t from their prepped kv (sparse_attention_decode_rows).
     reduce=False: a tensor-parallel rank's partial output (wo_b of its heads), left for the block
     to sum with its mHC post (TensorParallel.reduce_post); needs wo_a on the GEMV.
-    post = (branch, res, post, comb, out) (one process): the block's mHC post of the output in
-    wo_b's own launch (project_out) -> the streams [T, c, D] (into out when given)."""
+    post (one process; fused/block.take_post, bound): the block's mHC post of the output in
+    wo_b's own launch (project_out) -> the streams [T, c, D]."""
     cfg, act, H, T = attn.cfg, x.dtype, attn.n_heads, x.shape[0]     # H: this rank's heads
     W, r, eps = cfg.window_size, attn.ratio, cfg.norm_eps
     ix = attn.indexer
@@ -119,16 +118,16 @@ def side_projections(attn, ops: Ops, x: torch.Tensor) -> list:
 
 
 def project_out(attn, ops: Ops, o: torch.Tensor, rows: bool = False, reduce: bool = True,
-                post: tuple | None = None) -> torch.Tensor:
+                post=None) -> torch.Tensor:
     """Attention.project_out on the kernels where the backend has them: the grouped wo_a of
     decode rows (rows: each row with the bits of a one-row call) in one FP8 GEMV launch, of a
     chunk's rows on the prefill GEMM; then wo_b, summed over the tensor-parallel ranks
     (reduce=False: not summed, where wo_a runs on the GEMV: decode_rows).
-    post = (branch, res, post, comb, out) (one process, decode rows): the block's mHC post of
-    the output -> the streams [T, c, D] (into out when given): in wo_b's launch where wo_b runs
-    on the FP8 GEMV (fp8_linear's post: the bits of wo_b, then hc_post), else hc_post after it;
-    branch (the block's Sinkhorn, which computes post and comb beside the attention) is joined
-    just before."""
+    post (one process, decode rows; fused/block.take_post, bound): the block's mHC post of the
+    output -> the streams [T, c, D]: in wo_b's launch where wo_b runs on the FP8 GEMV
+    (fp8_linear's post: the bits of wo_b, then hc_post), else hc_post after it; called just
+    before that launch, it joins the block's Sinkhorn (which computes post and comb beside the
+    attention)."""
     be, act, G = ops.backend, o.dtype, attn.n_groups
     o = o.reshape(o.shape[0], -1)                                           # [s, h*d]
     if not reduce and not be.wo_a_gemv:
@@ -138,7 +137,7 @@ def project_out(attn, ops: Ops, o: torch.Tensor, rows: bool = False, reduce: boo
     def posted(y):      # the post as a launch of its own
         if post is None:
             return y
-        res, pw, comb, streams = take_post(post)
+        res, pw, comb, streams = post()
         return ops.hc_post(y.view(streams.shape[0], -1), res, pw, comb, out=streams)
 
     if rows and not be.wo_a_gemv:   # each row as decode's one-row path (not the prefill GEMM)
@@ -153,7 +152,7 @@ def project_out(attn, ops: Ops, o: torch.Tensor, rows: bool = False, reduce: boo
         return posted(attn.project_out(o))
     if (post is not None and attn.heads is None and be.kernels and act == torch.bfloat16
             and attn.wo_b.fmt == "fp8"):   # one process: wo_b as KernelLinear runs it, + post
-        return ops.fp8_linear(z, attn.wo_b.weight, attn.wo_b.scale, post=take_post(post))
+        return ops.fp8_linear(z, attn.wo_b.weight, attn.wo_b.scale, post=post())
     y = attn.wo_b.rows(z, act) if rows else attn.wo_b(z, act)
     return posted(attn.reduce(y) if reduce else y)
 

@@ -34,7 +34,8 @@ def decode_rows(blk, ops: Ops, h: torch.Tensor, ids: torch.Tensor, pos: torch.Te
     sk = branches.Branch(h, "mhc", ops.backend.branches, lane=2, fork=False)
     x, post, comb = ops.hc_pre_norm(h, *blk.mix_weights("attn"), blk.attn_norm, cfg, sk)
     if blk.post_in_wo_b:    # wo_b's launch takes the post (and joins the Sinkhorn before it)
-        h = blk.attn.decode_rows(x, pos, st, post=(sk, h, post, comb, None))
+        h = blk.attn.decode_rows(x, pos, st,
+                                 post=functools.partial(take_post, sk, h, post, comb, None))
     else:
         a = blk.attn.decode_rows(x, pos, st, **part)
         sk.join()
@@ -43,7 +44,7 @@ def decode_rows(blk, ops: Ops, h: torch.Tensor, ids: torch.Tensor, pos: torch.Te
     sk = branches.Branch(h, "mhc", ops.backend.branches, lane=2, fork=False)
     x, post, comb = ops.hc_pre_norm(h, *blk.mix_weights("ffn"), blk.ffn_norm, cfg, sk)
     if blk.post_in_down:    # down's launch takes the post (and joins the Sinkhorn before it)
-        f = blk.ffn.decode_rows(x, ids, post=(sk, h, post, comb, out))
+        f = blk.ffn.decode_rows(x, ids, post=functools.partial(take_post, sk, h, post, comb, out))
         pf.join()
         return f
     f = blk.ffn.decode_rows(x, ids, **part)
@@ -52,14 +53,14 @@ def decode_rows(blk, ops: Ops, h: torch.Tensor, ids: torch.Tensor, pos: torch.Te
     return post_of(f, h, post, comb, out=out)
 
 
-def take_post(post: tuple) -> tuple:
-    """A sublayer's `post` argument (branch, res, post, comb, out), as decode_rows above passes
-    it, for the launch that writes the block's mHC post: the branch (the Sinkhorn, which
+def take_post(sk, res: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+              out: torch.Tensor | None) -> tuple:
+    """What decode_rows above gives a sublayer as `post` (bound to these arguments), called
+    just before the launch that writes the block's mHC post: the Sinkhorn branch sk (which
     computes post and comb) joined -> (res, post, comb, streams), streams = out or a new tensor
     like res."""
-    sk, res, pw, comb, out = post
     sk.join()
-    return res, pw, comb, torch.empty_like(res) if out is None else out
+    return res, post, comb, torch.empty_like(res) if out is None else out
 
 
 def mix_rows(blk, ops: Ops, h: torch.Tensor, kind: str, norm: torch.Tensor):

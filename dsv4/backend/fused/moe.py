@@ -12,7 +12,6 @@ import torch
 
 from .. import branches
 from ..ops import Ops
-from .block import take_post
 
 
 class DecodeKernels:
@@ -33,16 +32,16 @@ class DecodeKernels:
                                      tid2eid=moe.tid2eid, ids=ids if moe.hash else None)
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, reduce: bool = True,
-                 post: tuple | None = None) -> torch.Tensor:
+                 post=None) -> torch.Tensor:
         """decode rows x [T, D], ids [T] -> [T, D], each launch taking every row; the FP8 shared
         expert (fused w1/w3 SwiGLU, w2) a parallel branch when captured, forked after the routing
         (so the routing's small kernels find free SMs; the shared expert then streams beside up).
         Row t has the bits of a one-row call. Capture-safe. reduce=False: a tensor-parallel
         rank's partial output, left for the block to sum with its mHC post
-        (TensorParallel.reduce_post). post = (branch, res, post, comb, out) (one process): the
+        (TensorParallel.reduce_post). post (one process; fused/block.take_post, bound): the
         block's mHC post of the output in down's own launch (fp4_experts_down's post) -> the
-        streams [T, c, D] (into out when given); branch (the block's Sinkhorn, which computes
-        post and comb beside the MoE) is joined just before down."""
+        streams [T, c, D]; called just before down, it joins the block's Sinkhorn (which
+        computes post and comb beside the MoE)."""
         moe, ops = self.moe, self.ops
         bank, lim, sh = moe.experts, moe.cfg.swiglu_limit, moe.shared
         T, fp8 = x.shape[0], sh["w1"].fmt == "fp8"
@@ -64,8 +63,7 @@ class DecodeKernels:
         kw = dict(add=y_sh, out_dtype=x.dtype, workspace=self.down_ws or None, rows=T,
                   idx_early=True)
         if post is not None:
-            return ops.fp4_experts_down(a, idx, bank.w2, bank.w2_scale, post=take_post(post),
-                                        **kw)
+            return ops.fp4_experts_down(a, idx, bank.w2, bank.w2_scale, post=post(), **kw)
         y = ops.fp4_experts_down(a, idx, bank.w2, bank.w2_scale, **kw)
         return moe.reduce(y) if reduce else y
 
