@@ -21,8 +21,6 @@ from .decode.argmax import _argmax_kernel
 from .decode.bf16_linear import _bf16_gemv_kernel, bf16_config
 from .decode.fp4_experts import _fp4_down_kernel, _fp4_up_kernel, down_config, up_config
 from .decode.fp8_linear import _fp8_gemv_kernel, fp8_config
-from .decode.mhc import BK as MIX_BK
-from .decode.mhc import FINISH_WARPS, MIX_WARPS, _mix_x_kernel, _pre_finish_kernel
 from .decode.route import SCORE_FUNCS, _route_kernel
 
 FP8_SIG = {"x_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*u8", "w3_ptr": "*u8", "s3_ptr": "*u8",
@@ -34,12 +32,6 @@ ROUTE_SIG = {"logits_ptr": "*fp32", "bias_ptr": "*fp32", "tid2eid_ptr": "*i64", 
              "w_ptr": "*fp32", "idx_ptr": "*i64", "route_scale": "fp32"}
 UP_SIG = {"x_ptr": "*bf16", "idx_ptr": "*i64", "rw_ptr": "*fp32", "w1_ptr": "*i32", "s1_ptr": "*u8",
           "w3_ptr": "*i32", "s3_ptr": "*u8", "a_ptr": "*bf16", "limit": "fp32"}
-MIX_SIG = {"h_ptr": "*bf16", "fn_ptr": "*fp32", "part_ptr": "*fp32", "cnt_ptr": "*i32",
-           "scale_ptr": "*fp32", "base_ptr": "*fp32", "normw_ptr": "*fp32", "x_ptr": "*bf16",
-           "norm_eps": "fp32", "hc_eps": "fp32"}
-FINISH_SIG = {"h_ptr": "*bf16", "part_ptr": "*fp32", "scale_ptr": "*fp32", "base_ptr": "*fp32",
-              "normw_ptr": "*fp32", "x_ptr": "*bf16", "post_ptr": "*fp32", "comb_ptr": "*fp32",
-              "first": "i32", "norm_eps": "fp32", "hc_eps": "fp32"}
 DOWN_SIG = {"a_ptr": "*bf16", "idx_ptr": "*i64", "w2_ptr": "*i32", "s2_ptr": "*u8", "add_ptr": "*bf16",
             "y_ptr": "*bf16"}
 
@@ -84,18 +76,6 @@ def variants(preset: str) -> list[tuple[str, object, dict, dict, int]]:
     out.append(("fp4.down", _fp4_down_kernel, DOWN_SIG,
                 dict(D=D, I=I, TOPK=k, BN=cd.bn, NB=cd.nb, EVEN_K=I % (cd.nb * 128) == 0,
                      HAS_ADD=True, NATIVE=True, PDL=True), cd.num_warps))
-    C = c.hc_mult   # the mHC: each sublayer's mixes + x (M = 24) and the head's (M = 4), Sinkhorn
-    nch = C * D // MIX_BK
-    mix = dict(D=D, C=C, BK=MIX_BK, NCH=nch, NCHP=triton.next_power_of_2(nch),
-               BD=triton.next_power_of_2(D), ROUND=True, PDL=True)
-    for name, m in (("mhc.mix_x", (2 + C) * C), ("mhc.head_x", C)):
-        out.append((name, _mix_x_kernel, MIX_SIG,
-                    dict(mix, M=m, MP=triton.next_power_of_2(m)), MIX_WARPS))
-    mp = triton.next_power_of_2((2 + C) * C)
-    out.append(("mhc.sinkhorn", _pre_finish_kernel, FINISH_SIG,
-                dict(D=D, C=C, NCH=nch, NCHP=triton.next_power_of_2(nch), MP=mp,
-                     BD=triton.next_power_of_2(D), ITERS=c.hc_sinkhorn_iters, ROUND=True,
-                     PDL=True), FINISH_WARPS))
     for xdt in ("*fp32", "*bf16"):                # the greedy pick of the head's logits
         out.append((f"argmax.{xdt[1:]}", _argmax_kernel,
                     {"x_ptr": xdt, "out_ptr": "*i64", "V": "i32", "stride": "i32"},

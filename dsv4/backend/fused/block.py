@@ -1,8 +1,8 @@
-"""The block's fused mHC kernels (dsv4/kernels/decode/mhc.py, prefill/mhc.py): hc_pre + RMSNorm
-of the rows in one launch and the Sinkhorn in another, hc_post in one (or in the launch before
-it: bind_fused_post); in a captured decode step each Sinkhorn runs beside its sublayer (a
-parallel branch on lane 2), and the L2 prefetch of each half's first weights beside its mHC
-(lane 3: dsv4.backend.fused.prefetch)."""
+"""The block's fused mHC kernels (dsv4/kernels/decode/mhc.py, prefill/mhc.py): hc_pre's mixes in
+one launch, x + RMSNorm and the Sinkhorn in another, hc_post in one (or in the launch before it:
+bind_fused_post); in a captured decode step each Sinkhorn runs beside its sublayer (a parallel
+branch on lane 2), and the L2 prefetch of each half's first weights beside its mHC (lane 3:
+dsv4.backend.fused.prefetch)."""
 from __future__ import annotations
 
 import functools

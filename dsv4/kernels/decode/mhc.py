@@ -1,9 +1,10 @@
 """Fused hyper-connection kernels for decode tokens (one, or the speculative step's few rows, one
-binary per row): hc_pre + RMSNorm in one launch (the mixes' partials, then the last program of
-each row sums them and writes x), the Sinkhorn (post, comb) in a second (inside a captured step
-on a side stream, off the main chain, as only hc_post needs it), hc_post in one, hc_head + final
-norm in one (instead of ~250 torch ops per sublayer). The finish and post kernels take a row
-grid dimension, which the rows of a prefill chunk use (dsv4.kernels.prefill.mhc).
+binary per row): hc_pre + Sinkhorn split + RMSNorm in two
+launches (the second one's two programs compute x and the Sinkhorn side by side; inside a
+captured step the Sinkhorn program is a launch of its own on a side stream, off the main chain,
+as only hc_post needs it), hc_post in one, hc_head + final norm in two (instead of ~250 torch ops
+per sublayer). The finish and post kernels take a row grid dimension, which the rows of a
+prefill chunk use (dsv4.kernels.prefill.mhc).
 
 h [c, D] bf16 (c = hc_mult = 4), fn [M, c*D] f32 (M = 24, or 4 for the head), x/out bf16.
 References: dsv4.numerics.mhc (hc_pre, hc_post, hc_head, rms_norm). Test: tests/dsv4/kernels/test_mhc_kernels.py.
@@ -22,68 +23,30 @@ FINISH_WARPS = 8   # warps of the one-program finish (Sinkhorn, weighted sum, RM
 
 
 @triton.jit
-def _reduce(part_ptr, idx, NCH: tl.constexpr, NCHP: tl.constexpr, MP: tl.constexpr,
-            CG: tl.constexpr = False):
-    """Sum the per-chunk partials of the mixes at `idx` ([n] int32): one 2-D load, fixed order.
-    CG: loaded from L2 (other programs of the same launch wrote them: _mix_x_kernel)."""
-    c = tl.arange(0, NCHP)
-    v = tl.load(part_ptr + c[:, None] * (MP + 1) + idx[None, :], mask=(c < NCH)[:, None],
-                other=0.0, cache_modifier=".cg" if CG else "")
-    return tl.sum(v, axis=0)
-
-
-@triton.jit
-def _finish_x(h_ptr, part_ptr, scale_ptr, base_ptr, normw_ptr, x_ptr, D: tl.constexpr,
-              C: tl.constexpr, NCH: tl.constexpr, NCHP: tl.constexpr, MP: tl.constexpr,
-              BD: tl.constexpr, norm_eps, hc_eps, ROUND: tl.constexpr, CG: tl.constexpr):
-    """The row's mixes -> pre -> x = sum_k pre_k h_k -> RMSNorm(x) * w into x_ptr (the row's)."""
-    rho = tl.rsqrt(_reduce(part_ptr, tl.full([1], MP, tl.int32), NCH, NCHP, MP, CG) / (C * D)
-                   + norm_eps)
-    kc = tl.arange(0, C)
-    s0 = tl.load(scale_ptr)
-    pre = tl.sigmoid(_reduce(part_ptr, kc, NCH, NCHP, MP, CG) * rho * s0
-                     + tl.load(base_ptr + kc)) + hc_eps
-    d = tl.arange(0, BD)
-    dm = d < D
-    h = tl.load(h_ptr + kc[:, None] * D + d[None, :], mask=dm[None, :], other=0.0)
-    x = tl.sum(pre[:, None] * h.to(tl.float32), axis=0)
-    if ROUND:
-        x = round_bf16(x)
-    r = tl.rsqrt(tl.sum(x * x, axis=0) / D + norm_eps)
-    y = tl.load(normw_ptr + d, mask=dm, other=0.0) * (x * r)
-    if ROUND:
-        y = round_bf16(y)
-    tl.store(x_ptr + d, y.to(x_ptr.dtype.element_ty), mask=dm)
-
-
-@triton.jit
-def _mix_x_kernel(h_ptr, fn_ptr, part_ptr, cnt_ptr, scale_ptr, base_ptr, normw_ptr, x_ptr,
-                  D: tl.constexpr, C: tl.constexpr, M: tl.constexpr, MP: tl.constexpr,
-                  BK: tl.constexpr, NCH: tl.constexpr, NCHP: tl.constexpr, BD: tl.constexpr,
-                  norm_eps, hc_eps, ROUND: tl.constexpr, PDL: tl.constexpr):
-    # The partial mixes and x in one launch: program pid writes part[row, pid, :M] = fn[:, chunk]
-    # @ h[chunk] and part[row, pid, MP] = sum(h[chunk]^2) (float32; chunk pid of BK flattened
-    # elements), then takes a ticket on cnt[row]; the last program of the row (every
-    # partial written) sums them in chunk order and writes x (_finish_x: the bits do not depend
-    # on which program came last), and sets cnt[row] back to 0 for the next launch. The barrier
-    # puts every thread's partial before the ticket (the atomic: acq_rel at GPU scope, one
-    # thread, its result shared through the barrier Triton puts after it), as a grid sync does.
+def _mix_partial_kernel(h_ptr, fn_ptr, part_ptr, K: tl.constexpr, M: tl.constexpr,
+                        MP: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr):
+    # part[pid, :M] = fn[:, chunk] @ h[chunk]; part[pid, M] = sum(h[chunk]^2)   (float32);
+    # program_id(1): the decode row (one binary for any number of rows: the same bits)
     pid = tl.program_id(0)
     row = tl.program_id(1)
+    h_ptr += row * K
+    part_ptr += row * (tl.num_programs(0) * (MP + 1))
     kk = pid * BK + tl.arange(0, BK)
     m = tl.arange(0, MP)
-    f = tl.load(fn_ptr + m[:, None] * (C * D) + kk[None, :], mask=(m < M)[:, None], other=0.0)
+    f = tl.load(fn_ptr + m[:, None] * K + kk[None, :], mask=(m < M)[:, None], other=0.0)
     pdl_wait(PDL)    # fn is a weight: loaded before the wait
-    h = tl.load(h_ptr + row * (C * D) + kk).to(tl.float32)
-    prow = part_ptr + row * (NCH * (MP + 1))
-    tl.store(prow + pid * (MP + 1) + m, tl.sum(f * h[None, :], axis=1))
-    tl.store(prow + pid * (MP + 1) + MP, tl.sum(h * h, axis=0))
-    tl.debug_barrier()
-    ticket = tl.atomic_add(cnt_ptr + row, 1, sem="acq_rel", scope="gpu")
-    if ticket == NCH - 1:
-        tl.store(cnt_ptr + row, 0)
-        _finish_x(h_ptr + row * (C * D), prow, scale_ptr, base_ptr, normw_ptr, x_ptr + row * D,
-                  D, C, NCH, NCHP, MP, BD, norm_eps, hc_eps, ROUND, True)
+    h = tl.load(h_ptr + kk).to(tl.float32)
+    dots = tl.sum(f * h[None, :], axis=1)
+    tl.store(part_ptr + pid * (MP + 1) + m, dots)
+    tl.store(part_ptr + pid * (MP + 1) + MP, tl.sum(h * h, axis=0))
+
+
+@triton.jit
+def _reduce(part_ptr, idx, NCH: tl.constexpr, NCHP: tl.constexpr, MP: tl.constexpr):
+    """Sum the per-chunk partials of the mixes at `idx` ([n] int32): one 2-D load, fixed order."""
+    c = tl.arange(0, NCHP)
+    v = tl.load(part_ptr + c[:, None] * (MP + 1) + idx[None, :], mask=(c < NCH)[:, None], other=0.0)
+    return tl.sum(v, axis=0)
 
 
 @triton.jit(do_not_specialize=["first"])
@@ -93,10 +56,10 @@ def _pre_finish_kernel(h_ptr, part_ptr, scale_ptr, base_ptr, normw_ptr, x_ptr, p
                        BD: tl.constexpr, ITERS: tl.constexpr, norm_eps, hc_eps,
                        ROUND: tl.constexpr, PDL: tl.constexpr):
     # mixes -> (pre, post, comb) -> x = sum_k pre_k h_k -> RMSNorm(x) * w. Program first + pid:
-    # 0: x; 1: post and comb (the Sinkhorn), side by side in a prefill chunk's launch of two
-    # programs, or the Sinkhorn alone in decode's launch of one (first = 1; decode's x:
-    # _mix_x_kernel). `first` is a runtime argument that is never specialized: one binary for
-    # both launches, the same code and so the same bits.
+    # 0: x; 1 (hc_pre, not the head's one-program launch): post and comb (the Sinkhorn), side by
+    # side in a launch of two programs, or each a launch of one. `first` is a runtime argument
+    # that is never specialized: one binary for all three launches (compiled by the eager
+    # warm-up, not during capture), the same code and so the same bits.
     pdl_wait(PDL)
     row = tl.program_id(1)            # rows of a prefill chunk (decode: one row, 0)
     h_ptr += row * (C * D)
@@ -104,10 +67,10 @@ def _pre_finish_kernel(h_ptr, part_ptr, scale_ptr, base_ptr, normw_ptr, x_ptr, p
     x_ptr += row * D
     post_ptr += row * C
     comb_ptr += row * (C * C)
+    rho = tl.rsqrt(_reduce(part_ptr, tl.full([1], MP, tl.int32), NCH, NCHP, MP) / (C * D)
+                   + norm_eps)
+    kc = tl.arange(0, C)
     if tl.program_id(0) + first == 1:
-        rho = tl.rsqrt(_reduce(part_ptr, tl.full([1], MP, tl.int32), NCH, NCHP, MP) / (C * D)
-                       + norm_eps)
-        kc = tl.arange(0, C)
         post = 2.0 * tl.sigmoid(_reduce(part_ptr, C + kc, NCH, NCHP, MP) * rho
                                 * tl.load(scale_ptr + 1) + tl.load(base_ptr + C + kc))
         tl.store(post_ptr + kc, post)
@@ -123,8 +86,20 @@ def _pre_finish_kernel(h_ptr, part_ptr, scale_ptr, base_ptr, normw_ptr, x_ptr, p
             cm = cm / (tl.sum(cm, axis=0)[None, :] + hc_eps)
         tl.store(comb_ptr + kc[:, None] * C + kc[None, :], cm)
     else:
-        _finish_x(h_ptr, part_ptr, scale_ptr, base_ptr, normw_ptr, x_ptr, D, C, NCH, NCHP, MP,
-                  BD, norm_eps, hc_eps, ROUND, False)
+        s0 = tl.load(scale_ptr)
+        pre = tl.sigmoid(_reduce(part_ptr, kc, NCH, NCHP, MP) * rho * s0
+                         + tl.load(base_ptr + kc)) + hc_eps
+        d = tl.arange(0, BD)
+        dm = d < D
+        h = tl.load(h_ptr + kc[:, None] * D + d[None, :], mask=dm[None, :], other=0.0)
+        x = tl.sum(pre[:, None] * h.to(tl.float32), axis=0)
+        if ROUND:
+            x = round_bf16(x)
+        r = tl.rsqrt(tl.sum(x * x, axis=0) / D + norm_eps)
+        y = tl.load(normw_ptr + d, mask=dm, other=0.0) * (x * r)
+        if ROUND:
+            y = round_bf16(y)
+        tl.store(x_ptr + d, y.to(x_ptr.dtype.element_ty), mask=dm)
 
 
 @triton.jit
@@ -150,52 +125,32 @@ def _post_kernel(x_ptr, res_ptr, post_ptr, comb_ptr, out_ptr, D: tl.constexpr, C
     tl.store(out_ptr + kc[:, None] * D + d[None, :], y.to(out_ptr.dtype.element_ty), mask=dm[None, :])
 
 
-MIX_WARPS = 8   # warps of a _mix_x_kernel program (its last one runs the finish of x)
-# the programs' tickets of _mix_x_kernel, one int32 a row, per weight fn (each sublayer's mix has
-# its own): allocated zero on a call site's first (eager) call, left zero by every launch
-_TICKETS: dict = {}
-
-
-def _tickets(fn: torch.Tensor, T: int) -> torch.Tensor:
-    key = (fn.device, fn.data_ptr())
-    t = _TICKETS.get(key)
-    if t is None or t.numel() < T:
-        t = _TICKETS[key] = torch.zeros(max(T, 16), dtype=torch.int32, device=fn.device)
-    return t
-
-
-def _mix_x(h2, fn, scale, base, norm_w, x, norm_eps, hc_eps, pdl):
-    """h2 [T, c*D] -> the partial mixes [T, nch, MP + 1] and x [T, D] (RMSNorm(hc_pre)) in one
-    launch (_mix_x_kernel: its last program of each row finishes x)."""
+def _mix(h2, fn, pdl=True):
+    """h2 [T, c*D] (decode rows) -> the partial mixes [T, nch, MP + 1]."""
     T, K = h2.shape
-    D = x.shape[-1]
     M = fn.shape[0]
     MP = triton.next_power_of_2(M)
     nch = K // BK
     part = torch.empty(T, nch, MP + 1, dtype=torch.float32, device=h2.device)
-    _mix_x_kernel[(nch, T)](h2, fn, part, _tickets(fn, T), scale, base, norm_w, x, D=D, C=K // D,
-                            M=M, MP=MP, BK=BK, NCH=nch, NCHP=triton.next_power_of_2(nch),
-                            BD=triton.next_power_of_2(D), norm_eps=norm_eps, hc_eps=hc_eps,
-                            ROUND=x.dtype == torch.bfloat16, num_warps=MIX_WARPS,
-                            **launch_args(x, pdl))
+    _mix_partial_kernel[(nch, T)](h2, fn, part, K=K, M=M, MP=MP, BK=BK, num_warps=4,
+                                  **launch_args(part, pdl))
     return part, nch, MP
 
 
 def hc_pre_norm(h, fn, scale, base, norm_w, norm_eps, hc_eps, iters, branch=None, pdl=True):
     """h [T, c, D] -> (RMSNorm(hc_pre(h)) [T, D] in h's dtype, post [T, c], comb [T, c, c] f32).
     T = 1 in decoding; T decode rows (the speculative verify rows) run one binary per row, so
-    row t has the bits of a one-row call. Two launches: the mixes and x (_mix_x_kernel), then
-    the Sinkhorn (post, comb; _pre_finish_kernel's program 1). branch: an overlap.Branch made
-    with fork=False; when it is on (capturing), it forks after the first launch and the Sinkhorn
-    runs on its side stream, so the main chain has one launch; join it before post / comb are
-    read. The same bits either way. pdl: launch with PDL where the device has it (the backend's
-    switch; as every decode kernel's `pdl`)."""
+    row t has the bits of a one-row call. branch: an overlap.Branch made with fork=False; when it
+    is on (capturing), it forks after the mix and the Sinkhorn (post, comb) runs as a launch of its
+    own on its side stream, so the main chain waits for x only; join it before post / comb are
+    read. Otherwise both in one launch (the same bits). pdl: launch with PDL where the device has
+    it (the backend's switch; as every decode kernel's `pdl`)."""
     T, C, D = h.shape
     if (C * D) % BK:
         raise ValueError(f"hc_pre_norm: c*D = {C * D} must be a multiple of {BK}")
     h2 = h.reshape(T, C * D).contiguous()
+    part, nch, MP = _mix(h2, fn, pdl)
     x = torch.empty(T, D, dtype=h.dtype, device=h.device)
-    part, nch, MP = _mix_x(h2, fn, scale, base, norm_w, x, norm_eps, hc_eps, pdl)
     post = torch.empty(T, C, dtype=torch.float32, device=h.device)
     comb = torch.empty(T, C, C, dtype=torch.float32, device=h.device)
     kw = dict(D=D, C=C, NCH=nch, NCHP=triton.next_power_of_2(nch), MP=MP,
@@ -203,9 +158,10 @@ def hc_pre_norm(h, fn, scale, base, norm_w, norm_eps, hc_eps, iters, branch=None
               ROUND=h.dtype == torch.bfloat16, num_warps=FINISH_WARPS, **launch_args(x, pdl))
     args = (h2, part, scale, base, norm_w, x, post, comb)
     if branch is None or not branch.on:
-        _pre_finish_kernel[(1, T)](*args, 1, **kw)
+        _pre_finish_kernel[(2, T)](*args, 0, **kw)
         return x, post, comb
-    branch.fork()   # after the mixes: the Sinkhorn reads their partials
+    branch.fork()   # after the mix: the Sinkhorn reads its partials
+    _pre_finish_kernel[(1, T)](*args, 0, **kw)
     with branch.side():
         _pre_finish_kernel[(1, T)](*args, 1, **kw)
     branch.hold(part)   # the side launch reads it: keep it from the allocator until the join
@@ -214,11 +170,16 @@ def hc_pre_norm(h, fn, scale, base, norm_w, norm_eps, hc_eps, iters, branch=None
 
 def hc_head_norm(h, fn, scale, base, norm_w, norm_eps, hc_eps, pdl=True):
     """h [T, c, D] -> RMSNorm(hc_head(h)) [T, D] in h's dtype (the head's sigmoid mix, no
-    Sinkhorn) in one launch; row t with the bits of a one-row call."""
+    Sinkhorn); row t with the bits of a one-row call."""
     T, C, D = h.shape
     h2 = h.reshape(T, C * D).contiguous()
+    part, nch, MP = _mix(h2, fn, pdl)
     x = torch.empty(T, D, dtype=h.dtype, device=h.device)
-    _mix_x(h2, fn, scale, base, norm_w, x, norm_eps, hc_eps, pdl)
+    _pre_finish_kernel[(1, T)](h2, part, scale, base, norm_w, x, x, x, 0, D=D, C=C, NCH=nch,
+                             NCHP=triton.next_power_of_2(nch), MP=MP,
+                             BD=triton.next_power_of_2(D), ITERS=1, norm_eps=norm_eps,
+                             hc_eps=hc_eps, ROUND=h.dtype == torch.bfloat16,
+                             num_warps=8, **launch_args(x, pdl))
     return x
 
 
