@@ -31,8 +31,7 @@ int dsv4_fp8_gemv(const void* w0, const void* s0, void* y0, const void* w1, cons
 int dsv4_fp8_gemv_mma(const void* w0, const void* s0, void* y0, const void* w1, const void* s1,
                       void* y1, const void* x, int n0, int K, int ng, float limit, int flags,
                       int swiglu, int spw, int warps, int blocks, int nx, int xs, int ys0, int ys1,
-                      int ctas, const void* res, const float* post, const float* comb,
-                      void* stream, int pdl);
+                      int ctas, void* stream, int pdl);
 
 
 // a [k, I] bf16 from x [D] bf16 and the routing idx [k] int64 / rw [k] float32; grid (I / 16, k),

@@ -78,20 +78,6 @@ DEV float mhc_post_one(float v, const float (&r)[MHC_STREAMS], const float* post
   return fmaf(post[j], v, s);
 }
 
-// The block's mHC post of a sublayer's output element r (v: before its rounding to bf16) into the
-// row's 4 streams: y [4, D] bf16 (the streams after), res [4, D] bf16 (before), post [4], comb
-// [4, 4] (mhc_post_one's float order). The epilogue of every kernel that takes the post.
-DEV void mhc_post_store(float v, const __nv_bfloat16* res, const float* post, const float* comb,
-                        __nv_bfloat16* y, int D, int r) {
-  float rr[MHC_STREAMS];
-#pragma unroll
-  for (int i = 0; i < MHC_STREAMS; ++i) rr[i] = __bfloat162float(res[size_t(i) * D + r]);
-  const float vb = bf16_round(v);
-#pragma unroll
-  for (int j = 0; j < MHC_STREAMS; ++j)
-    y[size_t(j) * D + r] = __float2bfloat16_rn(mhc_post_one(vb, rr, post, comb, j));
-}
-
 // Four e4m3 bytes (byte j = element j) -> four float32 (exact).
 DEV void e4m3x4_to_f32(uint32_t v, float* f) {
   const __half2_raw lo = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(v & 0xFFFFu), __NV_E4M3);

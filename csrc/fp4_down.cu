@@ -10,10 +10,24 @@
 
 namespace {
 
+// The block's mHC post of down's output (post != null): v, y's element r before its rounding to
+// bf16, put into the row's 4 streams: y [4, D] bf16 (the streams after), res [4, D] bf16 (before),
+// post [4], comb [4, 4] (mhc_post_one: the float order of every kernel that takes the post).
+DEV void down_post(float v, const __nv_bfloat16* res, const float* post, const float* comb,
+                   __nv_bfloat16* y, int D, int r) {
+  float rr[MHC_STREAMS];
+#pragma unroll
+  for (int i = 0; i < MHC_STREAMS; ++i) rr[i] = __bfloat162float(res[size_t(i) * D + r]);
+  const float vb = bf16_round(v);
+#pragma unroll
+  for (int j = 0; j < MHC_STREAMS; ++j)
+    y[size_t(j) * D + r] = __float2bfloat16_rn(mhc_post_one(vb, rr, post, comb, j));
+}
+
 // y[r] = sum_j bf16(W8A8 w2[idx[j]] @ a[j])[r] in float32, slot order j = 0..k-1, (+ add[r]),
 // rounded to y's dtype. Grid (D / 16, k): CTA (t, j) writes expert j's bf16 rows of tile t to
 // ws[j, :]; the last CTA of tile t (semaphore cnt[t], reset by it) adds them up in slot order.
-// POST: y [4, D] bf16 gets the block's mHC post of that output instead (mhc_post_store; an
+// POST: y [4, D] bf16 gets the block's mHC post of that output instead (down_post; an
 // instantiation of its own, so the kernel without it keeps its code).
 template <int SPW, int DEC, int DEPTH, bool POST>
 __global__ void __launch_bounds__(512) fp4_down_kernel(const __nv_bfloat16* act, const int64_t* idx,
@@ -74,7 +88,7 @@ __global__ void __launch_bounds__(512) fp4_down_kernel(const __nv_bfloat16* act,
     for (int jj = 0; jj < k; ++jj) t += __ldcg(ws + size_t(jj) * D + r);
     if (add != nullptr) t += __bfloat162float(add[r]);
     if constexpr (POST)
-      mhc_post_store(t, res, post, comb, static_cast<__nv_bfloat16*>(y), D, r);
+      down_post(t, res, post, comb, static_cast<__nv_bfloat16*>(y), D, r);
     else if (y_f32)
       static_cast<float*>(y)[r] = t;
     else
@@ -177,7 +191,7 @@ __global__ void __launch_bounds__(512) fp4_down_all_kernel(const __nv_bfloat16* 
     }
     if (add != nullptr) acc += __bfloat162float(add[r0 + r]);
     if constexpr (POST)
-      mhc_post_store(acc, res, post, comb, static_cast<__nv_bfloat16*>(y), D, r0 + r);
+      down_post(acc, res, post, comb, static_cast<__nv_bfloat16*>(y), D, r0 + r);
     else if (y_f32)
       static_cast<float*>(y)[r0 + r] = acc;
     else

@@ -23,11 +23,6 @@ struct Fp8Args {
   int xs;              // elements between activation rows
   int ys0;             // elements between output rows of y0
   int ys1;             // elements between output rows of y1
-  // the block's mHC post (the tensor-core kernels' POST instances; null otherwise): y0 is the
-  // streams [nx, 4, n0] bf16, res the streams before [nx, 4, n0], post [nx, 4], comb [nx, 4, 4]
-  const __nv_bfloat16* res;
-  const float* post;
-  const float* comb;
 };
 constexpr int FLAG_X_F32 = 1, FLAG_Y_F32 = 2, FLAG_QUANT = 4, FLAG_TWO = 8;
 
@@ -98,9 +93,6 @@ Fp8Args fp8_args(const void* w0, const void* s0, void* y0, const void* w1, const
   a.xs = xs;
   a.ys0 = ys0;
   a.ys1 = ys1;
-  a.res = nullptr;
-  a.post = nullptr;
-  a.comb = nullptr;
   return a;
 }
 

@@ -160,10 +160,7 @@ DEV void mma_partial(const float (&tot)[NM][2][2], float* red, int warp, int g, 
 
 // After the barrier: thread (column n, row r) adds the warps' sums in warp order (the SwiGLU on
 // the bf16 values) and writes the tile's output rows row0 .. row0 + 15 of yp (row stride ys).
-// POST: activation row n's block mHC post of those rows into its streams instead (yp [nx, 4, n0]
-// bf16; mhc_post_store: the element rounded to bf16 as the plain kernel stores it, then the
-// float order of every kernel that takes the post).
-template <int NM, bool SWIGLU, bool POST = false>
+template <int NM, bool SWIGLU>
 DEV void mma_finish(const Fp8Args& a, const float* red, int nwarps, void* yp, int ys, int row0) {
   for (int t = threadIdx.x; t < 16 * a.nx; t += blockDim.x) {
     const int r = t & 15, n = t >> 4;
@@ -173,18 +170,11 @@ DEV void mma_finish(const Fp8Args& a, const float* red, int nwarps, void* yp, in
       v[m] = 0.0f;
       for (int w = 0; w < nwarps; ++w) v[m] += red[((w * NM + m) * 16 + r) * 8 + n];
     }
-    if constexpr (POST) {
-      const size_t rs = size_t(n) * MHC_STREAMS * a.n0;
-      mhc_post_store(v[0], a.res + rs, a.post + n * MHC_STREAMS,
-                     a.comb + n * MHC_STREAMS * MHC_STREAMS,
-                     static_cast<__nv_bfloat16*>(yp) + rs, a.n0, row0 + r);
-    } else {
-      fp8_store<NM, SWIGLU>(a, v, yp, size_t(n) * ys + row0 + r);
-    }
+    fp8_store<NM, SWIGLU>(a, v, yp, size_t(n) * ys + row0 + r);
   }
 }
 
-template <int SPW, bool SWIGLU, bool POST = false>
+template <int SPW, bool SWIGLU>
 __global__ void __launch_bounds__(512) fp8_mma_kernel(const Fp8Args a) {
   constexpr int NM = SWIGLU ? 2 : 1, XR = mma_xrow<SPW>();
   extern __shared__ __align__(128) uint8_t smem[];
@@ -297,7 +287,7 @@ __global__ void __launch_bounds__(512) fp8_mma_kernel(const Fp8Args a) {
   // red[warp][m][row][column]; then thread (column n, row r) adds the warps' sums in warp order
   mma_partial<NM>(tot, red, warp, g, q);
   __syncthreads();
-  mma_finish<NM, SWIGLU, POST>(a, red, nwarps, yp, ys, row0);
+  mma_finish<NM, SWIGLU>(a, red, nwarps, yp, ys, row0);
 }
 
 // fp8_mma_kernel over a fixed grid of G CTAs: CTA b takes the tiles b, b + G, b + 2G, ... of the
@@ -309,7 +299,7 @@ __global__ void __launch_bounds__(512) fp8_mma_kernel(const Fp8Args a) {
 // again when a tile's group differs from the one before); the epilogue's red in two buffers by
 // tile parity (one barrier a tile). The sums are fp8_mma_kernel's (a warp's blocks in order, the
 // warps in order): the same bits.
-template <int SPW, bool SWIGLU, bool POST = false>
+template <int SPW, bool SWIGLU>
 __global__ void __launch_bounds__(512) fp8_mma_stream_kernel(const Fp8Args a, int tiles) {
   constexpr int NM = SWIGLU ? 2 : 1, XR = mma_xrow<SPW>();
   constexpr int NB = SPW >= 2 ? SPW / 2 : 1, U = SPW / NB;
@@ -354,7 +344,7 @@ __global__ void __launch_bounds__(512) fp8_mma_stream_kernel(const Fp8Args a, in
       float* red = red0 + (i & 1) * rsz;
       mma_partial<NM>(tot, red, warp, g, q);
       __syncthreads();
-      mma_finish<NM, SWIGLU, POST>(a, red, nwarps, yp, ys, row0);
+      mma_finish<NM, SWIGLU>(a, red, nwarps, yp, ys, row0);
     }
   };
   load(wA, sA, 0);   // weights: before the PDL wait
@@ -369,15 +359,15 @@ __global__ void __launch_bounds__(512) fp8_mma_stream_kernel(const Fp8Args a, in
   }
 }
 
-template <int SPW, bool SW, bool POST = false>
+template <int SPW, bool SW>
 cudaError_t fp8_mma_launch(const Fp8Args& a, int blocks, int warps, int ctas, cudaStream_t st,
                            int pdl) {
   constexpr int NM = SW ? 2 : 1;
   const bool stream = ctas > 0 && ctas < blocks;   // the fixed grid over the blocks' tiles
   // the stream kernel's second red buffer
   const size_t smem = fp8_mma_smem<SPW, NM>(warps, a.nx) + (stream ? size_t(warps) * NM * 512 : 0);
-  const void* fn = stream ? reinterpret_cast<const void*>(fp8_mma_stream_kernel<SPW, SW, POST>)
-                          : reinterpret_cast<const void*>(fp8_mma_kernel<SPW, SW, POST>);
+  const void* fn = stream ? reinterpret_cast<const void*>(fp8_mma_stream_kernel<SPW, SW>)
+                          : reinterpret_cast<const void*>(fp8_mma_kernel<SPW, SW>);
   if (smem > 48 * 1024) {   // above the default limit: opt in (no stream operation: capture-safe)
     const cudaError_t err =
         cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
@@ -387,25 +377,15 @@ cudaError_t fp8_mma_launch(const Fp8Args& a, int blocks, int warps, int ctas, cu
     }
   }
   if (stream)
-    return launch(fp8_mma_stream_kernel<SPW, SW, POST>, dim3(ctas), dim3(32 * warps), smem, st,
-                  pdl, a, blocks);
-  return launch(fp8_mma_kernel<SPW, SW, POST>, dim3(blocks), dim3(32 * warps), smem, st, pdl, a);
+    return launch(fp8_mma_stream_kernel<SPW, SW>, dim3(ctas), dim3(32 * warps), smem, st, pdl, a,
+                  blocks);
+  return launch(fp8_mma_kernel<SPW, SW>, dim3(blocks), dim3(32 * warps), smem, st, pdl, a);
 }
 
 using MmaLaunch = cudaError_t (*)(const Fp8Args&, int, int, int, cudaStream_t, int);
 
-// The instantiated tensor-core configs: SPW * NM <= 4 blocks of weights per lane (64 registers);
-// with the block's mHC post (one matrix, no SwiGLU) instances of their own, so the kernels
-// without it keep their code.
-MmaLaunch fp8_mma_pick(int spw, bool sw, bool post) {
-  if (post) {
-    switch (sw ? 0 : spw) {
-      case 1: return fp8_mma_launch<1, false, true>;
-      case 2: return fp8_mma_launch<2, false, true>;
-      case 4: return fp8_mma_launch<4, false, true>;
-      default: return nullptr;
-    }
-  }
+// The instantiated tensor-core configs: SPW * NM <= 4 blocks of weights per lane (64 registers).
+MmaLaunch fp8_mma_pick(int spw, bool sw) {
   switch (spw * 2 + sw) {
     case 2: return fp8_mma_launch<1, false>;
     case 3: return fp8_mma_launch<1, true>;
@@ -424,27 +404,17 @@ extern "C" {
 // The same GEMV on tensor cores (fp8_mma_kernel): 1 <= nx <= 8 activation rows, act-quantized
 // (FLAG_QUANT) or bf16 x (grouped or not); blocks tiles of 16 rows, 32 * warps threads;
 // K == warps * 128 * spw. 0 < ctas < blocks: fp8_mma_stream_kernel on ctas CTAs (the same bits).
-// post != null: the block's mHC post of the bf16 output into y0 = the streams [nx, 4, n0] bf16
-// (res [nx, 4, n0] bf16 before, post [nx, 4], comb [nx, 4, 4] float32; activation row n's at
-// n times those sizes): one matrix, bf16 output, no SwiGLU.
 int dsv4_fp8_gemv_mma(const void* w0, const void* s0, void* y0, const void* w1, const void* s1,
                       void* y1, const void* x, int n0, int K, int ng, float limit, int flags,
                       int swiglu, int spw, int warps, int blocks, int nx, int xs, int ys0, int ys1,
-                      int ctas, const void* res, const float* post, const float* comb,
-                      void* stream, int pdl) {
-  const bool has_post = post != nullptr;
-  const MmaLaunch fn = fp8_mma_pick(spw, swiglu != 0, has_post);
+                      int ctas, void* stream, int pdl) {
+  const MmaLaunch fn = fp8_mma_pick(spw, swiglu != 0);
   if (fn == nullptr || warps < 1 || warps > 16 || blocks < 1 || nx < 1 || nx > MMA_MAX_X || ctas < 0 ||
       K != warps * 128 * spw || (!(flags & FLAG_QUANT) && (flags & FLAG_X_F32)) || ng < 0 ||
-      ng % 16 || (ng && (flags & FLAG_TWO)) || (swiglu && (flags & FLAG_TWO)) ||
-      (has_post && (res == nullptr || comb == nullptr || (flags & (FLAG_TWO | FLAG_Y_F32)) ||
-                    blocks * 16 != n0)))
+      ng % 16 || (ng && (flags & FLAG_TWO)) || (swiglu && (flags & FLAG_TWO)))
     return -1;
-  Fp8Args a = fp8_args(w0, s0, y0, w1, s1, y1, x, n0, K, ng, limit, flags, nx, xs, ys0, ys1);
-  a.res = static_cast<const __nv_bfloat16*>(res);
-  a.post = post;
-  a.comb = comb;
-  return fn(a, blocks, warps, ctas, static_cast<cudaStream_t>(stream), pdl);
+  return fn(fp8_args(w0, s0, y0, w1, s1, y1, x, n0, K, ng, limit, flags, nx, xs, ys0, ys1), blocks,
+            warps, ctas, static_cast<cudaStream_t>(stream), pdl);
 }
 
 }  // extern "C"

@@ -32,8 +32,6 @@ ENV = {
     "DSV4_FUSE_POST": "0: the block's mHC post as a launch of its own, not in the launch before "
                       "it (the routed experts' down on one GPU, each sublayer's all-reduce in "
                       "tensor parallel)",
-    "DSV4_POST_WO_B": "1: with DSV4_FUSE_POST, the attention's mHC post in wo_b's GEMV on one GPU "
-                      "(off by default: not yet run on a GPU)",
     "DSV4_PREFETCH_CFG": "mode,ctas,threads,piece: the L2 prefetch launch (mode 0 bulk, 1 per "
                          "line; default " + ",".join(map(str, PREFETCH_CFG)) + ")",
     "DSV4_PREFILL_MMA": "fp8=bf16,fp4=fp8: the prefill GEMMs' tensor-core path per weight format",
@@ -58,7 +56,6 @@ class Options:
     prefetch_cfg: tuple = PREFETCH_CFG   # DSV4_PREFETCH_CFG
     two_shot: bool = False               # DSV4_TWO_SHOT (off unless "1")
     fuse_post: bool = True               # DSV4_FUSE_POST
-    post_wo_b: bool = False              # DSV4_POST_WO_B (off unless "1")
     prefill_mma: tuple = ()              # DSV4_PREFILL_MMA: ((format, "fp8" | "bf16"), ...)
     prefill_cublas: bool = True          # DSV4_PREFILL_CUBLAS
     split_programs: int = SPLIT_PROGRAMS  # DSV4_SPLIT_PROGRAMS
@@ -89,7 +86,6 @@ class Options:
                    prefetch=names("DSV4_PREFETCH", PREFETCH, "0"), prefetch_cfg=pcfg,
                    two_shot=env.get("DSV4_TWO_SHOT", "0") == "1",
                    fuse_post=not off("DSV4_FUSE_POST"),
-                   post_wo_b=env.get("DSV4_POST_WO_B", "0") == "1",
                    prefill_mma=tuple(mma),
                    prefill_cublas=not off("DSV4_PREFILL_CUBLAS"),
                    split_programs=int(env.get("DSV4_SPLIT_PROGRAMS", SPLIT_PROGRAMS)),

@@ -45,11 +45,9 @@ class Block:
         # tensor parallel: the rank's place (its sublayers reduce their outputs over the ranks).
         # Where the backend puts the block's mHC post into the launch before it (bound by
         # dsv4/backend/binding.py): post_reduce, each sublayer's all-reduce (tensor parallel);
-        # post_in_wo_b / post_in_down, the attention's wo_b / the routed experts' down (one
-        # process). None / False: a launch of its own
+        # post_in_down, the routed experts' down (one process). None / False: a launch of its own
         self.tp = tp if tp is not None and tp.world > 1 else None
         self.post_reduce: TensorParallel | None = None
-        self.post_in_wo_b = False
         self.post_in_down = False
 
     def tensors(self, prefix: str) -> dict[str, torch.Tensor]:

@@ -51,8 +51,6 @@ def test_options_from_env_as_the_runtime_read_them():
     assert Options.from_env({}).fuse_post is True
     assert Options.from_env({"DSV4_FUSE_POST": "0"}).fuse_post is False
     assert Options.from_env({"DSV4_FUSE_POST": "yes"}).fuse_post is True
-    assert Options.from_env({}).post_wo_b is False
-    assert Options.from_env({"DSV4_POST_WO_B": "1"}).post_wo_b is True
 
 
 def test_cpu_and_meta_take_torch_everywhere():
@@ -179,11 +177,10 @@ def test_gpu_binding_takes_the_fused_paths(gpu):
 
 
 def test_the_post_joins_the_launch_before_it_only_where_it_can(gpu):
-    """DSV4_FUSE_POST (on by default) on the fused paths: a tensor-parallel block binds
-    Block.post_reduce (each sublayer's all-reduce takes the block's mHC post; the sublayers then
-    leave their outputs unreduced), a one-process block Block.post_in_down (the routed experts'
-    down takes the FFN's post) and Block.post_in_wo_b (wo_b's GEMV takes the attention's); none
-    without the switch or off the kernels."""
+    """DSV4_FUSE_POST (on by default) on the fused paths: a tensor-parallel block binds Block.post_reduce (each
+    sublayer's all-reduce takes the block's mHC post; the sublayers then leave their outputs
+    unreduced), a one-process block Block.post_in_down (the routed experts' down takes the FFN's
+    post); neither without the switch or off the kernels."""
     from dsv4.backend.fused.moe import DecodeKernels
     from dsv4.model.block import Block
     from dsv4.model.sharding import TensorParallel
@@ -193,26 +190,18 @@ def test_the_post_joins_the_launch_before_it_only_where_it_can(gpu):
     be = resolve("cuda:0", torch.bfloat16, tp.shapes(cfg), Options(fuse_post=True))
     blk = Block(cfg, 0, "meta", tp=tp)
     bind_block(blk, Ops(be))
-    assert blk.post_reduce is tp and blk.tp is tp
-    assert not blk.post_in_down and not blk.post_in_wo_b
+    assert blk.post_reduce is tp and blk.tp is tp and not blk.post_in_down
     assert isinstance(blk.ffn.decode_rows, DecodeKernels)
     one = Block(cfg, 0, "meta")
     bind_block(one, Ops(resolve("cuda:0", torch.bfloat16, cfg, Options(fuse_post=True))))
-    assert one.post_in_down and not one.post_in_wo_b and one.post_reduce is None
-    bind_block(one, Ops(resolve("cuda:0", torch.bfloat16, cfg,
-                                Options(fuse_post=True, post_wo_b=True))))
-    assert one.post_in_down and one.post_in_wo_b and one.post_reduce is None
-    bind_block(blk, Ops(resolve("cuda:0", torch.bfloat16, tp.shapes(cfg),
-                                Options(fuse_post=True, post_wo_b=True))))
-    assert blk.post_reduce is tp and not blk.post_in_wo_b      # TP: the all-reduce takes it
-    for options, block_tp in ((Options(fuse_post=False, post_wo_b=True), tp),
-                              (Options(fuse_post=False, post_wo_b=True), None),
+    assert one.post_in_down and one.post_reduce is None
+    for options, block_tp in ((Options(fuse_post=False), tp), (Options(fuse_post=False), None),
                               (Options(fuse_post=True, kernels="0"), tp),
                               (Options(fuse_post=True, kernels="0"), None)):
         b = Block(cfg, 0, "meta", tp=block_tp)
         shapes = block_tp.shapes(cfg) if block_tp else cfg
         bind_block(b, Ops(resolve("cuda:0", torch.bfloat16, shapes, options)))
-        assert b.post_reduce is None and not b.post_in_down and not b.post_in_wo_b, options
+        assert b.post_reduce is None and not b.post_in_down, options
     # a one-process model: no all-reduce to join
     assert Block(cfg, 0, "meta", tp=TensorParallel(0, 1)).tp is None
 

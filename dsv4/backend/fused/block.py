@@ -33,13 +33,9 @@ def decode_rows(blk, ops: Ops, h: torch.Tensor, ids: torch.Tensor, pos: torch.Te
     pf.start("layer", h, layer_weights(blk.attn))
     sk = branches.Branch(h, "mhc", ops.backend.branches, lane=2, fork=False)
     x, post, comb = ops.hc_pre_norm(h, *blk.mix_weights("attn"), blk.attn_norm, cfg, sk)
-    if blk.post_in_wo_b:    # wo_b's launch takes the post (and joins the Sinkhorn before it)
-        h = blk.attn.decode_rows(x, pos, st,
-                                 post=functools.partial(take_post, sk, h, post, comb, None))
-    else:
-        a = blk.attn.decode_rows(x, pos, st, **part)
-        sk.join()
-        h = post_of(a, h, post, comb)
+    a = blk.attn.decode_rows(x, pos, st, **part)
+    sk.join()
+    h = post_of(a, h, post, comb)
     pf.start("ffn", h, ffn_weights(blk.ffn))
     sk = branches.Branch(h, "mhc", ops.backend.branches, lane=2, fork=False)
     x, post, comb = ops.hc_pre_norm(h, *blk.mix_weights("ffn"), blk.ffn_norm, cfg, sk)
@@ -74,20 +70,16 @@ def bind_fused_post(blk, ops: Ops) -> None:
     block's TensorParallel where both sublayers' decode rows are the kernel paths that can leave
     their output unreduced (the fused attention with wo_a on the GEMV, the MoE's DecodeKernels):
     each sublayer's all-reduce takes the post (TensorParallel.reduce_post); in one process
-    blk.post_in_down where the MoE runs DecodeKernels (the routed experts' down takes the FFN's
-    post) and, with Options.post_wo_b (DSV4_POST_WO_B=1: not yet run on a GPU),
-    blk.post_in_wo_b where the attention runs the fused decode (wo_b's GEMV takes the attention's
-    post where it runs wo_b: project_out). Call after the sublayers are bound."""
+    blk.post_in_down where the MoE runs DecodeKernels: the routed experts' down takes the FFN's
+    post (the attention's stays a launch of its own). Call after the sublayers are bound."""
     from . import attention as fused_attention
     from .moe import DecodeKernels
     attn, be = blk.attn.decode_rows, ops.backend
-    fused_attn = getattr(attn, "func", None) is fused_attention.decode_rows
-    on = be.options.fuse_post and be.mhc_decode
-    moe_ok = on and isinstance(blk.ffn.decode_rows, DecodeKernels)
-    tp_ok = moe_ok and blk.tp is not None and be.wo_a_gemv and fused_attn
+    on = be.options.fuse_post and be.mhc_decode and isinstance(blk.ffn.decode_rows, DecodeKernels)
+    tp_ok = (on and blk.tp is not None and be.wo_a_gemv
+             and getattr(attn, "func", None) is fused_attention.decode_rows)
     blk.post_reduce = blk.tp if tp_ok else None
-    blk.post_in_down = bool(moe_ok and blk.tp is None)
-    blk.post_in_wo_b = bool(on and be.options.post_wo_b and fused_attn and blk.tp is None)
+    blk.post_in_down = bool(on and blk.tp is None)
 
 
 def bind(blk, ops: Ops) -> None:

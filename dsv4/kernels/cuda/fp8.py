@@ -174,11 +174,10 @@ def launch_cuda(x, w, s, w3, s3, out, limit, quant, ng, rows, K, cfg: CudaConfig
 
 
 def launch_mma(x, w, s, w3, s3, out, limit, quant, ng, rows, K, cfg: MmaConfig, second, T: int,
-               pdl_on: bool = True, post: tuple | None = None):
+               pdl_on: bool = True):
     """The tensor-core kernel (dsv4_fp8_gemv_mma) for the launch: T activation rows in launches
     of at most MMA_MAX_X rows (a row's bits do not depend on the others); pdl_on: the backend's
-    PDL switch. post = (res, post, comb) [T, 4, N] / [T, 4] / [T, 4, 4]: the block's mHC post
-    of the output into out = the streams [T, 4, N] (one matrix, bf16)."""
+    PDL switch."""
     n0 = w.shape[0]
     if (rows % 16 or n0 % 16 or ng % 16 or (w3 is not None and second is not None)
             or cfg.warps * 128 * cfg.spw != K or (cfg.spw, w3 is not None) not in MMA_VARIANTS
@@ -192,10 +191,9 @@ def launch_mma(x, w, s, w3, s3, out, limit, quant, ng, rows, K, cfg: MmaConfig, 
     with on_device(out):
         for t0 in range(0, T, MMA_MAX_X):
             nx = min(MMA_MAX_X, T - t0)
-            pp = None if post is None else tuple(p.view(-1)[t0 * (p.numel() // T):]
-                                                 for p in post)   # row t0's res, post, comb
             cuda_cpp.fp8_gemv_mma(lib, x.view(-1)[t0 * xs:], w.view(u8), s.view(u8),
                                   out.view(-1)[t0 * ys0:], w1, s1, y1.view(-1)[t0 * ys1:], n0=n0,
                                   rows=rows, K=K, ng=ng, limit=float(limit), flags=flags,
                                   swiglu=w3 is not None, cfg=cfg, pdl=pdl(out, pdl_on), nx=nx,
-                                  xs=xs, ys0=ys0, ys1=ys1, post=pp)
+                                  xs=xs,
+                                  ys0=ys0, ys1=ys1)

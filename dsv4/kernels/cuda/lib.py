@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-ABI = 10
+ABI = 11
 CSRC = Path(__file__).resolve().parents[3] / "csrc"
 # the kernel families and the C interface, compiled into one library (the headers are in the key)
 SOURCES = ("fp8_gemv.cu", "fp8_mma.cu", "route.cu", "fp4_up.cu", "fp4_down.cu", "topk.cu",
@@ -94,7 +94,7 @@ def _declare(lib) -> None:
                                    p, i]
     lib.dsv4_fp8_gemv_mma.restype = i
     lib.dsv4_fp8_gemv_mma.argtypes = [p, p, p, p, p, p, p, i, i, i, f, i, i, i, i, i, i, i, i, i,
-                                       i, p, p, p, p, i]
+                                       i, p, i]
     lib.dsv4_fp4_up.restype = i
     lib.dsv4_fp4_up.argtypes = [p, p, p, p, p, p, p, p, f, i, i, i, i, i, i, i, i, p, i]
     lib.dsv4_route.restype = i
@@ -246,16 +246,13 @@ def fp8_gemv(lib, x, w0, s0, y0, w1, s1, y1, *, n0: int, rows: int, K: int, ng: 
 
 def fp8_gemv_mma(lib, x, w0, s0, y0, w1, s1, y1, *, n0: int, rows: int, K: int, ng: int,
                  limit: float, flags: int, swiglu: bool, cfg, pdl: bool, nx: int = 1,
-                 xs: int = 0, ys0: int = 0, ys1: int = 0, post: tuple | None = None) -> None:
+                 xs: int = 0, ys0: int = 0, ys1: int = 0) -> None:
     """dsv4_fp8_gemv_mma (see csrc): the tensor-core GEMV, rows / 16 tiles (a CTA each, or
-    cfg.ctas CTAs streaming them), nx <= 8 rows. post: (res, post, comb) of the block's mHC post
-    (y0 then the streams [nx, 4, n0] bf16), each at the launch's first row."""
-    res, pw, comb = post or (None, None, None)
+    cfg.ctas CTAs streaming them), nx <= 8 rows."""
     err = lib.dsv4_fp8_gemv_mma(w0.data_ptr(), s0.data_ptr(), y0.data_ptr(), w1.data_ptr(),
                                 s1.data_ptr(), y1.data_ptr(), x.data_ptr(), n0, K, ng, limit,
                                 flags, int(swiglu), cfg.spw, cfg.warps, rows // cfg.rows, nx, xs,
-                                ys0, ys1, cfg.ctas, _ptr(res), _ptr(pw), _ptr(comb), _stream(y0),
-                                int(pdl))
+                                ys0, ys1, cfg.ctas, _stream(y0), int(pdl))
     _check(err, "fp8 GEMV (CUDA, tensor cores)", lib)
 
 

@@ -184,13 +184,10 @@ def _check(w, s, what="fp8 GEMV"):
 
 
 def _launch(x, w, s, w3, s3, out, limit, quant, group_k, out_dtype, config, native, second=None,
-            add=None, impl="cuda", strict=False, pdl=True, post=None):
+            add=None, impl="cuda", strict=False, pdl=True):
     """One launch: y = x @ w (+ w3 SwiGLU, + add); second = (wb, sb, outb): programs past the
     first matrix's compute wb on the same x into outb. x [T, G*K]: T activation rows (T > 1: the
-    CUDA kernel reads each weight once for all rows; Triton launches once per row).
-    post = (res, post, comb) (out: the streams [T, 4, N], checked by fp8_linear): the
-    tensor-core kernel writes the block's mHC post of y into out, or None where that kernel does
-    not serve the launch (nothing launched)."""
+    CUDA kernel reads each weight once for all rows; Triton launches once per row)."""
     N, K = _check(w, s)
     L = x.shape[-1] if x.dim() else 0                      # values per activation row
     G = 1 if group_k is None else L // group_k
@@ -213,7 +210,7 @@ def _launch(x, w, s, w3, s3, out, limit, quant, group_k, out_dtype, config, nati
         nb_rows = N + Nb
     if out is None:
         out = torch.empty(T, N, dtype=out_dtype, device=x.device)
-    elif post is None and (out.numel() != T * N or not out.is_contiguous()):
+    elif out.numel() != T * N or not out.is_contiguous():
         raise ValueError(f"fp8 GEMV: out {tuple(out.shape)}; expected a contiguous {T}x{N}")
     xc = x.contiguous()
     extra = (() if second is None else second) + (() if w3 is None else (w3,))
@@ -227,20 +224,16 @@ def _launch(x, w, s, w3, s3, out, limit, quant, group_k, out_dtype, config, nati
         ccfg = config if cuda_cfg else (
             mma_config(nb_rows, K, seg, ng if G > 1 else 0, nm, quant, xc.dtype)
             or cuda_config(nb_rows, K, seg, ng if G > 1 else 0, nm))
-        if isinstance(ccfg, MmaConfig) and (post is None or (w3 is None and second is None)):
+        if isinstance(ccfg, MmaConfig):
             launch_mma(xc, w, s, w3, s3, out, limit, quant, ng if G > 1 else 0, nb_rows, K, ccfg,
-                       second, T, pdl, post)
+                       second, T, pdl)
             return out
-        if post is not None:
-            return None
         if ccfg is not None:
             launch_cuda(xc, w, s, w3, s3, out, limit, quant, ng if G > 1 else 0, nb_rows, K,
                         ccfg, second, T, pdl)
             return out
         if cuda_cfg or strict:
             raise ValueError(f"fp8 GEMV: no CUDA config for {nb_rows} rows, K = {K}")
-    if post is not None:
-        return None
     if T > 1:   # Triton: one launch per activation row (each weight read T times)
         xr, o2 = xc.view(T, L), out.view(T, N)
         for t in range(T):
@@ -273,8 +266,7 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, *, quant_act: 
                out_dtype: torch.dtype = torch.bfloat16, group_k: int | None = None,
                out: torch.Tensor | None = None, config: Config | CudaConfig | None = None,
                native: bool | None = None, add: torch.Tensor | None = None,
-               impl: str = "cuda", strict: bool = False, pdl: bool = True,
-               post: tuple | None = None) -> torch.Tensor:
+               impl: str = "cuda", strict: bool = False, pdl: bool = True) -> torch.Tensor:
     """y [T, N] = x [T, K] @ dequant(w)^T with float32 accumulation, rounded to out_dtype (T
     activation rows, each with the bits of a one-row call: the speculative step's verify rows).
 
@@ -285,24 +277,9 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, *, quant_act: 
     impl: "cuda" (the CUDA kernel where it serves this launch, else Triton) or "triton"; strict:
     the CUDA kernel or a ValueError. pdl: launch with PDL where the device has it (the backend's
     switch).
-    post = (res, post, comb, streams): the block's mHC post of y (bf16) into streams -> streams
-    (res, streams [T, 4, N] bf16, apart; post [T, 4], comb [T, 4, 4] float32; no out, no add):
-    in the tensor-core kernel's epilogue where it serves the launch (the float order of every
-    kernel that takes the post: the same bits as y, then hc_post), else y and then hc_post.
     """
-    if post is None:
-        return _launch(x, w, s, None, None, out, 0.0, quant_act, group_k, out_dtype, config,
-                       native, add=add, impl=impl, strict=strict, pdl=pdl)
-    T, N = x.numel() // max(x.shape[-1], 1), w.shape[0]
-    if add is not None:
-        raise ValueError("fp8_linear(post=...): no add with the post (the streams take y only)")
-    streams = post_streams(post, T, N, "fp8_linear", out_dtype, out)
-    if _launch(x, w, s, None, None, streams, 0.0, quant_act, group_k, out_dtype, config, native,
-               impl=impl, strict=strict, pdl=pdl, post=post[:3]) is not None:
-        return streams
-    y = _launch(x, w, s, None, None, None, 0.0, quant_act, group_k, out_dtype, config, native,
-                impl=impl, strict=strict, pdl=pdl)
-    return hc_post(y.view(T, N), *post[:3], out=streams, pdl=pdl)
+    return _launch(x, w, s, None, None, out, 0.0, quant_act, group_k, out_dtype, config, native,
+                   add=add, impl=impl, strict=strict, pdl=pdl)
 
 
 def fp8_linear2(x: torch.Tensor, wa: torch.Tensor, sa: torch.Tensor, wb: torch.Tensor,

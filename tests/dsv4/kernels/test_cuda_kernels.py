@@ -269,52 +269,6 @@ def test_fp8_mma_stream_gives_the_per_tile_bits():
 
 
 @pytest.mark.cuda
-def test_fp8_linear_takes_the_mhc_post():
-    """fp8_linear(post=...) (DSV4_FUSE_POST on one GPU: the attention's wo_b): the block's mHC
-    post of the bf16 output into the 4 streams, in the tensor-core kernels' epilogue, per-tile and
-    streamed (the Flash wo_b's grid), for 1, 3 and 9 rows (9: two launches of at most 8 rows),
-    into poisoned memory: the bits of fp8_linear then the Triton hc_post (mhc_post_one's float
-    order is hc_post's), deterministic; on the CUDA-core kernel and on Triton (no post epilogue)
-    the same bits through the launch of its own; captured in a graph with PDL."""
-    from dsv4.kernels.common import MmaConfig
-    from dsv4.kernels.decode.fp8_linear import fp8_linear
-    from dsv4.kernels.decode.mhc import hc_post
-    _need_lib()
-    dev, gen, C = torch.device("cuda"), fresh_gen("cuda"), 4
-    for name, cfgs in (("flash.wo_b", [None, MmaConfig(4, 16), MmaConfig(4, 16, 132),
-                                       MmaConfig(2, 16, 61), CudaConfig(32, 8, 2, 8)]),
-                       ("odd", [None, MmaConfig(1, 5), MmaConfig(1, 5, 7)])):
-        n, k, _ = FP8_SHAPES[name]
-        w, s = fp8_weight(n, k, gen, device=dev)
-        for T in (1, 3, 9):
-            x = torch.cat([spiky_x(k, gen, torch.bfloat16, dev) for _ in range(T)])
-            res = torch.randn(T, C, n, generator=gen, device=dev).to(torch.bfloat16)
-            pw = 2 * torch.rand(T, C, generator=gen, device=dev)
-            comb = torch.rand(T, C, C, generator=gen, device=dev)
-            for cfg in cfgs + ["triton"]:
-                kw = {"impl": "triton"} if cfg == "triton" else {"config": cfg}
-                if isinstance(cfg, CudaConfig) and T > 1:
-                    continue
-                via = hc_post(fp8_linear(x, w, s, **kw), res, pw, comb)
-                got = fp8_linear(x, w, s, post=(res, pw, comb, poisoned(T, C, n, device=dev)),
-                                 **kw)
-                assert not got.isnan().any(), (name, T, cfg)
-                assert torch.equal(got, via), (name, T, cfg)
-                again = fp8_linear(x, w, s, post=(res, pw, comb, torch.empty_like(res)), **kw)
-                assert torch.equal(again, got), (name, T, cfg, "not deterministic")
-    n, k, _ = FP8_SHAPES["flash.wo_b"]
-    w, s = fp8_weight(n, k, gen, device=dev)
-    x = spiky_x(k, gen, torch.bfloat16, dev)
-    res = torch.randn(1, C, n, generator=gen, device=dev).to(torch.bfloat16)
-    pw, comb = torch.rand(1, C, device=dev), torch.rand(1, C, C, device=dev)
-    streams = poisoned(1, C, n, device=dev)
-    g, _ = capture_step(lambda: (fp8_linear(x, w, s, post=(res, pw, comb, streams)),))
-    x.copy_(spiky_x(k, gen, torch.bfloat16, dev))
-    g.replay()
-    assert torch.equal(streams, hc_post(fp8_linear(x, w, s), res, pw, comb))
-
-
-@pytest.mark.cuda
 def test_fp8_mma_two_matrices_and_swiglu():
     """The tensor-core GEMV with two matrices on one x (wq_a + wkv) equals their own launches, and
     its fused SwiGLU meets the reference, for every config, 3 rows."""
