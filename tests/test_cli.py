@@ -167,16 +167,16 @@ def test_prefill_chunk_same_tokens_and_progress(ckpt):
 
 def test_prefill_graphs_flag_checks():
     """--prefill-graphs is checked twice: its value before the devices resolve (a power of two
-    passes whatever the device), then against the mode, --parallel tp and --speculative."""
+    passes whatever the device), then against the mode and --speculative."""
     from dsv4.errors import InputError
     from dsv4.runtime.config import check_prefill_graphs
     check_prefill_graphs(8)                      # the first call: the value alone
     check_prefill_graphs(8, "graph")
-    check_prefill_graphs(0, "eager", True, tp=True)
+    check_prefill_graphs(0, "eager", True)
     for args, words in (((8, "eager"), "needs graph mode"), ((8, "graph", True), "MTP block"),
-                        ((8, "graph", False, True), "with --parallel tp"), ((6,), "power of two")):
+                        ((6,), "power of two")):
         with pytest.raises(InputError, match=words):
-            check_prefill_graphs(*args[:3], **({"tp": args[3]} if len(args) > 3 else {}))
+            check_prefill_graphs(*args)
 
 
 @pytest.mark.cuda

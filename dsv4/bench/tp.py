@@ -13,7 +13,10 @@ the host's clock (dsv4.bench.comm_skew); with both, the profiled prefill's too
 (PREFIX-rank<r>-prefill<n>.json, its all-reduce calls compared: `allreduce_skew` of the prefill row);
 with --speculative (every rank's MTP block built) the speculative mechanism's measurements
 (dsv4.bench.speculative: verify T = 1..4, the speculative step, end to end with an oracle
-drafting), every rank running the same sessions: rank 0's figures, every rank's verify times.
+drafting), every rank running the same sessions: rank 0's figures, every rank's verify times;
+with --prefill-graphs N (CUDA) every rank's prefill chunk graphs, built together and planned
+alike (dsv4.runtime.prefill_graphs.agreed_ms): each prompt's TTFT through them and as eager
+chunks only.
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ import time
 import torch
 
 from ..errors import InputError
-from ..runtime.config import DTYPES, TP_PREFILL_GRAPHS, RuntimeConfig, resolve_tp_devices
+from ..runtime.config import DTYPES, RuntimeConfig, resolve_tp_devices
 from ..weights.presets import get_preset
 from . import MIN_STEPS
 from . import comm_skew
@@ -47,12 +50,12 @@ def run(args, command: str = "") -> dict:
         if on:
             raise InputError(f"{flag} with --parallel tp: not measured in tensor-parallel mode "
                              f"yet; run it in one process (--parallel pipeline)")
+    if args.prefill_graphs and not on_cuda:
+        raise InputError(f"--prefill-graphs {args.prefill_graphs}: chunk graphs are CUDA graphs, "
+                         f"the ranks are on {','.join(devices)}; use --prefill-graphs 0")
     profile = bool(args.prefill_profile and lengths and on_cuda)
     if args.prefill_profile and lengths and not on_cuda:
         notes.append("--prefill-profile: a CUDA profile; not taken on the CPU")
-    if args.prefill_graphs:
-        raise InputError(f"--prefill-graphs {args.prefill_graphs} with --parallel tp: "
-                         f"{TP_PREFILL_GRAPHS}; use --prefill-graphs 0")
     full, cfg = get_preset(args.preset), get_preset(args.preset, args.layers)
     problems = split_problems(cfg, len(devices))
     if problems:
@@ -64,7 +67,7 @@ def run(args, command: str = "") -> dict:
            "warmup": args.warmup, "seed": args.seed, "dtype": args.dtype, "modes": modes,
            "grans": grans, "kernels": not args.no_kernels, "lengths": lengths,
            "prefill_reps": args.prefill_reps, "prefill_chunk": args.prefill_chunk,
-           "prefill_profile": profile, "trace": args.trace,
+           "prefill_profile": profile, "prefill_graphs": args.prefill_graphs, "trace": args.trace,
            "speculative": bool(args.speculative), "spec_tokens": args.spec_tokens}
     t0 = time.perf_counter()
     ranks = launch(_rank, devices, job)
@@ -97,7 +100,7 @@ def run(args, command: str = "") -> dict:
             "ms_per_token_per_rank": [[x["ms_per_token"] for x in r["runs"]] for r in ranks],
             "allreduce": r0["allreduce"], "runs": runs,
             "prefill_runs": _prefill_rows(ranks) if lengths else None,
-            "prefill_chunk": r0["prefill_chunk"],
+            "prefill_chunk": r0["prefill_chunk"], "prefill_graphs": r0["prefill_graphs"],
             # the decode all-reduces: two a layer (attention's wo_b, the MoE's down), each of one
             # token's [dim] bf16 partial; their latency alone in a graph (the slowest rank's)
             "allreduce_us": (max(r["allreduce_us"] for r in ranks)
@@ -144,12 +147,19 @@ def _rank(group, job: dict) -> dict:
                                 log=_log if group.rank == 0 else lambda line: None,
                                 meet=group.barrier, step_events=got))
             steps.append(got or None)
-    prefill = []
+    prefill, pg = [], None
+    if job["prefill_graphs"] and job["lengths"]:    # built by every rank together (agreed_ms)
+        from ..runtime.prefill_graphs import PrefillGraphs
+        if group.rank == 0:
+            _log(f"capturing prefill chunk graphs up to {job['prefill_graphs']} tokens on "
+                 f"{group.world_size} ranks")
+        pg = model.prefill_graphs = PrefillGraphs(model, job["prefill_graphs"])
     for n in job["lengths"]:      # every rank the same prompts: the all-reduces keep them in step
         if group.rank == 0:
             _log(f"prefill {n} tokens on {group.world_size} ranks")
         r = bench_prefill.measure(model, n, job["prefill_reps"], job["seed"], job["prefill_chunk"])
-        row = {k: r[k] for k in ("tokens", "ttft_ms", "spread_ms", "tok_per_s")}
+        row = {k: r[k] for k in ("tokens", "ttft_ms", "spread_ms", "tok_per_s", "graphs",
+                                 "eager_ttft_ms")}
         if job["prefill_profile"]:   # every rank profiles the same prefills (their collectives),
             # starting together (the group's barrier inside the profile); with --trace each rank's
             # trace and its kernels for comm_skew
@@ -158,6 +168,11 @@ def _rank(group, job: dict) -> dict:
                 model, n, job["seed"], job["prefill_chunk"], meet=group.barrier,
                 trace=tr and f"{tr}-rank{group.rank}-prefill{n}.json", events=bool(tr))
         prefill.append(row)
+    graphs = None if pg is None else {"max_rows": pg.max_rows, "capture_s": pg.capture_s,
+                                      "graph_bytes": pg.graph_bytes()}
+    # released before the group closes: NCCL's teardown waits for every graph that captured one
+    # of its collectives (a chunk's all-reduces past the one-shot's bytes)
+    model.prefill_graphs = pg = None
     spec = None
     if job["speculative"]:        # every rank the same sessions and oracle: the same tokens
         graph = next((r for r in runs if r["mode"] == "graph"), None)
@@ -168,7 +183,7 @@ def _rank(group, job: dict) -> dict:
     ar_us = comm_latency_us(group, comm, cfg.dim) if dev.type == "cuda" else None
     comm.check()
     out = {"rank": group.rank, "runs": runs, "bytes": nbytes, "copy_TBps": copy,
-           "allreduce_us": ar_us, "prefill": prefill,
+           "allreduce_us": ar_us, "prefill": prefill, "prefill_graphs": graphs,
            "prefill_chunk": job["prefill_chunk"] or model.rt.prefill_chunk,
            "floor_ms": nbytes / (copy * 1e12) * 1e3 if copy else None, "capacity": cap,
            "load_s": load_s, "allreduce": comm.table(), "versions": _versions([dev]),
@@ -249,11 +264,18 @@ def format_table(rep: dict) -> str:
                      f"{r['tokens_per_s']:>9.1f}{f(r['ratio_to_floor'], '.2f'):>9}"
                      f"{r['head_embed_ms']:>12.3f}{r['per_layer_ms']:>11.4f}" +
                      (f"{r['extrapolated_ms']:>12.3f}" if rep["partial"] else ""))
+    pg = rep.get("prefill_graphs")
+    if pg and rep["prefill_runs"]:
+        lines.append(f"prefill chunk graphs 1..{pg['max_rows']} on every rank (rank 0: capture "
+                     f"{pg['capture_s']:.1f} s, {pg['graph_bytes'] / 2**30:.2f} GiB)")
     for p in rep["prefill_runs"] or []:
         lo, hi = p["spread_ms"]
+        eager = (f"; eager chunks only {p['eager_ttft_ms']:.1f} ms"
+                 if p.get("eager_ttft_ms") is not None else "")
         lines.append(f"prefill {p['tokens']} tokens: TTFT {p['ttft_ms']:.1f} ms "
                      f"[{lo:.1f}-{hi:.1f}] ({p['tok_per_s']:.0f} tok/s; chunk "
-                     f"{rep['prefill_chunk']}), every rank: "
+                     f"{rep['prefill_chunk']}{'; replays chunk graphs' if p.get('graphs') else ''}"
+                     f"{eager}), every rank: "
                      + ", ".join(f"{t:.1f}" for t in p["ttft_ms_per_rank"]) + " ms")
         if "profile" in p:
             lines.append("  profile (one prefill a rank; kernels, their device ms, host issue ms, "

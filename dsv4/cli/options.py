@@ -135,8 +135,7 @@ def check_runtime_args(args) -> tuple[list[str], str]:
     else:
         devices = resolve_devices(args.device)
     mode = resolve_mode(args.mode, devices)
-    check_prefill_graphs(args.prefill_graphs, mode, bool(args.speculative),
-                         tp=getattr(args, "parallel", "pipeline") == "tp")
+    check_prefill_graphs(args.prefill_graphs, mode, bool(args.speculative))
     return devices, mode
 
 

@@ -75,29 +75,15 @@ class RuntimeConfig:
                                   f"{torch.cuda.device_count()} CUDA device(s)")
 
 
-# Why a tensor-parallel rank does not take prefill chunk graphs (yet): none has captured on GPUs.
-# The multigpu test's failure (2 H100s, fourteenth session) came from its checkpoint's shard, whose
-# routed experts fell back to their host-reading torch reference (prefill_graphs.capture_blocker,
-# now a clear refusal for any model); the TP bench's capture on the tiny-tp preset then waited for
-# the group's timeout, and so did the multigpu test on tiny-tp shards (fifteenth session): the
-# ranks hang in the graphs' build, the cause not seen yet. Lifted once the multigpu test passes.
-TP_PREFILL_GRAPHS = ("prefill chunk graphs hang on tensor-parallel ranks (not yet working, "
-                     "issue 46)")
-
-
-def check_prefill_graphs(g, mode: str | None = None, speculative: bool = False,
-                         tp: bool = False) -> None:
-    """The --prefill-graphs flag: its value, then (mode given) against the resolved mode,
-    --speculative and --parallel tp (tp); InputError naming the flag and the fix
+def check_prefill_graphs(g, mode: str | None = None, speculative: bool = False) -> None:
+    """The --prefill-graphs flag: its value, then (mode given) against the resolved mode and
+    --speculative; InputError naming the flag and the fix
     (RuntimeConfig checks the value with its field's name)."""
     if not prefill_graphs_ok(g):
         raise InputError(f"--prefill-graphs {g}: {PREFILL_GRAPHS_EXPECTED} (the largest captured "
                          f"chunk, e.g. 256)")
     if not g or mode is None:        # the value alone: the call before the devices resolve
         return
-    if tp:
-        raise InputError(f"--prefill-graphs {g} with --parallel tp: {TP_PREFILL_GRAPHS}; use "
-                         f"--prefill-graphs 0 (prompts are prefilled in eager chunks)")
     if mode != "graph":
         raise InputError(f"--prefill-graphs {g} needs graph mode (CUDA, --mode graph or auto); use "
                          f"--prefill-graphs 0")

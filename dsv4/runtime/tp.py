@@ -16,13 +16,13 @@ from typing import Sequence
 import torch
 
 from ..backend.options import Options
-from ..errors import ConfigError, ParallelError
+from ..errors import ParallelError
 from ..parallel import Communicator, launch
 from ..parallel.group import DEFAULT_TIMEOUT_S, TPGroup
 from ..parallel.allreduce import LARGE_BYTES_LIMIT, MAX_BYTES
 from ..weights.checkpoint import open_checkpoint
 from .build import build_model
-from .config import TP_PREFILL_GRAPHS, RuntimeConfig, layer_placement
+from .config import RuntimeConfig, layer_placement
 from .sampling import SamplingParams
 from .session import Session
 
@@ -39,11 +39,7 @@ def cpu_share(world: int) -> int:
 
 def rank_runtime(rt: RuntimeConfig, group: TPGroup) -> RuntimeConfig:
     """rt for one rank of `group`: its one device, tp = the world size (the other knobs as
-    given, the same on every rank). ConfigError for prefill_graphs (TP_PREFILL_GRAPHS), before
-    any weight is read."""
-    if rt.prefill_graphs and group.world_size > 1:
-        raise ConfigError(f"RuntimeConfig.prefill_graphs = {rt.prefill_graphs} in tensor "
-                          f"parallel: {TP_PREFILL_GRAPHS}; use prefill_graphs = 0")
+    given, the same on every rank)."""
     return replace(rt, devices=(group.device,), tp=group.world_size)
 
 

@@ -73,7 +73,7 @@ def test_tp_bench_refuses_what_it_does_not_measure(capsys):
     assert "cannot be split over 2 ranks" in capsys.readouterr()[1]
     assert bench.main(["--preset", "tiny-tp", "--prefill", "16", "--prefill-graphs", "1",
                        *FAST]) == 2
-    assert "--prefill-graphs 1 with --parallel tp: prefill chunk graphs hang" in \
+    assert "--prefill-graphs 1: chunk graphs are CUDA graphs, the ranks are on cpu,cpu" in \
         capsys.readouterr()[1]
     assert bench.main(["--preset", "tiny-tp", "--prefill", "2000000", *FAST]) == 2
     assert "above the model's 1048576 positions" in capsys.readouterr()[1]

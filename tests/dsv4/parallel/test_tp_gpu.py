@@ -55,18 +55,14 @@ def test_tp2_parity_graph_and_eager(name, mode):
 
 
 @pytest.mark.multigpu
-@pytest.mark.xfail(run=False,
-                   reason="the ranks ran past the deadline (fifteenth session, 2 H100s; eighteenth, "
-                          "2 H200s; issue 46). The eighteenth's reading: the rank function returned "
-                          "(its stack dump, cancelled at its end, never printed) and the group's "
-                          "teardown hung: NCCL waits for graphs that captured its all-reduces, "
-                          "which the rank now releases first. TP_PREFILL_GRAPHS refuses them in TP "
-                          "until this passes (run it with --runxfail)")
 def test_tp2_prefill_graphs_plan_alike_and_decode_as_eager_pieces(tmp_path):
-    """Prefill chunk graphs in tensor parallel: every rank plans the same pieces (the slowest
-    rank's times: a rank planning by its own could split the prompt differently and mismatch
-    its all-reduces), and a Session replaying them decodes the same ids and logits, bit for bit,
-    as one that prefills the same pieces eagerly; the same bits on every rank."""
+    """Prefill chunk graphs in tensor parallel (RuntimeConfig.prefill_graphs, built by the
+    Session): every rank plans the same pieces (the slowest rank's times: a rank planning by its
+    own could split the prompt differently and mismatch its all-reduces), and a Session replaying
+    them decodes the same ids and logits, bit for bit, as one that prefills the same pieces
+    eagerly; the same bits on every rank; closing the Session lets the graphs go, and the group
+    then closes (NCCL's teardown waits for graphs that captured its all-reduces: it hung on the
+    fifteenth and eighteenth sessions' runs while the graphs lived)."""
     if torch.cuda.device_count() < 2:
         pytest.skip(f"needs 2 GPUs, {torch.cuda.device_count()} visible")
     # the tiny-tp preset: its shard keeps the prefill kernels (the p1 parity checkpoint's shard of
@@ -78,6 +74,7 @@ def test_tp2_prefill_graphs_plan_alike_and_decode_as_eager_pieces(tmp_path):
                  deadline_s=240)
     assert got[0]["plan"] == got[1]["plan"] and got[0]["replay_ms"] == got[1]["replay_ms"]
     assert got[0]["plan"] == [(8, True), (4, True)], got[0]    # a tiny model: replays are faster
+    assert all(r["released"] for r in got)
     for r in got:
         w, wo = r["with"], r["without"]
         assert w["ids"] == wo["ids"] and torch.equal(w["logits"], wo["logits"]), r["rank"]

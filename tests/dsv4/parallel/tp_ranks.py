@@ -215,39 +215,37 @@ def fuse_post_rank(group, ckpt_dir: str, prompt: list, forced: list) -> dict:
 
 
 def prefill_graphs_rank(group, ckpt_dir: str, prompt: list, n_new: int) -> dict:
-    """On a GPU rank (memory poisoned first): a graph Session whose prompt goes through prefill
-    chunk graphs (8 + 4 rows of a 12-token prompt), and one without them that prefills the same
-    pieces eagerly -> {rank, plan (every rank must have the same), replay_ms, with / without:
-    the decoded ids and logits}."""
+    """On a GPU rank (memory poisoned first): a graph Session built with prefill chunk graphs
+    (RuntimeConfig.prefill_graphs 16: 8 + 4 rows of a 12-token prompt), and one without them that
+    prefills the same pieces eagerly -> {rank, plan (every rank must have the same), replay_ms,
+    released (the Session's close let its graphs go), with / without: the decoded ids and
+    logits}."""
     import faulthandler
     import sys
 
     from parallel_ranks import _poison
-    # the test hangs (its xfail): every rank's Python stack on stderr after 150 s says where
+    # should the group's teardown hang again: every rank's Python stack on stderr after 150 s
     faulthandler.dump_traceback_later(150, repeat=True, file=sys.stderr)
     _poison(group.device)
     out = {"rank": group.rank}
     for name, graphs in (("with", 16), ("without", 0)):
-        # RuntimeConfig.prefill_graphs is refused in tensor parallel (TP_PREFILL_GRAPHS): the
-        # graphs are attached by hand, as Session would
-        rt = RuntimeConfig(max_seq_len=128, dtype=torch.bfloat16)
+        rt = RuntimeConfig(max_seq_len=128, dtype=torch.bfloat16, prefill_graphs=graphs)
         model, ck = load_rank(group, ckpt_dir, rt)
         ck.close()
         with Session(model, SamplingParams(), mode="graph") as s:
             if graphs:
-                from dsv4.runtime.prefill_graphs import PrefillGraphs
-                pg = model.prefill_graphs = PrefillGraphs(model, graphs)
+                pg = model.prefill_graphs
                 out["plan"], out["replay_ms"] = pg.plan(len(prompt)), pg.replay_ms
+                pg = None
                 r = s.generate(prompt, n_new, keep_logits=True)
             else:
                 s.prefill(prompt[:8])
                 r = s.generate(prompt[8:], n_new, keep_logits=True, continue_sequence=True)
+        if graphs:
+            out["released"] = model.prefill_graphs is None
         out[name] = {"ids": r.output_ids, "logits": r.logits.cpu()}
         model.tp.comm.check()
         model.tp.comm.close()
-        # the chunk graphs captured NCCL all-reduces (16 rows: past the one-shot's 64 KB), and
-        # NCCL's teardown (TPGroup.close, after this returns) waits until they are destroyed
-        model.prefill_graphs = pg = None
     faulthandler.cancel_dump_traceback_later()
     return out
 
