@@ -100,13 +100,25 @@ class TPGroup:
         self._destroy()
         object.__setattr__(self, "pg", None)    # frozen otherwise: the group is gone now
         try:
-            store.add("dsv4/closed", 1)
-            t0 = time.monotonic()
-            while (store.add("dsv4/closed", 0) < self.world_size
-                   and time.monotonic() - t0 < min(self.timeout_s, 30.0)):
-                time.sleep(0.005)
+            self._meet(store, "dsv4/closed")
+            # then rank 0, which hosts the store where dsv4.parallel.launch formed the group,
+            # stays until every rank is past its last call: a rank still polling a store whose
+            # host had exited got "recvValue failed ... Connection was likely closed" with a
+            # C++ stack on stderr (2x H200, nineteenth session); the others leave at once
+            store.add("dsv4/left", 1)
+            if self.rank == 0:
+                self._meet(store, "dsv4/left", add=False)
         except RuntimeError:          # the store's host is gone: nothing left to wait for
             pass
+
+    def _meet(self, store, key: str, add: bool = True) -> None:
+        """Count this rank at `key` (add), then wait until every rank has (at most 30 s)."""
+        if add:
+            store.add(key, 1)
+        t0 = time.monotonic()
+        while (store.add(key, 0) < self.world_size
+               and time.monotonic() - t0 < min(self.timeout_s, 30.0)):
+            time.sleep(0.005)
 
     def _destroy(self) -> None:
         """destroy_process_group, waited for at most min(timeout_s, 60) s. NCCL's teardown
