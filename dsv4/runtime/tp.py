@@ -66,8 +66,13 @@ def rank_communicator(group: TPGroup, rt: RuntimeConfig, cfg, prefer: str | None
     force an implementation, dsv4.parallel.plan_allreduce), the all-reduce launched with PDL
     where the rank's kernels are (the backend's switch: rt.options, else the environment), the
     two-shot for a prefill chunk's messages where asked (two_shot_bytes, from the model's
-    config `cfg`)."""
+    config `cfg`). A prebuilt CUDA C++ library (Options.cuda_lib, DSV4_CUDA_LIB) is the one the
+    plan's kernels load, as the rank's backend would: the plan comes first, and a load without
+    it built the library again on every rank (a minute of a fresh machine)."""
     opts = rt.options if rt.options is not None else Options.from_env()
+    if opts.cuda_lib and group.device.type == "cuda":
+        from ..kernels.cuda import lib as cuda_lib
+        cuda_lib.status(group.device, opts.cuda_lib)    # the first load of this architecture
     return Communicator.plan(group, prefer=prefer, pdl=opts.pdl,
                              large_bytes=two_shot_bytes(group, rt, cfg, opts))
 

@@ -337,6 +337,16 @@ def test_a_rank_plans_its_all_reduce_with_the_backends_pdl_switch(monkeypatch):
         seen.append(e.value.args[0]["pdl"])
     assert seen == [True, False, False, True]
     assert closed == ["unused"] * 4                  # a failed load closes the checkpoint
+    # a CUDA rank loads the prebuilt library the options name before its plan loads one
+    from dsv4.kernels.cuda import lib as cuda_lib
+    loads = []
+    monkeypatch.setattr(cuda_lib, "status", lambda dev, path=None: loads.append((str(dev), path)))
+    cuda = types.SimpleNamespace(world_size=2, device=torch.device("cuda", 1))
+    for opts in (Options(cuda_lib="/pre/built.so"), Options()):
+        with pytest.raises(Planned):
+            tp.rank_communicator(cuda, RuntimeConfig(64, options=opts),
+                                 types.SimpleNamespace(dim=4096))
+    assert loads == [("cuda:1", "/pre/built.so")]
 
 
 def test_the_two_shot_serves_a_prefill_chunk_on_two_cuda_ranks_where_asked():
