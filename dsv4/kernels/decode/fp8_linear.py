@@ -33,7 +33,6 @@ from ..common import (
 )
 from ..cuda import lib as cuda_cpp
 from ..cuda.fp8 import cuda_config, launch_cuda, launch_mma, mma_config
-from .mhc import hc_post, post_streams
 
 TILE_BYTES = 16384   # weight bytes per program and step (one matrix); half of it for fp8_swiglu
 
