@@ -58,6 +58,14 @@ DEV uint2 ld_stream_u64(const void* p) {
   return r;
 }
 
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+// One bulk prefetch of [p, p + size) into L2 (sm_90's copy engine; p 16-byte aligned, size a
+// multiple of 16): a hint, nothing read into registers.
+DEV void l2_bulk_prefetch(const void* p, unsigned size) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(p), "r"(size) : "memory");
+}
+#endif
+
 // A hint that changes no result: bytes [p, p + n) into L2, as bulk prefetches of at most 16 KB
 // from this one thread (sm_90; elsewhere, or for a range not 16-byte aligned, nothing). A
 // weight-streaming kernel asks for the weights of tiles it will load later, so more of its bytes
@@ -66,10 +74,8 @@ DEV void l2_hint(const void* p, size_t n) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   if ((reinterpret_cast<uintptr_t>(p) | n) & 15) return;
   const char* c = static_cast<const char*>(p);
-  for (size_t o = 0; o < n; o += 16384) {
-    const unsigned size = unsigned(n - o < 16384 ? n - o : 16384);
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(c + o), "r"(size) : "memory");
-  }
+  for (size_t o = 0; o < n; o += 16384)
+    l2_bulk_prefetch(c + o, unsigned(n - o < 16384 ? n - o : 16384));
 #endif
 }
 

@@ -29,7 +29,7 @@ __global__ void l2_prefetch_kernel(const PrefetchRanges r, unsigned piece, int m
       const unsigned size = unsigned(min(static_cast<unsigned long long>(piece), r.n[i] - j * piece));
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
       if (mode == 0) {
-        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(a), "r"(size) : "memory");
+        l2_bulk_prefetch(a, size);
         continue;
       }
 #endif
