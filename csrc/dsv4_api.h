@@ -38,11 +38,10 @@ int dsv4_fp8_gemv_mma(const void* w0, const void* s0, void* y0, const void* w1, 
 // D / (128 * spw) warps; dec: the e2m1 decode (0: through e4m3 and cvt, 1: integer ops); depth:
 // steps of weights in flight per warp (0: all). ctas > 0: fp4_up_stream_kernel on min(ctas, tiles)
 // CTAs instead (dec 0, spw 1 or 2 (4 spills), k <= 64 and at most 4 rows; depth unused). kpr:
-// pairs per activation row (pair j reads x row j / kpr). l2pf (streaming only, else 0): each CTA
-// hints the weights of its tiles that many beyond the next into L2 (0: none).
+// pairs per activation row (pair j reads x row j / kpr).
 int dsv4_fp4_up(const void* x, const void* idx, const void* rw, const void* w1, const void* s1,
                 const void* w3, const void* s3, void* out, float limit, int I, int D, int k,
-                int spw, int dec, int depth, int ctas, int kpr, int l2pf, void* stream, int pdl);
+                int spw, int dec, int depth, int ctas, int kpr, void* stream, int pdl);
 
 
 // y [D] (float32 or bf16) from a [k, I] bf16; ws [k, D] float32 and cnt [D / 16] int32 (zeros,
@@ -55,12 +54,11 @@ int dsv4_fp4_up(const void* x, const void* idx, const void* rw, const void* w1, 
 // complete and visible when this kernel starts. post non-null: the block's mHC post of that
 // output instead (y bf16 [rows, 4, D] the streams after; res bf16 [rows, 4, D] before; post
 // [rows, 4], comb [rows, 4, 4] float32): y[b, j] = bf16(post[b, j] * bf16(sum) + sum_i comb[b, i,
-// j] * res[b, i]), the float order of dsv4_allreduce_post's post. l2pf (all_experts only, else
-// 0): 1 = each CTA hints all its experts' rows into L2 as soon as idx is read.
+// j] * res[b, i]), the float order of dsv4_allreduce_post's post.
 int dsv4_fp4_down(const void* act, const void* idx, const void* w2, const void* s2, const void* add,
                   void* y, void* ws, void* cnt, int D, int I, int k, int y_f32, int spw, int dec,
                   int depth, int all_experts, int rows, const void* res, const float* post,
-                  const float* comb, int l2pf, void* stream, int pdl);
+                  const float* comb, void* stream, int pdl);
 
 
 // The MoE routing of one token (kernels/decode/route.py semantics): logits [E] float32 with bias [E]

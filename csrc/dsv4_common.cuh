@@ -66,19 +66,6 @@ DEV void l2_bulk_prefetch(const void* p, unsigned size) {
 }
 #endif
 
-// A hint that changes no result: bytes [p, p + n) into L2, as bulk prefetches of at most 16 KB
-// from this one thread (sm_90; elsewhere, or for a range not 16-byte aligned, nothing). A
-// weight-streaming kernel asks for the weights of tiles it will load later, so more of its bytes
-// are on their way than its registers hold.
-DEV void l2_hint(const void* p, size_t n) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  if ((reinterpret_cast<uintptr_t>(p) | n) & 15) return;
-  const char* c = static_cast<const char*>(p);
-  for (size_t o = 0; o < n; o += 16384)
-    l2_bulk_prefetch(c + o, unsigned(n - o < 16384 ? n - o : 16384));
-#endif
-}
-
 // ue8m0 byte -> 2^(b-127) as float32 (byte 0 -> 0, as the Triton kernels).
 DEV float e8m0(uint32_t b) { return __uint_as_float((b & 0xFFu) << 23); }
 

@@ -103,7 +103,7 @@ __global__ void __launch_bounds__(512) fp4_down_kernel(const __nv_bfloat16* act,
 // the same SPW (per expert: warps in order, then bf16; experts in slot order), without its
 // workspace, semaphore and second pass, and with one CTA per row tile instead of NE. Grid axis y:
 // the activation row b (the speculative verify rows): act, idx, add and y move to row b's.
-// POST: as fp4_down_kernel's (y [rows, 4, D]; res, post, comb row b's). l2pf: see below.
+// POST: as fp4_down_kernel's (y [rows, 4, D]; res, post, comb row b's).
 template <int SPW, int NE, int DEC, int DEPTH, bool POST>
 __global__ void __launch_bounds__(512) fp4_down_all_kernel(const __nv_bfloat16* act,
                                                            const int64_t* idx, const uint8_t* w2,
@@ -111,8 +111,7 @@ __global__ void __launch_bounds__(512) fp4_down_all_kernel(const __nv_bfloat16* 
                                                            const __nv_bfloat16* add, void* y,
                                                            int D, int I, int y_f32, int early,
                                                            const __nv_bfloat16* res,
-                                                           const float* post, const float* comb,
-                                                           int l2pf) {
+                                                           const float* post, const float* comb) {
   constexpr int NS = NE * SPW;
   static_assert(NE % 2 == 0, "the scale loads take two experts");
   extern __shared__ __align__(128) uint8_t smem[];
@@ -141,15 +140,6 @@ __global__ void __launch_bounds__(512) fp4_down_all_kernel(const __nv_bfloat16* 
   for (int j = 0; j < NE; ++j) {
     const size_t row = size_t(idx[j]) * D + r0 + g;
     wp[j] = w2 + row * wrow + (k0 >> 5) * 16 + q * 16;
-  }
-  // l2pf: every expert's 16 rows and their scales into L2 at once (lanes 0 .. 2 NE - 1 of warp 0,
-  // a hint), where the warps' registers hold DEPTH of their NS steps
-  if (l2pf > 0 && warp == 0 && lane < 2 * NE) {
-    const size_t row = size_t(idx[lane % NE]) * D + r0;
-    if (lane < NE)
-      l2_hint(w2 + row * wrow, 16 * wrow);
-    else
-      l2_hint(s2 + row * srow, 16 * srow);
   }
   ExpertStep<1> st[DEPTH];   // sa / sb: see the step loop
   auto load = [&](int s) {
@@ -217,15 +207,14 @@ extern "C" {
 // left zero) are the caller's workspace; add [D] bf16 or null. Grid (D / 16, k). all_experts:
 // fp4_down_all_kernel instead (grid D / 16, no workspace; k 6 (Flash, Pro), dec 0, the (spw, depth)
 // instantiated below). rows > 1 (all_experts only): rows activation rows, a [rows * k, I], idx
-// [rows * k], add / y [rows, D]. l2pf (all_experts only, else 0): 1 = each CTA hints all its
-// experts' rows into L2 as soon as idx is read.
+// [rows * k], add / y [rows, D].
 int dsv4_fp4_down(const void* act, const void* idx, const void* w2, const void* s2, const void* add,
                   void* y, void* ws, void* cnt, int D, int I, int k, int y_f32, int spw, int dec,
                   int depth, int all_experts, int rows, const void* res, const float* post,
-                  const float* comb, int l2pf, void* stream, int pdl) {
+                  const float* comb, void* stream, int pdl) {
   const int warps = I / (128 * spw);
   if (warps < 1 || warps > 16 || D % 16 || I % (128 * spw) || k < 1 || rows < 1 ||
-      (rows > 1 && !all_experts) || l2pf < 0 || (l2pf > 0 && !all_experts) ||
+      (rows > 1 && !all_experts) ||
       (post != nullptr && (y_f32 || res == nullptr || comb == nullptr)))
     return -1;
   const auto* rp = static_cast<const __nv_bfloat16*>(res);
@@ -247,7 +236,7 @@ int dsv4_fp4_down(const void* act, const void* idx, const void* w2, const void* 
 #define DSV4_DOWN_ALL_P(S, E, R, P) \
   launch(fp4_down_all_kernel<S, E, 0, R, P>, dim3(D / 16, rows), block, \
          expert_smem_bytes<S * E>(warps, E), st, pdl, ap, ip, wp, sp, dp, y, D, I, y_f32, early, \
-         rp, post, comb, l2pf)
+         rp, post, comb)
 #define DSV4_DOWN_ALL(S, E, R) \
   (post != nullptr ? DSV4_DOWN_ALL_P(S, E, R, true) : DSV4_DOWN_ALL_P(S, E, R, false))
   if (all_experts) {

@@ -105,7 +105,7 @@ __global__ void __launch_bounds__(512) fp4_up_stream_kernel(const __nv_bfloat16*
                                                             const uint8_t* w1, const uint8_t* s1,
                                                             const uint8_t* w3, const uint8_t* s3,
                                                             __nv_bfloat16* out, float limit, int I,
-                                                            int D, int k, int kpr, int l2pf) {
+                                                            int D, int k, int kpr) {
   extern __shared__ __align__(128) uint8_t smem[];
   __shared__ int64_t s_e[UP_STREAM_MAX_K];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
@@ -140,16 +140,6 @@ __global__ void __launch_bounds__(512) fp4_up_stream_kernel(const __nv_bfloat16*
         st[s].wb[m] = ld_stream(wp[m] + s * 64 + 8 * wrow);
       }
     ld_scales<SPW>((lane < 16 ? s1 : s3) + (row0 + (lane & 15)) * srow + (k0 >> 5), sc);
-  };
-  // l2pf > 0: tile t's weights and scales into L2 (lanes 0-3 of warp 0, one range each; a
-  // hint) l2pf tiles beyond the next one, whose registers are loading: more bytes in flight
-  auto hint = [&](int t) {
-    if (l2pf <= 0 || warp != 0 || lane >= 4 || t >= tiles) return;
-    const size_t row0 = size_t(s_e[t / rt]) * I + (t % rt) * 16;
-    if (lane < 2)
-      l2_hint((lane == 0 ? w1 : w3) + row0 * wrow, 16 * wrow);
-    else
-      l2_hint((lane == 2 ? s1 : s3) + row0 * srow, 16 * srow);
   };
   // red: two [warps][2][16] buffers, one per tile parity (see the expert_smem size); use: how
   // many tiles of this parity the CTA did before this one
@@ -189,20 +179,17 @@ __global__ void __launch_bounds__(512) fp4_up_stream_kernel(const __nv_bfloat16*
   };
   int t = blockIdx.x, n = 0;
   if (t < tiles) load(A, scA, t);
-  for (int i = 2; i <= l2pf; ++i) hint(t + i * G);   // then each tile hints l2pf + 1 ahead
   for (int r = 0; r < (TR > 1 ? k / kpr : 1); ++r)
     quant_slice<SPW, DEC>(x + size_t(r) * D + k0, reinterpret_cast<uint16_t*>(xs + r * SPW * 16),
                           ef + r * SPW, lane);
   __syncthreads();   // xs, and the zero operand
   while (t < tiles) {   // n: the CTA's tiles so far (even ones use A and red buffer 0)
     if (t + G < tiles) load(B, scB, t + G);
-    hint(t + (l2pf + 1) * G);
     compute(A, scA, t, 0, n >> 1);
     t += G;
     ++n;
     if (t >= tiles) break;
     if (t + G < tiles) load(A, scA, t + G);
-    hint(t + (l2pf + 1) * G);
     compute(B, scB, t, 1, n >> 1);
     t += G;
     ++n;
@@ -217,14 +204,12 @@ extern "C" {
 // D / (128 * spw) warps; dec: the e2m1 decode (0: through e4m3 and cvt, 1: integer ops); depth:
 // steps of weights in flight per warp (0: all). ctas > 0: fp4_up_stream_kernel on min(ctas, tiles)
 // CTAs instead (dec 0, spw 1 or 2 (4 spills), k <= 64 and at most 4 rows; depth unused). kpr:
-// pairs per activation row (pair j reads x row j / kpr). l2pf (streaming only, else 0): each
-// CTA hints the weights of its tiles that many beyond the next into L2 (0: none).
+// pairs per activation row (pair j reads x row j / kpr).
 int dsv4_fp4_up(const void* x, const void* idx, const void* rw, const void* w1, const void* s1,
                 const void* w3, const void* s3, void* out, float limit, int I, int D, int k,
-                int spw, int dec, int depth, int ctas, int kpr, int l2pf, void* stream, int pdl) {
+                int spw, int dec, int depth, int ctas, int kpr, void* stream, int pdl) {
   const int warps = D / (128 * spw);
-  if (warps < 1 || warps > 16 || I % 16 || D % (128 * spw) || k < 1 || ctas < 0 || kpr < 1 ||
-      l2pf < 0 || (l2pf > 0 && ctas == 0))
+  if (warps < 1 || warps > 16 || I % 16 || D % (128 * spw) || k < 1 || ctas < 0 || kpr < 1)
     return -1;
   const dim3 grid(I / 16, k), block(32 * warps);
   const cudaStream_t st = static_cast<cudaStream_t>(stream);
@@ -242,7 +227,7 @@ int dsv4_fp4_up(const void* x, const void* idx, const void* rw, const void* w1, 
 #define DSV4_UPS(S, R) \
   launch(fp4_up_stream_kernel<S, 0, R>, dim3(ctas < (I / 16) * k ? ctas : (I / 16) * k), block, \
          expert_smem_bytes<S * R>(warps, 4), st, pdl, xp, ip, rp, w1p, s1p, w3p, s3p, op, limit, I, \
-         D, k, kpr, l2pf)
+         D, k, kpr)
   if (ctas > 0) {
     const int rows = k / kpr;
     if (dec != 0 || k > UP_STREAM_MAX_K || k % kpr || rows > UP_STREAM_ROWS) return -1;

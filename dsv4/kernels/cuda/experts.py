@@ -19,15 +19,12 @@ class ExpertCudaConfig:
     depth of them in flight), summing in slot order without the workspace and semaphores; ctas
     (up only; 0: one CTA per expert and 16 rows): that many CTAs, each streaming tiles with the
     next tile's weights in flight (spw 1 or 2, decode 0, at most 64 pairs of at most 4 activation
-    rows); l2pf, a hint into L2 of weights the registers do not hold yet (csrc l2_hint): the
-    streaming up kernel's tiles that many beyond the next, the all-experts down's every expert's
-    rows at once (1); 0 none (the other kernels)."""
+    rows)."""
     spw: int
     dec: int = 0
     depth: int = 0
     all_experts: bool = False
     ctas: int = 0
-    l2pf: int = 0
 
 
 # measured best on an H200 (bench_kernels --sweep --backend cuda), keyed (k, I, D)
@@ -53,21 +50,17 @@ CUDA_DOWN_VARIANTS = ((1, 0, 1), (2, 0, 2), (2, 0, 1), (4, 0, 4), (4, 0, 2), (2,
 CUDA_DOWN_ALL_VARIANTS = ((6, 2, 2), (6, 2, 4), (6, 2, 6), (6, 4, 4))
 # the streaming up kernel's (spw, ctas) sweep (an H100 / H200 has 132 SMs: one CTA per SM fits)
 CUDA_UP_STREAM_VARIANTS = ((2, 132), (2, 120), (2, 100), (2, 66))
-# the L2 hints swept beside them (l2pf: up, tiles beyond the next; down, 1 = all at once)
-UP_L2PF, DOWN_L2PF = (1, 2, 4), (1,)
 
 
 def up_stream_variants(dim: int) -> list[ExpertCudaConfig]:
-    """The streaming up configs whose warps split K = dim, each without and with the L2 hints."""
-    return [ExpertCudaConfig(spw, ctas=c, l2pf=h) for spw, c in CUDA_UP_STREAM_VARIANTS
-            for h in (0, *UP_L2PF) if cuda_spw_fits(dim, spw)]
+    """The streaming up configs whose warps split K = dim."""
+    return [ExpertCudaConfig(spw, ctas=c) for spw, c in CUDA_UP_STREAM_VARIANTS
+            if cuda_spw_fits(dim, spw)]
 
 
 def down_all_variants(k: int, inter: int) -> list[ExpertCudaConfig]:
-    """The all-experts down configs instantiated for k experts of I = inter, each without and
-    with the L2 hint."""
-    return [ExpertCudaConfig(spw, 0, depth, True, l2pf=h)
-            for kk, spw, depth in CUDA_DOWN_ALL_VARIANTS for h in (0, *DOWN_L2PF)
+    """The all-experts down configs instantiated for k experts of I = inter."""
+    return [ExpertCudaConfig(spw, 0, depth, True) for kk, spw, depth in CUDA_DOWN_ALL_VARIANTS
             if kk == k and cuda_spw_fits(inter, spw)]
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-ABI = 12
+ABI = 13
 CSRC = Path(__file__).resolve().parents[3] / "csrc"
 # the kernel families and the C interface, compiled into one library (the headers are in the key)
 SOURCES = ("fp8_gemv.cu", "fp8_mma.cu", "route.cu", "fp4_up.cu", "fp4_down.cu", "topk.cu",
@@ -96,14 +96,14 @@ def _declare(lib) -> None:
     lib.dsv4_fp8_gemv_mma.argtypes = [p, p, p, p, p, p, p, i, i, i, f, i, i, i, i, i, i, i, i, i,
                                        i, p, i]
     lib.dsv4_fp4_up.restype = i
-    lib.dsv4_fp4_up.argtypes = [p, p, p, p, p, p, p, p, f, i, i, i, i, i, i, i, i, i, p, i]
+    lib.dsv4_fp4_up.argtypes = [p, p, p, p, p, p, p, p, f, i, i, i, i, i, i, i, i, p, i]
     lib.dsv4_route.restype = i
     lib.dsv4_route.argtypes = [p, p, p, p, i, i, i, f, p, p, i, p, i]
     lib.dsv4_topk_bf16.restype = i
     lib.dsv4_topk_bf16.argtypes = [p, i, i, p, i, p, i]
     lib.dsv4_fp4_down.restype = i
-    lib.dsv4_fp4_down.argtypes = [p, p, p, p, p, p, p, p, i, i, i, i, i, i, i, i, i, p, p, p, i,
-                                  p, i]
+    lib.dsv4_fp4_down.argtypes = [p, p, p, p, p, p, p, p, i, i, i, i, i, i, i, i, i, p, p, p, p,
+                                  i]
     # the all-reduces (allreduce.cu; their host side: dsv4/parallel/oneshot.py, twoshot.py)
     pp = ctypes.POINTER(p)
     lib.dsv4_ar_ipc_handle_bytes.restype = i
@@ -265,8 +265,8 @@ def fp4_up(lib, x, idx, rw, w1, s1, w3, s3, out, limit: float, I: int, D: int, k
     """dsv4_fp4_up: k pairs, kpr of them per activation row (default k: one row)."""
     err = lib.dsv4_fp4_up(x.data_ptr(), idx.data_ptr(), rw.data_ptr(), w1.data_ptr(),
                           s1.data_ptr(), w3.data_ptr(), s3.data_ptr(), out.data_ptr(), limit, I, D,
-                          k, cfg.spw, cfg.dec, cfg.depth, cfg.ctas, kpr or k, cfg.l2pf,
-                          _stream(out), int(pdl))
+                          k, cfg.spw, cfg.dec, cfg.depth, cfg.ctas, kpr or k, _stream(out),
+                          int(pdl))
     _check(err, "fp4 experts up (CUDA)", lib)
 
 
@@ -295,7 +295,7 @@ def fp4_down(lib, a, idx, w2, s2, add, y, ws, cnt, D: int, I: int, k: int, y_f32
     err = lib.dsv4_fp4_down(a.data_ptr(), idx.data_ptr(), w2.data_ptr(), s2.data_ptr(),
                             _ptr(add), y.data_ptr(), _ptr(ws), _ptr(cnt), D, I, k, int(y_f32),
                             cfg.spw, cfg.dec, cfg.depth, int(cfg.all_experts), rows, _ptr(res),
-                            _ptr(pw), _ptr(comb), cfg.l2pf, _stream(y), int(pdl))   # pdl 0-2
+                            _ptr(pw), _ptr(comb), _stream(y), int(pdl))   # pdl 0, 1 or 2
     _check(err, "fp4 experts down (CUDA)", lib)
 
 

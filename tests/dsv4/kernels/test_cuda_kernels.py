@@ -68,7 +68,6 @@ def test_every_measured_config_fits_its_shape():
     for (kk, inter, dim), c in ex.TUNED_CUDA_UP.items():
         assert ex.cuda_spw_fits(dim, c.spw) and kk <= ex.UP_STREAM_MAX_K, c
         assert c.ctas == 0 or (c.spw, c.ctas) in ex.CUDA_UP_STREAM_VARIANTS, c
-        assert c.l2pf in ((0, *ex.UP_L2PF) if c.ctas else (0,)), c
         assert ex.cuda_expert_config(dim, ex.TUNED_CUDA_UP, (kk, inter, dim)) == c
     for (kk, inter, dim), c in ex.TUNED_CUDA_DOWN.items():
         assert ex.cuda_spw_fits(inter, c.spw), c
@@ -76,13 +75,7 @@ def test_every_measured_config_fits_its_shape():
                     if c.all_experts else ex.CUDA_DOWN_VARIANTS)
         key = (kk, c.spw, c.depth) if c.all_experts else (c.spw, c.dec, c.depth or c.spw)
         assert key in variants, c
-        assert c.l2pf in ((0, *ex.DOWN_L2PF) if c.all_experts else (0,)), c
         assert ex.cuda_down_config(kk, inter, dim) == c
-    # the sweeps take each streaming config without and with its L2 hint
-    ups = ex.up_stream_variants(4096)
-    assert {c.l2pf for c in ups} == {0, *ex.UP_L2PF} and all(c.ctas for c in ups)
-    assert {c.l2pf for c in ex.down_all_variants(6, 2048)} == {0, *ex.DOWN_L2PF}
-    assert ex.cuda_down_config(6, 4096, 4096).l2pf == 0        # untuned: no hint by default
 
 
 def test_expert_config_and_cpu_fallback():
