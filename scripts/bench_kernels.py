@@ -37,8 +37,11 @@ def main() -> int:
         return 2
     import triton
 
+    from dsv4.backend.options import Options
     from dsv4.bench import kernels as bench
+    from dsv4.kernels.cuda import lib
     dev = torch.device(args.device)
+    lib.status(dev, Options.from_env().cuda_lib)   # a prebuilt library (DSV4_CUDA_LIB): no build
     bw = bench.copy_bandwidth(dev)
     name = torch.cuda.get_device_name(dev)
     print(f"{name}, torch {torch.__version__}, triton {triton.__version__}; preset {args.preset}; "
