@@ -37,11 +37,10 @@ def main() -> int:
         return 2
     import triton
 
-    from dsv4.backend.options import Options
+    from dsv4.backend.decision import cuda_status
     from dsv4.bench import kernels as bench
-    from dsv4.kernels.cuda import lib
     dev = torch.device(args.device)
-    lib.status(dev, Options.from_env().cuda_lib)   # a prebuilt library (DSV4_CUDA_LIB): no build
+    cuda_status(dev)   # the first load: a prebuilt library (DSV4_CUDA_LIB) where one is named
     bw = bench.copy_bandwidth(dev)
     name = torch.cuda.get_device_name(dev)
     print(f"{name}, torch {torch.__version__}, triton {triton.__version__}; preset {args.preset}; "

@@ -139,6 +139,15 @@ def _cuda_status(device: torch.device, path: str | None) -> str:
     return lib.status(device, path)
 
 
+def cuda_status(device, options: Options | None = None) -> str:
+    """'ok' when the CUDA C++ kernels serve `device`, else why not, as resolve() decides it: the
+    library's first load of the device's architecture takes the prebuilt one options.cuda_lib
+    names (DSV4_CUDA_LIB; None: the environment's), else builds it. For the entry points that
+    load the library before (or without) a backend: a load without the path built it again."""
+    opts = Options.from_env() if options is None else options
+    return _cuda_status(torch.device(device), opts.cuda_lib)
+
+
 def _model_decisions(be: Backend, cfg) -> Backend:
     """The sublayers' choices for this config: shapes the kernels need, weight formats."""
     bf16 = be.act == torch.bfloat16

@@ -23,6 +23,7 @@ import time
 
 import torch
 
+from ..backend.decision import cuda_status
 from ..errors import DeviceError
 from ..parallel import IMPLEMENTATIONS, launch, plan_allreduce
 from ..parallel.allreduce import LARGE, LARGE_BYTES_LIMIT, MAX_BYTES, MAX_BYTES_LIMIT
@@ -166,6 +167,7 @@ def _rank(group, impls: list[str], sizes_kb: list[int], replays: int) -> dict:
     """One rank's part: the default plan's choice, then per implementation and size, a check and
     the eager and graph latencies (or why the implementation is skipped)."""
     dev = group.device
+    cuda_status(dev)   # the first load: DSV4_CUDA_LIB's where named (the plan loads no path)
     top = max(sizes_kb) << 10
     default = plan_allreduce(group, max_bytes=min(top, MAX_BYTES_LIMIT))
     out = {"default": default.table(), "rows": []}
@@ -270,10 +272,10 @@ def main(argv=None) -> int:
     except DeviceError as e:
         print(f"bench_comm: {e}", file=sys.stderr)
         return 2
-    from ..kernels.cuda import lib as cuda_lib
     t0 = time.monotonic()
-    # build (or find) the CUDA library once here, before the ranks look for it
-    lib_status = cuda_lib.status(torch.device(devices[0]))
+    # build (or find, or load the DSV4_CUDA_LIB one) the CUDA library once here, before the
+    # ranks look for it
+    lib_status = cuda_status(devices[0])
     name = torch.cuda.get_device_name(torch.device(devices[0]))
     nccl = ".".join(map(str, torch.cuda.nccl.version()))
     print(f"{len(devices)} x {name}; torch {torch.__version__}, NCCL {nccl}; CUDA C++ library: "

@@ -15,6 +15,7 @@ from typing import Sequence
 
 import torch
 
+from ..backend.decision import cuda_status
 from ..backend.options import Options
 from ..errors import ParallelError
 from ..parallel import Communicator, launch
@@ -71,8 +72,7 @@ def rank_communicator(group: TPGroup, rt: RuntimeConfig, cfg, prefer: str | None
     it built the library again on every rank (a minute of a fresh machine)."""
     opts = rt.options if rt.options is not None else Options.from_env()
     if opts.cuda_lib and group.device.type == "cuda":
-        from ..kernels.cuda import lib as cuda_lib
-        cuda_lib.status(group.device, opts.cuda_lib)    # the first load of this architecture
+        cuda_status(group.device, opts)    # the first load of this architecture
     return Communicator.plan(group, prefer=prefer, pdl=opts.pdl,
                              large_bytes=two_shot_bytes(group, rt, cfg, opts))
 
