@@ -195,5 +195,4 @@ def launch_mma(x, w, s, w3, s3, out, limit, quant, ng, rows, K, cfg: MmaConfig, 
                                   out.view(-1)[t0 * ys0:], w1, s1, y1.view(-1)[t0 * ys1:], n0=n0,
                                   rows=rows, K=K, ng=ng, limit=float(limit), flags=flags,
                                   swiglu=w3 is not None, cfg=cfg, pdl=pdl(out, pdl_on), nx=nx,
-                                  xs=xs,
-                                  ys0=ys0, ys1=ys1)
+                                  xs=xs, ys0=ys0, ys1=ys1)
