@@ -1,0 +1,212 @@
+// Microbenchmark (not part of the library): the routed experts' FP4 (e2m1, per-32 e8m0 scales)
+// GEMV on Hopper's wgmma, A (the weights) from registers as e4m3 after the e2m1 decode (no cvt, one
+// wgmma per 64 rows x 32 K of a warpgroup), B (the act-quantized e4m3 activation) from shared
+// memory with the column trick of csrc/fp4_experts.cuh (column n carries scale group n). 24,576 x
+// 4,096 FP4 rows = 6 experts x (w1, w3) x 2,048: the bytes of Flash's routed up (53.5 MB with
+// scales). Compare with bench_kernels' experts.up (~20 us on 132 CTAs, ~25 on 100, one H200).
+// Build and run: profiles/ubench/run.sh wgmma_fp4 (the descriptor reading of wgmma_gemv's lbo_k 1)
+#include <cuda_runtime.h>
+#include "ubench.cuh"
+#include <cstdio>
+#include <cstdlib>
+#include <cstdint>
+#include <cmath>
+#include <vector>
+#include <algorithm>
+
+
+__device__ __forceinline__ void wgmma_ra(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint64_t db, int acc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %9, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3 {%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, p, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(db), "r"(acc));
+}
+__device__ __forceinline__ uint32_t ldg_u32(const void* p) {
+  uint32_t r;
+  asm volatile("ld.global.L1::no_allocate.u32 %0, [%1];\n" : "=r"(r) : "l"(p));
+  return r;
+}
+__device__ __forceinline__ void e2m1x8_to_e4m3(uint32_t w, uint32_t& lo, uint32_t& hi) {
+  lo = ((w << 2) & 0x1C1C1C1Cu) | ((w << 4) & 0x80808080u);
+  hi = ((w >> 2) & 0x1C1C1C1Cu) | (w & 0x80808080u);
+}
+__device__ __forceinline__ float e8m0(uint32_t b) { return __uint_as_float((b & 0xFFu) << 23); }
+
+// One CTA = one warpgroup; tile = 64 rows x all K; warp w rows 16w..16w+15; lane (g, q) loads
+// the 16 bytes of group q of each 128-block for rows g and g + 8 (4 words: word kk feeds wgmma kk).
+// DEPTH 128-blocks of weights in flight in registers. xs: B for every 128-block (1 KB each).
+template <int DEPTH>
+__global__ void __launch_bounds__(128) wg_fp4(const uint8_t* __restrict__ W, const uint8_t* __restrict__ S,
+                                              const uint8_t* __restrict__ xsg, const float* __restrict__ sx,
+                                              float* __restrict__ y, int N, int K, int lbo_k) {
+  extern __shared__ __align__(1024) uint8_t xs[];
+  const int KB = K / 128, tid = threadIdx.x;
+  for (int i = tid; i < KB * 64; i += 128) reinterpret_cast<uint4*>(xs)[i] = reinterpret_cast<const uint4*>(xsg)[i];
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+  __syncthreads();
+  const int warp = tid / 32, lane = tid % 32, g = lane / 4, q = lane % 4;
+  const int tiles = N / 64, G = gridDim.x;
+  const int mine = tiles > (int)blockIdx.x ? (tiles - 1 - blockIdx.x) / G + 1 : 0;
+  const int L = mine * KB;
+  const size_t wrow = size_t(K) / 2, srow = size_t(K) / 32;
+  uint4 wa[DEPTH], wb[DEPTH];
+  uint32_t ka[DEPTH], kb8[DEPTH];   // the scale words (groups 4kb .. 4kb + 3) of rows g, g + 8
+  auto rows = [&](int j) { return size_t(blockIdx.x + (j / KB) * G) * 64 + warp * 16 + g; };
+  auto load = [&](int j) {
+    if (j < L) {
+      const size_t r = rows(j);
+      const uint8_t* p = W + r * wrow + (j % KB) * 64 + q * 16;
+      wa[j % DEPTH] = ldg_na(p);
+      wb[j % DEPTH] = ldg_na(p + 8 * wrow);
+      const uint8_t* sp = S + r * srow + (j % KB) * 4;
+      ka[j % DEPTH] = q < 2 ? ldg_u32(sp) : 0u;
+      kb8[j % DEPTH] = q < 2 ? ldg_u32(sp + 8 * srow) : 0u;
+    }
+  };
+#pragma unroll
+  for (int j = 0; j < DEPTH; ++j) load(j);
+  const uint32_t lbo = lbo_k ? 128 : 256, sbo = lbo_k ? 256 : 128;
+  const uint32_t xb = smem_u32(xs);
+  float t0 = 0.f, t1 = 0.f;
+#pragma unroll 1
+  for (int j0 = 0; j0 < L; j0 += DEPTH) {
+#pragma unroll
+    for (int u = 0; u < DEPTH; ++u) {
+      const int j = j0 + u;
+      if (j >= L) break;
+      const int kb = j % KB;
+      const size_t r = rows(j);
+      const uint32_t sa = ka[u], sb = kb8[u];
+      const uint4 A = wa[u], B = wb[u];
+      uint32_t la[4], ha[4], lb[4], hb[4];
+      e2m1x8_to_e4m3(A.x, la[0], ha[0]); e2m1x8_to_e4m3(B.x, lb[0], hb[0]);
+      e2m1x8_to_e4m3(A.y, la[1], ha[1]); e2m1x8_to_e4m3(B.y, lb[1], hb[1]);
+      e2m1x8_to_e4m3(A.z, la[2], ha[2]); e2m1x8_to_e4m3(B.z, lb[2], hb[2]);
+      e2m1x8_to_e4m3(A.w, la[3], ha[3]); e2m1x8_to_e4m3(B.w, lb[3], hb[3]);
+      load(j + DEPTH);   // the registers of block u are decoded: refill them
+      float d[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk)   // the operands computed before the fence (CUTLASS's warpgroup_fence_operand)
+        asm volatile("" : "+r"(la[kk]), "+r"(lb[kk]), "+r"(ha[kk]), "+r"(hb[kk])::"memory");
+      asm volatile("" : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])::"memory");
+      wg_fence();
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk)
+        wgmma_ra(d, la[kk], lb[kk], ha[kk], hb[kk], desc(xb + kb * 1024 + kk * 256, lbo, sbo), kk > 0);
+      wg_commit();
+      wg_wait0();
+      asm volatile("" : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])::"memory");
+      const float f = sx[kb] * 64.0f;   // the e2m1 -> e4m3 decode leaves out 2^6
+      const int sh = 16 * (q & 1);     // lane q < 2: columns 2q, 2q + 1 = groups 4kb + 2q, + 1
+      t0 += (d[0] * e8m0(sa >> sh) + d[1] * e8m0(sa >> (sh + 8))) * f;
+      t1 += (d[2] * e8m0(sb >> sh) + d[3] * e8m0(sb >> (sh + 8))) * f;
+      if (kb == KB - 1) {
+        const float s0 = t0 + __shfl_xor_sync(0xffffffffu, t0, 1), s1 = t1 + __shfl_xor_sync(0xffffffffu, t1, 1);
+        if (q == 0) { y[r] = s0; y[r + 8] = s1; }
+        t0 = t1 = 0.f;
+      }
+    }
+  }
+}
+
+static double e4m3_val(uint8_t b) {
+  const int s = b >> 7, e = (b >> 3) & 15, m = b & 7;
+  const double v = e == 0 ? std::ldexp(m / 8.0, -6) : std::ldexp(1.0 + m / 8.0, e - 7);
+  return s ? -v : v;
+}
+static double e2m1_val(int c) {
+  static const double mag[8] = {0, 0.5, 1, 1.5, 2, 3, 4, 6};
+  return (c & 8) ? -mag[c & 7] : mag[c & 7];
+}
+
+template <int D>
+static void run(const char* tag, int grid, uint8_t* dw, uint8_t* ds, uint8_t* dxs, float* dsx, float* dy, int N, int K,
+                size_t wbytes, size_t sbytes, int copies, int lbo_k, const std::vector<double>& ref, float read_us) {
+  const size_t smem = size_t(K / 128) * 1024;
+  CK(cudaFuncSetAttribute(wg_fp4<D>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+  CK(cudaMemset(dy, 0, N * 4));
+  wg_fp4<D><<<grid, 128, smem>>>(dw, ds, dxs, dsx, dy, N, K, lbo_k);
+  CK(cudaGetLastError()); CK(cudaDeviceSynchronize());
+  std::vector<float> hy(N);
+  CK(cudaMemcpy(hy.data(), dy, N * 4, cudaMemcpyDeviceToHost));
+  double maxerr = 0, maxref = 0;
+  for (int r = 0; r < N; ++r) { maxerr = std::max(maxerr, std::fabs(hy[r] - ref[r])); maxref = std::max(maxref, std::fabs(ref[r])); }
+  cudaEvent_t e0, e1; CK(cudaEventCreate(&e0)); CK(cudaEventCreate(&e1));
+  const int REPS = 60;
+  CK(cudaEventRecord(e0));
+  for (int i = 0; i < REPS; ++i)
+    wg_fp4<D><<<grid, 128, smem>>>(dw + (i % copies) * wbytes, ds + (i % copies) * sbytes, dxs, dsx, dy, N, K, lbo_k);
+  CK(cudaEventRecord(e1)); CK(cudaEventSynchronize(e1));
+  float ms; CK(cudaEventElapsedTime(&ms, e0, e1));
+  const float us = ms * 1000 / REPS;
+  printf("  %s depth %d grid %4d: %6.1f us (%.2f TB/s, %.0f%% of the read)  max err / max |y| %.2e\n", tag, D, grid, us,
+         (wbytes + sbytes) / us / 1e6, 100 * read_us / us, maxerr / maxref);
+}
+
+int main(int argc, char** argv) {
+  setvbuf(stdout, nullptr, _IOLBF, 0);   // a line at a time, also through a pipe
+  const int lbo_k = argc > 1 ? atoi(argv[1]) : 1;
+  int dev = 0, sms = 0;
+  CK(cudaGetDevice(&dev));
+  CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  cudaDeviceProp prop; CK(cudaGetDeviceProperties(&prop, dev));
+  const int N = 24576, K = 4096, KB = K / 128, COPIES = 3;
+  const size_t wbytes = size_t(N) * K / 2, sbytes = size_t(N) * K / 32;
+  printf("%s, %d SMs; FP4 %d x %d (%.1f MB with scales); lbo_k %d\n", prop.name, sms, N, K, (wbytes + sbytes) / 1e6, lbo_k);
+  std::vector<uint8_t> hw(wbytes), hs(sbytes), hx(K);
+  uint32_t st = 777;
+  auto rnd = [&]() { st = st * 1664525u + 1013904223u; return st >> 24; };
+  for (auto& b : hw) b = uint8_t(rnd());
+  for (auto& b : hs) b = uint8_t(124 + rnd() % 7);
+  for (auto& b : hx) { uint8_t v; do v = uint8_t(rnd()); while ((v & 0x7F) == 0x7F); b = v; }
+  std::vector<float> hsx(KB);
+  for (int i = 0; i < KB; ++i) hsx[i] = std::ldexp(1.0f, (i % 5) - 2);
+  // B of every 128-block: [kb][kk][c][n][16]; column n < 4 carries group n's elements 8kk + 2i
+  // (c = 0, byte 4n + i) and 8kk + 2i + 1 (c = 1)
+  std::vector<uint8_t> hxs(size_t(KB) * 1024, 0);
+  for (int kb = 0; kb < KB; ++kb)
+    for (int kk = 0; kk < 4; ++kk)
+      for (int n = 0; n < 4; ++n)
+        for (int i = 0; i < 4; ++i)
+          for (int c = 0; c < 2; ++c)
+            hxs[size_t(kb) * 1024 + kk * 256 + c * 128 + n * 16 + 4 * n + i] = hx[kb * 128 + n * 32 + 8 * kk + 2 * i + c];
+  std::vector<double> ref(N), xv(K);
+  for (int k = 0; k < K; ++k) xv[k] = e4m3_val(hx[k]) * hsx[k / 128];
+  for (int r = 0; r < N; ++r) {
+    double s = 0;
+    for (int k = 0; k < K; ++k) {
+      const uint8_t b = hw[size_t(r) * K / 2 + k / 2];
+      const int c = (k & 1) ? b >> 4 : b & 15;
+      s += e2m1_val(c) * std::ldexp(1.0, int(hs[size_t(r) * K / 32 + k / 32]) - 127) * xv[k];
+    }
+    ref[r] = s;
+  }
+  uint8_t *dw, *ds, *dxs; float *dsx, *dy; uint32_t* dummy;
+  CK(cudaMalloc(&dw, wbytes * COPIES)); CK(cudaMalloc(&ds, sbytes * COPIES)); CK(cudaMalloc(&dxs, hxs.size()));
+  CK(cudaMalloc(&dsx, KB * 4)); CK(cudaMalloc(&dy, N * 4)); CK(cudaMalloc(&dummy, 4));
+  for (int c = 0; c < COPIES; ++c) {
+    CK(cudaMemcpy(dw + c * wbytes, hw.data(), wbytes, cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(ds + c * sbytes, hs.data(), sbytes, cudaMemcpyHostToDevice));
+  }
+  CK(cudaMemcpy(dxs, hxs.data(), hxs.size(), cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(dsx, hsx.data(), KB * 4, cudaMemcpyHostToDevice));
+  cudaEvent_t e0, e1; CK(cudaEventCreate(&e0)); CK(cudaEventCreate(&e1));
+  float read_us = 1e9;
+  for (int blocks : {sms * 2, sms * 4, sms * 8}) {
+    CK(cudaEventRecord(e0));
+    for (int i = 0; i < 60; ++i) read_all<<<blocks, 512>>>(reinterpret_cast<const uint4*>(dw + (i % COPIES) * wbytes), wbytes / 16, dummy);
+    CK(cudaEventRecord(e1)); CK(cudaEventSynchronize(e1));
+    float ms; CK(cudaEventElapsedTime(&ms, e0, e1)); read_us = std::min(read_us, ms * 1000 / 60);
+  }
+  printf("read alone (weights only, %.1f MB): %.1f us (%.2f TB/s)\n", wbytes / 1e6, read_us, wbytes / read_us / 1e6);
+  int last = 0;
+  for (int cps : {1, 2, 3, 4, 6, 8}) {   // a CTA a 64-row tile (no split K): at most N / 64 CTAs
+    const int grid = std::min(N / 64, sms * cps);
+    if (grid == last) break;
+    last = grid;
+    run<2>("wgmma", grid, dw, ds, dxs, dsx, dy, N, K, wbytes, sbytes, COPIES, lbo_k, ref, read_us);
+    run<4>("wgmma", grid, dw, ds, dxs, dsx, dy, N, K, wbytes, sbytes, COPIES, lbo_k, ref, read_us);
+  }
+  return 0;
+}
