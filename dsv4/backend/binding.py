@@ -53,6 +53,7 @@ def bind(model, options: Options | None = None) -> Binding:
     ops_on = {dev: Ops(resolve(dev, model.act, cfg, options)) for dev in model.devices}
     head = ops_on[model.head_device]
     fused_head.bind(model, head)
+    model.seq_parallel = options.seq_parallel       # a TP prefill chunk's mHC split by rows
     for blk in model.layers:
         bind_block(blk, ops_on[blk.device])
     if model.mtp is not None:

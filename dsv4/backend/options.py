@@ -32,6 +32,8 @@ ENV = {
     "DSV4_FUSE_POST": "0: the block's mHC post as a launch of its own, not in the launch before "
                       "it (the routed experts' down on one GPU, each sublayer's all-reduce in "
                       "tensor parallel)",
+    "DSV4_SEQ_PARALLEL": "0: a tensor-parallel prefill chunk's mHC on every rank for all rows, "
+                         "not split by rows over the ranks (sequence parallel)",
     "DSV4_PREFETCH_CFG": "mode,ctas,threads,piece: the L2 prefetch launch (mode 0 bulk, 1 per "
                          "line; default " + ",".join(map(str, PREFETCH_CFG)) + ")",
     "DSV4_PREFILL_MMA": "fp8=bf16,fp4=fp8: the prefill GEMMs' tensor-core path per weight format",
@@ -56,6 +58,7 @@ class Options:
     prefetch_cfg: tuple = PREFETCH_CFG   # DSV4_PREFETCH_CFG
     two_shot: bool = False               # DSV4_TWO_SHOT (off unless "1")
     fuse_post: bool = True               # DSV4_FUSE_POST
+    seq_parallel: bool = True            # DSV4_SEQ_PARALLEL
     prefill_mma: tuple = ()              # DSV4_PREFILL_MMA: ((format, "fp8" | "bf16"), ...)
     prefill_cublas: bool = True          # DSV4_PREFILL_CUBLAS
     split_programs: int = SPLIT_PROGRAMS  # DSV4_SPLIT_PROGRAMS
@@ -86,6 +89,7 @@ class Options:
                    prefetch=names("DSV4_PREFETCH", PREFETCH, "0"), prefetch_cfg=pcfg,
                    two_shot=env.get("DSV4_TWO_SHOT", "0") == "1",
                    fuse_post=not off("DSV4_FUSE_POST"),
+                   seq_parallel=not off("DSV4_SEQ_PARALLEL"),
                    prefill_mma=tuple(mma),
                    prefill_cublas=not off("DSV4_PREFILL_CUBLAS"),
                    split_programs=int(env.get("DSV4_SPLIT_PROGRAMS", SPLIT_PROGRAMS)),

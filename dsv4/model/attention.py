@@ -30,7 +30,8 @@ class Attention:
 
     Bound ops (the torch reference below until the backend binds kernels): `decode_rows`
     (decode_rows_reference) and `prefill` (prefill_reference); `reduce`, the sum of wo_b's
-    output over the tensor-parallel ranks (none in one process).
+    output over the tensor-parallel ranks (none in one process). Decode sums over the ranks
+    itself; prefill returns this rank's partial, which the block sums (Block.prefill).
     tp: this rank's place (dsv4.model.sharding): it holds n_heads / world heads (wq_b rows,
     attn_sink) and o_groups / world output groups (wo_a rows, wo_b columns); None: all."""
 
@@ -106,25 +107,27 @@ class Attention:
         kv = torch.cat((fp8_quant_dequant(kv[:, :nope], 64), kv[:, nope:]), dim=-1)
         return qr, q, kv
 
-    def _out(self, o: torch.Tensor, cs) -> torch.Tensor:
+    def _out(self, o: torch.Tensor, cs, reduce: bool = True) -> torch.Tensor:
         """o [s, h, d] -> inverse RoPE -> grouped wo_a (no act quant) -> wo_b -> [s, D]."""
-        return self.project_out(apply_rope(o, cs, inverse=True))
+        return self.project_out(apply_rope(o, cs, inverse=True), reduce)
 
-    def project_out(self, o: torch.Tensor) -> torch.Tensor:
+    def project_out(self, o: torch.Tensor, reduce: bool = True) -> torch.Tensor:
         """Grouped low-rank output projection of the de-rotated o ([s, h, d] or [s, h*d]): wo_a
-        per group on the unquantized activation, then wo_b -> [s, D] (summed over the ranks:
-        each holds its heads' groups)."""
+        per group on the unquantized activation, then wo_b -> [s, D], summed over the ranks
+        (each holds its heads' groups; reduce=False: this rank's partial)."""
         cfg, act, G = self.cfg, o.dtype, self.n_groups
         o = o.reshape(o.shape[0], -1)                                           # [s, h*d]
         wo_a = self.wo_a.dense(act).view(G, cfg.o_lora_rank, -1)               # [g, R, h/g*d]
         z = torch.einsum("sgd,grd->sgr", o.view(o.shape[0], G, -1), wo_a).flatten(1)
-        return self.reduce(self.wo_b(z, act))
+        y = self.wo_b(z, act)
+        return self.reduce(y) if reduce else y
 
     # ---- prefill -----------------------------------------------------------------------------
     def prefill_reference(self, x: torch.Tensor, st: LayerState, start=0,
                           shared: dict | None = None) -> torch.Tensor:
-        """Positions start..start+s-1 after positions < start: x [s, D] -> [s, D]; updates the
-        layer state as s decode steps would (ring, compressor and indexer state, caches).
+        """Positions start..start+s-1 after positions < start: x [s, D] -> [s, D] (in tensor
+        parallel this rank's partial sum: Block.prefill sums it); updates the layer state as s
+        decode steps would (ring, compressor and indexer state, caches).
         start: an int, or a [1] int64 device tensor (read on the host here: the chunk kernels
         keep it on the device, so that a chunk can be captured). shared: a dict the layers of one
         chunk share (its positions and window rows)."""
@@ -136,7 +139,7 @@ class Attention:
         o = torch.cat([sparse_attention(q[i:i + QUERY_BLOCK], kv_all, idx[i:i + QUERY_BLOCK],
                                         self.attn_sink, self.cfg.head_dim ** -0.5)
                        for i in range(0, x.shape[0], QUERY_BLOCK)], dim=0)
-        return self._out(o, cs)
+        return self._out(o, cs, reduce=False)
 
     def chunk_positions(self, x: torch.Tensor, start, shared: dict) -> torch.Tensor:
         """The chunk's positions [s] (start an int or a [1] device tensor), and its window rows

@@ -77,15 +77,24 @@ class Block:
         return rms_norm(x, norm, cfg.norm_eps), post, comb
 
     def prefill(self, h: torch.Tensor, ids: torch.Tensor, st: LayerState, start=0,
-                shared: dict | None = None) -> torch.Tensor:
+                shared: dict | None = None, seq: bool = False) -> torch.Tensor:
         """Positions start..start+s-1: h [s, c, D], ids [s] -> [s, c, D]; updates `st` (which
         holds positions < start) as s decode steps would. start: an int, or a [1] int64 device
         tensor (with the chunk kernels: capture-safe, see Attention.prefill). shared: values the
-        layers of one chunk compute once (Attention.prefill)."""
+        layers of one chunk compute once (Attention.prefill). The sublayers' outputs are summed
+        over the tensor-parallel ranks here. seq (tensor parallel, s a multiple of the ranks):
+        h and the result are this rank's rows split(s) only (sequence parallel: the mHC of a
+        rank's rows; the sublayers get every row by an all-gather and sum by a reduce-scatter)."""
+        tp = self.tp
+        if seq:
+            rows, sums = tp.gather_rows, tp.reduce_scatter
+        else:
+            rows, sums = (lambda x: x), (tp.reduce if tp is not None else (lambda y: y))
         x, post, comb = self.mix_rows(h, "attn", self.attn_norm)
-        h = self.post_rows(self.attn.prefill(x, st, start, shared), h, post, comb)
+        y = sums(self.attn.prefill(rows(x), st, start, shared)).to(x.dtype)
+        h = self.post_rows(y, h, post, comb)
         x, post, comb = self.mix_rows(h, "ffn", self.ffn_norm)
-        return self.post_rows(self.ffn.prefill(x, ids), h, post, comb)
+        return self.post_rows(sums(self.ffn.prefill(rows(x), ids)).to(x.dtype), h, post, comb)
 
     def decode(self, h: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor, st: LayerState,
                out: torch.Tensor | None = None) -> torch.Tensor:

@@ -20,8 +20,9 @@ class MoE:
     """Weights of one layer's MoE.
 
     Bound ops (the torch reference below until the backend binds kernels): `decode_rows`
-    (decode_rows_reference) and `prefill_experts` (prefill_experts_reference), each ending with
-    `reduce`: the sum of the output over the tensor-parallel ranks (none in one process).
+    (decode_rows_reference), ending with `reduce`: the sum of the output over the
+    tensor-parallel ranks (none in one process); and `prefill_experts`
+    (prefill_experts_reference), whose output is this rank's partial (the block sums it).
     tp: this rank's place (dsv4.model.sharding): every routed expert and the shared one hold
     inter rows [start, stop) of moe_inter_dim (w1 / w3 rows, w2 columns); the gate is whole, so
     every rank routes a token to the same experts. None: all of them."""
@@ -137,7 +138,8 @@ class MoE:
         return self.reduce(y + self.shared_expert(x)).to(x.dtype)
 
     def prefill(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """x [t, D], ids [t] -> [t, D]: the routing, then prefill_experts."""
+        """x [t, D], ids [t] -> [t, D]: the routing, then prefill_experts (in tensor parallel
+        this rank's partial sum, float32 or x's dtype: Block.prefill sums it)."""
         w, idx = self.route(x, ids)
         if self.hits is not None:                    # the prefill benchmark's byte count
             self.hits.index_fill_(0, idx.reshape(-1), True)
@@ -145,12 +147,12 @@ class MoE:
 
     def prefill_experts_reference(self, x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor
                                   ) -> torch.Tensor:
-        """Rows x [t, D] routed to idx [t, k] with weights w -> [t, D]: a loop over the experts
-        that got rows (a host sync: prefill only), then the shared expert, summed in float32
-        (over the ranks too)."""
+        """Rows x [t, D] routed to idx [t, k] with weights w -> [t, D] float32: a loop over the
+        experts that got rows (a host sync: prefill only), then the shared expert, summed in
+        float32 (in tensor parallel this rank's partial; the block sums over the ranks)."""
         y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         for e in torch.unique(idx).tolist():
             rows, slot = torch.where(idx == e)
             e_t = torch.tensor([e], device=x.device)
             y[rows] += self._routed(x[rows], e_t, w[rows, slot]).float()
-        return self.reduce(y + self.shared_expert(x)).to(x.dtype)
+        return y + self.shared_expert(x)

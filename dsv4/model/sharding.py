@@ -9,9 +9,15 @@ What is split (world = the tensor-parallel degree, each rank one slice, in rank 
              slice) -> one float32 all-reduce of the layer's output
   head       vocabulary rows (padded to world x ceil(V / world); the pad rows are zeros and are
              cut off) -> an all-gather of the logits, so every rank holds all of them
+  prefill    a chunk's rows for the blocks' mHC (sequence parallel, where the rows split evenly
+             and the backend's switch is on: Transformer.prefill_chunk): each rank mixes and
+             posts its rows only, an all-gather gives every rank the sublayer's input rows, a
+             reduce-scatter each rank its rows of the sublayer's sum (the bytes of the all-reduce
+             it replaces)
 Replicated: the embedding, wq_a / wkv / norms, the compressors, the indexer (its scores are
-computed whole on every rank: no all-reduce of them, unlike the reference), the gate, mHC and the
-decode state (MQA shares one KV). Legend: T = rows, V = vocabulary, Vs = a rank's vocab rows.
+computed whole on every rank: no all-reduce of them, unlike the reference), the gate, mHC (in
+decode) and the decode state (MQA shares one KV). Legend: T = rows, V = vocabulary, Vs = a rank's
+vocab rows.
 """
 from __future__ import annotations
 
@@ -112,6 +118,20 @@ class TensorParallel:
         y32 = y.float()
         self.comm.all_reduce(y32)
         return y32.to(y.dtype)
+
+    def reduce_scatter(self, y: torch.Tensor) -> torch.Tensor:
+        """y [T, D], this rank's partial sum (T a multiple of world) -> rows split(T) of the sum
+        over the ranks, in float32 cast back to y's dtype (as reduce; where the reduce-scatter
+        itself sums in float32 and rounds once, in y's own dtype: the same bits)."""
+        y = y.contiguous()
+        if y.dtype == torch.float32 or self.comm.scatter_sums_in_float32(y.dtype):
+            return self.comm.reduce_scatter(y)
+        return self.comm.reduce_scatter(y.float()).to(y.dtype)
+
+    def gather_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """x [n, ...], this rank's rows split(world * n) -> [world * n, ...]: every rank's rows
+        in rank order (the same bits on every rank)."""
+        return self.comm.all_gather(x.contiguous())
 
     def reduce_post(self, y: torch.Tensor, res: torch.Tensor, post: torch.Tensor,
                     comb: torch.Tensor, post_fn, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -49,6 +49,9 @@ class Transformer:
             raise ConfigError(f"placement has {len(self.placement)} entries; expected n_layers = "
                               f"{cfg.n_layers}")
         self.tp = rank_place(cfg, rt.tp, comm, self.devices)
+        # tensor parallel: a prefill chunk's mHC split by rows over the ranks where they split
+        # evenly (seq_rows; the backend's switch, DSV4_SEQ_PARALLEL, may turn it off at binding)
+        self.seq_parallel = True
         self.binding = None
         self.head_in_rows = self.head_in_rows_reference
         self.head_matmul = self.head_matmul_reference
@@ -263,10 +266,21 @@ class Transformer:
         return h
 
     def prefill_chunk(self, ids: torch.Tensor, start: int) -> torch.Tensor:
-        """One chunk through every layer -> the last layer's h [s, c, D] (on its device)."""
+        """One chunk through every layer -> the last layer's h [s, c, D] (on its device). In
+        tensor parallel with seq_rows(s) each rank runs its rows' mHC (Block.prefill's seq) and
+        an all-gather gives every rank every row at the end."""
         shared: dict = {}                  # positions, window rows: computed once per chunk
-        return self.run_layers(self.embed_tokens(ids), (ids,),
-                               lambda blk, st, h, ids: blk.prefill(h, ids, st, start, shared))
+        seq = self.seq_rows(ids.shape[0])
+        r0, r1 = self.tp.split(ids.shape[0]) if seq else (0, ids.shape[0])
+        h = self.run_layers(self.embed_tokens(ids[r0:r1]), (ids,),
+                            lambda blk, st, h, ids: blk.prefill(h, ids, st, start, shared, seq))
+        return self.tp.gather_rows(h) if seq else h
+
+    def seq_rows(self, s: int) -> bool:
+        """Whether a prefill chunk of s rows splits its mHC by rows over the tensor-parallel
+        ranks (sequence parallel, Block.prefill's seq): tensor parallel, seq_parallel on, s a
+        multiple of the ranks."""
+        return self.tp is not None and self.seq_parallel and s % self.tp.world == 0
 
     def run_layers(self, h: torch.Tensor, inputs: tuple, layer) -> torch.Tensor:
         """The eager pass: h [rows, c, D] through every layer on its device, h and the `inputs`

@@ -124,7 +124,9 @@ def _timed(fn, devices) -> float:
 
 class _ChunkGraphs:
     """The captured prefill of one chunk size S: static ids [S] and start [1] on the head device,
-    hidden rows [S, c, D] per layer device, logits [V] of the last row."""
+    hidden rows [S, c, D] per layer device, logits [V] of the last row. A tensor-parallel rank
+    with model.seq_rows(S) keeps only its rows split(S) of the hidden rows up to date (the
+    blocks' sequence-parallel prefill) and gathers the last row for the head."""
 
     def __init__(self, model, S: int, nvtx_domain: str):
         cfg, hd = model.cfg, model.head_device
@@ -134,17 +136,22 @@ class _ChunkGraphs:
         self.ids, self.start = bufs.head("ids"), bufs.head("start")
         self.logits = BufferSpec("logits", (cfg.vocab_size,), torch.float32, hd).allocate()
         h = bufs.h[hd]
+        seq = model.seq_rows(S)
+        r0, r1 = model.tp.split(S) if seq else (0, S)
 
         def embed():
-            h.copy_(model.embed_tokens(self.ids))
+            h[r0:r1].copy_(model.embed_tokens(self.ids[r0:r1]))
 
         def layer(l, blk, st, h, ids, start):
+            mine = h[r0:r1]
+
             def fn():
-                h.copy_(blk.prefill(h, ids, st, start))
+                mine.copy_(blk.prefill(mine, ids, st, start, seq=seq))
             return fn
 
-        def lm_head():
-            self.logits.copy_(model.logits(h[-1:]))
+        def lm_head():      # the last row (the last rank's, gathered where the rows are split)
+            last = model.tp.gather_rows(h[r1 - 1:r1])[-1:] if seq else h[-1:]
+            self.logits.copy_(model.logits(last))
 
         segs = pass_segments(model, bufs, embed, ({"ids": self.ids}, {}), layer, ("ids", "start"),
                              lm_head, {"logits": self.logits})

@@ -120,14 +120,11 @@ def project_out(attn, ops: Ops, o: torch.Tensor, rows: bool = False, reduce: boo
     """Attention.project_out on the kernels where the backend has them: the grouped wo_a of
     decode rows (rows: each row with the bits of a one-row call) in one FP8 GEMV launch, of a
     chunk's rows on the prefill GEMM; then wo_b, summed over the tensor-parallel ranks
-    (reduce=False: not summed, where wo_a runs on the GEMV: decode_rows)."""
+    (reduce=False: this rank's partial, left for the block to sum)."""
     be, act, G = ops.backend, o.dtype, attn.n_groups
     o = o.reshape(o.shape[0], -1)                                           # [s, h*d]
-    if not reduce and not be.wo_a_gemv:
-        raise ValueError("project_out(reduce=False) needs wo_a on the FP8 GEMV (the other paths "
-                         "sum over the ranks themselves)")
     if rows and not be.wo_a_gemv:   # each row as decode's one-row path (not the prefill GEMM)
-        return torch.cat([attn.project_out(o[t:t + 1]) for t in range(o.shape[0])])
+        return torch.cat([attn.project_out(o[t:t + 1], reduce) for t in range(o.shape[0])])
     if be.wo_a_gemv and (o.shape[0] == 1 or rows):
         z = ops.fp8_linear(o, attn.wo_a.weight, attn.wo_a.scale, quant_act=False,
                            group_k=o.shape[-1] // G)
@@ -135,16 +132,16 @@ def project_out(attn, ops: Ops, o: torch.Tensor, rows: bool = False, reduce: boo
         z = ops.prefill_linear(o, attn.wo_a.weight, attn.wo_a.scale, attn.wo_a.fmt,
                                out_dtype=act, quant_act=False, group_k=o.shape[-1] // G)
     else:
-        return attn.project_out(o)
+        return attn.project_out(o, reduce)
     y = attn.wo_b.rows(z, act) if rows else attn.wo_b(z, act)
     return attn.reduce(y) if reduce else y
 
 
 def prefill(attn, ops: Ops, x: torch.Tensor, st, start=0, shared: dict | None = None
             ) -> torch.Tensor:
-    """Attention.prefill_reference on the chunk kernels: with a device start ([1] int64) the
-    chunk has fixed shapes (every compressed entry of the cache is a candidate, masked by
-    position) and no host sync, so it can be captured."""
+    """Attention.prefill_reference on the chunk kernels (in tensor parallel: this rank's partial
+    sum): with a device start ([1] int64) the chunk has fixed shapes (every compressed entry of
+    the cache is a candidate, masked by position) and no host sync, so it can be captured."""
     cfg, shared = attn.cfg, {} if shared is None else shared
     pos = attn.chunk_positions(x, start, shared)
     pos0 = pos[:1]
@@ -154,7 +151,7 @@ def prefill(attn, ops: Ops, x: torch.Tensor, st, start=0, shared: dict | None = 
     idx, kv_all = attn.attended(x, qr, None, kv, st, start, pos, shared, pos0)
     o = ops.sparse_attention_rows(q, kv_all, idx, attn.attn_sink, cfg.head_dim ** -0.5,
                                   attn.freqs, pos0)                    # inverse RoPE done
-    return project_out(attn, ops, o)
+    return project_out(attn, ops, o, reduce=False)
 
 
 def bind(attn, ops: Ops) -> None:

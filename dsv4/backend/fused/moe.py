@@ -71,13 +71,14 @@ class DecodeKernels:
 def prefill_experts(moe, ops: Ops, x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor
                     ) -> torch.Tensor:
     """MoE.prefill_experts_reference on the grouped GEMMs: the (token, expert) pairs grouped by
-    expert through the stored formats (no host sync, no dense weight copy)."""
+    expert through the stored formats (no host sync, no dense weight copy); in tensor parallel
+    this rank's partial sum."""
     bank, sh = moe.experts, moe.shared
-    return moe.reduce(ops.prefill_moe(x, w, idx, (bank.w1, bank.w1_scale, bank.w3, bank.w3_scale,
-                                                  bank.w2, bank.w2_scale), bank.fmt,
-                                      (sh["w1"].weight, sh["w1"].scale, sh["w3"].weight,
-                                       sh["w3"].scale, sh["w2"].weight, sh["w2"].scale),
-                                      sh["w1"].fmt, moe.cfg.swiglu_limit))
+    return ops.prefill_moe(x, w, idx, (bank.w1, bank.w1_scale, bank.w3, bank.w3_scale,
+                                       bank.w2, bank.w2_scale), bank.fmt,
+                           (sh["w1"].weight, sh["w1"].scale, sh["w3"].weight,
+                            sh["w3"].scale, sh["w2"].weight, sh["w2"].scale),
+                           sh["w1"].fmt, moe.cfg.swiglu_limit)
 
 
 def bind(moe, ops: Ops) -> None:

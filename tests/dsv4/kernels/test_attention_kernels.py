@@ -336,8 +336,8 @@ def check_attention_decode(dev, g, capacity=64, steps=36, layers=(0, 1, 2), seed
             attn.wo_b = lambda z, act: (seen.append(z), wo_b(z, act))[1]
             # the attention output (wo_a's input) of each path: torch (project_out, while in the
             # torch path) and fused (the fused project_out)
-            attn.project_out = lambda o: ((outs.append(o.reshape(1, -1)) if ref else None),
-                                          project(o))[1]
+            attn.project_out = lambda o, *a: ((outs.append(o.reshape(1, -1)) if ref else None),
+                                              project(o, *a))[1]
             FA.project_out = lambda a, ops_, o, rows=False, **kw: (
                 outs.append(o.reshape(1, -1)), ref.clear(), fused_out(a, ops_, o, rows, **kw))[2]
             G = cfg.o_groups

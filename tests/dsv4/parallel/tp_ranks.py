@@ -129,6 +129,34 @@ def shard_checks(model, ckpt_dir) -> dict:
                                "layers.1.ffn.experts.3.w2.scale")}}
 
 
+def counted_prefill(model, ids: torch.Tensor) -> tuple:
+    """model.prefill(ids) -> (its logits, {collective: calls}) over the rank's communicator."""
+    comm, n = model.tp.comm, {"all_reduce": 0, "reduce_scatter": 0, "all_gather": 0}
+    for name in n:
+        f = getattr(comm, name)
+        setattr(comm, name, lambda *a, f=f, name=name, **k: (n.__setitem__(name, n[name] + 1),
+                                                              f(*a, **k))[1])
+    try:
+        logits = model.prefill(ids)
+    finally:
+        for name in n:
+            delattr(comm, name)
+    return logits, n
+
+
+def seq_checks(model, ids: torch.Tensor) -> dict:
+    """A prompt of one chunk of CHUNK rows (even: its mHC split by rows over the ranks), the same
+    with the split off (model.seq_parallel), and one of CHUNK - 1 rows (odd: not split) -> the
+    collectives each called and the logits."""
+    out = {"layers": model.cfg.n_layers}
+    out["on"], out["on_n"] = counted_prefill(model, ids[:CHUNK])
+    model.seq_parallel = False
+    out["off"], out["off_n"] = counted_prefill(model, ids[:CHUNK])
+    model.seq_parallel = True
+    out["odd"], out["odd_n"] = counted_prefill(model, ids[:CHUNK - 1])
+    return out
+
+
 def tp_rank(group, bf16_dir: str, fp8_dir: str, prompt: list) -> dict:
     """Everything the TP tests ask of one rank, in one start-up: the bf16 model's logits and
     tokens (fake-quant off, float32: comparable to one process to float32 noise), a Session's
@@ -154,6 +182,7 @@ def tp_rank(group, bf16_dir: str, fp8_dir: str, prompt: list) -> dict:
     model.decode_step(torch.tensor([prompt[-1]]), torch.tensor([len(prompt)]))
     del comm.all_reduce
     res["step_allreduces"] = (len(calls), model.cfg.n_layers)
+    res["seq"] = seq_checks(model, ids)
     for m, n, f in saved:                            # fake-quant back on for the FP8 model
         setattr(m, n, f)
     fp8, ck = load_rank(group, fp8_dir, runtime())
@@ -254,14 +283,16 @@ def two_shot_rank(group, ckpt_dir: str, prompt: list) -> dict:
     """On a GPU rank (memory poisoned first): the rank's shard prefilling a prompt in float32
     chunks of 256 rows ([256, dim] partials of 128 KB: the two-shot's, above the one-shot's
     64 KB) and decoding greedily, planned as the runtime plans it with the two-shot asked for
-    (Options.two_shot) and with NCCL forced -> {rank, planned / nccl: {logits, tokens, table}}."""
+    (Options.two_shot; the chunks' sums through the all-reduce: sequence parallel off) and with
+    NCCL forced -> {rank, planned / nccl: {logits, tokens, table}}."""
     from parallel_ranks import _poison
     if group.device.type == "cuda":
         _poison(group.device)
     out = {"rank": group.rank}
     for name, prefer in (("planned", None), ("nccl", "nccl")):
         rt = RuntimeConfig(max_seq_len=512, dtype=torch.float32, prefill_chunk=256,
-                           options=Options.from_env().replace(two_shot=True))
+                           options=Options.from_env().replace(two_shot=True,
+                                                              seq_parallel=False))
         model, ck = load_rank(group, ckpt_dir, rt, prefer=prefer)
         ck.close()
         with Session(model, SamplingParams(), mode="eager") as s:
