@@ -1,0 +1,283 @@
+// Microbenchmark (not part of the library): chain3's persistent chain (a producer warp streaming
+// rows through a shared-memory ring, consumers waiting at a grid barrier) on FP8 rows, the
+// library's weight format: e4m3 W [N, K] with a float scale per 128 x 128 block, x float. The
+// consumers turn e4m3 pairs into f16x2 (cvt.rn.f16x2.e4m3x2) and accumulate in float. chain3
+// found a dependency costs ~2.7 us with consumers that only keep up with the memory and ~1.5 us
+// with consumers that outrun it; the question here: does an FP8 consumer reading shared memory
+// outrun the memory (one stage of all rows at the read's speed), and what does a dependency cost
+// then? Against a graph of PDL launches of the same GEMV reading global memory (the library's
+// way), y checked bit for bit against it, and stage 0 against a float64 host reference (the
+// e4m3 decode). Build and run: profiles/ubench/run.sh chain4
+#include <cuda_runtime.h>
+#include <cuda_fp16.h>
+#include <cstdio>
+#include <cstdlib>
+#include <cstdint>
+#include <cmath>
+#include <vector>
+#include <algorithm>
+
+#include "ring.cuh"
+
+constexpr int STHREADS = 256;   // the PDL stage kernel's block (2 an SM)
+constexpr int CONS = 8;         // the persistent kernel's consumer warps (+ one producer warp)
+constexpr int KD = 4096;        // every matrix's K (a constant: a lane's pieces stay in registers)
+
+// 16 e4m3 weights (one 16-byte piece) against x[0..15]; the same sums in the same order in both
+// kernels
+__device__ __forceinline__ float dot16(uint4 w, const float* x) {
+  const uint32_t v[4] = {w.x, w.y, w.z, w.w};
+  float s = 0.f;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    uint32_t lo, hi;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(lo) : "h"(static_cast<unsigned short>(v[i] & 0xFFFFu)));
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(hi) : "h"(static_cast<unsigned short>(v[i] >> 16)));
+    const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&lo));
+    const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&hi));
+    s = fmaf(a.x, x[4 * i], s);
+    s = fmaf(a.y, x[4 * i + 1], s);
+    s = fmaf(b.x, x[4 * i + 2], s);
+    s = fmaf(b.y, x[4 * i + 3], s);
+  }
+  return s;
+}
+
+// one row: a warp, lane l takes pieces l, l + 32, ... (piece c: elements 16c..16c+15, scale
+// block c / 8); `piece(i, c)` gives the 16 bytes of the lane's i-th piece, c
+template <typename Piece>
+__device__ __forceinline__ float row_dot(Piece piece, const float* xs, const float* srow) {
+  const int lane = threadIdx.x & 31;
+  float acc = 0.f;
+#pragma unroll
+  for (int i = 0; i < KD / 16 / 32; ++i) {
+    const int c = i * 32 + lane;
+    acc = fmaf(dot16(piece(i, c), xs + 16 * c), __ldg(srow + c / 8), acc);
+  }
+#pragma unroll
+  for (int o = 16; o; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+  return acc;
+}
+
+__device__ void load_xs(const float* x, float* xs, int K, int nthreads) {
+  for (int i = threadIdx.x; i < K; i += nthreads) xs[i] = __ldcg(x + i);
+}
+
+// one stage as its own launch (PDL): a warp a row, rows strided over the grid's warps, each
+// lane's pieces of its first row requested before griddepcontrol.wait
+__global__ void __launch_bounds__(STHREADS, 2) stage_fp8(const uint8_t* W, const float* S, const float* x, float* y,
+                                                      int N, int K) {
+  extern __shared__ float xs[];
+  const int gw = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, nw = (gridDim.x * blockDim.x) >> 5;
+  const int lane = threadIdx.x & 31;
+  uint4 first[KD / 16 / 32];               // a lane's pieces of its first row
+  if (gw < N)
+#pragma unroll
+    for (int i = 0; i < KD / 16 / 32; ++i) first[i] = ldg_na(W + size_t(gw) * K + (i * 32 + lane) * 16);
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+  load_xs(x, xs, K, blockDim.x);
+  __syncthreads();
+  if (gw < N) {
+    const float v = row_dot([&](int i, int) { return first[i]; }, xs, S + size_t(gw / 128) * (K / 128));
+    if (lane == 0) y[gw] = v;
+  }
+  for (int r = gw + nw; r < N; r += nw) {
+    const uint8_t* row = W + size_t(r) * K;
+    const float v = row_dot([&](int, int c) { return ldg_na(row + size_t(c) * 16); }, xs,
+                            S + size_t(r / 128) * (K / 128));
+    if (lane == 0) y[r] = v;
+  }
+}
+
+// all stages in one kernel: rows split evenly over the CTAs, the producer warp (warp CONS)
+// streams this CTA's rows of every stage through a ring of nbuf row slots; the consumers wait at
+// a grid barrier between stages (DEP: stage s > 0 reads y of stage s - 1 when N == K, else x0;
+// without DEP no barrier and x0 throughout). smem: xs [K] | ring [nbuf][K] | full | empty
+template <bool DEP>
+__global__ void __launch_bounds__((CONS + 1) * 32, 1) chain_fp8(const uint8_t* const* Ws, const float* const* Ss,
+                                                                const float* x0, float* ys, int M, int N, int K,
+                                                                int nbuf, unsigned* bar, unsigned epoch) {
+  extern __shared__ __align__(128) unsigned char sm[];
+  float* xs = reinterpret_cast<float*>(sm);
+  unsigned char* ring = sm + size_t(K) * 4;
+  uint64_t* full = reinterpret_cast<uint64_t*>(ring + size_t(K) * nbuf);
+  uint64_t* empty = full + nbuf;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  if (threadIdx.x == 0) {
+    for (int j = 0; j < nbuf; ++j) { mbar_init(&full[j], 1); mbar_init(&empty[j], 1); }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+  const int r0 = int((long long)blockIdx.x * N / gridDim.x), r1 = int((long long)(blockIdx.x + 1) * N / gridDim.x);
+  const int rows = r1 - r0;
+  if (warp == CONS) {
+    if (lane == 0) {
+      int t = 0;
+      for (int s = 0; s < M; ++s)
+        for (int r = r0; r < r1; ++r, ++t) {
+          const int slot = t % nbuf, k = t / nbuf;
+          mbar_wait(&empty[slot], (k & 1) ^ 1);
+          mbar_expect(&full[slot], unsigned(K));
+          bulk_g2s(ring + size_t(slot) * K, Ws[s] + size_t(r) * K, unsigned(K), &full[slot]);
+        }
+    }
+    return;
+  }
+  for (int s = 0; s < M; ++s) {
+    if (s == 0 || DEP) {
+      load_xs(DEP && s > 0 && N == K ? ys + size_t(s - 1) * N : x0, xs, K, CONS * 32);
+      cons_sync<CONS>();
+    }
+    for (int j = warp; j < rows; j += CONS) {
+      const int t = s * rows + j, slot = t % nbuf, k = t / nbuf, r = r0 + j;
+      mbar_wait(&full[slot], k & 1);
+      const uint4* row = reinterpret_cast<const uint4*>(ring + size_t(slot) * K);
+      const float v = row_dot([&](int, int c) { return row[c]; }, xs, Ss[s] + size_t(r / 128) * (K / 128));
+      __syncwarp();
+      if (lane == 0) {
+        mbar_arrive(&empty[slot]);
+        ys[size_t(s) * N + r] = v;
+      }
+    }
+    if (!DEP || s + 1 == M) continue;
+    cons_sync<CONS>();
+    if (threadIdx.x == 0) grid_wait(bar, (epoch * (M - 1) + s + 1) * gridDim.x);
+    cons_sync<CONS>();
+  }
+}
+
+static double e4m3(uint8_t b) {
+  const int e = (b >> 3) & 15, m = b & 7;
+  const double v = e ? std::ldexp(1.0 + m / 8.0, e - 7) : std::ldexp(m / 8.0, -6);
+  return b & 0x80 ? -v : v;
+}
+
+int main() {
+  setvbuf(stdout, nullptr, _IOLBF, 0);   // a line at a time, also through a pipe
+  int dev = 0, sms = 0;
+  CK(cudaGetDevice(&dev));
+  CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  cudaDeviceProp prop; CK(cudaGetDeviceProperties(&prop, dev));
+  printf("%s, %d SMs (chain4: FP8 rows, persistent producer + ring against PDL launches)\n", prop.name, sms);
+  struct Cfg { int M, N, K; };
+  const Cfg cfgs[] = {{8, 4096, 4096}, {4, 8192, 4096}, {8, 2048, 4096}};   // 16.8, 33.6, 8.4 MB a stage
+  uint32_t* dummy; CK(cudaMalloc(&dummy, 4));
+  cudaStream_t st; CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+  cudaEvent_t e0, e1; CK(cudaEventCreate(&e0)); CK(cudaEventCreate(&e1));
+  const int REPS = 50, COPIES = 3;
+  auto time = [&](auto&& fn) {
+    for (int i = 0; i < 5; ++i) fn(i);
+    CK(cudaStreamSynchronize(st));
+    CK(cudaEventRecord(e0, st));
+    for (int i = 0; i < REPS; ++i) fn(i);
+    CK(cudaEventRecord(e1, st)); CK(cudaEventSynchronize(e1));
+    float ms; CK(cudaEventElapsedTime(&ms, e0, e1)); return ms * 1000 / REPS;
+  };
+  for (const Cfg& c : cfgs) {
+    if (c.K != KD) { printf("K = %d: the kernels are built for K = %d\n", c.K, KD); return 1; }
+    const size_t per = size_t(c.N) * c.K, bytes = per * c.M, nsc = size_t(c.N / 128) * (c.K / 128);
+    std::vector<uint8_t> hw(per * c.M);
+    std::vector<float> hs(nsc * c.M);
+    uint32_t rs = 7;
+    for (auto& b : hw) { rs = rs * 1664525u + 1013904223u; b = uint8_t((rs >> 13) & 0xBF); }   // |w| < 2
+    for (auto& v : hs) { rs = rs * 1664525u + 1013904223u; v = std::ldexp(1.0f, -6 - int((rs >> 20) & 1)); }
+    uint8_t* w; float* sc;
+    CK(cudaMalloc(&w, bytes * COPIES)); CK(cudaMalloc(&sc, hs.size() * 4 * COPIES));
+    for (int k = 0; k < COPIES; ++k) {
+      CK(cudaMemcpy(w + k * bytes, hw.data(), bytes, cudaMemcpyHostToDevice));
+      CK(cudaMemcpy(sc + k * hs.size(), hs.data(), hs.size() * 4, cudaMemcpyHostToDevice));
+    }
+    std::vector<float> hx(c.K);
+    for (int i = 0; i < c.K; ++i) hx[i] = std::sin(0.1f * i);
+    float *x0, *ys, *ys2; unsigned* bar;
+    CK(cudaMalloc(&x0, c.K * 4)); CK(cudaMalloc(&ys, size_t(c.M) * c.N * 4)); CK(cudaMalloc(&ys2, size_t(c.M) * c.N * 4));
+    CK(cudaMalloc(&bar, 4));
+    CK(cudaMemcpy(x0, hx.data(), c.K * 4, cudaMemcpyHostToDevice));
+    std::vector<const void*> hp(size_t(2) * c.M * COPIES);   // per copy: M weight pointers, then M scale pointers
+    for (int k = 0; k < COPIES; ++k)
+      for (int i = 0; i < c.M; ++i) {
+        hp[(2 * k) * c.M + i] = w + k * bytes + i * per;
+        hp[(2 * k + 1) * c.M + i] = sc + k * hs.size() + i * nsc;
+      }
+    const void** dp; CK(cudaMalloc(&dp, hp.size() * sizeof(void*)));
+    CK(cudaMemcpy(dp, hp.data(), hp.size() * sizeof(void*), cudaMemcpyHostToDevice));
+    auto wp = [&](int k) { return reinterpret_cast<const uint8_t* const*>(dp + 2 * k * c.M); };
+    auto sp = [&](int k) { return reinterpret_cast<const float* const*>(dp + (2 * k + 1) * c.M); };
+    // the graph of PDL launches (the reference bits)
+    const size_t smem0 = size_t(c.K) * 4;
+    const int grid0 = sms * 2;
+    CK(cudaFuncSetAttribute(stage_fp8, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem0)));
+    auto xin = [&](float* yb, int i) -> const float* { return i == 0 || c.N != c.K ? x0 : yb + size_t(i - 1) * c.N; };
+    std::vector<cudaGraphExec_t> ex(COPIES);
+    for (int k = 0; k < COPIES; ++k) {
+      cudaGraph_t g;
+      CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
+      for (int i = 0; i < c.M; ++i) {
+        cudaLaunchConfig_t lc = {};
+        lc.gridDim = dim3(grid0); lc.blockDim = dim3(STHREADS); lc.dynamicSmemBytes = smem0; lc.stream = st;
+        cudaLaunchAttribute at[1];
+        at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+        at[0].val.programmaticStreamSerializationAllowed = 1;
+        lc.attrs = at; lc.numAttrs = 1;
+        CK(cudaLaunchKernelEx(&lc, stage_fp8, static_cast<const uint8_t*>(hp[(2 * k) * c.M + i]),
+                              static_cast<const float*>(hp[(2 * k + 1) * c.M + i]), xin(ys, i), ys + size_t(i) * c.N, c.N, c.K));
+      }
+      CK(cudaStreamEndCapture(st, &g));
+      CK(cudaGraphInstantiate(&ex[k], g, 0));
+    }
+    const float t_graph = time([&](int i) { CK(cudaGraphLaunch(ex[i % COPIES], st)); });
+    // one launch of all M * N rows (a copy's matrices and their scales lie back to back: the
+    // floor of this GEMV, no dependency)
+    const float t_one_g = time([&](int i) {
+      cudaLaunchConfig_t lc = {};
+      lc.gridDim = dim3(grid0); lc.blockDim = dim3(STHREADS); lc.dynamicSmemBytes = smem0; lc.stream = st;
+      CK(cudaLaunchKernelEx(&lc, stage_fp8, static_cast<const uint8_t*>(hp[(2 * (i % COPIES)) * c.M]),
+                            static_cast<const float*>(hp[(2 * (i % COPIES) + 1) * c.M]), x0, ys2, c.N * c.M, c.K));
+    });
+    CK(cudaGraphLaunch(ex[0], st)); CK(cudaStreamSynchronize(st));
+    std::vector<float> ref(size_t(c.M) * c.N);
+    CK(cudaMemcpy(ref.data(), ys, ref.size() * 4, cudaMemcpyDeviceToHost));
+    double err = 0, big = 0;   // stage 0 against float64
+    for (int r = 0; r < c.N; ++r) {
+      double s = 0;
+      for (int k = 0; k < c.K; ++k) s += e4m3(hw[size_t(r) * c.K + k]) * hs[size_t(r / 128) * (c.K / 128) + k / 128] * hx[k];
+      err = std::max(err, std::fabs(s - ref[r])); big = std::max(big, std::fabs(s));
+    }
+    float t_read = 1e9;
+    for (int b : {sms * 2, sms * 4, sms * 8})
+      t_read = std::min(t_read, time([&](int i) {
+        read_all<<<b, 512, 0, st>>>(reinterpret_cast<const uint4*>(w + (i % COPIES) * bytes), bytes / 16, dummy);
+      }));
+    printf("%d stages of %d x %d FP8 (%.1f MB each, %.1f MB): read alone %.1f us (%.2f TB/s); stage 0 against "
+           "float64: max err / max |y| %.1e\n", c.M, c.N, c.K, per / 1e6, bytes / 1e6, t_read, bytes / t_read / 1e6, err / big);
+    printf("  PDL launches: one of all rows %.1f us (%.0f%% of the read) | a graph of %d %.1f us (%.2f us a dependency)\n",
+           t_one_g, 100.0 * t_read / t_one_g, c.M, t_graph, (t_graph - t_one_g) / (c.M - 1));
+    for (int nbuf : {16, 48}) {
+      const size_t smem = size_t(c.K) * 4 + size_t(nbuf) * c.K + size_t(nbuf) * 16;
+      CK(cudaFuncSetAttribute(chain_fp8<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+      CK(cudaFuncSetAttribute(chain_fp8<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+      const int T = (CONS + 1) * 32;
+      unsigned epoch = 0;
+      CK(cudaMemset(bar, 0, 4));
+      // the floor: one stage of all M * N rows
+      const float t_one = time([&](int i) {
+        chain_fp8<false><<<sms, T, smem, st>>>(wp(i % COPIES), sp(i % COPIES), x0, ys2, 1, c.N * c.M, c.K, nbuf, bar, 0);
+      });
+      const float t_nb = time([&](int i) { chain_fp8<false><<<sms, T, smem, st>>>(wp(i % COPIES), sp(i % COPIES), x0, ys2, c.M, c.N, c.K, nbuf, bar, 0); });
+      const float t_dep = time([&](int i) { chain_fp8<true><<<sms, T, smem, st>>>(wp(i % COPIES), sp(i % COPIES), x0, ys2, c.M, c.N, c.K, nbuf, bar, epoch++); });
+      CK(cudaMemset(ys2, 0xFF, ref.size() * 4));
+      chain_fp8<true><<<sms, T, smem, st>>>(wp(0), sp(0), x0, ys2, c.M, c.N, c.K, nbuf, bar, epoch++);
+      CK(cudaStreamSynchronize(st));
+      std::vector<float> b(ref.size());
+      CK(cudaMemcpy(b.data(), ys2, b.size() * 4, cudaMemcpyDeviceToHost));
+      printf("  persistent, ring %2d rows (%3zu KB): one stage of all rows %.1f us (%.0f%% of the read) | %d stages, no "
+             "barrier %.1f us | with the dependency %.1f us (%.2f us a dependency) | same bits %s\n",
+             nbuf, smem / 1024, t_one, 100.0 * t_read / t_one, c.M, t_nb, t_dep, (t_dep - t_one) / (c.M - 1),
+             b == ref ? "yes" : "NO");
+    }
+    for (auto& gx : ex) CK(cudaGraphExecDestroy(gx));
+    CK(cudaFree(w)); CK(cudaFree(sc)); CK(cudaFree(x0)); CK(cudaFree(ys)); CK(cudaFree(ys2)); CK(cudaFree(bar)); CK(cudaFree(dp));
+  }
+  return 0;
+}
