@@ -62,10 +62,6 @@ __device__ __forceinline__ float row_dot(Piece piece, const float* xs, const flo
   return acc;
 }
 
-__device__ void load_xs(const float* x, float* xs, int K, int nthreads) {
-  for (int i = threadIdx.x; i < K; i += nthreads) xs[i] = __ldcg(x + i);
-}
-
 // the latency-bound step between two stages (mode 2): one CTA of CONS * 32 threads normalizes
 // y (K values) GAPI times over (x <- x / rms(x)), as the layer's small kernels do between its
 // weight streams; `sync` is the CTA's barrier (__syncthreads alone, the consumers' named one in
@@ -137,7 +133,7 @@ __global__ void __launch_bounds__(STHREADS, 2) stage_fp8(const uint8_t* W, const
 // a grid barrier between stages. MODE 0: no barrier, x0 throughout; 1: stage s > 0 reads y of
 // stage s - 1 when N == K (else x0); 2: as 1 through the latency-bound step: after the barrier
 // CTA 0 runs gap_norm of y into xn and raises `flag`, every CTA waits for it and reads xn
-// (N == K). smem: xs [K] | ring [nbuf][K] | full | empty
+// (N == K). smem: the ring of K-byte rows (ring.cuh)
 template <int MODE>
 __global__ void __launch_bounds__((CONS + 1) * 32, 1) chain_fp8(const uint8_t* const* Ws, const float* const* Ss,
                                                                 const float* x0, float* ys, int M, int N, int K,
@@ -145,45 +141,32 @@ __global__ void __launch_bounds__((CONS + 1) * 32, 1) chain_fp8(const uint8_t* c
                                                                 float* xn, unsigned* flag) {
   constexpr bool DEP = MODE >= 1, GAP = MODE == 2;
   extern __shared__ __align__(128) unsigned char sm[];
-  float* xs = reinterpret_cast<float*>(sm);
-  unsigned char* ring = sm + size_t(K) * 4;
-  uint64_t* full = reinterpret_cast<uint64_t*>(ring + size_t(K) * nbuf);
-  uint64_t* empty = full + nbuf;
+  Ring g = ring_init(sm, K, size_t(K), nbuf);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  if (threadIdx.x == 0) {
-    for (int j = 0; j < nbuf; ++j) { mbar_init(&full[j], 1); mbar_init(&empty[j], 1); }
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-  }
-  __syncthreads();
-  const int r0 = int((long long)blockIdx.x * N / gridDim.x), r1 = int((long long)(blockIdx.x + 1) * N / gridDim.x);
+  int r0, r1;
+  even_rows(N, r0, r1);
   const int rows = r1 - r0;
   if (warp == CONS) {
     if (lane == 0) {
       int t = 0;
       for (int s = 0; s < M; ++s)
-        for (int r = r0; r < r1; ++r, ++t) {
-          const int slot = t % nbuf, k = t / nbuf;
-          mbar_wait(&empty[slot], (k & 1) ^ 1);
-          mbar_expect(&full[slot], unsigned(K));
-          bulk_g2s(ring + size_t(slot) * K, Ws[s] + size_t(r) * K, unsigned(K), &full[slot]);
-        }
+        for (int r = r0; r < r1; ++r) g.fill(g.acquire(t++), Ws[s] + size_t(r) * K);
     }
     return;
   }
   for (int s = 0; s < M; ++s) {
     if (s == 0 || DEP) {
       const float* x = !DEP || s == 0 || N != K ? x0 : GAP ? xn + size_t(s - 1) * K : ys + size_t(s - 1) * N;
-      load_xs(x, xs, K, CONS * 32);
+      load_xs(x, g.xs, K, CONS * 32);
       cons_sync<CONS>();
     }
     for (int j = warp; j < rows; j += CONS) {
-      const int t = s * rows + j, slot = t % nbuf, k = t / nbuf, r = r0 + j;
-      mbar_wait(&full[slot], k & 1);
-      const uint4* row = reinterpret_cast<const uint4*>(ring + size_t(slot) * K);
-      const float v = row_dot([&](int, int c) { return row[c]; }, xs, Ss[s] + size_t(r / 128) * (K / 128));
+      const int slot = g.wait(s * rows + j), r = r0 + j;
+      const uint4* row = static_cast<const uint4*>(g.row(slot));
+      const float v = row_dot([&](int, int c) { return row[c]; }, g.xs, Ss[s] + size_t(r / 128) * (K / 128));
       __syncwarp();
       if (lane == 0) {
-        mbar_arrive(&empty[slot]);
+        g.release(slot);
         ys[size_t(s) * N + r] = v;
       }
     }
@@ -198,10 +181,7 @@ __global__ void __launch_bounds__((CONS + 1) * 32, 1) chain_fp8(const uint8_t* c
         cons_sync<CONS>();
         if (threadIdx.x == 0) asm volatile("red.release.gpu.global.add.u32 [%0], 1;\n" ::"l"(flag) : "memory");
       }
-      if (threadIdx.x == 0) {
-        unsigned v;
-        do { asm volatile("ld.acquire.gpu.u32 %0, [%1];\n" : "=r"(v) : "l"(flag)); } while (v < target);
-      }
+      if (threadIdx.x == 0) spin_until(flag, target);
       cons_sync<CONS>();
     }
   }
@@ -215,25 +195,14 @@ static double e4m3(uint8_t b) {
 
 int main() {
   setvbuf(stdout, nullptr, _IOLBF, 0);   // a line at a time, also through a pipe
-  int dev = 0, sms = 0;
-  CK(cudaGetDevice(&dev));
-  CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-  cudaDeviceProp prop; CK(cudaGetDeviceProperties(&prop, dev));
+  cudaDeviceProp prop;
+  const int sms = sm_count(prop);
   printf("%s, %d SMs (chain4: FP8 rows, persistent producer + ring against PDL launches)\n", prop.name, sms);
   struct Cfg { int M, N, K; };
   const Cfg cfgs[] = {{8, 4096, 4096}, {4, 8192, 4096}, {8, 2048, 4096}};   // 16.8, 33.6, 8.4 MB a stage
-  uint32_t* dummy; CK(cudaMalloc(&dummy, 4));
-  cudaStream_t st; CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
-  cudaEvent_t e0, e1; CK(cudaEventCreate(&e0)); CK(cudaEventCreate(&e1));
-  const int REPS = 50, COPIES = 3;
-  auto time = [&](auto&& fn) {
-    for (int i = 0; i < 5; ++i) fn(i);
-    CK(cudaStreamSynchronize(st));
-    CK(cudaEventRecord(e0, st));
-    for (int i = 0; i < REPS; ++i) fn(i);
-    CK(cudaEventRecord(e1, st)); CK(cudaEventSynchronize(e1));
-    float ms; CK(cudaEventElapsedTime(&ms, e0, e1)); return ms * 1000 / REPS;
-  };
+  Timer T;
+  const cudaStream_t st = T.st;
+  const int COPIES = 3;
   for (const Cfg& c : cfgs) {
     if (c.K != KD) { printf("K = %d: the kernels are built for K = %d\n", c.K, KD); return 1; }
     const size_t per = size_t(c.N) * c.K, bytes = per * c.M, nsc = size_t(c.N / 128) * (c.K / 128);
@@ -270,15 +239,6 @@ int main() {
     const int grid0 = sms * 2;
     CK(cudaFuncSetAttribute(stage_fp8, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem0)));
     const bool chained = c.N == c.K;
-    auto pdl = [&](dim3 grid, dim3 block, size_t smem) {
-      static cudaLaunchAttribute at[1];
-      at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-      at[0].val.programmaticStreamSerializationAllowed = 1;
-      cudaLaunchConfig_t lc = {};
-      lc.gridDim = grid; lc.blockDim = block; lc.dynamicSmemBytes = smem; lc.stream = st;
-      lc.attrs = at; lc.numAttrs = 1;
-      return lc;
-    };
     // a graph of the M stages (gap: the latency-bound step between two, stage i then reading
     // xn of stage i - 1; gaps_only: the M - 1 steps alone)
     auto capture = [&](int k, bool gap, bool gaps_only) {
@@ -287,15 +247,13 @@ int main() {
       CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
       for (int i = 0; i < c.M; ++i) {
         if (i > 0 && (gap || gaps_only)) {
-          cudaLaunchConfig_t lc = pdl(dim3(1), dim3(CONS * 32), 0);
-          CK(cudaLaunchKernelEx(&lc, gap_kernel, static_cast<const float*>(ys + size_t(i - 1) * c.N),
-                                xn + size_t(i - 1) * c.K, c.K));
+          Launch L(dim3(1), dim3(CONS * 32), 0, st);
+          L(gap_kernel, ys + size_t(i - 1) * c.N, xn + size_t(i - 1) * c.K, c.K);
         }
         if (gaps_only) continue;
         const float* x = i == 0 || !chained ? x0 : gap ? xn + size_t(i - 1) * c.K : ys + size_t(i - 1) * c.N;
-        cudaLaunchConfig_t lc = pdl(dim3(grid0), dim3(STHREADS), smem0);
-        CK(cudaLaunchKernelEx(&lc, stage_fp8, static_cast<const uint8_t*>(hp[(2 * k) * c.M + i]),
-                              static_cast<const float*>(hp[(2 * k + 1) * c.M + i]), x, ys + size_t(i) * c.N, c.N, c.K));
+        Launch L(dim3(grid0), dim3(STHREADS), smem0, st);
+        L(stage_fp8, hp[(2 * k) * c.M + i], hp[(2 * k + 1) * c.M + i], x, ys + size_t(i) * c.N, c.N, c.K);
       }
       CK(cudaStreamEndCapture(st, &g));
       CK(cudaGraphInstantiate(&gx, g, 0));
@@ -306,38 +264,32 @@ int main() {
       ex[k] = capture(k, false, false);
       if (chained) exg[k] = capture(k, true, false);
     }
-    const float t_graph = time([&](int i) { CK(cudaGraphLaunch(ex[i % COPIES], st)); });
+    const float t_graph = T.time([&](int i) { CK(cudaGraphLaunch(ex[i % COPIES], st)); });
     // one launch of all M * N rows (a copy's matrices and their scales lie back to back: the
     // floor of this GEMV, no dependency)
-    const float t_one_g = time([&](int i) {
-      cudaLaunchConfig_t lc = {};
-      lc.gridDim = dim3(grid0); lc.blockDim = dim3(STHREADS); lc.dynamicSmemBytes = smem0; lc.stream = st;
-      CK(cudaLaunchKernelEx(&lc, stage_fp8, static_cast<const uint8_t*>(hp[(2 * (i % COPIES)) * c.M]),
-                            static_cast<const float*>(hp[(2 * (i % COPIES) + 1) * c.M]), x0, ys2, c.N * c.M, c.K));
+    const float t_one_g = T.time([&](int i) {
+      Launch L(dim3(grid0), dim3(STHREADS), smem0, st, false);
+      L(stage_fp8, hp[(2 * (i % COPIES)) * c.M], hp[(2 * (i % COPIES) + 1) * c.M], x0, ys2, c.N * c.M, c.K);
     });
-    std::vector<float> ref(size_t(c.M) * c.N), refg(ref.size());
+    std::vector<float> refg;
     float t_gaps = 0, t_graph_gap = 0;
     if (chained) {   // the gap graph's y, then the steps alone on it (their input in place)
-      t_graph_gap = time([&](int i) { CK(cudaGraphLaunch(exg[i % COPIES], st)); });
+      t_graph_gap = T.time([&](int i) { CK(cudaGraphLaunch(exg[i % COPIES], st)); });
       CK(cudaGraphLaunch(exg[0], st)); CK(cudaStreamSynchronize(st));
-      CK(cudaMemcpy(refg.data(), ys, refg.size() * 4, cudaMemcpyDeviceToHost));
+      refg = fetch(ys, size_t(c.M) * c.N);
       cudaGraphExec_t gaps = capture(0, false, true);
-      t_gaps = time([&](int) { CK(cudaGraphLaunch(gaps, st)); });
+      t_gaps = T.time([&](int) { CK(cudaGraphLaunch(gaps, st)); });
       CK(cudaGraphExecDestroy(gaps));
     }
     CK(cudaGraphLaunch(ex[0], st)); CK(cudaStreamSynchronize(st));
-    CK(cudaMemcpy(ref.data(), ys, ref.size() * 4, cudaMemcpyDeviceToHost));
+    const std::vector<float> ref = fetch(ys, size_t(c.M) * c.N);
     double err = 0, big = 0;   // stage 0 against float64
     for (int r = 0; r < c.N; ++r) {
       double s = 0;
       for (int k = 0; k < c.K; ++k) s += e4m3(hw[size_t(r) * c.K + k]) * hs[size_t(r / 128) * (c.K / 128) + k / 128] * hx[k];
       err = std::max(err, std::fabs(s - ref[r])); big = std::max(big, std::fabs(s));
     }
-    float t_read = 1e9;
-    for (int b : {sms * 2, sms * 4, sms * 8})
-      t_read = std::min(t_read, time([&](int i) {
-        read_all<<<b, 512, 0, st>>>(reinterpret_cast<const uint4*>(w + (i % COPIES) * bytes), bytes / 16, dummy);
-      }));
+    const float t_read = T.read(w, bytes, COPIES, bytes, sms);
     printf("%d stages of %d x %d FP8 (%.1f MB each, %.1f MB): read alone %.1f us (%.2f TB/s); stage 0 against "
            "float64: max err / max |y| %.1e\n", c.M, c.N, c.K, per / 1e6, bytes / 1e6, t_read, bytes / t_read / 1e6, err / big);
     printf("  PDL launches: one of all rows %.1f us (%.0f%% of the read) | a graph of %d %.1f us (%.2f us a dependency)\n",
@@ -351,21 +303,19 @@ int main() {
       CK(cudaFuncSetAttribute(chain_fp8<0>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
       CK(cudaFuncSetAttribute(chain_fp8<1>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
       CK(cudaFuncSetAttribute(chain_fp8<2>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-      const int T = (CONS + 1) * 32;
+      const int threads = (CONS + 1) * 32;
       unsigned epoch = 0, epoch2 = 0;
       CK(cudaMemset(bar, 0, 4)); CK(cudaMemset(flag, 0, 4));
       auto run = [&](auto kern, int k, int M, int N, unsigned* b, unsigned ep) {
-        kern<<<sms, T, smem, st>>>(wp(k), sp(k), x0, ys2, M, N, c.K, nbuf, b, ep, xn2, flag);
+        kern<<<sms, threads, smem, st>>>(wp(k), sp(k), x0, ys2, M, N, c.K, nbuf, b, ep, xn2, flag);
       };
       // the floor: one stage of all M * N rows
-      const float t_one = time([&](int i) { run(chain_fp8<0>, i % COPIES, 1, c.N * c.M, bar, 0); });
-      const float t_nb = time([&](int i) { run(chain_fp8<0>, i % COPIES, c.M, c.N, bar, 0); });
-      const float t_dep = time([&](int i) { run(chain_fp8<1>, i % COPIES, c.M, c.N, bar, epoch++); });
+      const float t_one = T.time([&](int i) { run(chain_fp8<0>, i % COPIES, 1, c.N * c.M, bar, 0); });
+      const float t_nb = T.time([&](int i) { run(chain_fp8<0>, i % COPIES, c.M, c.N, bar, 0); });
+      const float t_dep = T.time([&](int i) { run(chain_fp8<1>, i % COPIES, c.M, c.N, bar, epoch++); });
       auto check = [&](const std::vector<float>& want) {
         CK(cudaStreamSynchronize(st));
-        std::vector<float> b(want.size());
-        CK(cudaMemcpy(b.data(), ys2, b.size() * 4, cudaMemcpyDeviceToHost));
-        return b == want ? "yes" : "NO";
+        return fetch(ys2, want.size()) == want ? "yes" : "NO";
       };
       CK(cudaMemset(ys2, 0xFF, ref.size() * 4));
       run(chain_fp8<1>, 0, c.M, c.N, bar, epoch++);
@@ -376,7 +326,7 @@ int main() {
       if (chained) {
         unsigned* b2;   // mode 2's own barrier count (and `flag`), from zero
         CK(cudaMalloc(&b2, 4)); CK(cudaMemset(b2, 0, 4));
-        const float t_gap = time([&](int i) { run(chain_fp8<2>, i % COPIES, c.M, c.N, b2, epoch2++); });
+        const float t_gap = T.time([&](int i) { run(chain_fp8<2>, i % COPIES, c.M, c.N, b2, epoch2++); });
         CK(cudaMemset(ys2, 0xFF, ref.size() * 4));
         run(chain_fp8<2>, 0, c.M, c.N, b2, epoch2++);
         const char* same_g = check(refg);

@@ -1,6 +1,6 @@
 // The persistent chains' pieces (chain3.cu, chain4.cu): mbarriers, a bulk copy (TMA, 1-D) into
-// shared memory that completes on an mbarrier, the consumer warps' named barrier, and a grid
-// barrier (every CTA resident; red.release in, ld.acquire spin).
+// shared memory that completes on an mbarrier, the consumer warps' named barrier, and the ring of
+// row slots a producer warp fills and consumer warps drain.
 #pragma once
 #include "ubench.cuh"
 
@@ -24,8 +24,64 @@ __device__ __forceinline__ void bulk_g2s(void* dst, const void* src, unsigned by
                ::"r"(smem_u32(dst)), "l"(src), "r"(bytes), "r"(smem_u32(b)) : "memory");
 }
 template <int CONS> __device__ __forceinline__ void cons_sync() { asm volatile("bar.sync 1, %0;\n" ::"n"(CONS * 32) : "memory"); }
-__device__ __forceinline__ void grid_wait(unsigned* bar, unsigned target) {
-  asm volatile("red.release.gpu.global.add.u32 [%0], 1;\n" ::"l"(bar) : "memory");
-  unsigned v;
-  do { asm volatile("ld.acquire.gpu.u32 %0, [%1];\n" : "=r"(v) : "l"(bar)); } while (v < target);
+
+// dynamic shared memory as xs [K] f32 | ring [nbuf][rowb] | full [nbuf] | empty [nbuf]: slot
+// use t (the CTA's t-th row) is slot t % nbuf, its (t / nbuf)-th use. Consumers that take uses t
+// == their warp (mod CONS) need nbuf a multiple of CONS: an mbarrier's parity wait cannot tell
+// use k from k - 2, and then the use before a slot's k-th was the same warp's.
+struct Ring {
+  float* xs;
+  unsigned char* rows;
+  uint64_t* full;
+  uint64_t* empty;
+  size_t rowb;
+  int nbuf;
+  // the producer: wait until use t's slot is free -> the slot
+  __device__ __forceinline__ int acquire(int t) {
+    const int slot = t % nbuf;
+    mbar_wait(&empty[slot], ((t / nbuf) & 1) ^ 1);
+    return slot;
+  }
+  // the producer: copy rowb bytes from src into the slot
+  __device__ __forceinline__ void fill(int slot, const void* src) {
+    mbar_expect(&full[slot], unsigned(rowb));
+    bulk_g2s(rows + slot * rowb, src, unsigned(rowb), &full[slot]);
+  }
+  // a consumer: wait for use t's row -> the slot
+  __device__ __forceinline__ int wait(int t) {
+    const int slot = t % nbuf;
+    mbar_wait(&full[slot], (t / nbuf) & 1);
+    return slot;
+  }
+  __device__ __forceinline__ const void* row(int slot) const { return rows + slot * rowb; }
+  // a consumer's lane 0: the slot is free again
+  __device__ __forceinline__ void release(int slot) { mbar_arrive(&empty[slot]); }
+};
+
+// every thread: the ring carved from sm (K floats of xs first) with its mbarriers initialized
+__device__ __forceinline__ Ring ring_init(unsigned char* sm, int K, size_t rowb, int nbuf) {
+  Ring g;
+  g.xs = reinterpret_cast<float*>(sm);
+  g.rows = sm + size_t(K) * 4;
+  g.full = reinterpret_cast<uint64_t*>(g.rows + rowb * nbuf);
+  g.empty = g.full + nbuf;
+  g.rowb = rowb;
+  g.nbuf = nbuf;
+  if (threadIdx.x == 0) {
+    for (int j = 0; j < nbuf; ++j) { mbar_init(&g.full[j], 1); mbar_init(&g.empty[j], 1); }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+  return g;
+}
+
+// the first nthreads threads: xs [K] = x (from L2: written by other CTAs)
+__device__ __forceinline__ void load_xs(const float* x, float* xs, int K, int nthreads) {
+  for (int i = threadIdx.x; i < K; i += nthreads) xs[i] = __ldcg(x + i);
+}
+
+// this CTA's rows [r0, r1) of N, split evenly over the grid
+__device__ __forceinline__ void even_rows(int N, int& r0, int& r1) {
+  r0 = int((long long)blockIdx.x * N / gridDim.x);
+  r1 = int((long long)(blockIdx.x + 1) * N / gridDim.x);
 }

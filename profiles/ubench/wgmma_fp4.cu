@@ -147,10 +147,8 @@ static void run(const char* tag, int grid, uint8_t* dw, uint8_t* ds, uint8_t* dx
 int main(int argc, char** argv) {
   setvbuf(stdout, nullptr, _IOLBF, 0);   // a line at a time, also through a pipe
   const int lbo_k = argc > 1 ? atoi(argv[1]) : 1;
-  int dev = 0, sms = 0;
-  CK(cudaGetDevice(&dev));
-  CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-  cudaDeviceProp prop; CK(cudaGetDeviceProperties(&prop, dev));
+  cudaDeviceProp prop;
+  const int sms = sm_count(prop);
   const int N = 24576, K = 4096, KB = K / 128, COPIES = 3;
   const size_t wbytes = size_t(N) * K / 2, sbytes = size_t(N) * K / 32;
   printf("%s, %d SMs; FP4 %d x %d (%.1f MB with scales); lbo_k %d\n", prop.name, sms, N, K, (wbytes + sbytes) / 1e6, lbo_k);

@@ -117,10 +117,8 @@ static uint8_t rand_e4m3(uint32_t& st) {
 int main(int argc, char** argv) {
   setvbuf(stdout, nullptr, _IOLBF, 0);   // a line at a time, also through a pipe
   const int lbo_k = argc > 1 ? atoi(argv[1]) : 1;
-  int dev = 0, sms = 0;
-  CK(cudaGetDevice(&dev));
-  CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-  cudaDeviceProp prop; CK(cudaGetDeviceProperties(&prop, dev));
+  cudaDeviceProp prop;
+  const int sms = sm_count(prop);
   printf("%s, %d SMs; descriptor lbo = %s\n", prop.name, sms, lbo_k ? "K stride (128), sbo = M stride (1024)" : "M stride, sbo = K stride");
   struct Shape { int N, K; const char* name; };
   const Shape shapes[] = {{32768, 1024, "wq_b-like 32768 x 1024"}, {4096, 8192, "wo_b-like 4096 x 8192"},
