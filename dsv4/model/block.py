@@ -13,7 +13,7 @@ from ..numerics.mhc import hc_post, hc_pre, rms_norm
 from ..weights.config import ModelConfig
 from .attention import Attention
 from .moe import MoE
-from .sharding import TensorParallel
+from .sharding import TensorParallel, same
 from .state import LayerState
 
 
@@ -89,7 +89,7 @@ class Block:
         if seq:
             rows, sums = tp.gather_rows, tp.reduce_scatter
         else:
-            rows, sums = (lambda x: x), (tp.reduce if tp is not None else (lambda y: y))
+            rows, sums = same, same if tp is None else tp.reduce
         x, post, comb = self.mix_rows(h, "attn", self.attn_norm)
         y = sums(self.attn.prefill(rows(x), st, start, shared)).to(x.dtype)
         h = self.post_rows(y, h, post, comb)
