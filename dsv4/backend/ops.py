@@ -177,6 +177,12 @@ class Ops:
     def compress_rows(self, *args):
         return self._comp_rows.compress_rows(*args)
 
+    def compress_ext(self, *args):
+        return self._comp_rows.compress_ext(*args)
+
+    def compress_state(self, *args):
+        return self._comp_rows.compress_state(*args)
+
     def index_query(self, q, pos, freqs, n_heads):
         return self._index.index_query(q, pos, freqs, n_heads, pdl=self.pdl)
 

@@ -29,30 +29,15 @@ def prefill(comp, ops: Ops, x: torch.Tensor, st, cache: torch.Tensor, freqs: tor
     kv, sc = comp.project(x)                                         # [s, c*dc] f32
     pos0 = start if isinstance(start, torch.Tensor) else torch.full(
         (1,), start, dtype=torch.int64, device=x.device)
-    r, s, dev = comp.ratio, kv.shape[0], kv.device
+    r = comp.ratio
     cur = r if comp.overlap else 0
-    j = torch.arange(r, device=dev)
-    o = pos0 % r                                  # [1]: open block rows before the chunk
-    sc = sc + comp.ape.index_select(0, (pos0 + torch.arange(s, device=dev)) % r)
-    # ext: the open block's state rows rolled so that row r - o + i is block row i, then the
-    # chunk (rows r - o - 1 and before are stale rows no completed block reads)
-    roll = cur + (j + o) % r
-    ext_kv = torch.cat((st.kv.index_select(0, roll), kv))         # [r + s, c*dc]
-    ext_sc = torch.cat((st.score.index_select(0, roll), sc))
+    # ext: the open block's state rows rolled so that row r - o + i is block row i (o = pos0 %
+    # r), then the chunk with the scores' positional bias (rows r - o - 1 and before are stale
+    # rows no completed block reads); then the blocks the chunk completes, then the state
+    ext_kv, ext_sc = ops.compress_ext(kv, sc, comp.ape, st.kv, st.score, pos0, r, cur)
     ops.compress_rows(ext_kv, ext_sc, st.kv, st.score, pos0, comp.norm, freqs, cache,
                       comp.cfg.norm_eps, r, comp.rotate, comp.dc - comp.cfg.rope_head_dim)
-    if comp.overlap:                              # the last complete block -> "previous"
-        nb = (o + s) // r                                           # [1] blocks completed
-        last = (r - o + (nb - 1) * r).clamp_min(0) + j              # its ext rows
-        done = (nb > 0)[:, None]
-        st.kv[:r] = torch.where(done, ext_kv.index_select(0, last), st.kv[:r])
-        st.score[:r] = torch.where(done, ext_sc.index_select(0, last), st.score[:r])
-    # block row j as decode steps leave it: the chunk's latest position p == j (mod r), if any
-    d = (j - pos0) % r                                              # chunk offset of the first
-    has = (d < s)[:, None]
-    src = r + (d + r * ((s - 1 - d).clamp_min(0) // r)).clamp(max=s - 1)
-    st.kv[cur:cur + r] = torch.where(has, ext_kv.index_select(0, src), st.kv[cur:cur + r])
-    st.score[cur:cur + r] = torch.where(has, ext_sc.index_select(0, src), st.score[cur:cur + r])
+    ops.compress_state(ext_kv, ext_sc, st.kv, st.score, pos0, r, cur)
 
 
 def bind(comp, ops: Ops) -> None:

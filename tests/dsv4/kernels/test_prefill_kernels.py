@@ -403,6 +403,53 @@ def check_compressor_rows(dev, gen):
             assert close > 0.97, (ratio, rotate, start, close)
 
 
+def _ext_state_reference(kv, sc, ape, st_kv, st_sc, pos0, r, cur):
+    """The torch ops compress_ext and compress_state replace (the fused compressor prefill's
+    before them): ext, then the state rows in place."""
+    s, dev = kv.shape[0], kv.device
+    j = torch.arange(r, device=dev)
+    o = pos0 % r
+    sc = sc + ape.index_select(0, (pos0 + torch.arange(s, device=dev)) % r)
+    roll = cur + (j + o) % r
+    ext_kv = torch.cat((st_kv.index_select(0, roll), kv))
+    ext_sc = torch.cat((st_sc.index_select(0, roll), sc))
+    if cur:
+        nb = (o + s) // r
+        last = (r - o + (nb - 1) * r).clamp_min(0) + j
+        done = (nb > 0)[:, None]
+        st_kv[:r] = torch.where(done, ext_kv.index_select(0, last), st_kv[:r])
+        st_sc[:r] = torch.where(done, ext_sc.index_select(0, last), st_sc[:r])
+    d = (j - pos0) % r
+    has = (d < s)[:, None]
+    src = r + (d + r * ((s - 1 - d).clamp_min(0) // r)).clamp(max=s - 1)
+    st_kv[cur:cur + r] = torch.where(has, ext_kv.index_select(0, src), st_kv[cur:cur + r])
+    st_sc[cur:cur + r] = torch.where(has, ext_sc.index_select(0, src), st_sc[cur:cur + r])
+    return ext_kv, ext_sc
+
+
+def check_compress_ext_state(dev, gen):
+    """compress_ext and compress_state give the bits of the torch ops they replace (copies and
+    one float32 add), for chunks that complete no block, one, several, from open blocks at every
+    offset, in overlap mode and not."""
+    from dsv4.kernels.prefill import compressor as C
+    for r, cd in ((4, 256), (16, 128), (128, 96)):
+        cur = r if r == 4 else 0
+        ape = torch.randn(r, cd, generator=gen).to(dev)
+        for start, s in ((0, 1), (0, 37), (1, 2), (r - 1, 1), (r - 1, 3 * r + 2), (2 * r + 3, r),
+                         (5 * r, 2 * r)):
+            kv = torch.randn(s, cd, generator=gen).to(dev)
+            sc = torch.randn(s, cd, generator=gen).to(dev)
+            st_kv = torch.randn(cur + r, cd, generator=gen).to(dev)
+            st_sc = torch.randn(cur + r, cd, generator=gen).to(dev)
+            pos0 = torch.tensor([start], dtype=torch.int64, device=dev)
+            rk, rs = st_kv.clone(), st_sc.clone()
+            ek, es = _ext_state_reference(kv, sc, ape, rk, rs, pos0, r, cur)
+            gk, gs = C.compress_ext(kv, sc, ape, st_kv, st_sc, pos0, r, cur)
+            assert torch.equal(gk, ek) and torch.equal(gs, es), (r, start, s, "ext")
+            C.compress_state(gk, gs, st_kv, st_sc, pos0, r, cur)
+            assert torch.equal(st_kv, rk) and torch.equal(st_sc, rs), (r, start, s, "state")
+
+
 def check_mhc_rows(dev, gen, S=33, D=128):
     from dsv4.kernels.decode import mhc as K
     from dsv4.kernels.prefill import mhc as R
@@ -519,6 +566,7 @@ def check_all(dev, seed, tmp, parts=("gemm", "rows", "layers", "parity"), layers
         check_attention_rows(dev, gen)
         check_index_scores_rows(dev, gen)
         check_compressor_rows(dev, gen)
+        check_compress_ext_state(dev, gen)
         check_mhc_rows(dev, gen)
     if "layers" in parts:
         check_layers(dev, tmp, seed, layers)
@@ -665,6 +713,13 @@ def compile_all() -> list:
           "norm_ptr": "*fp32", "freqs_ptr": "*fp32", "cache_ptr": "*bf16", "pos_ptr": "*i64", "S": "i32",
           "eps": "fp32"},
          dict(R=4, DC=128, OVERLAP=True, ROTATE=True, NOPE=64, RB=4), 4),
+        ("compressor ext (ratio 4)", C._ext_kernel,
+         {"kv_ptr": "*fp32", "sc_ptr": "*fp32", "ape_ptr": "*fp32", "skv_ptr": "*fp32",
+          "ssc_ptr": "*fp32", "ekv_ptr": "*fp32", "esc_ptr": "*fp32", "pos_ptr": "*i64"},
+         dict(R=4, CUR=4, CD=1024, BC=1024), 4),
+        ("compressor state (ratio 4)", C._state_kernel,
+         {"ekv_ptr": "*fp32", "esc_ptr": "*fp32", "skv_ptr": "*fp32", "ssc_ptr": "*fp32",
+          "pos_ptr": "*i64", "S": "i32"}, dict(R=4, CUR=4, CD=1024, BC=1024), 4),
         ("mhc mix rows", M._mix_rows_kernel, {"h_ptr": "*bf16", "fn_ptr": "*fp32",
                                               "part_ptr": "*fp32", "S": "i32"},
          dict(K=16384, M=24, MP=32, RB=M.ROWS_RB, KC=16384 // M.ROWS_NCH, BK=M.ROWS_BK,
