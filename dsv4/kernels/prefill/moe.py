@@ -70,7 +70,9 @@ def expert_plan(idx: torch.Tensor, w: torch.Tensor, n_experts: int, fmt: str = "
                 bm: int | None = None, tuning: Tuning = DEFAULT) -> ExpertPlan:
     """idx [t, k] int64 experts (ascending in each row), w [t, k] f32 -> ExpertPlan, with row
     tiles sized for the average pairs per expert (group_tile; bm overrides the height). Device
-    ops only (no host sync); the tile grid has the fixed bound p/bm + min(e, p) tiles."""
+    ops only (no host sync): the stable sort, then two launches (the pairs' tokens, weights and
+    inverse; the experts' ranges and the tiles); the tile grid has the fixed bound p/bm + min(e,
+    p) tiles."""
     T, k = idx.shape
     P, dev = T * k, idx.device
     tile = group_tile(fmt, T, P / n_experts, tuning)
@@ -79,23 +81,87 @@ def expert_plan(idx: torch.Tensor, w: torch.Tensor, n_experts: int, fmt: str = "
     bm = tile.bm
     flat = idx.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    # (not torch.bincount: on CUDA it sizes its output from a host read of the maximum)
-    counts = torch.zeros(n_experts, dtype=torch.int64, device=dev).index_add_(
-        0, flat, torch.ones_like(flat))
-    ends = counts.cumsum(0)
-    ntile = (counts + bm - 1) // bm
-    tcum = ntile.cumsum(0)
-    t = torch.arange(P // bm + min(n_experts, P), device=dev)
-    te = torch.searchsorted(tcum, t, right=True)
-    ok = te < n_experts
-    tec = te.clamp(max=n_experts - 1)
-    r0 = ends[tec] - counts[tec] + (t - tcum[tec] + ntile[tec]) * bm
+    se = flat[order]                                  # the pairs' experts, sorted
+    token = torch.empty(P, dtype=torch.int32, device=dev)
+    weight = torch.empty(P, dtype=torch.float32, device=dev)
     inv = torch.empty(P, dtype=torch.int32, device=dev)
-    inv[order] = torch.arange(P, dtype=torch.int32, device=dev)
-    return ExpertPlan(token=(order // k).to(torch.int32), weight=w.reshape(-1)[order].float(),
-                      inv=inv.view(T, k), tile_e=torch.where(ok, te, -1).to(torch.int32),
-                      tile_r=torch.stack((r0, ends[tec]), 1).to(torch.int32).contiguous(),
-                      tile=tile, tuning=tuning)
+    n_tiles = P // bm + min(n_experts, P)
+    tile_e = torch.empty(n_tiles, dtype=torch.int32, device=dev)
+    tile_r = torch.empty(n_tiles, 2, dtype=torch.int32, device=dev)
+    ep = triton.next_power_of_2(n_experts)
+    scratch = torch.empty(4, ep, dtype=torch.int64, device=dev)
+    with on_device(idx):
+        _plan_pairs_kernel[(triton.cdiv(P, PLAN_BP),)](order, w.reshape(-1).contiguous(), token,
+                                                         weight, inv, P, K=k, BP=PLAN_BP)
+        _plan_tiles_kernel[(1,)](se, P, P.bit_length(), scratch, tile_e, tile_r, n_tiles,
+                                 n_experts.bit_length(), E=n_experts, EP=ep, BM=bm, BT=PLAN_BT)
+    return ExpertPlan(token=token, weight=weight, inv=inv.view(T, k), tile_e=tile_e,
+                      tile_r=tile_r, tile=tile, tuning=tuning)
+
+
+PLAN_BP, PLAN_BT = 1024, 256     # pairs a program, tiles a step of the tiles' one program
+
+
+@triton.jit
+def _plan_pairs_kernel(order_ptr, w_ptr, token_ptr, weight_ptr, inv_ptr, P, K: tl.constexpr,
+                       BP: tl.constexpr):
+    # sorted pair p is pair order[p]: its token order[p] // K, its route weight; inv its inverse
+    p = tl.program_id(0) * BP + tl.arange(0, BP)
+    m = p < P
+    o = tl.load(order_ptr + p, mask=m, other=0)
+    tl.store(token_ptr + p, (o // K).to(tl.int32), mask=m)
+    tl.store(weight_ptr + p, tl.load(w_ptr + o, mask=m).to(tl.float32), mask=m)
+    tl.store(inv_ptr + o, p.to(tl.int32), mask=m)
+
+
+@triton.jit
+def _bisect(ptr, n, x, steps, RIGHT: tl.constexpr):
+    # per lane: the number of ptr[0:n] (ascending) below x (RIGHT: at most x), by bisection
+    lo = tl.zeros(x.shape, tl.int64)
+    hi = tl.zeros(x.shape, tl.int64) + n
+    for _ in range(steps):
+        act = lo < hi
+        mid = (lo + hi) // 2
+        v = tl.load(ptr + mid, mask=act, other=0)
+        if RIGHT:
+            right = act & (v <= x)
+        else:
+            right = act & (v < x)
+        lo = tl.where(right, mid + 1, lo)
+        hi = tl.where(act & (right == 0), mid, hi)
+    return lo
+
+
+@triton.jit
+def _plan_tiles_kernel(se_ptr, P, psteps, scratch_ptr, tile_e_ptr, tile_r_ptr, NT, esteps,
+                       E: tl.constexpr, EP: tl.constexpr, BM: tl.constexpr, BT: tl.constexpr):
+    # one program: expert e's sorted pairs [start, end) (bisections of se), its tiles of at most
+    # BM pairs and their running count tcum; then tile t's expert (the first with tcum > t; E:
+    # unused) and its pairs [r0, end)
+    e = tl.arange(0, EP)
+    em = e < E
+    start = _bisect(se_ptr, P, e.to(tl.int64), psteps, False)
+    end = _bisect(se_ptr, P, e.to(tl.int64), psteps, True)
+    ntile = tl.where(em, (end - start + BM - 1) // BM, 0)
+    tcum = tl.cumsum(ntile, axis=0)
+    tl.store(scratch_ptr + e, start)
+    tl.store(scratch_ptr + EP + e, end)
+    tl.store(scratch_ptr + 2 * EP + e, ntile)
+    tl.store(scratch_ptr + 3 * EP + e, tcum)
+    tl.debug_barrier()
+    for t0 in range(0, NT, BT):
+        t = t0 + tl.arange(0, BT)
+        tm = t < NT
+        te = _bisect(scratch_ptr + 3 * EP, E, t.to(tl.int64), esteps, True)
+        tec = tl.minimum(te, E - 1)
+        s0 = tl.load(scratch_ptr + tec, mask=tm, other=0)
+        e1 = tl.load(scratch_ptr + EP + tec, mask=tm, other=0)
+        nt = tl.load(scratch_ptr + 2 * EP + tec, mask=tm, other=0)
+        tc = tl.load(scratch_ptr + 3 * EP + tec, mask=tm, other=0)
+        r0 = s0 + (t - tc + nt) * BM
+        tl.store(tile_e_ptr + t, tl.where(te < E, te, -1).to(tl.int32), mask=tm)
+        tl.store(tile_r_ptr + 2 * t, r0.to(tl.int32), mask=tm)
+        tl.store(tile_r_ptr + 2 * t + 1, e1.to(tl.int32), mask=tm)
 
 
 @dataclass

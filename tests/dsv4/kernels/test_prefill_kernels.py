@@ -242,6 +242,50 @@ def check_split_k(dev, gen, M=3, N=256, K=512):
         assert outs[0].abs().sum() > 0
 
 
+def _plan_reference(idx, w, n_experts, bm):
+    """The torch ops expert_plan's two launches replace (after the stable sort): token, weight,
+    inv, tile_e, tile_r."""
+    T, k = idx.shape
+    P, dev = T * k, idx.device
+    flat = idx.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.zeros(n_experts, dtype=torch.int64, device=dev).index_add_(
+        0, flat, torch.ones_like(flat))
+    ends = counts.cumsum(0)
+    ntile = (counts + bm - 1) // bm
+    tcum = ntile.cumsum(0)
+    t = torch.arange(P // bm + min(n_experts, P), device=dev)
+    te = torch.searchsorted(tcum, t, right=True)
+    tec = te.clamp(max=n_experts - 1)
+    r0 = ends[tec] - counts[tec] + (t - tcum[tec] + ntile[tec]) * bm
+    inv = torch.empty(P, dtype=torch.int32, device=dev)
+    inv[order] = torch.arange(P, dtype=torch.int32, device=dev)
+    return ((order // k).to(torch.int32), w.reshape(-1)[order].float(), inv.view(T, k),
+            torch.where(te < n_experts, te, -1).to(torch.int32),
+            torch.stack((r0, ends[tec]), 1).to(torch.int32))
+
+
+def check_expert_plan_exact(dev, gen):
+    """expert_plan's launches give the torch ops' plan, bit for bit: many and few tokens, experts
+    that get none, one expert holding most pairs, tiles of several heights, expert counts not a
+    power of two."""
+    from dsv4.kernels.prefill import moe as Q
+    for T, E, k, bm, skew in ((50, 8, 3, 16, False), (7, 256, 6, 64, False), (300, 24, 2, 16, True),
+                              (1, 6, 6, 128, False), (513, 256, 6, 64, True)):
+        if skew:        # most rows route to experts 0 .. k - 1
+            idx = torch.randint(0, E, (T, E), generator=gen).argsort(1)[:, :k]
+            idx[: T * 3 // 4] = torch.arange(k)
+        else:
+            idx = torch.rand(T, E, generator=gen).argsort(1)[:, :k]
+        idx = idx.sort(1).values.to(dev)
+        w = torch.rand(T, k, generator=gen).to(dev)
+        plan = Q.expert_plan(idx, w, E, bm=bm)
+        want = _plan_reference(idx, w, E, plan.tile.bm)
+        got = (plan.token, plan.weight, plan.inv, plan.tile_e, plan.tile_r)
+        for name, a, b in zip(("token", "weight", "inv", "tile_e", "tile_r"), got, want):
+            assert a.dtype == b.dtype and torch.equal(a, b), (T, E, k, bm, name)
+
+
 def check_moe(dev, gen, T=50, D=256, I=128, E=8, k=3, tuning=None, fresh=_every):
     """expert_plan's invariants; the grouped up / down / combine against the reference loop."""
     from dsv4.kernels.prefill import moe as P
@@ -553,6 +597,7 @@ def check_all(dev, seed, tmp, parts=("gemm", "rows", "layers", "parity"), layers
     parallel processes of about equal time)."""
     gen = torch.Generator().manual_seed(seed)
     if "gemm" in parts:
+        check_expert_plan_exact(dev, gen)
         check_split_k(dev, gen)
         check_swiglu_split(dev, gen)
         _both_paths(lambda t, fresh: (check_linear(dev, gen, tuning=t, fresh=fresh),
@@ -713,6 +758,13 @@ def compile_all() -> list:
           "norm_ptr": "*fp32", "freqs_ptr": "*fp32", "cache_ptr": "*bf16", "pos_ptr": "*i64", "S": "i32",
           "eps": "fp32"},
          dict(R=4, DC=128, OVERLAP=True, ROTATE=True, NOPE=64, RB=4), 4),
+        ("expert plan pairs", Q._plan_pairs_kernel,
+         {"order_ptr": "*i64", "w_ptr": "*fp32", "token_ptr": "*i32", "weight_ptr": "*fp32",
+          "inv_ptr": "*i32", "P": "i32"}, dict(K=6, BP=Q.PLAN_BP), 4),
+        ("expert plan tiles", Q._plan_tiles_kernel,
+         {"se_ptr": "*i64", "P": "i32", "psteps": "i32", "scratch_ptr": "*i64",
+          "tile_e_ptr": "*i32", "tile_r_ptr": "*i32", "NT": "i32", "esteps": "i32"},
+         dict(E=256, EP=256, BM=64, BT=Q.PLAN_BT), 4),
         ("compressor ext (ratio 4)", C._ext_kernel,
          {"kv_ptr": "*fp32", "sc_ptr": "*fp32", "ape_ptr": "*fp32", "skv_ptr": "*fp32",
           "ssc_ptr": "*fp32", "ekv_ptr": "*fp32", "esc_ptr": "*fp32", "pos_ptr": "*i64"},
