@@ -21,6 +21,12 @@ import statistics
 ALLREDUCE_NAMES = re.compile(r"^(?!.*(gather|scatter|broadcast|sendrecv)).*(all_?reduce|nccl)",
                              re.IGNORECASE)
 NO_CALLS = "no all-reduce kernels in the traces"
+# a prefill chunk split by rows (sequence parallel) has no all-reduce in its layers: each sublayer
+# all-gathers its input rows and reduce-scatters its partial sums; its calls are every collective
+# of every rank (the head's all-gather of logits too), point-to-point and broadcasts left out
+COLLECTIVE_NAMES = re.compile(
+    r"^(?!.*(broadcast|sendrecv)).*(all_?reduce|reduce_?scatter|all_?gather|nccl)", re.IGNORECASE)
+ALLREDUCE, COLLECTIVES = "all-reduce", "collectives"
 
 
 def on_one_clock(origins_ns: list[int], ranks: list[list[tuple]]) -> list[list[tuple]]:
@@ -42,7 +48,7 @@ def arrival(events: list[tuple], start: float, end: float) -> float:
     return max(ends, default=start)
 
 
-def analyze(ranks: list[list[tuple]]) -> dict:
+def analyze(ranks: list[list[tuple]], what: str = ALLREDUCE) -> dict:
     """ranks[r] = rank r's kernel events [(start, end, name)] of one profiled step, every rank on
     one clock (on_one_clock) -> per all-reduce call (the k-th of every rank paired): `calls`,
     `skew_us` {median, mean} (latest arrival - earliest), `after_us` {median, mean} over ranks
@@ -50,21 +56,25 @@ def analyze(ranks: list[list[tuple]]) -> dict:
     - own], `kernel_us` {median, mean} (the all-reduce kernels' own durations, as the timeline
     sees them), `last_to_arrive` [calls where rank r arrived last], `ties` (calls with no skew),
     `skew_us_per_call`. No all-reduce kernel: `calls` 0 and `note`. ValueError where the ranks
-    have different numbers of all-reduce calls."""
+    have different numbers of all-reduce calls. what=COLLECTIVES: every collective call
+    (COLLECTIVE_NAMES), for a prefill split by rows; the result says which in `what`."""
+    names = {ALLREDUCE: ALLREDUCE_NAMES, COLLECTIVES: COLLECTIVE_NAMES}[what]
+    none = {"calls": 0, "what": what, "note": NO_CALLS if what == ALLREDUCE else
+            "no collective kernels in the traces"}
     if not ranks:
-        return {"calls": 0, "note": NO_CALLS}
-    mine = [sorted(ev for ev in evs if ALLREDUCE_NAMES.search(ev[2])) for evs in ranks]
+        return none
+    mine = [sorted(ev for ev in evs if names.search(ev[2])) for evs in ranks]
     counts = [len(m) for m in mine]
     if len(set(counts)) > 1:
         raise ValueError(
-            "all-reduce calls differ across ranks (" +
+            f"{what.rstrip('s')} calls differ across ranks (" +
             ", ".join(f"rank {r}: {n}" for r, n in enumerate(counts)) +
             "): the k-th calls cannot be paired. Are these every rank's events of the same "
-            "profiled step? Kernels that match ALLREDUCE_NAMES (dsv4/bench/comm_skew.py) but are "
-            "not a collective of every rank break the pairing too")
+            f"profiled step? Kernels that match {names.pattern} (dsv4/bench/comm_skew.py) but "
+            "are not a collective of every rank break the pairing too")
     n = counts[0]
     if n == 0:
-        return {"calls": 0, "note": NO_CALLS}
+        return none
     world = len(ranks)
     skews, afters, kernels = [], [], []
     waits = [[] for _ in range(world)]
@@ -83,7 +93,8 @@ def analyze(ranks: list[list[tuple]]) -> dict:
             waits[r].append(latest - arr[r])
             afters.append(max(e - latest, 0.0))
             kernels.append(e - s)
-    return {"calls": n, "skew_us": _median_mean(skews), "after_us": _median_mean(afters),
+    return {"calls": n, "what": what, "skew_us": _median_mean(skews),
+            "after_us": _median_mean(afters),
             "wait_us": [statistics.fmean(w) for w in waits], "kernel_us": _median_mean(kernels),
             "last_to_arrive": last, "ties": ties,
             "skew_us_per_call": [round(x, 2) for x in skews]}
@@ -96,15 +107,16 @@ def _median_mean(xs: list[float]) -> dict:
 def format_line(sk: dict) -> str:
     """One log line: the calls, their skew, their time after the last arrival, each rank's wait
     and who arrived last; the note or the refusal where there is no comparison."""
+    head = f"{sk.get('what', ALLREDUCE)} across ranks"
     if "error" in sk:
-        return f"all-reduce across ranks: not compared: {sk['error']}"
+        return f"{head}: not compared: {sk['error']}"
     if not sk["calls"]:
-        return f"all-reduce across ranks: {sk['note']}"
+        return f"{head}: {sk['note']}"
     sw, af = sk["skew_us"], sk["after_us"]
     waits = " / ".join(f"r{r} {w:.1f}" for r, w in enumerate(sk["wait_us"]))
     last = ", ".join(f"r{r} {c}" for r, c in enumerate(sk["last_to_arrive"]))
     tied = f", tied {sk['ties']}" if sk["ties"] else ""
-    return (f"all-reduce across ranks: {sk['calls']} calls, kernel median "
+    return (f"{head}: {sk['calls']} calls, kernel median "
             f"{sk['kernel_us']['median']:.1f} us, skew median {sw['median']:.1f} us (mean "
             f"{sw['mean']:.1f}), after the last arrival {af['median']:.1f} us, waits {waits} us, "
             f"last to arrive: {last}{tied}")

@@ -10,7 +10,8 @@ with --prefill-profile (CUDA) one profiled prefill a rank (the ranks start it to
 kernels by device time; with --trace PREFIX each rank's profiled graph step as a Chrome trace,
 PREFIX-rank<r>-graph-<granularity>.json, and the ranks' all-reduce calls of that step compared on
 the host's clock (dsv4.bench.comm_skew); with both, the profiled prefill's too
-(PREFIX-rank<r>-prefill<n>.json, its all-reduce calls compared: `allreduce_skew` of the prefill row);
+(PREFIX-rank<r>-prefill<n>.json, its collective calls compared: `collective_skew` of the prefill
+row: a chunk split by rows all-gathers and reduce-scatters where an unsplit one all-reduces);
 with --speculative (every rank's MTP block built) the speculative mechanism's measurements
 (dsv4.bench.speculative: verify T = 1..4, the speculative step, end to end with an oracle
 drafting), every rank running the same sessions: rank 0's figures, every rank's verify times;
@@ -78,12 +79,12 @@ def run(args, command: str = "") -> dict:
         r["extrapolated_ms"] = r["per_layer_ms"] * full.n_layers + r["head_embed_ms"]
         r["allreduce_skew"] = allreduce_skew([q["step_events"][i] for q in ranks],
                                              f"{r['mode']}/{r['granularity']}")
-    for i, n in enumerate(lengths):   # --prefill-profile --trace: the prefill's all-reduce calls
+    for i, n in enumerate(lengths):   # --prefill-profile --trace: the prefill's collective calls
         profs = [q["prefill"][i].get("profile") for q in ranks]
         if all(p is not None and "events" in p for p in profs):
-            ranks[0]["prefill"][i]["allreduce_skew"] = allreduce_skew(
+            ranks[0]["prefill"][i]["collective_skew"] = allreduce_skew(
                 [{"events": p.pop("events"), "origin_ns": p.pop("origin_ns")} for p in profs],
-                f"prefill {n}")
+                f"prefill {n}", comm_skew.COLLECTIVES)
     partial = cfg.n_layers < full.n_layers
     graph = next((r for r in runs if r["mode"] == "graph"), None)
     eager = next((r for r in runs if r["mode"] == "eager"), None)
@@ -192,11 +193,11 @@ def _rank(group, job: dict) -> dict:
     return out
 
 
-def allreduce_skew(steps: list, name: str) -> dict | None:
+def allreduce_skew(steps: list, name: str, what: str = comm_skew.ALLREDUCE) -> dict | None:
     """Every rank's profiled step of one run (measure's step_events: None where no step was
     profiled: --trace not given, eager, --no-kernels, the CPU) -> comm_skew's comparison of their
-    all-reduce calls (with `error` where the ranks' calls do not pair), logged as one line; None
-    without every rank's step."""
+    all-reduce calls (`what`=COLLECTIVES: every collective's) (with `error` where the ranks'
+    calls do not pair), logged as one line; None without every rank's step."""
     if any(s is None for s in steps):
         return None
     try:
@@ -204,9 +205,9 @@ def allreduce_skew(steps: list, name: str) -> dict | None:
             raise ValueError("this torch's profiler does not say when its trace started "
                              "(kineto_results.trace_start_ns): the ranks' clocks do not line up")
         sk = comm_skew.analyze(comm_skew.on_one_clock([s["origin_ns"] for s in steps],
-                                                      [s["events"] for s in steps]))
+                                                      [s["events"] for s in steps]), what)
     except ValueError as e:    # a diagnostic: the run's measurements stand without it
-        sk = {"error": str(e)}
+        sk = {"error": str(e), "what": what}
     _log(f"{name}: {comm_skew.format_line(sk)}")
     return sk
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from dsv4.bench.comm_skew import NO_CALLS, analyze, arrival, format_line, on_one_clock
+from dsv4.bench.comm_skew import (COLLECTIVES, NO_CALLS, analyze, arrival, format_line,
+                                  on_one_clock)
 
 AR = "void allreduce_oneshot_kernel<__nv_bfloat16, 2>(ArPeers, char*, ArCall)"
 NCCL = "ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)"
@@ -81,8 +82,29 @@ def test_unequal_calls_are_refused_by_name():
 def test_no_all_reduce_kernels():
     for ranks in ([], [[], []], [[(0.0, 1.0, GEMV)], [(0.0, 1.0, GEMV)]]):
         sk = analyze(ranks)
-        assert sk == {"calls": 0, "note": NO_CALLS}
+        assert sk == {"calls": 0, "what": "all-reduce", "note": NO_CALLS}
         assert format_line(sk) == f"all-reduce across ranks: {NO_CALLS}"
+
+
+def test_a_prefill_split_by_rows_pairs_its_gathers_and_scatters():
+    """A sequence-parallel prefill layer: all-gather, GEMV, reduce-scatter (NCCL's names), twice;
+    no all-reduce among them. COLLECTIVES pairs all four calls (rank 1 late by 2 us at the
+    first scatter); the all-reduce analysis finds none, and says so."""
+    AG = "ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)"
+    RS = "ncclDevKernel_ReduceScatter_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)"
+
+    def sp_layer(late):
+        return [(0.0, 5.0, AG), (5.0, 20.0 + late, GEMV), (21.0 + late, 30.0, RS),
+                (30.0, 35.0, AG), (35.0, 50.0, GEMV), (51.0, 60.0, RS)]
+    ranks = [sp_layer(0.0), sp_layer(2.0)]
+    sk = analyze(ranks, COLLECTIVES)
+    assert sk["calls"] == 4 and sk["what"] == "collectives"
+    assert sk["skew_us_per_call"] == [0.0, 2.0, 0.0, 0.0] and sk["last_to_arrive"] == [0, 1]
+    assert format_line(sk).startswith("collectives across ranks: 4 calls")
+    none = analyze(ranks)
+    assert none["calls"] == 0 and format_line(none) == f"all-reduce across ranks: {NO_CALLS}"
+    with pytest.raises(ValueError, match=r"collective calls differ.*rank 0: 4, rank 1: 3"):
+        analyze([ranks[0], ranks[1][:-1]], COLLECTIVES)
 
 
 def test_ranks_put_on_one_clock_from_their_profile_starts():

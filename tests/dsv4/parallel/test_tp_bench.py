@@ -148,14 +148,15 @@ def test_tp_bench_profiles_a_prefill_and_traces_every_rank(capfd, tmp_path):
         assert q["kernels"] > 0 and q["device_ms"] > 0 and q["device_span_ms"] > 0
     assert p["profile"]["top"] and p["profile"]["kernels"] == p["profile_per_rank"][0]["kernels"]
     assert "rank 0's kernels by device time" in err
-    # the profiled prefill (the ranks start it together): every rank's trace, its all-reduce
-    # calls paired (two a layer), one line; the events themselves are not in the report
+    # the profiled prefill (the ranks start it together): every rank's trace, its collective
+    # calls paired (split by rows: two all-gathers and two reduce-scatters a layer), one line;
+    # the events themselves are not in the report
     for r in (0, 1):
         assert json.loads((tmp_path / f"t-rank{r}-prefill32.json").read_text())["traceEvents"]
-    sk = p["allreduce_skew"]
-    assert sk["calls"] >= 2 * rep["layers"], sk
+    sk = p["collective_skew"]
+    assert sk["calls"] >= 4 * rep["layers"], sk
     assert sum(sk["last_to_arrive"]) + sk["ties"] == sk["calls"], sk
-    assert err.count("prefill 32: all-reduce across ranks: ") == 1
+    assert err.count("prefill 32: collectives across ranks: ") == 1
     assert "events" not in p["profile"]
 
 
