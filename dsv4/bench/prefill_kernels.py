@@ -5,10 +5,12 @@ after warm-up; achieved TFLOP/s and the weight bytes read per second. The model'
 from this sweep (prefill_gemm.BK16, pick_bm, MMA; BENCHMARKS.md).
 Run: `python -m dsv4.bench.prefill_kernels [flash|pro] [T,T,...] [hot,hot,...]` (hot: see moe_rows;
 DSV4_BENCH_QUICK=1: the QUICK variants only; DSV4_BENCH_ONLY=attn: the chunk's sparse attention
-instead, `attn_rows`; both read by main only).
+instead, `attn_rows`, with DSV4_BENCH_HEADS=64,32,16 for those query heads (a TP rank's share);
+all read by main only).
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import statistics
 import sys
@@ -189,8 +191,11 @@ def attn_rows(cfg, T, dev, gen):
         valid = int((idx >= 0).sum())
         flops = 4 * H * Dh * valid
         ref = None
-        for hb, bn, warps, stages in ((16, 32, 4, 3), (32, 64, 8, 2), (64, 32, 8, 2),
-                                      (64, 64, 8, 2), (64, 64, 8, 3), (64, 64, 16, 2)):
+        for hb, bn, warps, stages in ((16, 32, 4, 3), (16, 64, 4, 2), (32, 32, 4, 3), (32, 64, 4, 2),
+                                      (32, 64, 8, 2), (64, 32, 8, 2), (64, 64, 8, 2),
+                                      (64, 64, 8, 3), (64, 64, 16, 2)):
+            if hb > max(H, 16):         # sparse_attention_rows takes min(hb, H): a repeat
+                continue
             def fn():
                 return sparse_attention_rows(q, kv, idx, sink, Dh ** -0.5, freqs, pos0,
                                              config=(hb, bn, warps, stages))
@@ -202,7 +207,7 @@ def attn_rows(cfg, T, dev, gen):
             o = fn().float()
             ref = o if ref is None else ref
             diff = (o - ref).abs().max().item()
-            rows.append((f"attn r{r} T={T}", f"h{hb}", bn, f"{stages}/{diff:.0e}", warps, t, 0.0,
+            rows.append((f"attn r{r} H={H}", f"h{hb}", bn, f"{stages}/{diff:.0e}", warps, t, 0.0,
                          flops / t / 1e9, 0.0, valid / T, 0.0))
     return rows
 
@@ -222,7 +227,9 @@ def main(argv=None) -> int:
         for hot in hots:
             rows, hit = ([], 0) if attn else moe_rows(cfg, T, dev, gen, hot, quick)
             if attn:
-                rows, hit = attn_rows(cfg, T, dev, gen), 0
+                heads = os.environ.get("DSV4_BENCH_HEADS", str(cfg.n_heads)).split(",")
+                rows, hit = [r for h in heads for r in attn_rows(
+                    dataclasses.replace(cfg, n_heads=int(h)), T, dev, gen)], 0
             elif not hot:
                 rows += linear_rows(cfg, T, dev, gen) + wo_a_rows(cfg, T, dev, gen)
             print(f"# T={T}: {hit} experts hit")

@@ -18,11 +18,15 @@ from ..common import NEG_INF, dot_bf16, interpreting, load_pos, on_device, round
 from ..decode.attention import attn_finish
 
 # launch configs (heads per program, KV rows per tile, warps, stages) from the H200 sweep
-# (`DSV4_BENCH_ONLY=attn python -m dsv4.bench.prefill_kernels`, 4,096 Flash queries): 64 heads
-# (the wgmma's M) over 64-row tiles in 8 warps, the gathered rows double-buffered, read each row
-# once per query: ratio 4 1.38 ms, ratio 128 0.69 ms, against 2.34 / 0.89 for 16 heads over
-# 32-row tiles in 4 warps (mma.sync, each row read 4 times), which serves fewer heads
-WIDE = (64, 64, 8, 2)
+# (`DSV4_BENCH_ONLY=attn DSV4_BENCH_HEADS=64,32,16 python -m dsv4.bench.prefill_kernels flash
+# 4096`, 4,096 Flash queries, ms for ratio 4 / ratio 128): 32 heads a program over 64-row tiles
+# in 4 warps (mma.sync, 255 registers), the gathered rows double-buffered, serves 64 heads (one
+# GPU) at 1.35 / 0.63 (64 heads on wgmma in 8 warps: 1.39 / 0.70) and 32 (a TP2 rank) at 0.70 /
+# 0.32 (16 heads over 32-row tiles, what a rank with fewer than 64 heads ran before: 1.19 /
+# 0.45); 16 heads (TP4) over 64-row tiles 0.51 / 0.23 (over 32-row tiles 0.61 / 0.24). Fewer
+# heads: NARROW.
+WIDE = (32, 64, 4, 2)
+MID = (16, 64, 4, 2)
 NARROW = (16, 32, 4, 3)
 SCAN = 256       # index entries per step of the scan for the first and last valid row
 
@@ -100,6 +104,6 @@ def sparse_attention_rows(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor,
 
 
 def launch_config(heads: int) -> tuple:
-    """(heads per program, rows per tile, warps, stages) for `heads` query heads: WIDE where a
-    program can take 64 heads, else NARROW."""
-    return WIDE if heads >= WIDE[0] else NARROW
+    """(heads per program, rows per tile, warps, stages) for `heads` query heads: WIDE from 32
+    heads, MID from 16, else NARROW."""
+    return WIDE if heads >= WIDE[0] else MID if heads >= MID[0] else NARROW
