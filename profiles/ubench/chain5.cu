@@ -1,0 +1,404 @@
+// Microbenchmark (not part of the library): chain4's FP8 chain with tensor-core consumers. chain4's
+// consumers (a warp a row, e4m3 pairs to f16x2 on CUDA cores, x read from shared memory as float)
+// ran at 40-42% of the read, persistent or not, so its ring stayed full and a latency-bound step
+// between two stages was not hidden (BENCHMARKS.md, the twenty-second session). Here a warp takes
+// a unit of 16 rows x 1,024 K through mma.sync m16n8k16 (e4m3 -> f16 in registers, x as f16, f32
+// accumulation; the 8 columns of B all x, column 0 kept), from a tile-packed copy of the weights
+// (a load-time layout: each unit's 16 KB contiguous, so one bulk copy fills a ring slot and a
+// warp's 16-byte reads of it are conflict-free). The questions: do these consumers outrun the
+// memory (mode 3: the ring's units consumed again and again, no producer); one stage of all rows
+// against the read; what a dependency costs then; and whether the producer's streaming (a ring of
+// up to 192 KB an SM, 25 MB over 132 SMs, more than a 16.8 MB stage) hides a latency-bound step
+// between two stages, where a graph of PDL launches pays it. Against a graph of PDL launches of
+// the same unit GEMV reading global memory, the partial sums checked bit for bit against it, and
+// stage 0 against a float64 host reference. Build and run: profiles/ubench/run.sh chain5
+#include <cuda_runtime.h>
+#include <cuda_fp16.h>
+#include <cstdio>
+#include <cstdlib>
+#include <cstdint>
+#include <cmath>
+#include <vector>
+#include <algorithm>
+
+#include "ring.cuh"
+
+constexpr int STHREADS = 256;   // the PDL stage kernel's block (168 registers: one an SM)
+constexpr int CONS = 8;         // the persistent kernel's consumer warps (+ one producer warp)
+constexpr int KD = 4096;        // every matrix's K
+constexpr int KC = 1024;        // a unit's K: 16 rows x KC e4m3 = 16 KB
+constexpr int UNITB = 16 * KC;
+constexpr int CHUNKS = KD / KC; // units a 16-row tile
+
+// packed layout of a unit (tile T, chunk c): [b: KC / 64][r: 16][j: 64] = W[16T + r][c KC + 64b + j]
+
+__device__ __forceinline__ uint32_t e4m3x2_f16x2(uint32_t v16) {
+  uint32_t r;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(r) : "h"(static_cast<unsigned short>(v16)));
+  return r;
+}
+__device__ __forceinline__ void mma16816(float* c, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                         uint32_t b0, uint32_t b1) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// one 64-K block b of a unit into c: lane (g = lane / 4, t = lane % 4) holds bytes 16t..16t+15 of
+// rows g and g + 8 (wa, wb); mma step s takes their s-th word: its bytes are K = 16t + 4s + 0..3,
+// which the step reads as the MMA's k = 2t, 2t+1 (the word's low half) and 2t+8, 2t+9 (its high
+// half), for A (the rows) and B (x at the same K, in every column) alike
+__device__ __forceinline__ void block_mma(float* c, uint4 wa, uint4 wb, const __half* xb) {
+  const int t = threadIdx.x & 3;
+  const uint4 x0 = *reinterpret_cast<const uint4*>(xb + 16 * t);
+  const uint4 x1 = *reinterpret_cast<const uint4*>(xb + 16 * t + 8);
+  const uint32_t A[4] = {wa.x, wa.y, wa.z, wa.w}, B[4] = {wb.x, wb.y, wb.z, wb.w};
+  const uint32_t X[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+#pragma unroll
+  for (int s = 0; s < 4; ++s)
+    mma16816(c, e4m3x2_f16x2(A[s] & 0xFFFFu), e4m3x2_f16x2(B[s] & 0xFFFFu), e4m3x2_f16x2(A[s] >> 16),
+             e4m3x2_f16x2(B[s] >> 16), X[2 * s], X[2 * s + 1]);
+}
+
+// a unit's partial sums of rows g and g + 8 (x: the chunk's KC halves; sc: the chunk's KC / 128
+// block scales of the tile's rows); load(b, r) -> the lane's 16 bytes of row r in block b. Two
+// accumulators (even and odd blocks) for two MMA chains in flight; the same order in every kernel
+template <typename Load>
+__device__ __forceinline__ float2 unit_dot(Load load, const __half* x, const float* sc) {
+  const int g = (threadIdx.x & 31) >> 2;
+  float p0 = 0.f, p1 = 0.f;
+#pragma unroll
+  for (int grp = 0; grp < KC / 128; ++grp) {
+    float ca[4] = {0.f, 0.f, 0.f, 0.f}, cb[4] = {0.f, 0.f, 0.f, 0.f};
+    block_mma(ca, load(2 * grp, g), load(2 * grp, g + 8), x + 128 * grp);
+    block_mma(cb, load(2 * grp + 1, g), load(2 * grp + 1, g + 8), x + 128 * grp + 64);
+    const float s = __ldg(sc + grp);
+    p0 = fmaf(ca[0] + cb[0], s, p0);
+    p1 = fmaf(ca[2] + cb[2], s, p1);
+  }
+  return make_float2(p0, p1);
+}
+
+// y of a stage from its partials [N][CHUNKS], summed in chunk order
+__device__ __forceinline__ float combine(const float* part, int r) {
+  const float4 p = __ldcg(reinterpret_cast<const float4*>(part) + r);
+  return ((p.x + p.y) + p.z) + p.w;
+}
+
+// x of a stage into shared memory as f16: x0 (float [K]), or y of the stage before (partials)
+__device__ __forceinline__ void load_xh(const float* x, bool partials, __half* xh, int K, int nthreads) {
+  for (int i = threadIdx.x; i < K; i += nthreads) xh[i] = __float2half_rn(partials ? combine(x, i) : __ldcg(x + i));
+}
+
+// a unit's partials into part [N][CHUNKS] (the lanes with t == 0 hold rows g and g + 8)
+__device__ __forceinline__ void store_unit(float* part, int u, float2 p) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, tile = u / CHUNKS, c = u % CHUNKS;
+  if ((lane & 3) == 0) {
+    part[size_t(tile * 16 + g) * CHUNKS + c] = p.x;
+    part[size_t(tile * 16 + g + 8) * CHUNKS + c] = p.y;
+  }
+}
+
+// the latency-bound step between two stages (mode 2): one CTA of CONS * 32 threads normalizes
+// y (from its partials) GAPI times over, as chain4's
+constexpr int GAPI = 8;
+template <typename Sync>
+__device__ void gap_norm(const float* part, float* out, int K, Sync sync) {
+  __shared__ float red[CONS];
+  constexpr int PER = KD / (CONS * 32);
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  float v[PER];
+#pragma unroll
+  for (int i = 0; i < PER; ++i) v[i] = combine(part, i * CONS * 32 + tid);
+  for (int it = 0; it < GAPI; ++it) {
+    float ss = 0.f;
+#pragma unroll
+    for (int i = 0; i < PER; ++i) ss = fmaf(v[i], v[i], ss);
+#pragma unroll
+    for (int o = 16; o; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    if (lane == 0) red[warp] = ss;
+    sync();
+    float tot = 0.f;
+#pragma unroll
+    for (int w = 0; w < CONS; ++w) tot += red[w];
+    sync();
+    const float sc = rsqrtf(tot / K + 1e-6f);
+#pragma unroll
+    for (int i = 0; i < PER; ++i) v[i] *= sc;
+  }
+#pragma unroll
+  for (int i = 0; i < PER; ++i) out[i * CONS * 32 + tid] = v[i];
+}
+
+__global__ void __launch_bounds__(CONS * 32) gap_kernel(const float* part, float* out, int K) {
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+  gap_norm(part, out, K, [] { __syncthreads(); });
+}
+
+// one stage as its own launch (PDL): a warp a unit, units strided over the grid's warps; the
+// warp's first unit's first two blocks requested before griddepcontrol.wait
+__global__ void __launch_bounds__(STHREADS, 1) stage_fp8(const uint8_t* W, const float* S, const float* x,
+                                                      bool partials, float* part, int N, int K) {
+  __shared__ __align__(16) __half xh[KD];
+  const int gw = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, nw = (gridDim.x * blockDim.x) >> 5;
+  const int lane = threadIdx.x & 31, t = lane & 3, units = N / 16 * CHUNKS;
+  auto at = [&](int u, int b, int r) { return W + size_t(u) * UNITB + b * 1024 + r * 64 + 16 * t; };
+  uint4 first[4];
+  if (gw < units) {
+    first[0] = ldg_na(at(gw, 0, lane >> 2)); first[1] = ldg_na(at(gw, 0, (lane >> 2) + 8));
+    first[2] = ldg_na(at(gw, 1, lane >> 2)); first[3] = ldg_na(at(gw, 1, (lane >> 2) + 8));
+  }
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+  load_xh(x, partials, xh, K, blockDim.x);
+  __syncthreads();
+  for (int u = gw; u < units; u += nw) {
+    const int tile = u / CHUNKS, c = u % CHUNKS;
+    const float* sc = S + size_t(tile * 16 / 128) * (K / 128) + c * (KC / 128);
+    const float2 p = unit_dot([&](int b, int r) {
+      if (u == gw && b < 2) return first[2 * b + (r >= 8)];
+      return ldg_na(at(u, b, r));
+    }, xh + c * KC, sc);
+    store_unit(part, u, p);
+  }
+}
+
+// all stages in one kernel: tiles split evenly over the CTAs, the producer warp (warp CONS)
+// streams this CTA's units of every stage through a ring of nbuf 16 KB slots (one bulk copy a
+// unit); the consumers take units j = warp, warp + CONS, ... MODE 1: stage s > 0 reads y of
+// stage s - 1 (N == K) after a grid barrier; 2: as 1 through the latency-bound step (CTA 0 runs
+// gap_norm into xn and raises `flag`); 3: no producer after the ring's first fill: the consumers
+// take the ring's units again and again (M stages' worth), no barrier, x0 throughout: the
+// consumers' own speed. M = 1: one stage, the floor of this kernel.
+template <int MODE>
+__global__ void __launch_bounds__((CONS + 1) * 32, 1) chain_fp8(const uint8_t* const* Ws, const float* const* Ss,
+                                                                const float* x0, float* parts, int M, int N, int K,
+                                                                int nbuf, unsigned* bar, unsigned epoch,
+                                                                float* xn, unsigned* flag) {
+  constexpr bool GAP = MODE == 2, SOLO = MODE == 3;
+  extern __shared__ __align__(128) unsigned char sm[];
+  Ring g = ring_init(sm, K, size_t(UNITB), nbuf);      // xs: K floats of room, used as K halves
+  __half* xh = reinterpret_cast<__half*>(g.xs);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, t = lane & 3;
+  int t0, t1;
+  even_rows(N / 16, t0, t1);
+  const int units = (t1 - t0) * CHUNKS, u0 = t0 * CHUNKS;
+  if (warp == CONS) {
+    if (lane == 0) {
+      int use = 0;
+      for (int s = 0; s < (SOLO ? 1 : M); ++s)
+        for (int j = 0; j < (SOLO ? min(units, nbuf) : units); ++j)
+          g.fill(g.acquire(use++), Ws[s] + size_t(u0 + j) * UNITB);
+    }
+    return;
+  }
+  if (SOLO)                       // every warp reads every filled slot: wait for them all
+    for (int j = 0; j < min(units, nbuf); ++j) g.wait(j);
+  for (int s = 0; s < M; ++s) {
+    if (s == 0 || !SOLO) {
+      const float* x = s == 0 || SOLO ? x0 : GAP ? xn + size_t(s - 1) * K : parts + size_t(s - 1) * N * CHUNKS;
+      load_xh(x, s > 0 && !GAP, xh, K, CONS * 32);
+      cons_sync<CONS>();
+    }
+    float* part = parts + size_t(SOLO ? 0 : s) * N * CHUNKS;
+    for (int j = warp; j < units; j += CONS) {
+      const int u = u0 + j, tile = u / CHUNKS, c = u % CHUNKS;
+      const int slot = SOLO ? j % min(units, nbuf) : g.wait(s * units + j);
+      const unsigned char* row = static_cast<const unsigned char*>(g.row(slot));
+      const float* sc = Ss[SOLO ? 0 : s] + size_t(tile * 16 / 128) * (K / 128) + c * (KC / 128);
+      const float2 p = unit_dot([&](int b, int r) {
+        return *reinterpret_cast<const uint4*>(row + b * 1024 + r * 64 + 16 * t);
+      }, xh + c * KC, sc);
+      __syncwarp();
+      if (!SOLO && lane == 0) g.release(slot);
+      store_unit(part, u, p);
+    }
+    if (SOLO || s + 1 == M) continue;
+    cons_sync<CONS>();
+    if (threadIdx.x == 0) grid_wait(bar, (epoch * (M - 1) + s + 1) * gridDim.x);
+    cons_sync<CONS>();
+    if (GAP) {
+      const unsigned target = epoch * (M - 1) + s + 1;
+      if (blockIdx.x == 0) {
+        gap_norm(parts + size_t(s) * N * CHUNKS, xn + size_t(s) * K, K, [] { cons_sync<CONS>(); });
+        cons_sync<CONS>();
+        if (threadIdx.x == 0) asm volatile("red.release.gpu.global.add.u32 [%0], 1;\n" ::"l"(flag) : "memory");
+      }
+      if (threadIdx.x == 0) spin_until(flag, target);
+      cons_sync<CONS>();
+    }
+  }
+}
+
+static double e4m3(uint8_t b) {
+  const int e = (b >> 3) & 15, m = b & 7;
+  const double v = e ? std::ldexp(1.0 + m / 8.0, e - 7) : std::ldexp(m / 8.0, -6);
+  return b & 0x80 ? -v : v;
+}
+
+int main() {
+  setvbuf(stdout, nullptr, _IOLBF, 0);   // a line at a time, also through a pipe
+  cudaDeviceProp prop;
+  const int sms = sm_count(prop);
+  printf("%s, %d SMs (chain5: FP8 units on mma.sync, persistent producer + ring against PDL launches)\n", prop.name, sms);
+  struct Cfg { int M, N, K; };
+  const Cfg cfgs[] = {{8, 4096, 4096}, {4, 8192, 4096}, {8, 2048, 4096}};   // 16.8, 33.6, 8.4 MB a stage
+  Timer T;
+  const cudaStream_t st = T.st;
+  const int COPIES = 3;
+  for (const Cfg& c : cfgs) {
+    if (c.K != KD || c.N % 128) { printf("K = %d, N = %d: the kernels take K = %d, N a multiple of 128\n", c.K, c.N, KD); return 1; }
+    const size_t per = size_t(c.N) * c.K, bytes = per * c.M, nsc = size_t(c.N / 128) * (c.K / 128);
+    std::vector<uint8_t> hw(per * c.M), hp(per * c.M);
+    std::vector<float> hs(nsc * c.M);
+    uint32_t rs = 7;
+    for (auto& b : hw) { rs = rs * 1664525u + 1013904223u; b = uint8_t((rs >> 13) & 0xBF); }   // |w| < 2
+    for (auto& v : hs) { rs = rs * 1664525u + 1013904223u; v = std::ldexp(1.0f, -6 - int((rs >> 20) & 1)); }
+    for (int m = 0; m < c.M; ++m)          // the tile-packed copy of each matrix
+      for (int r = 0; r < c.N; ++r)
+        for (int k = 0; k < c.K; ++k) {
+          const int tile = r / 16, ch = k / KC, b = (k % KC) / 64, j = k % 64;
+          hp[m * per + size_t(tile * CHUNKS + ch) * UNITB + b * 1024 + (r % 16) * 64 + j] = hw[m * per + size_t(r) * c.K + k];
+        }
+    uint8_t* w; float* sc;
+    CK(cudaMalloc(&w, bytes * COPIES)); CK(cudaMalloc(&sc, hs.size() * 4 * COPIES));
+    for (int k = 0; k < COPIES; ++k) {
+      CK(cudaMemcpy(w + k * bytes, hp.data(), bytes, cudaMemcpyHostToDevice));
+      CK(cudaMemcpy(sc + k * hs.size(), hs.data(), hs.size() * 4, cudaMemcpyHostToDevice));
+    }
+    std::vector<float> hx(c.K);
+    for (int i = 0; i < c.K; ++i) hx[i] = __half2float(__float2half_rn(std::sin(0.1f * i)));   // x as the kernels hold it
+    const size_t np = size_t(c.N) * CHUNKS;   // a stage's partials
+    float *x0, *ps, *ps2, *xn, *xn2; unsigned *bar, *flag;
+    CK(cudaMalloc(&x0, c.K * 4)); CK(cudaMalloc(&ps, c.M * np * 4)); CK(cudaMalloc(&ps2, c.M * np * 4));
+    CK(cudaMalloc(&xn, size_t(c.M) * c.K * 4)); CK(cudaMalloc(&xn2, size_t(c.M) * c.K * 4));
+    CK(cudaMalloc(&bar, 4)); CK(cudaMalloc(&flag, 4));
+    CK(cudaMemcpy(x0, hx.data(), c.K * 4, cudaMemcpyHostToDevice));
+    std::vector<const void*> ptr(size_t(2) * c.M * COPIES);   // per copy: M weight pointers, then M scale pointers
+    for (int k = 0; k < COPIES; ++k)
+      for (int i = 0; i < c.M; ++i) {
+        ptr[(2 * k) * c.M + i] = w + k * bytes + i * per;
+        ptr[(2 * k + 1) * c.M + i] = sc + k * hs.size() + i * nsc;
+      }
+    const void** dp; CK(cudaMalloc(&dp, ptr.size() * sizeof(void*)));
+    CK(cudaMemcpy(dp, ptr.data(), ptr.size() * sizeof(void*), cudaMemcpyHostToDevice));
+    auto wp = [&](int k) { return reinterpret_cast<const uint8_t* const*>(dp + 2 * k * c.M); };
+    auto sp = [&](int k) { return reinterpret_cast<const float* const*>(dp + (2 * k + 1) * c.M); };
+    int occ = 0;
+    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, stage_fp8, STHREADS, 0));
+    const int grid0 = sms * std::max(occ, 1);
+    const bool chained = c.N == c.K;
+    auto stage = [&](int k, int i, const float* x, bool partials, bool pdl) {
+      Launch L(dim3(grid0), dim3(STHREADS), 0, st, pdl);
+      L(stage_fp8, static_cast<const uint8_t*>(ptr[(2 * k) * c.M + i]), static_cast<const float*>(ptr[(2 * k + 1) * c.M + i]),
+        x, partials, ps + size_t(i) * np, c.N, c.K);
+    };
+    // a graph of the M stages (gap: the latency-bound step between two, stage i then reading
+    // xn of stage i - 1; gaps_only: the M - 1 steps alone)
+    auto capture = [&](int k, bool gap, bool gaps_only) {
+      cudaGraph_t g;
+      cudaGraphExec_t gx;
+      CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
+      for (int i = 0; i < c.M; ++i) {
+        if (i > 0 && (gap || gaps_only)) {
+          Launch L(dim3(1), dim3(CONS * 32), 0, st);
+          L(gap_kernel, ps + size_t(i - 1) * np, xn + size_t(i - 1) * c.K, c.K);
+        }
+        if (gaps_only) continue;
+        if (i == 0 || !chained) stage(k, i, x0, false, true);
+        else if (gap) stage(k, i, xn + size_t(i - 1) * c.K, false, true);
+        else stage(k, i, ps + size_t(i - 1) * np, true, true);
+      }
+      CK(cudaStreamEndCapture(st, &g));
+      CK(cudaGraphInstantiate(&gx, g, 0));
+      return gx;
+    };
+    std::vector<cudaGraphExec_t> ex(COPIES), exg(COPIES);
+    for (int k = 0; k < COPIES; ++k) {
+      ex[k] = capture(k, false, false);
+      if (chained) exg[k] = capture(k, true, false);
+    }
+    const float t_graph = T.time([&](int i) { CK(cudaGraphLaunch(ex[i % COPIES], st)); });
+    // one launch of all M * N rows (a copy's packed matrices lie back to back, and so do their
+    // scales: the floor of this GEMV, no dependency); its partials land past stage 0's, in ps
+    const float t_one_g = T.time([&](int i) {
+      Launch L(dim3(grid0), dim3(STHREADS), 0, st, false);
+      L(stage_fp8, static_cast<const uint8_t*>(ptr[(2 * (i % COPIES)) * c.M]),
+        static_cast<const float*>(ptr[(2 * (i % COPIES) + 1) * c.M]), static_cast<const float*>(x0), false, ps, c.N * c.M, c.K);
+    });
+    std::vector<float> refg;
+    float t_gaps = 0, t_graph_gap = 0;
+    if (chained) {   // the gap graph's partials, then the steps alone on them (their input in place)
+      t_graph_gap = T.time([&](int i) { CK(cudaGraphLaunch(exg[i % COPIES], st)); });
+      CK(cudaGraphLaunch(exg[0], st)); CK(cudaStreamSynchronize(st));
+      refg = fetch(ps, c.M * np);
+      cudaGraphExec_t gaps = capture(0, false, true);
+      t_gaps = T.time([&](int) { CK(cudaGraphLaunch(gaps, st)); });
+      CK(cudaGraphExecDestroy(gaps));
+    }
+    CK(cudaGraphLaunch(ex[0], st)); CK(cudaStreamSynchronize(st));
+    const std::vector<float> ref = fetch(ps, c.M * np);
+    double err = 0, big = 0;   // stage 0 (its partials summed) against float64
+    for (int r = 0; r < c.N; ++r) {
+      double s = 0;
+      for (int k = 0; k < c.K; ++k) s += e4m3(hw[size_t(r) * c.K + k]) * hs[size_t(r / 128) * (c.K / 128) + k / 128] * hx[k];
+      const float* p = &ref[size_t(r) * CHUNKS];
+      err = std::max(err, std::fabs(s - (((p[0] + p[1]) + p[2]) + p[3]))); big = std::max(big, std::fabs(s));
+    }
+    const float t_read = T.read(w, bytes, COPIES, bytes, sms);
+    printf("%d stages of %d x %d FP8 (%.1f MB each, %.1f MB): read alone %.1f us (%.2f TB/s); stage 0 against "
+           "float64: max err / max |y| %.1e\n", c.M, c.N, c.K, per / 1e6, bytes / 1e6, t_read, bytes / t_read / 1e6, err / big);
+    printf("  PDL launches (%d CTAs of %d): one of all rows %.1f us (%.0f%% of the read) | a graph of %d %.1f us (%.2f us a dependency)\n",
+           grid0, STHREADS, t_one_g, 100.0 * t_read / t_one_g, c.M, t_graph, (t_graph - t_one_g) / (c.M - 1));
+    if (chained)
+      printf("  the latency-bound step (one CTA, %d normalizations of y): %.2f us alone (a graph of %d); the graph "
+             "with one between stages %.1f us: %.2f us a step over the graph without\n", GAPI, t_gaps / (c.M - 1),
+             c.M - 1, t_graph_gap, (t_graph_gap - t_graph) / (c.M - 1));
+    for (int nbuf : {8, 12}) {
+      const size_t smem = size_t(c.K) * 4 + size_t(nbuf) * UNITB + size_t(nbuf) * 16;
+      CK(cudaFuncSetAttribute(chain_fp8<1>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+      CK(cudaFuncSetAttribute(chain_fp8<2>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+      CK(cudaFuncSetAttribute(chain_fp8<3>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+      const int threads = (CONS + 1) * 32;
+      unsigned epoch = 0, epoch2 = 0;
+      CK(cudaMemset(bar, 0, 4)); CK(cudaMemset(flag, 0, 4));
+      auto run = [&](auto kern, int k, int M, int N, unsigned* b, unsigned ep) {
+        kern<<<sms, threads, smem, st>>>(wp(k), sp(k), x0, ps2, M, N, c.K, nbuf, b, ep, xn2, flag);
+      };
+      // the consumers alone: M stages' worth of units from the ring's one fill
+      const float t_solo = T.time([&](int i) { run(chain_fp8<3>, i % COPIES, c.M, c.N, bar, 0); });
+      // the floor: one stage of all M * N rows
+      const float t_one = T.time([&](int i) { run(chain_fp8<1>, i % COPIES, 1, c.N * c.M, bar, 0); });
+      const float t_dep = T.time([&](int i) { run(chain_fp8<1>, i % COPIES, c.M, c.N, bar, epoch++); });
+      auto check = [&](const std::vector<float>& want) {
+        CK(cudaStreamSynchronize(st));
+        return fetch(ps2, want.size()) == want ? "yes" : "NO";
+      };
+      CK(cudaMemset(ps2, 0xFF, ref.size() * 4));
+      run(chain_fp8<1>, 0, c.M, c.N, bar, epoch++);
+      const char* same = check(ref);
+      printf("  persistent, ring %2d units (%3zu KB): the consumers alone %.1f us (%.2f TB/s of units) | one stage of all "
+             "rows %.1f us (%.0f%% of the read) | %d stages with the dependency %.1f us (%.2f us a dependency) | same bits %s\n",
+             nbuf, smem / 1024, t_solo, bytes / t_solo / 1e6, t_one, 100.0 * t_read / t_one, c.M, t_dep,
+             (t_dep - t_one) / (c.M - 1), same);
+      if (chained) {
+        unsigned* b2;   // mode 2's own barrier count (and `flag`), from zero
+        CK(cudaMalloc(&b2, 4)); CK(cudaMemset(b2, 0, 4)); CK(cudaMemset(flag, 0, 4));
+        const float t_gap = T.time([&](int i) { run(chain_fp8<2>, i % COPIES, c.M, c.N, b2, epoch2++); });
+        CK(cudaMemset(ps2, 0xFF, ref.size() * 4));
+        run(chain_fp8<2>, 0, c.M, c.N, b2, epoch2++);
+        const char* same_g = check(refg);
+        printf("    with the latency-bound step between stages %.1f us: %.2f us a step over the persistent chain "
+               "without (the graph's: %.2f) | same bits %s\n", t_gap, (t_gap - t_dep) / (c.M - 1),
+               (t_graph_gap - t_graph) / (c.M - 1), same_g);
+        CK(cudaFree(b2));
+      }
+    }
+    for (auto& gx : ex) CK(cudaGraphExecDestroy(gx));
+    if (chained) for (auto& gx : exg) CK(cudaGraphExecDestroy(gx));
+    CK(cudaFree(w)); CK(cudaFree(sc)); CK(cudaFree(x0)); CK(cudaFree(ps)); CK(cudaFree(ps2)); CK(cudaFree(xn));
+    CK(cudaFree(xn2)); CK(cudaFree(bar)); CK(cudaFree(flag)); CK(cudaFree(dp));
+  }
+  return 0;
+}
