@@ -26,6 +26,7 @@ class Communicator:
 
     def __init__(self, group: TPGroup, allreduce: AllReduce):
         self.group, self.allreduce = group, allreduce
+        self._nccl = NcclAllReduce(group)     # NCCL's rounding rule, for the reduce-scatter
 
     @classmethod
     def plan(cls, group: TPGroup, **kw) -> "Communicator":
@@ -91,7 +92,7 @@ class Communicator:
         """Whether reduce_scatter of dtype sums the exact float32 values and rounds once (NCCL on
         two ranks: NcclAllReduce.sums_in_float32 says why), as an all-reduce of its float32 copy
         cast back would."""
-        return NcclAllReduce(self.group).sums_in_float32(dtype)
+        return self._nccl.sums_in_float32(dtype)
 
     def check(self) -> None:
         """Raise ParallelError if an earlier all-reduce gave up waiting for a rank (no sync)."""
