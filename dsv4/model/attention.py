@@ -56,6 +56,7 @@ class Attention:
         self.wo_b = Linear(cfg.dim, self.n_groups * R, fmt, device,
                            split=(1, g0 * R, g1 * R) if cut else None)
         self.reduce = tp.reduce if cut else same
+        self.tp = tp if cut else None
         self.compressor = (Compressor(cfg, ratio, Dh, rotate=False, device=device)
                            if ratio else None)
         self.indexer = Indexer(cfg, fmt, device, hadamard_matrix) if ratio == 4 else None
@@ -156,13 +157,18 @@ class Attention:
         (positions < start), [W, W+s) this chunk's kv, [W+s, ...) the compressed entries visible
         at the chunk's end (its own written first; with a device start: every entry of the cache,
         the invisible ones masked). The compressors take their chunk (at comp_start), then the
-        ring keeps the chunk's last W rows. -> (idx, kv_all)."""
+        ring keeps the chunk's last W rows. -> (idx, kv_all). With shared["seq"] (a chunk split
+        by rows over the tensor-parallel ranks: Block.prefill) the indexer scores and selects
+        this rank's rows only and an all-gather gives every rank every row's entries."""
         s, dev, W, r = x.shape[0], x.device, self.cfg.window_size, self.ratio
         idx = shared["win", dev]                                               # [s, W]
         n_vis = visible_bound(start, s, r, st.kv_cache.shape[0] - W - 1) if r else 0
         if r == 4:
-            idx = torch.cat((idx, self.indexer.prefill(x, qr, cs, st, self.freqs, start,
-                                                       offset=W + s)), -1)
+            rows = self.tp.split(s) if self.tp is not None and shared.get("seq") else None
+            ix = self.indexer.prefill(x, qr, cs, st, self.freqs, start, offset=W + s, rows=rows)
+            if rows is not None:      # k is the same on every rank: all gather, or none does
+                ix = self.tp.gather_rows(ix) if ix.shape[1] else ix.new_empty(s, 0)
+            idx = torch.cat((idx, ix), -1)
         elif r:
             comp = torch.arange(n_vis, device=dev).expand(s, n_vis)
             idx = torch.cat((idx, torch.where(comp < (pos[:, None] + 1) // r, comp + W + s, -1)),

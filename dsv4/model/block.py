@@ -84,10 +84,13 @@ class Block:
         layers of one chunk compute once (Attention.prefill). The sublayers' outputs are summed
         over the tensor-parallel ranks here. seq (tensor parallel, s a multiple of the ranks):
         h and the result are this rank's rows split(s) only (sequence parallel: the mHC of a
-        rank's rows; the sublayers get every row by an all-gather and sum by a reduce-scatter)."""
+        rank's rows; the sublayers get every row by an all-gather and sum by a reduce-scatter;
+        shared["seq"] tells the attention's indexer to select this rank's rows only)."""
         tp = self.tp
         if seq:
             rows, sums = tp.gather_rows, tp.reduce_scatter
+            shared = {} if shared is None else shared
+            shared["seq"] = True          # the indexer's queries split by rows too (attended)
         else:
             rows, sums = same, same if tp is None else tp.reduce
         x, post, comb = self.mix_rows(h, "attn", self.attn_norm)

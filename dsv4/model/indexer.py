@@ -56,27 +56,29 @@ class Indexer:
         w = self.weights_proj(x, act) * self.weight_scale
         return q, w
 
-    def prefill_reference(self, x, qr, cs, st: LayerState, freqs, start, offset: int
-                          ) -> torch.Tensor:
+    def prefill_reference(self, x, qr, cs, st: LayerState, freqs, start, offset: int,
+                          rows: tuple[int, int] | None = None) -> torch.Tensor:
         """Queries at positions start..start+s-1 -> compressed indices [s, min(k, t)] over the
         t = (start+s)//4 entries the chunk leaves in the index cache (+offset, -1 where not yet
         visible to the query); the chunk's entries are compressed into the cache first.
-        start: an int, or a [1] int64 device tensor (read on the host here)."""
+        start: an int, or a [1] int64 device tensor (read on the host here). rows (r0, r1): the
+        indices of those queries only, [r1 - r0, min(k, t)] (the compressor takes every row)."""
         s, act = x.shape[0], x.dtype
         start = int(start)
-        q, w = self._query(x, qr, cs, act)
+        r0, r1 = rows or (0, s)
+        q, w = self._query(x[r0:r1], qr[r0:r1], tuple(c[r0:r1] for c in cs), act)
         self.compressor.prefill(x, st.index_compressor, st.index_cache, freqs, start)
         t = visible_bound(start, s, 4, st.index_cache.shape[0] - 1)
         k = min(self.cfg.index_topk, t)
         if k == 0:
-            return torch.empty(s, 0, dtype=torch.int64, device=x.device)
+            return torch.empty(r1 - r0, 0, dtype=torch.int64, device=x.device)
         keys = st.index_cache[:t]
-        visible = (start + 1 + torch.arange(s, device=x.device)).unsqueeze(1) // 4
+        visible = (start + 1 + torch.arange(r0, r1, device=x.device)).unsqueeze(1) // 4
         cols = torch.arange(t, device=x.device)
         # chunk the queries so the [c, h, t] score tensor stays bounded for long prompts
         c = max(1, SCORE_ELEMS // self.n_heads // max(1, t))
         out = []
-        for i in range(0, s, c):
+        for i in range(0, r1 - r0, c):
             sc = index_scores(q[i:i + c], w[i:i + c], keys)                   # [c, t]
             sc = sc.masked_fill(cols >= visible[i:i + c], float("-inf"))
             out.append(self.select(sc, k, visible[i:i + c], offset))

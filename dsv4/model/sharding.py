@@ -13,10 +13,11 @@ What is split (world = the tensor-parallel degree, each rank one slice, in rank 
              and the backend's switch is on: Transformer.prefill_chunk): each rank mixes and
              posts its rows only, an all-gather gives every rank the sublayer's input rows, a
              reduce-scatter each rank its rows of the sublayer's sum (the bytes of the all-reduce
-             it replaces)
-Replicated: the embedding, wq_a / wkv / norms, the compressors, the indexer (its scores are
-computed whole on every rank: no all-reduce of them, unlike the reference), the gate, mHC (in
-decode) and the decode state (MQA shares one KV). Legend: T = rows, V = vocabulary, Vs = a rank's
+             it replaces); the indexer's queries of such a chunk too: each rank selects its
+             rows' compressed entries, an all-gather gives every rank all of them
+Replicated: the embedding, wq_a / wkv / norms, the compressors, the indexer's weights (in decode
+its scores are computed whole on every rank: no all-reduce of them, unlike the reference), the
+gate, mHC (in decode) and the decode state (MQA shares one KV). Legend: T = rows, V = vocabulary, Vs = a rank's
 vocab rows.
 """
 from __future__ import annotations

@@ -69,6 +69,39 @@ def test_prefill_at_offset_equals_token_by_token(ckpts, first, chunk, no_fake_qu
     _assert_state_close(live_state(m), ref_state)
 
 
+@pytest.mark.parametrize("start", [0, 21])
+def test_the_indexer_of_some_rows_gives_those_rows_of_the_whole(ckpts, start, no_fake_quant,
+                                                                 near_ties):
+    """A tensor-parallel chunk split by rows has each rank select its own rows' compressed
+    entries (Indexer.prefill's rows; Attention.attended all-gathers them): rows (r0, r1) give
+    rows r0..r1 of the whole chunk's selection, and the index compressor, which takes every row
+    either way, leaves the same state. Every ratio-4 layer, at the sequence's start and after
+    21 positions (entries before the chunk)."""
+    import copy
+    from dsv4.numerics.rope import cos_sin
+    m = _model(ckpts["bf16"])
+    ids = _ids(m, start + 16, 3)
+    m.prefill(ids[:start]) if start else m.reset()
+    g = torch.Generator().manual_seed(start)
+    layers = [(b, st) for b, st in zip(m.layers, m.states) if b.attn.ratio == 4]
+    assert layers
+    for blk, st in layers:
+        a, s = blk.attn, 16
+        x = torch.randn(s, m.cfg.dim, generator=g)
+        qr = torch.randn(s, m.cfg.q_lora_rank, generator=g)
+        cs = cos_sin(start + torch.arange(s), a.freqs)
+        whole_st, part_st = copy.deepcopy(st), copy.deepcopy(st)
+        whole = a.indexer.prefill(x, qr, cs, whole_st, a.freqs, start, offset=5)
+        assert whole.shape[1] > 0
+        for r0, r1 in ((0, 8), (8, 16), (4, 12)):
+            part_st = copy.deepcopy(st)
+            part = a.indexer.prefill(x, qr, cs, part_st, a.freqs, start, offset=5, rows=(r0, r1))
+            assert torch.equal(part, whole[r0:r1]), (r0, r1)
+            assert torch.equal(part_st.index_cache, whole_st.index_cache)
+            assert torch.equal(part_st.index_compressor.kv, whole_st.index_compressor.kv)
+    assert near_ties.min_gap > GAP, f"a top-k near-tie ({near_ties.min_gap:.2g}): other inputs"
+
+
 # A flip of one e4m3 rounding (an activation or cached KV value landing on the other side of a
 # rounding boundary because another batching summed it in another order) moves the logits of a
 # random FP8 model by up to ~7e-2 (measured: token-by-token against one chunk, 24 tokens); a wrong

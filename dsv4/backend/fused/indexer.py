@@ -46,27 +46,31 @@ def decode(ix, ops: Ops, x, qr, cs, pos, st, freqs, offset: int) -> torch.Tensor
     return torch.where(idx >= (pos + 1) // 4, -1, idx + offset)
 
 
-def prefill(ix, ops: Ops, x, qr, cs, st, freqs, start, offset: int) -> torch.Tensor:
+def prefill(ix, ops: Ops, x, qr, cs, st, freqs, start, offset: int,
+            rows: tuple[int, int] | None = None) -> torch.Tensor:
     """Indexer.prefill_reference on the chunk kernels (cs unused): with a device start ([1] int64)
     every entry of the cache is a candidate, masked by position, and nothing syncs with the
-    host (capture-safe)."""
+    host (capture-safe). rows (r0, r1): those queries' indices only (the compressor takes every
+    row)."""
     s, act = x.shape[0], x.dtype
+    r0, r1 = rows or (0, s)
     pos0 = start if isinstance(start, torch.Tensor) else torch.full(
         (1,), start, dtype=torch.int64, device=x.device)
-    q = ops.index_query(ix.wq_b(qr, act), pos0, freqs, ix.n_heads).view(s, ix.n_heads,
-                                                                        ix.head_dim)
-    w = ix.weights_proj(x, act) * ix.weight_scale
+    p0 = pos0 + r0 if r0 else pos0                                      # the first query's
+    q = ops.index_query(ix.wq_b(qr[r0:r1], act), p0, freqs, ix.n_heads).view(
+        r1 - r0, ix.n_heads, ix.head_dim)
+    w = ix.weights_proj(x[r0:r1], act) * ix.weight_scale
     ix.compressor.prefill(x, st.index_compressor, st.index_cache, freqs, pos0)
     t = visible_bound(start, s, 4, st.index_cache.shape[0] - 1)
     k = min(ix.cfg.index_topk, t)
     if k == 0:
-        return torch.empty(s, 0, dtype=torch.int64, device=x.device)
+        return torch.empty(r1 - r0, 0, dtype=torch.int64, device=x.device)
     keys = st.index_cache[:t]
-    visible = (start + 1 + torch.arange(s, device=x.device)).unsqueeze(1) // 4
-    scores = ops.index_scores_rows(q, w, keys, pos0)                    # [s, t], masked
+    visible = (start + 1 + torch.arange(r0, r1, device=x.device)).unsqueeze(1) // 4
+    scores = ops.index_scores_rows(q, w, keys, p0)                      # [r1 - r0, t], masked
     c = max(1, TOPK_ELEMS // max(1, t))        # queries per top-k: its int64 keys stay bounded
     return torch.cat([ix.select(scores[i:i + c], k, visible[i:i + c], offset)
-                      for i in range(0, s, c)], dim=0)
+                      for i in range(0, r1 - r0, c)], dim=0)
 
 
 def bind(ix, ops: Ops) -> None:

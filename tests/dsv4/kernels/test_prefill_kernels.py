@@ -567,6 +567,33 @@ def check_layers(dev, tmp, seed, layers=None):
                 fin = torch.isfinite(ref_state[k])
                 d = (v.float()[fin] - ref_state[k].float()[fin]).norm()
                 assert d <= 2e-2 * ref_state[k].float()[fin].norm() + 1e-6, (blk.layer_id, k)
+            if blk.attn.ratio == 4:
+                check_indexer_rows(blk, st, saved, hin, start)
+
+
+def check_indexer_rows(blk, st, saved: dict, hin, start: int) -> None:
+    """The chunk kernels' indexer over rows (r0, r1) of a chunk (a tensor-parallel rank's share
+    of a chunk split by rows) selects rows r0..r1 of the whole chunk's entries and leaves the
+    same index state. Exact under the interpreter; on a GPU the query's GEMM over fewer rows may
+    take another library algorithm, so a near-tie may pick another entry: 95% agree."""
+    a, s = blk.attn, hin.shape[0]
+    x = hin[:, 0].contiguous()
+    gen = torch.Generator().manual_seed(blk.layer_id)
+    qr = torch.randn(s, blk.cfg.q_lora_rank, generator=gen).to(x.device, x.dtype)
+
+    def run(rows):
+        for k, v in saved.items():
+            st.buffers()[k].copy_(v)
+        out = a.indexer.prefill(x, qr, None, st, a.freqs, start, offset=3, rows=rows)
+        return out, {k: v.clone() for k, v in st.buffers().items()}
+    whole, whole_state = run(None)
+    assert whole.shape == (s, min(blk.cfg.index_topk, (start + s) // 4)), whole.shape
+    for r0, r1 in ((0, s // 2), (s // 2, s)):
+        part, part_state = run((r0, r1))
+        same = (part == whole[r0:r1]).float().mean().item()
+        assert same == 1.0 or (x.is_cuda and same >= 0.95), (blk.layer_id, r0, r1, same)
+        for k, v in part_state.items():
+            assert torch.equal(v, whole_state[k]), (blk.layer_id, k, "indexer rows")
 
 
 def check_parity_bf16(dev):

@@ -89,13 +89,16 @@ def test_a_decode_step_all_reduces_twice_a_layer(ranks):
 
 def test_a_prefill_chunk_splits_its_mhc_by_rows_over_the_ranks(ranks, one):
     """A chunk of an even number of rows runs sequence parallel: per layer two all-gathers (each
-    sublayer's input rows) and two reduce-scatters (its sums), no all-reduce, one all-gather of
+    sublayer's input rows) and two reduce-scatters (its sums), no all-reduce, one more
+    all-gather a layer with an indexer (each rank selects its rows' compressed entries), one of
     the last layer's rows and one of the head's logits; the logits those of the split turned
     off (two all-reduces a layer) within float32 noise, the same bits on every rank. An odd
     chunk is not split."""
     for r in ranks:
         seq, L = r["seq"], r["seq"]["layers"]
-        assert seq["on_n"] == {"all_reduce": 0, "reduce_scatter": 2 * L, "all_gather": 2 * L + 2}
+        assert seq["indexers"] > 0
+        assert seq["on_n"] == {"all_reduce": 0, "reduce_scatter": 2 * L,
+                               "all_gather": 2 * L + seq["indexers"] + 2}
         assert seq["off_n"] == {"all_reduce": 2 * L, "reduce_scatter": 0, "all_gather": 1}
         assert seq["odd_n"] == seq["off_n"]
         err = _close(seq["on"][None], seq["off"][None])

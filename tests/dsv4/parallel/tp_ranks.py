@@ -148,7 +148,8 @@ def seq_checks(model, ids: torch.Tensor) -> dict:
     """A prompt of one chunk of CHUNK rows (even: its mHC split by rows over the ranks), the same
     with the split off (model.seq_parallel), and one of CHUNK - 1 rows (odd: not split) -> the
     collectives each called and the logits."""
-    out = {"layers": model.cfg.n_layers}
+    out = {"layers": model.cfg.n_layers,
+           "indexers": sum(blk.attn.indexer is not None for blk in model.layers)}
     out["on"], out["on_n"] = counted_prefill(model, ids[:CHUNK])
     model.seq_parallel = False
     out["off"], out["off_n"] = counted_prefill(model, ids[:CHUNK])
