@@ -49,7 +49,8 @@ def decode(ix, ops: Ops, x, qr, cs, pos, st, freqs, offset: int) -> torch.Tensor
 def prefill(ix, ops: Ops, x, qr, cs, st, freqs, start, offset: int) -> torch.Tensor:
     """Indexer.prefill_reference on the chunk kernels (cs unused): with a device start ([1] int64)
     every entry of the cache is a candidate, masked by position, and nothing syncs with the
-    host (capture-safe)."""
+    host (capture-safe). The entries are the decode's top-k of the same scores: the same set
+    and, on CUDA, the same order as a decode step of the query selects them."""
     s, act = x.shape[0], x.dtype
     pos0 = start if isinstance(start, torch.Tensor) else torch.full(
         (1,), start, dtype=torch.int64, device=x.device)
@@ -64,9 +65,12 @@ def prefill(ix, ops: Ops, x, qr, cs, st, freqs, start, offset: int) -> torch.Ten
     keys = st.index_cache[:t]
     visible = (start + 1 + torch.arange(s, device=x.device)).unsqueeze(1) // 4
     scores = ops.index_scores_rows(q, w, keys, pos0)                    # [s, t], masked
-    c = max(1, TOPK_ELEMS // max(1, t))        # queries per top-k: its int64 keys stay bounded
-    return torch.cat([ix.select(scores[i:i + c], k, visible[i:i + c], offset)
-                      for i in range(0, s, c)], dim=0)
+    # the decode's top-k (a radix select a row in one launch on CUDA; elsewhere topk_lowest, the
+    # same tie rule), queries in pieces so that topk_lowest's int64 keys stay bounded
+    c = max(1, TOPK_ELEMS // max(1, t))
+    parts = [ops.index_topk(scores[i:i + c], k) for i in range(0, s, c)]
+    idx = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+    return torch.where(idx >= visible, -1, idx + offset)
 
 
 def bind(ix, ops: Ops) -> None:
