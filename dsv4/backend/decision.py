@@ -91,6 +91,7 @@ class Backend:
             "prefill.linear": self.prefill,         # where a weight fits (gemm_fits)
             "prefill.wo_a": self.prefill if self.wo_a_prefill else off,
             "prefill.moe": self.prefill if self.moe_prefill else off,
+            "prefill.moe_route": k if self.rows else off,   # the decode rows' routing kernel
             "speculative.journal": "triton" if self.kernels else off,
             "launch.pdl": "on" if self.pdl else "off",
             "launch.branches": ",".join(sorted(self.branches)) or "none",

@@ -47,6 +47,7 @@ class MoE:
                        for w in ("w1", "w2", "w3")}
         self.reduce = tp.reduce if cut else same
         self.decode_rows = self.decode_rows_reference
+        self.route_rows = self.route
         self.prefill_experts = self.prefill_experts_reference
 
     def linears(self) -> list:
@@ -138,9 +139,10 @@ class MoE:
         return self.reduce(y + self.shared_expert(x)).to(x.dtype)
 
     def prefill(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """x [t, D], ids [t] -> [t, D]: the routing, then prefill_experts (in tensor parallel
-        this rank's partial sum, float32 or x's dtype: Block.prefill sums it)."""
-        w, idx = self.route(x, ids)
+        """x [t, D], ids [t] -> [t, D]: the routing (route_rows: `route` until the backend binds
+        its kernel), then prefill_experts (in tensor parallel this rank's partial sum, float32
+        or x's dtype: Block.prefill sums it)."""
+        w, idx = self.route_rows(x, ids)
         if self.hits is not None:                    # the prefill benchmark's byte count
             self.hits.index_fill_(0, idx.reshape(-1), True)
         return self.prefill_experts(x, w, idx)

@@ -50,8 +50,9 @@ def prefill(ix, ops: Ops, x, qr, cs, st, freqs, start, offset: int,
             rows: tuple[int, int] | None = None) -> torch.Tensor:
     """Indexer.prefill_reference on the chunk kernels (cs unused): with a device start ([1] int64)
     every entry of the cache is a candidate, masked by position, and nothing syncs with the
-    host (capture-safe). rows (r0, r1): those queries' indices only (the compressor takes every
-    row)."""
+    host (capture-safe). The entries are the decode's top-k of the same scores: the same set
+    and, on CUDA, the same order as a decode step of the query selects them. rows (r0, r1):
+    those queries' indices only (the compressor takes every row)."""
     s, act = x.shape[0], x.dtype
     r0, r1 = rows or (0, s)
     pos0 = start if isinstance(start, torch.Tensor) else torch.full(
@@ -68,9 +69,12 @@ def prefill(ix, ops: Ops, x, qr, cs, st, freqs, start, offset: int,
     keys = st.index_cache[:t]
     visible = (start + 1 + torch.arange(r0, r1, device=x.device)).unsqueeze(1) // 4
     scores = ops.index_scores_rows(q, w, keys, p0)                      # [r1 - r0, t], masked
-    c = max(1, TOPK_ELEMS // max(1, t))        # queries per top-k: its int64 keys stay bounded
-    return torch.cat([ix.select(scores[i:i + c], k, visible[i:i + c], offset)
-                      for i in range(0, r1 - r0, c)], dim=0)
+    # the decode's top-k (a radix select a row in one launch on CUDA; elsewhere topk_lowest, the
+    # same tie rule), queries in pieces so that topk_lowest's int64 keys stay bounded
+    c = max(1, TOPK_ELEMS // max(1, t))
+    parts = [ops.index_topk(scores[i:i + c], k) for i in range(0, r1 - r0, c)]
+    idx = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+    return torch.where(idx >= visible, -1, idx + offset)
 
 
 def bind(ix, ops: Ops) -> None:

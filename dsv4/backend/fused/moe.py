@@ -81,10 +81,24 @@ def prefill_experts(moe, ops: Ops, x: torch.Tensor, w: torch.Tensor, idx: torch.
                            sh["w1"].fmt, moe.cfg.swiglu_limit)
 
 
+def route_rows(moe, ops: Ops, x: torch.Tensor, ids: torch.Tensor):
+    """MoE.route of a chunk's rows x [t, D] after the gate in one launch (the decode rows'
+    routing kernel: a CTA or program a row) in place of ~10 torch ops -> weights [t, k] f32,
+    experts [t, k] int64, each row's in ascending id order (the order the reference adds them);
+    the same experts as MoE.route, weights within float32 rounding (the kernel sums them in
+    that order). Capture-safe."""
+    cfg, k = moe.cfg, moe.cfg.n_activated_experts
+    w, idx = ops.route_decode(moe.gate(x, torch.float32), k, cfg.score_func, cfg.route_scale,
+                              bias=moe.bias, tid2eid=moe.tid2eid, ids=ids if moe.hash else None)
+    return w.view(-1, k), idx.view(-1, k)
+
+
 def bind(moe, ops: Ops) -> None:
-    """decode_rows on the kernels where the backend has the MoE decode kernels, prefill_experts
-    on the grouped GEMMs where it has them; otherwise the torch reference."""
+    """decode_rows on the kernels where the backend has the MoE decode kernels, a chunk's
+    routing where it has the chunk's kernels, prefill_experts on the grouped GEMMs where it has
+    them; otherwise the torch reference."""
     be = ops.backend
     moe.decode_rows = DecodeKernels(moe, ops) if be.moe_decode else moe.decode_rows_reference
+    moe.route_rows = functools.partial(route_rows, moe, ops) if be.rows else moe.route
     moe.prefill_experts = (functools.partial(prefill_experts, moe, ops) if be.moe_prefill
                            else moe.prefill_experts_reference)

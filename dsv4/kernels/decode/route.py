@@ -39,8 +39,13 @@ def _log1p(t, ACC: tl.constexpr):
 def _route_kernel(logits_ptr, bias_ptr, tid2eid_ptr, ids_ptr, w_ptr, idx_ptr, route_scale,
                   E: tl.constexpr, EP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
                   SCORE: tl.constexpr, HASH: tl.constexpr, ACC: tl.constexpr, PDL: tl.constexpr):
-    # logits [E] f32 -> w [K] f32, idx [K] int64 (ascending expert ids). One program.
+    # logits [T, E] f32 -> w [T * K] f32, idx [T * K] int64 (each row's ascending expert ids).
+    # A program a row.
     pdl_wait(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    logits_ptr += row * E
+    w_ptr += row * K
+    idx_ptr += row * K
     e = tl.arange(0, EP)
     em = e < E
     lg = tl.load(logits_ptr + e, mask=em, other=0.0)
@@ -54,7 +59,7 @@ def _route_kernel(logits_ptr, bias_ptr, tid2eid_ptr, ids_ptr, w_ptr, idx_ptr, ro
         s = tl.sqrt_rn(tl.where(lg > 20.0, lg, _log1p(_exp(lg, ACC), ACC)))
     j = tl.arange(0, KP)
     if HASH:
-        tok = tl.load(ids_ptr).to(tl.int64)
+        tok = tl.load(ids_ptr + row).to(tl.int64)
         sel = tl.load(tid2eid_ptr + tok * K + j, mask=j < K, other=EP).to(tl.int32)
     else:   # top-k of the biased scores: k rounds of max, lowest id among equal values
         b = tl.where(em, s + tl.load(bias_ptr + e, mask=em, other=0.0), float("-inf"))
@@ -84,9 +89,10 @@ def route_decode(logits: torch.Tensor, k: int, score_func: str, route_scale: flo
     Capture-safe, deterministic; expert ids are clamped into [0, E) (no out-of-range reads).
     One launch: the CUDA C++ kernel (csrc/route.cu: warp-shuffle top-k, the same libdevice
     math) where the CUDA kernels serve the device and E <= 512, k <= 16, else the Triton kernel
-    below; impl (the backend's decision: "cuda" or "triton") picks one. T tokens (the speculative verify rows): logits
-    [T, E], ids [T] -> [T * k] each (token t's k in slots t*k ..), each token as its own call, in
-    one launch on CUDA. out: (weights, experts) to write (contiguous float32 / int64)."""
+    below; impl (the backend's decision: "cuda" or "triton") picks one. T tokens (the speculative
+    verify rows, a prefill chunk's rows): logits [T, E], ids [T] -> [T * k] each (token t's k in
+    slots t*k ..), each token as its own call, in one launch (a CTA or program a row). out:
+    (weights, experts) to write (contiguous float32 / int64)."""
     E = logits.shape[-1]
     T = logits.numel() // E if logits.numel() % E == 0 else 0
     if T < 1 or logits.dtype != torch.float32 or score_func not in SCORE_FUNCS:
@@ -115,16 +121,11 @@ def route_decode(logits: torch.Tensor, k: int, score_func: str, route_scale: flo
                            SCORE_FUNCS[score_func], float(route_scale), idx, w, pdl_on(w, pdl),
                            rows=T)
         return w, idx
-    if T > 1:   # Triton: one launch per token
-        for t in range(T):
-            route_decode(logits.reshape(T, E)[t:t + 1], k, score_func, route_scale, bias=bias,
-                         tid2eid=tid2eid, ids=None if ids is None else ids.reshape(-1)[t:t + 1],
-                         impl="triton", out=(w[t * k:(t + 1) * k], idx[t * k:(t + 1) * k]),
-                         pdl=pdl)
-        return w, idx
     with on_device(w):
-        _route_kernel[(1,)](logits, logits if hashed else bias, tid2eid if hashed else idx,
-                            ids if hashed else idx, w, idx, float(route_scale), E=E,
+        _route_kernel[(T,)](logits.contiguous(), logits if hashed else bias,
+                            tid2eid if hashed else idx,
+                            ids.reshape(-1).contiguous() if hashed else idx, w, idx,
+                            float(route_scale), E=E,
                             EP=triton.next_power_of_2(E), K=k, KP=max(2, triton.next_power_of_2(k)),
                             SCORE=SCORE_FUNCS[score_func], HASH=hashed, ACC=not interpreting(),
                             num_warps=4,

@@ -303,12 +303,14 @@ def test_route_decode_hash_and_ties():
         route_decode(logits, k, "sqrtsoftplus", 1.0)
 
 
-def test_route_decode_rows_equal_one_token_calls():
-    """T tokens in one call (the speculative verify rows): token t's slots == its own call."""
-    E, k, T = 64, 6, 3
+@pytest.mark.parametrize("T", [3, 37])
+def test_route_decode_rows_equal_one_token_calls(T):
+    """T tokens in one call (the speculative verify rows, a prefill chunk's rows: one launch, a
+    program a row): token t's slots == its own call."""
+    E, k = 64, 6
     logits, bias = torch.randn(T, E, generator=GEN) * 3, torch.randn(E, generator=GEN)
     tid2eid = torch.stack([torch.randperm(E, generator=GEN)[:k] for _ in range(50)])
-    ids = torch.tensor([3, 7, 49])
+    ids = torch.randint(0, 50, (T,), generator=GEN)
     for kw in (dict(bias=bias), dict(tid2eid=tid2eid, ids=ids)):
         w, idx = route_decode(logits, k, "sqrtsoftplus", 2.5, **kw)
         assert w.shape == idx.shape == (T * k,)

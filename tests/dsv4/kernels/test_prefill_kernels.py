@@ -569,6 +569,7 @@ def check_layers(dev, tmp, seed, layers=None):
                 assert d <= 2e-2 * ref_state[k].float()[fin].norm() + 1e-6, (blk.layer_id, k)
             if blk.attn.ratio == 4:
                 check_indexer_rows(blk, st, saved, hin, start)
+            check_route_rows(blk, hin, ids[start:start + s])
 
 
 def check_indexer_rows(blk, st, saved: dict, hin, start: int) -> None:
@@ -594,6 +595,21 @@ def check_indexer_rows(blk, st, saved: dict, hin, start: int) -> None:
         assert same == 1.0 or (x.is_cuda and same >= 0.95), (blk.layer_id, r0, r1, same)
         for k, v in part_state.items():
             assert torch.equal(v, whole_state[k]), (blk.layer_id, k, "indexer rows")
+
+
+def check_route_rows(blk, hin, ids) -> None:
+    """The chunk's routing in one launch (MoE.route_rows, bound to the routing kernel) selects
+    MoE.route's experts, each row's in ascending id order, with its weights (float32 rounding:
+    the kernel sums them in that order)."""
+    moe = blk.ffn
+    assert moe.route_rows != moe.route, "the chunk kernels bind the routing kernel"
+    x = hin[:, 0].contiguous()
+    w, idx = moe.route_rows(x, ids)
+    rw, ridx = moe.route(x, ids)
+    ridx, order = ridx.sort(dim=-1)
+    rw = rw.gather(1, order)
+    assert torch.equal(idx, ridx), (blk.layer_id, "experts")
+    assert torch.allclose(w, rw, rtol=2e-6, atol=0), (blk.layer_id, (w - rw).abs().max())
 
 
 def check_parity_bf16(dev):
