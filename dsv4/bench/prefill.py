@@ -128,11 +128,15 @@ def measure(model: Transformer, n: int, reps: int, seed: int, chunk: int | None)
         ms = timed()
         peak = {str(d): torch.cuda.max_memory_allocated(d) for d in devices}
         hits = [int(blk.ffn.hits.sum()) for blk in model.layers]
-        eager_ms = None
-        if graphs is not None:          # the same prompt as eager chunks only, beside the plan's
-            model.prefill_graphs = None
+        eager_ms = replay_ms = None
+        if graphs is not None:          # the same prompt as eager chunks only, beside the plan's,
+            model.prefill_graphs = None     # and as chunk graphs only (whatever the build measured)
             eager_ms = statistics.median(timed())
+            model.prefill_graphs, graphs.prefer = graphs, "replay"
+            replay_ms = statistics.median(timed())
     finally:
+        if graphs is not None:
+            graphs.prefer = None
         model.prefill_graphs = graphs
         for blk in model.layers:
             blk.ffn.hits = None
@@ -141,7 +145,7 @@ def measure(model: Transformer, n: int, reps: int, seed: int, chunk: int | None)
     return {"tokens": n, "ttft_ms": med, "spread_ms": [min(ms), max(ms)],
             "tok_per_s": n / med * 1e3, "experts_hit": hits, "peak_bytes": peak,
             "graphs": plan is not None and any(g for _, g in plan),
-            "plan": plan, "eager_ttft_ms": eager_ms}
+            "plan": plan, "eager_ttft_ms": eager_ms, "replay_ttft_ms": replay_ms}
 
 
 def profile(model: Transformer, n: int, seed: int, chunk: int | None, top: int = 25,
@@ -235,13 +239,13 @@ def format_rows(rep: dict) -> list[str]:
     rates = rep["prefill_rates_tflops"]
     pg = rep.get("prefill_graphs")
     graphs = (f"; chunk graphs 1..{pg['max_rows']} (capture {pg['capture_s']:.1f} s, "
-              f"{pg['graph_bytes'] / GIB:.2f} GiB; g: the plan replays some; eager ms: the "
-              f"same prompt as eager chunks only)") if pg else ""
+              f"{pg['graph_bytes'] / GIB:.2f} GiB; g: the plan replays some; eager ms / replay "
+              f"ms: the same prompt as eager chunks only / as chunk graphs only)") if pg else ""
     lines = [f"prefill, chunk {rep['prefill_chunk']}; dense matmul bf16 {f(rates['bf16'], '.0f')} "
              f"/ fp8 {f(rates['fp8'], '.0f')} TFLOP/s{graphs}",
              f"{'tokens':>8}{'TTFT ms':>11}{'min-max':>17}{'tok/s':>9}{'x compute':>11}"
              f"{'x bytes':>9}{'GB read':>9}{'peak GiB':>10}{'tok/decode':>12}"
-             + (f"{'eager ms':>10}" if pg else "")]
+             + (f"{'eager ms':>10}{'replay ms':>11}" if pg else "")]
     for r in rep["prefill_runs"]:
         lo, hi = r["spread_ms"]
         peak = max(r["peak_bytes"].values()) / GIB if r["peak_bytes"] else None
@@ -250,5 +254,6 @@ def format_rows(rep: dict) -> list[str]:
                      f"{r['tok_per_s']:>9.0f}{f(r['ratio_to_compute_floor'], '.2f'):>11}"
                      f"{f(r['ratio_to_bytes_floor'], '.2f'):>9}{r['bytes'] / 1e9:>9.2f}"
                      f"{f(peak, '.1f'):>10}{f(r['per_token_vs_decode'], '.3f'):>12}"
-                     + (f"{f(r.get('eager_ttft_ms'), '.1f'):>10}" if pg else ""))
+                     + (f"{f(r.get('eager_ttft_ms'), '.1f'):>10}"
+                        f"{f(r.get('replay_ttft_ms'), '.1f'):>11}" if pg else ""))
     return lines

@@ -160,7 +160,7 @@ def _rank(group, job: dict) -> dict:
             _log(f"prefill {n} tokens on {group.world_size} ranks")
         r = bench_prefill.measure(model, n, job["prefill_reps"], job["seed"], job["prefill_chunk"])
         row = {k: r[k] for k in ("tokens", "ttft_ms", "spread_ms", "tok_per_s", "graphs",
-                                 "eager_ttft_ms")}
+                                 "eager_ttft_ms", "replay_ttft_ms")}
         if job["prefill_profile"]:   # every rank profiles the same prefills (their collectives),
             # starting together (the group's barrier inside the profile); with --trace each rank's
             # trace and its kernels for comm_skew
@@ -170,7 +170,9 @@ def _rank(group, job: dict) -> dict:
                 trace=tr and f"{tr}-rank{group.rank}-prefill{n}.json", events=bool(tr))
         prefill.append(row)
     graphs = None if pg is None else {"max_rows": pg.max_rows, "capture_s": pg.capture_s,
-                                      "graph_bytes": pg.graph_bytes()}
+                                      "graph_bytes": pg.graph_bytes(),
+                                      "built_replay_ms": pg.replay_ms,
+                                      "built_eager_ms": pg.eager_ms}
     # released before the group closes: NCCL's teardown waits for every graph that captured one
     # of its collectives (a chunk's all-reduces past the one-shot's bytes)
     model.prefill_graphs = pg = None
@@ -268,11 +270,16 @@ def format_table(rep: dict) -> str:
     pg = rep.get("prefill_graphs")
     if pg and rep["prefill_runs"]:
         lines.append(f"prefill chunk graphs 1..{pg['max_rows']} on every rank (rank 0: capture "
-                     f"{pg['capture_s']:.1f} s, {pg['graph_bytes'] / 2**30:.2f} GiB)")
+                     f"{pg['capture_s']:.1f} s, {pg['graph_bytes'] / 2**30:.2f} GiB; the plan's "
+                     f"times of {pg['max_rows']} rows, the slowest rank's when built: replay "
+                     f"{f(pg['built_replay_ms'].get(pg['max_rows']), '.1f')} / eager "
+                     f"{f(pg['built_eager_ms'].get(pg['max_rows']), '.1f')} ms)")
     for p in rep["prefill_runs"] or []:
         lo, hi = p["spread_ms"]
         eager = (f"; eager chunks only {p['eager_ttft_ms']:.1f} ms"
                  if p.get("eager_ttft_ms") is not None else "")
+        if p.get("replay_ttft_ms") is not None:
+            eager += f"; chunk graphs only {p['replay_ttft_ms']:.1f} ms"
         lines.append(f"prefill {p['tokens']} tokens: TTFT {p['ttft_ms']:.1f} ms "
                      f"[{lo:.1f}-{hi:.1f}] ({p['tok_per_s']:.0f} tok/s; chunk "
                      f"{rep['prefill_chunk']}{'; replays chunk graphs' if p.get('graphs') else ''}"

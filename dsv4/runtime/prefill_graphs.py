@@ -197,6 +197,10 @@ class PrefillGraphs:
     prompts through them where `plan` says the replays beat the eager chunks (prefills that the
     MTP block follows, and prompts longer than `max_prompt` when given, stay eager)."""
 
+    # "replay": every prompt within max_prompt as graph pieces, whatever the build measured
+    # (the bench's "chunk graphs only" beside the plan's); None: the plan weighs the times
+    prefer: str | None = None
+
     def __init__(self, model, max_rows: int, max_prompt: int | None = None,
                  nvtx_domain: str = "dsv4-prefill"):
         if model.head_device.type != "cuda":
@@ -228,7 +232,8 @@ class PrefillGraphs:
         each such segment takes the fastest of: one eager chunk; its graph pieces (pieces of
         `cap` rows, the largest captured size <= chunk, then the binary pieces of the rest); its
         cap-sized pieces replayed and the rest as one eager chunk. Beyond max_prompt: all
-        eager. Neighbouring eager pieces merge (Transformer.prefill cuts them into chunks)."""
+        eager. With prefer = "replay", each segment its graph pieces. Neighbouring eager pieces
+        merge (Transformer.prefill cuts them into chunks)."""
         chunk = self.prefill_chunk if chunk is None else chunk
         cap = min(self.max_rows, 1 << (chunk.bit_length() - 1))
         if self.max_prompt is not None and n > self.max_prompt:
@@ -243,7 +248,7 @@ class PrefillGraphs:
             if full and rest:
                 options.append((full * self.replay_ms[cap] + eager_time(rest, self.eager_ms),
                                 [(cap, True)] * full + [(rest, False)]))
-            out += min(options, key=lambda o: o[0])[1]
+            out += (options[1] if self.prefer == "replay" else min(options, key=lambda o: o[0]))[1]
         merged: list[tuple[int, bool]] = []
         for rows, graphed in out:
             if merged and not graphed and not merged[-1][1]:

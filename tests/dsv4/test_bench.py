@@ -240,6 +240,22 @@ def test_prefill_profile_cuda(capsys):
 
 
 @pytest.mark.cuda
+def test_prefill_graphs_bench_cuda(capsys):
+    """--prefill-graphs: beside the plan's TTFT, the same prompt as eager chunks only and as
+    chunk graphs only (whatever the build measured), each column in the table."""
+    rep = _run(capsys, "--device", "cuda:0", "--prefill", "24", "--prefill-reps", "2",
+               "--prefill-graphs", "16", "--no-decode", "--no-kernels", "--json", "-")
+    (r,) = rep["prefill_runs"]
+    assert r["eager_ttft_ms"] > 0 and r["replay_ttft_ms"] > 0 and r["ttft_ms"] > 0
+    pg = rep["prefill_graphs"]
+    assert pg["max_rows"] == 16 and set(pg["built_replay_ms"]) >= {"1", "8", "16"}
+    from dsv4.bench.prefill import format_rows
+    head, row = format_rows(rep)[1:3]
+    assert head.endswith("eager ms  replay ms"), head
+    assert row.split()[-2:] == [f"{r['eager_ttft_ms']:.1f}", f"{r['replay_ttft_ms']:.1f}"], row
+
+
+@pytest.mark.cuda
 def test_graph_step_timeline_cuda(capsys):
     """A profiled graph step's timeline (dsv4.bench.timeline): its span split into weights
     streaming and not, the idle part held by named kernels."""

@@ -57,6 +57,22 @@ def test_plan_replays_full_pieces_and_the_rest_where_measured_faster():
     assert pg.plan(1000, chunk=256) == [(256, True)] * 3 + [(232, False)]
 
 
+def test_prefer_replay_plans_graph_pieces_whatever_the_build_measured():
+    """The bench's "chunk graphs only" TTFT: with prefer = "replay" a prompt within max_prompt
+    goes through its graph pieces even where the eager chunks measured faster at build (a
+    tensor-parallel eager prefill's host time varies by process: the build's one timing can
+    pick either)."""
+    replay = {1: 5, 2: 6, 4: 8, 8: 40}
+    eager = {1: 20, 2: 20, 4: 20, 8: 20}
+    pg = _measured(replay, eager, 8, max_prompt=16)
+    assert pg.prefer is None and pg.plan(8) == [(8, False)]
+    pg.prefer = "replay"
+    assert pg.plan(8) == [(8, True)] and pg.plan(13) == [(8, True), (4, True), (1, True)]
+    assert pg.plan(20) == [(20, False)]                  # past max_prompt: eager still
+    pg.prefer = None
+    assert pg.plan(13) == [(8, False), (4, True), (1, True)]
+
+
 def test_plan_weighs_pieces_against_the_eager_chunk_they_replace():
     """Issue 33: with --prefill-graphs 512, a 4,096-token prompt replayed eight 512-row graphs
     (574 ms, 20 Flash layers on an H100) where one eager 4,096-row chunk took 208 ms."""

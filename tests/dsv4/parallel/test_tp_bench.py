@@ -161,6 +161,29 @@ def test_tp_bench_profiles_a_prefill_and_traces_every_rank(capfd, tmp_path):
 
 
 @pytest.mark.multigpu
+def test_tp_bench_prefill_graphs_on_two_gpus(capfd):
+    """--prefill-graphs in TP: the chunk graphs built by both ranks, the plan's TTFT beside the
+    same prompt as eager chunks only and as chunk graphs only, and the plan's build-time times
+    of the largest size (the slowest rank's) in the line."""
+    import torch
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"needs 2 GPUs, {torch.cuda.device_count()} visible")
+    rc = bench.main(["--preset", "tiny-tp", "--device", "cuda:0,cuda:1", "--parallel", "tp",
+                     "--mode", "graph", "--granularity", "device", "--steps", "3", "--warmup",
+                     "1", "--context", "40", "--prefill", "24", "--prefill-reps", "2",
+                     "--prefill-graphs", "16", "--no-kernels", "--json", "-"])
+    out, err = capfd.readouterr()
+    assert rc == 0, err
+    rep = json.loads(out)
+    (p,) = rep["prefill_runs"]
+    assert p["eager_ttft_ms"] > 0 and p["replay_ttft_ms"] > 0
+    pg = rep["prefill_graphs"]
+    assert pg["max_rows"] == 16 and pg["built_replay_ms"]["16"] > 0 and pg["built_eager_ms"]["16"] > 0
+    assert f"chunk graphs only {p['replay_ttft_ms']:.1f} ms" in err
+    assert f"replay {pg['built_replay_ms']['16']:.1f} / eager " in err
+
+
+@pytest.mark.multigpu
 def test_tp_bench_speculative_on_two_gpus(capfd):
     """On two GPUs, --speculative in graph mode: the verify passes and the speculative sessions
     captured and replayed on both ranks in step, the tokens of plain decoding on both."""
