@@ -118,8 +118,9 @@ __global__ void __launch_bounds__(STHREADS, 1) stage_fp8(const uint8_t* W, const
 
 // all stages in one kernel: tiles split evenly over the CTAs, the producer warp (warp CONS)
 // streams this CTA's units of every stage through a ring of nbuf 16 KB slots (one bulk copy a
-// unit); the consumers take units j = warp, warp + CONS, ... MODE 1: stage s > 0 reads y of
-// stage s - 1 (N == K) after a grid barrier; 2: as 1 through the latency-bound step (CTA 0 runs
+// unit); the consumers take units j = warp, warp + CONS, ... (nbuf >= CONS, any: Ring::wait_after)
+// MODE 1: stage s > 0 reads y of stage s - 1 after a grid barrier (N == K, else x0, as the graph's
+// stages do; the barrier still orders the stages); 2: as 1 through the latency-bound step (CTA 0 runs
 // gap_norm into xn and raises `flag`); 3: no producer after the ring's first fill: the consumers
 // take the ring's units again and again (M stages' worth), no barrier, x0 throughout: the
 // consumers' own speed. M = 1: one stage, the floor of this kernel.
@@ -149,14 +150,15 @@ __global__ void __launch_bounds__((CONS + 1) * 32, 1) chain_fp8(const uint8_t* c
     for (int j = 0; j < min(units, nbuf); ++j) g.wait(j);
   for (int s = 0; s < M; ++s) {
     if (s == 0 || !SOLO) {
-      const float* x = s == 0 || SOLO ? x0 : GAP ? xn + size_t(s - 1) * K : parts + size_t(s - 1) * N * CHUNKS;
-      load_xh(x, s > 0 && !GAP, xh, K, CONS * 32);
+      const bool first = s == 0 || SOLO || N != K;   // x0 (unchained: every stage, as the graph)
+      const float* x = first ? x0 : GAP ? xn + size_t(s - 1) * K : parts + size_t(s - 1) * N * CHUNKS;
+      load_xh(x, !first && !GAP, xh, K, CONS * 32);
       cons_sync<CONS>();
     }
     float* part = parts + size_t(SOLO ? 0 : s) * N * CHUNKS;
     for (int j = warp; j < units; j += CONS) {
       const int u = u0 + j, tile = u / CHUNKS, c = u % CHUNKS;
-      const int slot = SOLO ? j % min(units, nbuf) : g.wait(s * units + j);
+      const int slot = SOLO ? j % min(units, nbuf) : g.wait_after(s * units + j);
       const unsigned char* row = static_cast<const unsigned char*>(g.row(slot));
       const float* sc = Ss[SOLO ? 0 : s] + size_t(tile * 16 / 128) * (K / 128) + c * (KC / 128);
       const float2 p = unit_dot([&](int b, int r) {
@@ -175,7 +177,10 @@ __global__ void __launch_bounds__((CONS + 1) * 32, 1) chain_fp8(const uint8_t* c
   }
 }
 
-int main() {
+int main(int argc, char** argv) {   // argv: the ring sizes in units (default 8 12)
+  std::vector<int> nbufs;
+  for (int i = 1; i < argc; ++i) nbufs.push_back(atoi(argv[i]));
+  if (nbufs.empty()) nbufs = {8, 12};
   const int sms = chain_start("chain5: FP8 units on mma.sync, persistent producer + ring against PDL launches");
   Timer T;
   const cudaStream_t st = T.st;
@@ -228,7 +233,8 @@ int main() {
     printf("  PDL launches (%d CTAs of %d): one of all rows %.1f us (%.0f%% of the read) | a graph of %d %.1f us (%.2f us a dependency)\n",
            grid0, STHREADS, t_one_g, 100.0 * t_read / t_one_g, c.M, t_graph, (t_graph - t_one_g) / (c.M - 1));
     if (chained) print_graph_step(G, c.M);
-    for (int nbuf : {8, 12}) {
+    for (int nbuf : nbufs) {
+      if (nbuf < CONS) { printf("  ring %d: the kernel takes at least %d units (its consumer warps)\n", nbuf, CONS); continue; }
       const size_t smem = size_t(c.K) * 4 + size_t(nbuf) * UNITB + size_t(nbuf) * 16;
       CK(cudaFuncSetAttribute(chain_fp8<1>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
       CK(cudaFuncSetAttribute(chain_fp8<2>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));

@@ -27,8 +27,9 @@ template <int CONS> __device__ __forceinline__ void cons_sync() { asm volatile("
 
 // dynamic shared memory as xs [K] f32 | ring [nbuf][rowb] | full [nbuf] | empty [nbuf]: slot
 // use t (the CTA's t-th row) is slot t % nbuf, its (t / nbuf)-th use. Consumers that take uses t
-// == their warp (mod CONS) need nbuf a multiple of CONS: an mbarrier's parity wait cannot tell
-// use k from k - 2, and then the use before a slot's k-th was the same warp's.
+// == their warp (mod CONS) need nbuf a multiple of CONS for `wait`: an mbarrier's parity wait
+// cannot tell use k from k - 2, and then the use before a slot's k-th was the same warp's. Any
+// nbuf >= CONS takes `wait_after` (the slot's use before released first, then the parity wait).
 struct Ring {
   float* xs;
   unsigned char* rows;
@@ -50,6 +51,16 @@ struct Ring {
   // a consumer: wait for use t's row -> the slot
   __device__ __forceinline__ int wait(int t) {
     const int slot = t % nbuf;
+    mbar_wait(&full[slot], (t / nbuf) & 1);
+    return slot;
+  }
+  // a consumer whose use t - nbuf may have been another warp's (nbuf >= CONS, not a multiple):
+  // wait until use t - nbuf was released (as acquire does; released uses of the slot are then t /
+  // nbuf - 1 or t / nbuf), then for use t's row (fills completed t / nbuf or t / nbuf + 1) -> the
+  // slot. The full wait alone would pass on t - nbuf's copy still landing (the same parity)
+  __device__ __forceinline__ int wait_after(int t) {
+    const int slot = t % nbuf;
+    mbar_wait(&empty[slot], ((t / nbuf) & 1) ^ 1);
     mbar_wait(&full[slot], (t / nbuf) & 1);
     return slot;
   }
