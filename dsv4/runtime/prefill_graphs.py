@@ -28,6 +28,13 @@ from ..errors import ConfigError
 from .config import PREFILL_GRAPHS_EXPECTED, prefill_graphs_ok
 from .passes import DeviceBuffers, pass_segments
 
+# the plan weighs an eager chunk's build-time measurement by this much against the replays: an
+# eager chunk's time is the host's issue in tensor parallel and moves between measurements (a
+# TP2 4,096-row chunk of 8 Flash layers, 2x H200: 49.9 ms at build, 74.3 ms later in the same
+# process; 44-61 ms across processes) where a replay's stays within ~2% (42.9 at build, 43.0 and
+# 43.3 later). Eager is taken where it measured more than 10% faster.
+EAGER_MARGIN = 1.1
+
 FIX_HINTS = ("lower RuntimeConfig.prefill_graphs (fewer and smaller chunk graphs)",
              "RuntimeConfig.prefill_graphs = 0")
 
@@ -231,9 +238,10 @@ class PrefillGraphs:
         eager alternative is chunks of `chunk` rows (default: the model's prefill chunk), so
         each such segment takes the fastest of: one eager chunk; its graph pieces (pieces of
         `cap` rows, the largest captured size <= chunk, then the binary pieces of the rest); its
-        cap-sized pieces replayed and the rest as one eager chunk. Beyond max_prompt: all
-        eager. With prefer = "replay", each segment its graph pieces. Neighbouring eager pieces
-        merge (Transformer.prefill cuts them into chunks)."""
+        cap-sized pieces replayed and the rest as one eager chunk; an eager chunk's measured
+        time weighed by EAGER_MARGIN (the host's time moves, a replay's does not). Beyond
+        max_prompt: all eager. With prefer = "replay", each segment its graph pieces.
+        Neighbouring eager pieces merge (Transformer.prefill cuts them into chunks)."""
         chunk = self.prefill_chunk if chunk is None else chunk
         cap = min(self.max_rows, 1 << (chunk.bit_length() - 1))
         if self.max_prompt is not None and n > self.max_prompt:
@@ -242,11 +250,12 @@ class PrefillGraphs:
         for pos in range(0, n, chunk):
             seg = min(chunk, n - pos)
             full, rest = divmod(seg, cap)
-            options = [(eager_time(seg, self.eager_ms), [(seg, False)]),
+            options = [(EAGER_MARGIN * eager_time(seg, self.eager_ms), [(seg, False)]),
                        (sum(self.replay_ms[S] for S in pieces(seg, cap)),
                         [(S, True) for S in pieces(seg, cap)])]
             if full and rest:
-                options.append((full * self.replay_ms[cap] + eager_time(rest, self.eager_ms),
+                options.append((full * self.replay_ms[cap]
+                                + EAGER_MARGIN * eager_time(rest, self.eager_ms),
                                 [(cap, True)] * full + [(rest, False)]))
             out += (options[1] if self.prefer == "replay" else min(options, key=lambda o: o[0]))[1]
         merged: list[tuple[int, bool]] = []

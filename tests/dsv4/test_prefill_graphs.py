@@ -46,15 +46,19 @@ def test_plan_replays_full_pieces_and_the_rest_where_measured_faster():
     assert pg.plan(4096 + 255) == [(4096, True), (255, False)]      # 8 pieces: one eager chunk
     assert pg.plan(1000, chunk=512) == [(512, True), (488, False)]
     assert pg.covers(128) and not pg.covers(255) and pg.covers(255 + 4096)
-    slow = _measured(replay, eager | {4096: 300}, 4096)     # replay slower: eager pieces
+    # eager measured faster by less than EAGER_MARGIN (300 x 1.1 > 321): still the replay
+    assert _measured(replay, eager | {4096: 300}, 4096).plan(4096) == [(4096, True)]
+    slow = _measured(replay, eager | {4096: 280}, 4096)     # replay slower: eager pieces
     assert slow.plan(8192 + 300) == [(8192 + 300, False)]
     assert slow.plan(8192 + 128) == [(8192, False), (128, True)]
     capped = _measured(replay, eager, 4096, max_prompt=512)
     assert capped.plan(600) == [(600, False)] and capped.plan(512) == [(512, True)]
-    # eager chunks of 300 rows (180 ms) beat their pieces (256 + 32 + 8 + 4: 202 ms), and the
+    # eager chunks of 300 rows (180 x 1.1 ms) beat their pieces (256 + 32 + 8 + 4: 202 ms), and the
     # cap-sized piece with the rest eager (81 + 180); the last 100 rows replay (136 ms)
     assert pg.plan(1000, chunk=300) == [(900, False), (64, True), (32, True), (4, True)]
-    assert pg.plan(1000, chunk=256) == [(256, True)] * 3 + [(232, False)]
+    # the last 232 rows: their pieces (194 ms) against the eager chunk's 180 x 1.1
+    assert pg.plan(1000, chunk=256) == [(256, True)] * 3 + [(128, True), (64, True), (32, True),
+                                                            (8, True)]
 
 
 def test_prefer_replay_plans_graph_pieces_whatever_the_build_measured():
@@ -85,7 +89,8 @@ def test_plan_weighs_pieces_against_the_eager_chunk_they_replace():
     assert pg.plan(4096, chunk=512) == [(512, True)] * 8          # eager chunks of 512: slower
     assert pg.plan(600) == [(600, False)]             # 160 < 71.7 + 150 (512 + the rest)
     assert pg.plan(260) == [(256, True), (4, True)]             # 87 < 150
-    assert pg.plan(300) == [(300, False)]                        # 157 > 150
+    assert pg.plan(300) == [(256, True), (32, True), (8, True), (4, True)]   # 157 < 1.1 x 150
+    assert pg.plan(511) == [(511, False)]                        # nine pieces: 332 > 165
     assert eager_time(5000, eager) == pytest.approx(207.7 * 5000 / 4096)
 
 
@@ -113,8 +118,8 @@ def test_tensor_parallel_ranks_plan_the_same_pieces():
     assert own[0] != own[1]                     # what the ranks would do on their own
     plans = []
     for rank in (0, 1):
-        ranks = _Ranks(replay, rank)
-        pg = _measured(agreed_ms(replay[rank], ranks), agreed_ms(eager, ranks), 8)
+        pg = _measured(agreed_ms(replay[rank], _Ranks(replay, rank)),
+                       agreed_ms(eager, _Ranks([eager, eager], rank)), 8)
         assert pg.replay_ms == {1: 5, 2: 6, 4: 9, 8: 30}
         plans.append(pg.plan(24))
     assert plans[0] == plans[1] == own[1]
