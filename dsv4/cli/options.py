@@ -95,10 +95,10 @@ def add_runtime_args(p: argparse.ArgumentParser, max_seq_len: int | None = None,
                         "grows with N)")
     r.add_argument("--prefill-graphs", type=int, default=0, metavar="N",
                    help="graph mode: capture prefill chunks of 1, 2, 4, ..., N tokens at startup "
-                        "(N a power of two; 0 = off) and replay them where that measured faster "
-                        "than the eager chunk (N-token pieces, then the rest): a faster first "
-                        "token, paid for by the capture (worth it when one process serves "
-                        "several prompts)")
+                        "(N a power of two; 0 = off) and replay them unless the eager chunk "
+                        "measured more than 10%% faster (N-token pieces, then the rest): a "
+                        "faster first token, paid for by the capture (worth it when one process "
+                        "serves several prompts)")
     r.add_argument("--speculative", type=int, default=0, metavar="K",
                    help="self-speculative decoding with the checkpoint's MTP block, K drafted "
                         "tokens per step (0 = off; K = 1 is implemented)")
