@@ -123,20 +123,22 @@ __global__ void __launch_bounds__(STHREADS, 1) stage_fp8(const uint8_t* W, const
 // stages do; the barrier still orders the stages); 2: as 1 through the latency-bound step (CTA 0 runs
 // gap_norm into xn and raises `flag`); 3: no producer after the ring's first fill: the consumers
 // take the ring's units again and again (M stages' worth), no barrier, x0 throughout: the
-// consumers' own speed. M = 1: one stage, the floor of this kernel.
+// consumers' own speed; 4: no weights (no units), the M stages' grid barriers and x's reload from
+// the partials of the stage before (L2); 5: as 4 without the reload (x0 once). M = 1: one stage,
+// the floor of this kernel.
 template <int MODE>
 __global__ void __launch_bounds__((CONS + 1) * 32, 1) chain_fp8(const uint8_t* const* Ws, const float* const* Ss,
                                                                 const float* x0, float* parts, int M, int N, int K,
                                                                 int nbuf, unsigned* bar, unsigned epoch,
                                                                 float* xn, unsigned* flag) {
-  constexpr bool GAP = MODE == 2, SOLO = MODE == 3;
+  constexpr bool GAP = MODE == 2, SOLO = MODE == 3, EMPTY = MODE >= 4, RELOAD = MODE != 5;
   extern __shared__ __align__(128) unsigned char sm[];
   Ring g = ring_init(sm, K, size_t(UNITB), nbuf);      // xs: K floats of room, used as K halves
   __half* xh = reinterpret_cast<__half*>(g.xs);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, t = lane & 3;
   int t0, t1;
   even_rows(N / 16, t0, t1);
-  const int units = (t1 - t0) * CHUNKS, u0 = t0 * CHUNKS;
+  const int units = EMPTY ? 0 : (t1 - t0) * CHUNKS, u0 = t0 * CHUNKS;
   if (warp == CONS) {
     if (lane == 0) {
       int use = 0;
@@ -149,7 +151,7 @@ __global__ void __launch_bounds__((CONS + 1) * 32, 1) chain_fp8(const uint8_t* c
   if (SOLO)                       // every warp reads every filled slot: wait for them all
     for (int j = 0; j < min(units, nbuf); ++j) g.wait(j);
   for (int s = 0; s < M; ++s) {
-    if (s == 0 || !SOLO) {
+    if (s == 0 || (!SOLO && RELOAD)) {
       const bool first = s == 0 || SOLO || N != K;   // x0 (unchained: every stage, as the graph)
       const float* x = first ? x0 : GAP ? xn + size_t(s - 1) * K : parts + size_t(s - 1) * N * CHUNKS;
       load_xh(x, !first && !GAP, xh, K, CONS * 32);
@@ -239,6 +241,8 @@ int main(int argc, char** argv) {   // argv: the ring sizes in units (default 8 
       CK(cudaFuncSetAttribute(chain_fp8<1>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
       CK(cudaFuncSetAttribute(chain_fp8<2>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
       CK(cudaFuncSetAttribute(chain_fp8<3>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+      CK(cudaFuncSetAttribute(chain_fp8<4>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+      CK(cudaFuncSetAttribute(chain_fp8<5>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
       const int threads = (CONS + 1) * 32;
       unsigned epoch = 0;
       CK(cudaMemset(C.bar, 0, 4)); CK(cudaMemset(C.flag, 0, 4));
@@ -261,6 +265,14 @@ int main(int argc, char** argv) {   // argv: the ring sizes in units (default 8 
              "rows %.1f us (%.0f%% of the read) | %d stages with the dependency %.1f us (%.2f us a dependency) | same bits %s\n",
              nbuf, smem / 1024, t_solo, C.bytes / t_solo / 1e6, t_one, 100.0 * t_read / t_one, c.M, t_dep,
              (t_dep - t_one) / (c.M - 1), same);
+      // what a dependency is made of: the grid barriers alone (M stages, no weights) against one
+      // stage's launch, then with x's reload from the partials of the stage before
+      const float b1 = T.time([&](int i) { run(chain_fp8<5>, 0, 1, c.N, C.bar, 0); });
+      const float bM = T.time([&](int i) { run(chain_fp8<5>, 0, c.M, c.N, C.bar, epoch++); });
+      const float rM = chained ? T.time([&](int i) { run(chain_fp8<4>, 0, c.M, c.N, C.bar, epoch++); }) : 0.f;
+      printf("    no weights: one stage %.1f us | a grid barrier %.2f us", b1, (bM - b1) / (c.M - 1));
+      if (chained) printf(" | with x's reload from the partials %.2f us", (rM - b1) / (c.M - 1));
+      printf("\n");
       if (chained)
         time_gap_chain(T, c.M, [&](int k, unsigned* b, unsigned ep) { run(chain_fp8<2>, k, c.M, c.N, b, ep); }, ps2, G,
                        C.flag, t_dep);
