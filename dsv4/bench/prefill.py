@@ -98,10 +98,26 @@ def touched_bytes(model: Transformer, hits: list[int]) -> int:
     return total
 
 
+def _involuntary_switches() -> int | None:
+    """This thread's involuntary context switches so far (Linux; None elsewhere): the times the
+    scheduler took its core for another thread."""
+    try:
+        with open("/proc/thread-self/status") as f:
+            for line in f:
+                if line.startswith("nonvoluntary_ctxt_switches:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
 def measure(model: Transformer, n: int, reps: int, seed: int, chunk: int | None) -> dict:
     """Prefill a random n-token prompt (one warm-up, then `reps` timed runs): host wall time from
     the call to the first token on the host (prefill + greedy pick + sync), the experts hit per
-    layer, and the peak memory of the timed runs."""
+    layer, and the peak memory of the timed runs. Of the plan's runs, the medians of the host's
+    issue (the call until it returns, before the pick's sync): its wall ms, this thread's CPU ms
+    in it, and its involuntary context switches: an issue slower with as much CPU time is a
+    slower core; with less CPU time and switches, a thread that waited for its core."""
     dev = model.head_device
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, model.cfg.vocab_size, (n,), generator=gen).to(dev)
@@ -118,14 +134,20 @@ def measure(model: Transformer, n: int, reps: int, seed: int, chunk: int | None)
         for d in devices:
             torch.cuda.synchronize(d)
             torch.cuda.reset_peak_memory_stats(d)
+        host = []                           # (issue ms, thread CPU ms, involuntary switches)
+
         def timed():
             ms = []
             for _ in range(reps):
-                t = time.perf_counter()
-                int(run_prefill(model, ids, chunk=chunk).argmax())
+                sw, cpu, t = _involuntary_switches(), time.thread_time(), time.perf_counter()
+                logits = run_prefill(model, ids, chunk=chunk)
+                host.append((1e3 * (time.perf_counter() - t), 1e3 * (time.thread_time() - cpu),
+                             None if sw is None else _involuntary_switches() - sw))
+                int(logits.argmax())
                 ms.append(1e3 * (time.perf_counter() - t))
             return ms
         ms = timed()
+        issue = host[:]
         peak = {str(d): torch.cuda.max_memory_allocated(d) for d in devices}
         hits = [int(blk.ffn.hits.sum()) for blk in model.layers]
         eager_ms = replay_ms = None
@@ -145,7 +167,11 @@ def measure(model: Transformer, n: int, reps: int, seed: int, chunk: int | None)
     return {"tokens": n, "ttft_ms": med, "spread_ms": [min(ms), max(ms)],
             "tok_per_s": n / med * 1e3, "experts_hit": hits, "peak_bytes": peak,
             "graphs": plan is not None and any(g for _, g in plan),
-            "plan": plan, "eager_ttft_ms": eager_ms, "replay_ttft_ms": replay_ms}
+            "plan": plan, "eager_ttft_ms": eager_ms, "replay_ttft_ms": replay_ms,
+            "host_issue_ms": statistics.median(h[0] for h in issue),
+            "host_cpu_ms": statistics.median(h[1] for h in issue),
+            "host_switches": (None if issue[0][2] is None
+                              else statistics.median(h[2] for h in issue))}
 
 
 def profile(model: Transformer, n: int, seed: int, chunk: int | None, top: int = 25,

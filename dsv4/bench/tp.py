@@ -160,7 +160,8 @@ def _rank(group, job: dict) -> dict:
             _log(f"prefill {n} tokens on {group.world_size} ranks")
         r = bench_prefill.measure(model, n, job["prefill_reps"], job["seed"], job["prefill_chunk"])
         row = {k: r[k] for k in ("tokens", "ttft_ms", "spread_ms", "tok_per_s", "graphs",
-                                 "eager_ttft_ms", "replay_ttft_ms")}
+                                 "eager_ttft_ms", "replay_ttft_ms", "host_issue_ms",
+                                 "host_cpu_ms", "host_switches")}
         if job["prefill_profile"]:   # every rank profiles the same prefills (their collectives),
             # starting together (the group's barrier inside the profile); with --trace each rank's
             # trace and its kernels for comm_skew
@@ -224,11 +225,15 @@ def _spec_report(ranks: list) -> dict:
 
 def _prefill_rows(ranks: list) -> list[dict]:
     """Each prompt length's prefill: rank 0's time to first token and tok/s, and every rank's
-    TTFT (they finish together: each layer's all-reduces wait for the slowest); with a profile,
-    rank 0's (its top kernels) and every rank's device time and host issue time."""
+    TTFT (they finish together: each layer's all-reduces wait for the slowest) and host issue
+    (measure's: wall, thread CPU, involuntary switches); with a profile, rank 0's (its top
+    kernels) and every rank's device time and host issue time."""
     rows = []
     for i, r0 in enumerate(ranks[0]["prefill"]):
-        row = {**r0, "ttft_ms_per_rank": [r["prefill"][i]["ttft_ms"] for r in ranks]}
+        row = {**r0, "ttft_ms_per_rank": [r["prefill"][i]["ttft_ms"] for r in ranks],
+               "host_per_rank": [{k: r["prefill"][i][k] for k in
+                                  ("host_issue_ms", "host_cpu_ms", "host_switches")}
+                                 for r in ranks]}
         if "profile" in r0:
             row["profile_per_rank"] = [{k: r["prefill"][i]["profile"][k] for k in
                                         ("kernels", "device_ms", "host_issue_ms",
@@ -285,6 +290,12 @@ def format_table(rep: dict) -> str:
                      f"{rep['prefill_chunk']}{'; replays chunk graphs' if p.get('graphs') else ''}"
                      f"{eager}), every rank: "
                      + ", ".join(f"{t:.1f}" for t in p["ttft_ms_per_rank"]) + " ms")
+        if p.get("host_per_rank"):
+            lines.append("  host issue of the plan's prefills (wall ms, the thread's CPU ms, "
+                         "involuntary switches; medians): " + "; ".join(
+                             f"rank {i}: {h['host_issue_ms']:.1f}, {h['host_cpu_ms']:.1f}, "
+                             f"{f(h['host_switches'], '.0f')}"
+                             for i, h in enumerate(p["host_per_rank"])))
         if "profile" in p:
             lines.append("  profile (one prefill a rank; kernels, their device ms, host issue ms, "
                          "device span ms): " + "; ".join(

@@ -184,6 +184,9 @@ def test_prefill_bench_on_cpu(capsys):
                        if ".experts." in n)
     for r in rep["prefill_runs"]:
         assert r["ttft_ms"] > 0 and r["tok_per_s"] > 0 and r["compute_floor_ms"] is None
+        # the host's issue (no sync on the CPU: the whole prefill) and this thread's CPU in it
+        assert 0 < r["host_issue_ms"] <= r["ttft_ms"] and 0 <= r["host_cpu_ms"]
+        assert r["host_switches"] is None or r["host_switches"] >= 0
         assert all(0 < h <= TINY.n_routed_experts for h in r["experts_hit"])
         assert noexp < r["bytes"] <= allw
     a, b = rep["prefill_runs"]

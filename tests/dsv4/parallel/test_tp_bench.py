@@ -34,6 +34,13 @@ def test_tp_bench_on_two_cpu_ranks(capsys, tmp_path):
         assert p["ttft_ms"] > 0 and len(p["ttft_ms_per_rank"]) == 2
         assert p["ttft_ms"] == p["ttft_ms_per_rank"][0]
     assert "prefill 20 tokens: TTFT" in err
+    # each rank's host issue of those prefills: wall, its thread's CPU, involuntary switches
+    for p in rep["prefill_runs"]:
+        assert len(p["host_per_rank"]) == 2
+        for h in p["host_per_rank"]:
+            assert 0 < h["host_issue_ms"] <= p["ttft_ms"] * 1.5 and h["host_cpu_ms"] >= 0
+            assert h["host_switches"] is None or h["host_switches"] >= 0
+    assert err.count("host issue of the plan's prefills") == 2
     # --prefill-profile is a CUDA profile: on the CPU a note says it was not taken
     assert all("profile" not in p for p in rep["prefill_runs"])
     assert "--prefill-profile: a CUDA profile; not taken on the CPU" in rep["notes"]
