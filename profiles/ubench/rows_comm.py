@@ -2,8 +2,10 @@
 
 A TP prefill chunk split by rows gathers each sublayer's input ([T / world, 4096] bf16 a rank ->
 [T, 4096]) and reduce-scatters its output ([T, 4096] -> [T / world, 4096]). This times both
-through NCCL (one process a GPU, NVLink multicast off), the peer copy engines (one process, a
-copy of a rank's rows into each other GPU), and prints GB/s of the bytes a rank receives.
+through NCCL (one process a GPU, NVLink multicast off), through PyTorch symmetric memory's
+low-contention collectives (peer copies from a side stream, no SM of the caller's: what could
+overlap a chunk's compute), and through the peer copy engines (one process, a copy of a rank's
+rows into each other GPU), and prints GB/s of the bytes a rank receives.
 
     python profiles/ubench/rows_comm.py [--gpus 2] [--rows 4096] [--width 4096] [--iters 20]
 
@@ -55,14 +57,51 @@ def _rank(rank: int, world: int, port: int, rows: int, width: int, iters: int) -
         dist.barrier()
         us = _timed(fn, iters)
         res[name] = us
+    res.update(_symm(rank, world, mine, full, iters))
     out = [None] * world
     dist.all_gather_object(out, res)
     if rank == 0:
-        for name in res:
-            worst = max(r[name] for r in out)
-            print(f"nccl {name:15s} {rows} x {width} bf16 over {world}: {worst:8.1f} us "
+        for name in dict.fromkeys(k for r in out for k in r):
+            got_all = [r.get(name) for r in out]
+            if not all(isinstance(v, float) for v in got_all):
+                print(f"{name}: " + "; ".join(f"rank {i}: {v}" for i, v in enumerate(got_all)))
+                continue
+            worst = max(got_all)
+            who = "nccl " if name in ("all-gather", "reduce-scatter") else ""
+            print(f"{who}{name:15s} {rows} x {width} bf16 over {world}: {worst:8.1f} us "
                   f"(the slowest rank), {got / worst / 1e3:6.1f} GB/s received a rank")
     dist.destroy_process_group()
+
+
+def _symm(rank: int, world: int, mine, full, iters: int) -> dict:
+    """PyTorch symmetric memory's low-contention all-gather and reduce-scatter (peer copies from
+    a side stream, the inputs in symmetric memory: no SM of the caller's), timed as NCCL's ->
+    {name: us}, or {name: why not} where this torch lacks them."""
+    name = "symm-mem all-gather / reduce-scatter"
+    try:
+        import torch.distributed._symmetric_memory as sm
+        group = dist.group.WORLD.group_name
+        if hasattr(sm, "enable_symm_mem_for_group"):
+            sm.enable_symm_mem_for_group(group)
+        a = sm.empty(mine.shape, dtype=mine.dtype, device=mine.device)
+        b = sm.empty(full.shape, dtype=full.dtype, device=full.device)
+        a.copy_(mine)
+        b.copy_(full)
+        sm.rendezvous(a, group)
+        sm.rendezvous(b, group)
+        ag = torch.ops.symm_mem._low_contention_all_gather
+        rs = torch.ops.symm_mem._low_contention_reduce_scatter
+        # this rank's rows where they belong in the gather (the timing goes on either way: every
+        # rank must reach the same barriers)
+        kept = torch.equal(ag(a, group)[rank * a.shape[0]:(rank + 1) * a.shape[0]], mine)
+        out = {} if kept else {"symm all-gather, rank %d" % rank: "lost this rank's rows"}
+        for n, fn in (("symm all-gather", lambda: ag(a, group)),
+                      ("symm reduce-scatter", lambda: rs(b, "sum", group))):
+            dist.barrier()
+            out[n] = _timed(fn, iters)
+        return out
+    except Exception as e:   # an older / newer torch, or no peer access: say so, time the rest
+        return {name: f"not measured ({type(e).__name__}: {str(e).splitlines()[0][:120]})"}
 
 
 def _copy_engines(world: int, rows: int, width: int, iters: int) -> None:
