@@ -134,10 +134,10 @@ def measure(model: Transformer, n: int, reps: int, seed: int, chunk: int | None)
         for d in devices:
             torch.cuda.synchronize(d)
             torch.cuda.reset_peak_memory_stats(d)
-        host = []                           # (issue ms, thread CPU ms, involuntary switches)
-
         def timed():
-            ms = []
+            """reps prefills -> their TTFT ms and their host issue [(ms, thread CPU ms,
+            involuntary switches)]."""
+            ms, host = [], []
             for _ in range(reps):
                 sw, cpu, t = _involuntary_switches(), time.thread_time(), time.perf_counter()
                 logits = run_prefill(model, ids, chunk=chunk)
@@ -145,17 +145,16 @@ def measure(model: Transformer, n: int, reps: int, seed: int, chunk: int | None)
                              None if sw is None else _involuntary_switches() - sw))
                 int(logits.argmax())
                 ms.append(1e3 * (time.perf_counter() - t))
-            return ms
-        ms = timed()
-        issue = host[:]
+            return ms, host
+        ms, issue = timed()
         peak = {str(d): torch.cuda.max_memory_allocated(d) for d in devices}
         hits = [int(blk.ffn.hits.sum()) for blk in model.layers]
         eager_ms = replay_ms = None
         if graphs is not None:          # the same prompt as eager chunks only, beside the plan's,
             model.prefill_graphs = None     # and as chunk graphs only (whatever the build measured)
-            eager_ms = statistics.median(timed())
+            eager_ms = statistics.median(timed()[0])
             model.prefill_graphs, graphs.prefer = graphs, "replay"
-            replay_ms = statistics.median(timed())
+            replay_ms = statistics.median(timed()[0])
     finally:
         if graphs is not None:
             graphs.prefer = None

@@ -17,8 +17,8 @@ What is split (world = the tensor-parallel degree, each rank one slice, in rank 
              rows' compressed entries, an all-gather gives every rank all of them
 Replicated: the embedding, wq_a / wkv / norms, the compressors, the indexer's weights (in decode
 its scores are computed whole on every rank: no all-reduce of them, unlike the reference), the
-gate, mHC (in decode) and the decode state (MQA shares one KV). Legend: T = rows, V = vocabulary, Vs = a rank's
-vocab rows.
+gate, mHC (in decode) and the decode state (MQA shares one KV). Legend: T = rows, V =
+vocabulary, Vs = a rank's vocab rows.
 """
 from __future__ import annotations
 
