@@ -31,12 +31,6 @@ __device__ __forceinline__ uint32_t e4m3x2_f16x2(uint32_t v16) {
   asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(r) : "h"(static_cast<unsigned short>(v16)));
   return r;
 }
-__device__ __forceinline__ void mma16816(float* c, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                         uint32_t b0, uint32_t b1) {
-  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
 
 // one 64-K block b of a unit into c: lane (g = lane / 4, t = lane % 4) holds bytes 16t..16t+15 of
 // rows g and g + 8 (wa, wb); mma step s takes their s-th word: its bytes are K = 16t + 4s + 0..3,
