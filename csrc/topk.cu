@@ -1,12 +1,20 @@
-// The lightning indexer's top-k of decode rows (dsv4_topk_bf16): one CTA per row of bf16 scores,
-// a radix select over the scores' order-preserving keys (a 12-bit then a 4-bit digit, 16-byte
-// loads, one atomic a warp where its lanes agree, a tiled compaction that stops once the k are out).
+// The lightning indexer's top-k of decode rows (dsv4_topk_bf16): a radix select over the scores'
+// order-preserving keys (a 12-bit then a 4-bit digit, 16-byte loads, a compaction in index order):
+// one CTA per row of bf16 scores; on sm_90 from 16,384 scores a cluster of CTAs per row, its keys
+// held in registers up to 262,144 scores (a 1M-token context's ratio-4 index), read again each
+// pass beyond.
 #include "dsv4_api.h"
 #include "dsv4_common.cuh"
 
 #include <cooperative_groups.h>
 
 namespace cg = cooperative_groups;
+
+// A stage mark of topk_bf16_regs_kernel: nothing in the library; profiles/ubench/topk_stages.cu
+// defines it to record each stage's clock.
+#ifndef TOPK_MARK
+#define TOPK_MARK(i)
+#endif
 
 namespace {
 
@@ -322,6 +330,210 @@ __global__ void __launch_bounds__(1024) topk_bf16_cluster_kernel(const uint16_t*
 #endif
 }
 
+
+// ---- sm_90: a cluster of CTAs per row, its keys held in registers -------------------------------
+// topk_bf16_cluster_kernel reads its segment from L2 four times over (two histograms, the counts,
+// the compaction), each pass a chain of dependent 16-byte loads, and sums all 4,096 bins of every
+// CTA's histogram in every CTA: ~32 us for a 1M-token context's 260,000 scores on an H200,
+// against ~0.1 us of bytes. This one loads its segment once (up to REG_GROUPS 16-byte groups of 8
+// consecutive scores a thread, all requested at once, turned into keys in place) and runs every
+// pass on the registers; each CTA sums only the 4,096 / CLUSTER bins it owns over the cluster,
+// and the CTAs find the threshold's bin through the owners' totals. The -inf scores (the entries
+// not yet visible: most of a long cache early on) are counted in registers, not by atomics that
+// would all hit one bin. (profiles/ubench/topk_stages.cu times its stages.)
+
+constexpr int REG_THREADS = 1024, REG_GROUPS = 4;
+constexpr int REG_SEG = REG_GROUPS * 8 * REG_THREADS;   // the longest segment it takes (32,768)
+constexpr int OWN = NHI / CLUSTER;                        // bins a CTA owns
+constexpr uint32_t NEG_INF_KEY = 0x007Fu;                 // bf16_key of -inf (0xFF80)
+
+// bf16_key of the two bf16 halves of w, in place.
+DEV uint32_t bf16_key2(uint32_t w) {
+  const uint32_t neg = (w >> 15) & 0x00010001u;           // 1 in each half whose sign is set
+  return w ^ ((neg * 0xFFFFu) | 0x80008000u);
+}
+
+DEV int warp_sum(int v) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(FULL, v, off);
+  return v;
+}
+
+// As topk_bf16_cluster_kernel (the same output, bit for bit) for segments of at most REG_SEG
+// scores: thread t holds the per = 8 * groups consecutive scores from per * t of its CTA's segment
+// (the order the compaction writes them in).
+__global__ void __launch_bounds__(REG_THREADS) topk_bf16_regs_kernel(const uint16_t* sc, int n, int seg, int k,
+                                                                    int64_t* out) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  __shared__ int hist[NHI];
+  __shared__ int own[OWN];
+  __shared__ int hist2[NLO], tot2[NLO];
+  __shared__ int wsum[32];
+  __shared__ int owned, cnt[2];
+  __shared__ int bin, above, sl, sl_above;
+  cg::cluster_group cl = cg::this_cluster();
+  const int tid = threadIdx.x, nt = blockDim.x, lane = tid & 31, rank = int(cl.block_rank());
+  sc += size_t(blockIdx.y) * n;
+  out += size_t(blockIdx.y) * k;
+  const int s0 = min(n, rank * seg), len = min(n, s0 + seg) - s0;
+  const bool vec = n % 8 == 0 && (reinterpret_cast<uintptr_t>(sc) & 15) == 0;
+  const int ng = (len + 8 * nt - 1) / (8 * nt);           // groups a thread (<= REG_GROUPS)
+  const int per = 8 * ng, first = per * tid;              // this thread's scores: [first, first + nv)
+  const int nv = max(0, min(per, len - first));
+  const uint16_t* mine = sc + s0 + first;
+  pdl_wait();
+  TOPK_MARK(0);
+  uint32_t kw[REG_GROUPS][4];                             // keys 2i, 2i + 1 of group s in kw[s][i]
+#pragma unroll
+  for (int s = 0; s < REG_GROUPS; ++s) {
+    kw[s][0] = kw[s][1] = kw[s][2] = kw[s][3] = 0;
+    if (8 * s < nv) {
+      if (vec) {
+        const uint4 v = *reinterpret_cast<const uint4*>(mine + 8 * s);
+        kw[s][0] = v.x; kw[s][1] = v.y; kw[s][2] = v.z; kw[s][3] = v.w;
+      } else {
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+          if (8 * s + j < nv) kw[s][j >> 1] |= uint32_t(mine[8 * s + j]) << (16 * (j & 1));
+      }
+    }
+  }
+#pragma unroll
+  for (int s = 0; s < REG_GROUPS; ++s)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) kw[s][i] = bf16_key2(kw[s][i]);
+  auto key = [&](int s, int j) { return (kw[s][j >> 1] >> (16 * (j & 1))) & 0xFFFFu; };
+  for (int i = tid; i < NHI; i += nt) hist[i] = 0;
+  if (tid < NLO) hist2[tid] = 0;
+  if (tid == 0) owned = 0;
+  __syncthreads();
+  int ninf = 0;
+#pragma unroll
+  for (int s = 0; s < REG_GROUPS; ++s)
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+      if (8 * s + j < nv) {
+        const uint32_t u = key(s, j);
+        if (u == NEG_INF_KEY)
+          ++ninf;
+        else
+          atomicAdd(hist + (u >> LO_BITS), 1);
+      }
+  ninf = warp_sum(ninf);
+  if (lane == 0 && ninf) atomicAdd(hist + (NEG_INF_KEY >> LO_BITS), ninf);
+  TOPK_MARK(1);
+  cl.sync();                                  // every CTA's hist complete
+  TOPK_MARK(2);
+  // the cluster's sums of the bins this CTA owns, [rank * OWN, (rank + 1) * OWN), and their total
+  int mysum = 0;
+  for (int b = tid; b < OWN; b += nt) {
+    int v[CLUSTER];
+#pragma unroll
+    for (int r = 0; r < CLUSTER; ++r) v[r] = cl.map_shared_rank(hist, r)[rank * OWN + b];
+    int sum = 0;
+#pragma unroll
+    for (int r = 0; r < CLUSTER; ++r) sum += v[r];
+    own[b] = sum;
+    mysum += sum;
+  }
+  mysum = warp_sum(mysum);
+  if (lane == 0 && mysum) atomicAdd(&owned, mysum);
+  TOPK_MARK(3);
+  cl.sync();                                  // every CTA's own[] and owned published
+  // the owner whose bins hold the k-th largest key (owners from the top: lane i, owner C - 1 - i)
+  if (tid < 32) {
+    const int t = tid < CLUSTER ? *cl.map_shared_rank(&owned, CLUSTER - 1 - tid) : 0;
+    int incl = t;
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) {
+      const int v = __shfl_up_sync(FULL, incl, off);
+      if (tid >= off) incl += v;
+    }
+    const unsigned m = __ballot_sync(FULL, tid < CLUSTER && incl >= k);
+    if (tid == __ffs(m) - 1) {
+      sl = CLUSTER - 1 - tid;
+      sl_above = incl - t;
+    }
+  }
+  __syncthreads();
+  find_bin(cl.map_shared_rank(own, sl), OWN, k - sl_above, wsum, &bin, &above);
+  const uint32_t hi = uint32_t(sl * OWN + bin);
+  const int above1 = sl_above + above;
+  TOPK_MARK(4);
+  ninf = 0;
+#pragma unroll
+  for (int s = 0; s < REG_GROUPS; ++s)
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+      if (8 * s + j < nv) {
+        const uint32_t u = key(s, j);
+        if (u == NEG_INF_KEY)
+          ++ninf;
+        else if ((u >> LO_BITS) == hi)
+          atomicAdd(hist2 + (u & (NLO - 1)), 1);
+      }
+  if (hi == (NEG_INF_KEY >> LO_BITS)) {       // (uniform)
+    ninf = warp_sum(ninf);
+    if (lane == 0 && ninf) atomicAdd(hist2 + (NEG_INF_KEY & (NLO - 1)), ninf);
+  }
+  TOPK_MARK(5);
+  cl.sync();                                  // every CTA's hist2 complete
+  if (tid < NLO) {
+    int sum = 0;
+#pragma unroll
+    for (int r = 0; r < CLUSTER; ++r) sum += cl.map_shared_rank(hist2, r)[tid];
+    tot2[tid] = sum;
+  }
+  __syncthreads();
+  find_bin(tot2, NLO, k - above1, wsum, &bin, &above);
+  const uint32_t thr = (hi << LO_BITS) | uint32_t(bin);
+  const int n_gt = above1 + above;            // keys above the threshold in the row (< k)
+  TOPK_MARK(6);
+  int gt = 0, eq = 0;                         // this thread's keys above / at the threshold
+#pragma unroll
+  for (int s = 0; s < REG_GROUPS; ++s)
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+      if (8 * s + j < nv) {
+        const uint32_t u = key(s, j);
+        gt += u > thr;
+        eq += u == thr;
+      }
+  int tt;                                     // gt in the low 16 bits, eq in the high (<= 32,768)
+  const int off = block_scan(gt | (eq << 16), wsum, &tt);
+  if (tid == 0) {
+    cnt[0] = tt & 0xFFFF;
+    cnt[1] = tt >> 16;
+  }
+  TOPK_MARK(7);
+  cl.sync();                                  // every CTA's counts published
+  int gbase = 0, ebase = 0;                   // keys above / at the threshold in lower ranks
+  for (int r = 0; r < rank; ++r) {
+    const int* c = cl.map_shared_rank(cnt, r);
+    gbase += c[0];
+    ebase += c[1];
+  }
+  cl.barrier_arrive();                        // done with the others' shared memory
+  int og = gbase + (off & 0xFFFF), oe = ebase + (off >> 16);
+  if (gt | eq) {
+#pragma unroll
+    for (int s = 0; s < REG_GROUPS; ++s)
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+        if (8 * s + j < nv) {
+          const uint32_t u = key(s, j);
+          if (u > thr)
+            out[og++] = s0 + first + 8 * s + j;
+          else if (u == thr && n_gt + oe < k)
+            out[n_gt + oe++] = s0 + first + 8 * s + j;
+        }
+  }
+  TOPK_MARK(8);
+  cl.barrier_wait();                          // no CTA exits while another reads its shared memory
+  TOPK_MARK(9);
+#endif
+}
+
 }  // namespace
 
 extern "C" {
@@ -329,7 +541,9 @@ extern "C" {
 
 // out [rows, k] int64 = per row, the indices of the k largest of scores [rows, n] bf16
 // (1 <= k <= n), see topk_bf16_kernel. One CTA per row; from CLUSTER_MIN_N scores on a GPU with
-// thread-block clusters (sm_90), a cluster of CLUSTER CTAs per row (topk_bf16_cluster_kernel).
+// thread-block clusters (sm_90), a cluster of CLUSTER CTAs per row: topk_bf16_regs_kernel where a
+// CTA's segment fits its registers (n <= CLUSTER * REG_SEG), else topk_bf16_cluster_kernel. The
+// same output from all three.
 int dsv4_topk_bf16(const void* scores, int n, int k, void* out, int rows, void* stream, int pdl) {
   constexpr int CLUSTER_MIN_N = 16384;
   if (k < 1 || k > n || rows < 1) return -1;
@@ -350,7 +564,7 @@ int dsv4_topk_bf16(const void* scores, int n, int k, void* out, int rows, void* 
   const int seg = ((n + CLUSTER - 1) / CLUSTER + 7) / 8 * 8;
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(CLUSTER, rows);
-  cfg.blockDim = dim3(1024);
+  cfg.blockDim = dim3(seg <= REG_SEG ? REG_THREADS : 1024);
   cfg.stream = st;
   cudaLaunchAttribute attr[2];
   attr[0].id = cudaLaunchAttributeClusterDimension;
@@ -361,7 +575,8 @@ int dsv4_topk_bf16(const void* scores, int n, int k, void* out, int rows, void* 
   attr[1].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
   cfg.numAttrs = pdl ? 2 : 1;
-  err = cudaLaunchKernelEx(&cfg, topk_bf16_cluster_kernel, sc, n, seg, k, o);
+  err = seg <= REG_SEG ? cudaLaunchKernelEx(&cfg, topk_bf16_regs_kernel, sc, n, seg, k, o)
+                       : cudaLaunchKernelEx(&cfg, topk_bf16_cluster_kernel, sc, n, seg, k, o);
   if (err != cudaSuccess) (void)cudaGetLastError();
   return err;
 }

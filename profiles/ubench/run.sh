@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Build and run one of the microbenchmarks of this folder (sm_90a: an H100 or H200), the rest of
-# the command line passed to it: bash profiles/ubench/run.sh chain2|chain3|chain4|chain5|experts_ring|wgmma_gemv|wgmma_fp4 [ARGS]
+# the command line passed to it: bash profiles/ubench/run.sh chain2|chain3|chain4|chain5|experts_ring|topk_stages|wgmma_gemv|wgmma_fp4 [ARGS]
 set -euo pipefail
-name=${1:?usage: run.sh chain2|chain3|chain4|chain5|experts_ring|wgmma_gemv|wgmma_fp4 [ARGS]}; shift
+name=${1:?usage: run.sh chain2|chain3|chain4|chain5|experts_ring|topk_stages|wgmma_gemv|wgmma_fp4 [ARGS]}; shift
 here=$(cd "$(dirname "$0")" && pwd)
 [ -f "$here/$name.cu" ] || { echo "run.sh: no $name.cu in $here" >&2; exit 2; }
 bin=${TMPDIR:-/tmp}/ubench_$name
