@@ -1,6 +1,8 @@
 """Microbenchmark of the decode GEMV / expert kernels at the real Flash / Pro shapes on CUDA: each
 kernel in a CUDA graph (rotating weight copies so L2 does not serve them) vs the measured copy
-bandwidth and vs the torch path. Run: `python scripts/bench_kernels.py [--preset pro] [--sweep]`.
+bandwidth and vs the torch path; and the indexer's selection of a decode row (its scores against
+the index cache, their top-k) at a 4K and a 1M-token context. Run: `python
+scripts/bench_kernels.py [--preset pro] [--sweep]`.
 """
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from ..kernels.common import Config, CudaConfig
+from ..kernels.common import INDEX_SCORES_TRANS, Config, CudaConfig
 from ..kernels.cuda.experts import (
     CUDA_DOWN_VARIANTS,
     CUDA_UP_VARIANTS,
@@ -33,6 +35,15 @@ from ..kernels.decode.fp4_experts import (
     up_config,
 )
 from ..kernels.decode.fp8_linear import fp8_config, fp8_linear, fp8_swiglu
+from ..kernels.decode.indexer import (
+    SCORES_STAGES,
+    SCORES_WARPS,
+    index_scores,
+    index_scores_reference,
+    index_topk,
+    scores_tiles,
+)
+from ..numerics.sparse import topk_lowest
 from ..numerics.quant import fp8_quant_dequant
 from ..weights.formats import dequantize_fp4_weight, dequantize_fp8_weight
 from ..weights.presets import get_preset
@@ -265,6 +276,49 @@ def expert_cases(E, inter, dim, k, dev, gen) -> list[Case]:
                  cuda=(cu, cd) if cu is not None and cd is not None else None)]
 
 
+INDEX_CONTEXTS = (4096, 1_040_000)   # the bench's 4K and 1M contexts
+
+
+def index_cases(cfg, dev, gen) -> list[Case]:
+    """The indexer's selection of one decode row at each of INDEX_CONTEXTS (a ratio-4 layer:
+    context / 4 cache entries, all visible): its scores against the index cache (reads the cache;
+    config: the tiles a program, the tiles in flight, the warps, the orientation; swept), then their top-k (reads the scores the first wrote,
+    which L2 holds as it does in the step; the CUDA radix select against torch's)."""
+    H, DI, k = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
+    cases = []
+    for ctx in INDEX_CONTEXTS:
+        n = ctx // 4
+        nbytes = n * DI * 2
+        copies = n_copies(nbytes)
+        keys = [torch.randn(n, DI, device=dev, generator=gen).to(torch.bfloat16)
+                for _ in range(copies)]
+        q = torch.randn(1, H * DI, device=dev, generator=gen).to(torch.bfloat16)
+        w = torch.randn(1, H, device=dev, generator=gen).to(torch.bfloat16)
+        pos = torch.tensor([ctx - 1], device=dev)
+        wscale = H ** -0.5 * DI ** -0.5
+        name = f"ctx {ctx}: {n} entries"
+        default = (scores_tiles(n), min(SCORES_STAGES, scores_tiles(n)), SCORES_WARPS,
+                   INDEX_SCORES_TRANS)
+        sweep = [(t, st, wp, tr) for t in (1, 4, 8) for st in (1, 2, 3) for wp in (4, 8)
+                 for tr in (False, True) if (t, st, wp, tr) != default and st <= t]
+        cases.append(Case(
+            "index.scores", f"{name} x {H} heads", nbytes,
+            lambda c, config, keys=keys, q=q, w=w, pos=pos: (lambda: index_scores(
+                q, w, keys[c], pos, wscale, tiles=config[0], stages=config[1],
+                warps=config[2], trans=config[3])),
+            default,
+            lambda c, keys=keys, q=q, w=w, pos=pos: (lambda: index_scores_reference(
+                q, w, keys[c], pos, wscale)),
+            copies, sweep))
+        sc = index_scores(q, w, keys[0], pos, wscale)
+        kk = min(k, n)
+        cases.append(Case(
+            "index.topk", f"{name}, k {kk}", n * 2,
+            lambda c, config, sc=sc, kk=kk: (lambda: index_topk(sc, kk, impl=config)), "cuda",
+            lambda c, sc=sc, kk=kk: (lambda: topk_lowest(sc, kk)), 1))
+    return cases
+
+
 def build_cases(preset: str, dev, only=(), seed: int = 0, tp: int = 1):
     """Yield the benchmark cases of `preset` one at a time (weights of one case live at once);
     `only`: substrings of the names to keep; tp > 1: a tensor-parallel rank's shard shapes
@@ -301,6 +355,7 @@ def build_cases(preset: str, dev, only=(), seed: int = 0, tp: int = 1):
                                     torch.float32)]),
         ("experts.up experts.down experts.step",
          lambda: expert_cases(E, I, D, cfg.n_activated_experts, dev, gen)),
+        ("index.scores index.topk", lambda: index_cases(cfg, dev, gen)),
     ]
     for names, make in makers:
         if only and not any(o in n for o in only for n in names.split()):

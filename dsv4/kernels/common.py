@@ -261,6 +261,11 @@ E2M1_MAX = tl.constexpr(FP4_MAX)
 E2M1_MAX_INV = tl.constexpr(FP4_MAX_INV)
 E2M1_AMAX_FLOOR = tl.constexpr(FP4_AMAX_FLOOR)
 NEG_INF = tl.constexpr(float("-inf"))
+# The index scores' orientation in the decode and chunk kernels alike (their bits agree): True,
+# dot(keys, q^T) [entries, heads], each entry's sum over the heads within its row of the MMA
+# tile; False, dot(q, keys^T) [heads, entries], summed down the columns across the warps (1M
+# context on an H200: 33.5 against 24.8 us a decode row, BENCHMARKS.md).
+INDEX_SCORES_TRANS = True
 
 
 # ---- attention-side jit helpers (float32 in, float32 out; "pairs" = the (even, odd) dims of

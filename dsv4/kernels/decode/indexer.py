@@ -12,6 +12,7 @@ from ...numerics import sparse
 from ...numerics.quant import fp4_quant_dequant, hadamard, hadamard_matrix
 from ...numerics.rope import apply_rope, cos_sin
 from ..common import (
+    INDEX_SCORES_TRANS,
     NEG_INF,
     dot_bf16,
     fp4_fake_quant_rows,
@@ -33,6 +34,7 @@ from ..cuda import lib as cuda_cpp
 BT = 64     # cache entries per tile of the score kernel
 SCORES_SUB = 4             # tiles a program takes on long caches (scores_tiles)
 SCORES_MIN_PROGRAMS = 528  # ... while that leaves this many programs (4 an SM of an H100 / H200)
+SCORES_STAGES, SCORES_WARPS = 2, 4   # the key tiles in flight (at most the tiles), a program's warps
 HATCH = "DSV4_KERNELS=0 runs the torch path"
 
 
@@ -64,12 +66,14 @@ def _query_kernel(q_ptr, qo_ptr, freqs_ptr, pos_ptr, H: tl.constexpr, DI: tl.con
 @triton.jit
 def _scores_kernel(q_ptr, w_ptr, k_ptr, pos_ptr, out_ptr, wscale, N, H: tl.constexpr,
                    HP: tl.constexpr, DI: tl.constexpr, BT: tl.constexpr, SUB: tl.constexpr,
-                   F32: tl.constexpr, PDL: tl.constexpr):
+                   STAGES: tl.constexpr, TRANS: tl.constexpr, F32: tl.constexpr,
+                   PDL: tl.constexpr):
     # entries [t0, t0 + SUB*BT) in SUB tiles of BT: sum_h relu(q_h . k_t) * w_h with bf16 rounding
-    # after each torch op; -inf for t >= (pos+1)//4 (tiles wholly past it load nothing). q and w
-    # are loaded once for the SUB tiles; each tile's math is the SUB = 1 program's, so an entry's
-    # bits do not depend on SUB. program_id(1): the row (the speculative verify rows: row r at
-    # pos + r, its q, w and scores at row r)
+    # after each torch op; -inf for t >= (pos+1)//4 (their keys are not loaded: masked). q and w
+    # are loaded once for the SUB tiles, whose keys are requested STAGES tiles ahead (a software
+    # pipeline); each tile's math is the SUB = 1 program's, so an entry's bits depend on neither.
+    # program_id(1): the row (the speculative verify rows: row r at pos + r, its q, w and scores
+    # at row r)
     pdl_wait(PDL)
     row = tl.program_id(1)
     q_ptr += row.to(tl.int64) * (H * DI)
@@ -82,12 +86,14 @@ def _scores_kernel(q_ptr, w_ptr, k_ptr, pos_ptr, out_ptr, wscale, N, H: tl.const
     if t0 < vis:
         q = tl.load(q_ptr + hh[:, None] * DI + d[None, :], mask=(hh < H)[:, None], other=0.0)
         w = round_bf16(tl.load(w_ptr + hh, mask=hh < H, other=0.0).to(tl.float32) * wscale)
-        for j in tl.static_range(SUB):
+        for j in tl.range(0, SUB, num_stages=STAGES):
             t = t0 + j * BT + tl.arange(0, BT)
-            s = tl.full([BT], NEG_INF, tl.float32)
-            if t0 + j * BT < vis:
-                k = tl.load(k_ptr + t[:, None] * DI + d[None, :], mask=(t < vis)[:, None],
-                            other=0.0)
+            k = tl.load(k_ptr + t[:, None] * DI + d[None, :], mask=(t < vis)[:, None], other=0.0)
+            if TRANS:
+                sc = round_bf16(dot_bf16(k, tl.trans(q), F32))                  # [BT, HP]
+                sc = round_bf16(tl.maximum(sc, 0.0) * w[None, :])
+                s = tl.where(t < vis, round_bf16(tl.sum(sc, axis=1)), NEG_INF)
+            else:
                 sc = round_bf16(dot_bf16(q, tl.trans(k), F32))                  # [HP, BT]
                 sc = round_bf16(tl.maximum(sc, 0.0) * w[:, None])
                 s = tl.where(t < vis, round_bf16(tl.sum(sc, axis=0)), NEG_INF)
@@ -128,12 +134,16 @@ def index_query(q: torch.Tensor, pos: torch.Tensor, freqs: torch.Tensor, n_heads
 
 def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, pos: torch.Tensor,
                  wscale: float, out: torch.Tensor | None = None, pdl: bool = True,
-                 tiles: int | None = None) -> torch.Tensor:
+                 tiles: int | None = None, stages: int | None = None,
+                 warps: int = SCORES_WARPS, trans: bool = INDEX_SCORES_TRANS) -> torch.Tensor:
     """Index scores [T, n] bf16 of the prepped q [T, h*di] against keys [n, di] (the index cache
     without its scratch row) with head weights w [T, h] * wscale; -inf for entries not yet visible
     (t >= (pos+r+1)//4 for row r: one decode row, or the speculative verify rows at pos + r). As
     dsv4.numerics.sparse.index_scores + the decode mask; each row has the bits of its one-row launch.
-    tiles: BT-entry tiles a program (default scores_tiles(n); the bits do not depend on it).
+    tiles: BT-entry tiles a program (default scores_tiles(n)); stages: the tiles whose keys are in
+    flight (the software pipeline's depth; default SCORES_STAGES, at most the tiles); warps: a
+    program's; the bits depend on none of them.
+    trans: the orientation (INDEX_SCORES_TRANS; the chunk kernel's bits agree with the default's).
     Capture-safe, deterministic."""
     n, DI = keys.shape
     T = w.shape[0] if w.dim() == 2 else 1
@@ -145,11 +155,13 @@ def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, pos: torc
     if out is None:
         out = torch.empty(T, n, dtype=torch.bfloat16, device=q.device)
     sub = scores_tiles(n) if tiles is None else tiles
+    stages = min(SCORES_STAGES, sub) if stages is None else stages
     with on_device(q):
         _scores_kernel[(triton.cdiv(n, BT * sub), T)](q, w, keys, pos, out, wscale, n, H=H,
                                                     HP=max(16, triton.next_power_of_2(H)), DI=DI,
-                                                    BT=BT, SUB=sub, F32=interpreting(),
-                                                    num_warps=4, **launch_args(out, pdl))
+                                                    BT=BT, SUB=sub, STAGES=stages, TRANS=trans,
+                                                    F32=interpreting(), num_warps=warps,
+                                                    **launch_args(out, pdl))
     return out
 
 

@@ -14,7 +14,15 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common import NEG_INF, dot_bf16, interpreting, load_pos, on_device, round_bf16
+from ..common import (
+    INDEX_SCORES_TRANS,
+    NEG_INF,
+    dot_bf16,
+    interpreting,
+    load_pos,
+    on_device,
+    round_bf16,
+)
 
 BT = 64     # cache entries per program (the decode kernel's tile)
 QB = 8      # query rows per program: each loaded key tile serves them all
@@ -23,7 +31,7 @@ QB = 8      # query rows per program: each loaded key tile serves them all
 @triton.jit
 def _scores_rows_kernel(q_ptr, w_ptr, k_ptr, pos_ptr, out_ptr, wscale, S, N, H: tl.constexpr,
                         HP: tl.constexpr, DI: tl.constexpr, BT: tl.constexpr, QB: tl.constexpr,
-                        F32: tl.constexpr):
+                        TRANS: tl.constexpr, F32: tl.constexpr):
     # program (entry tile, row block): the tile's keys once, then per row the decode kernel's
     # sum_h relu(q_h . k_t) * w_h (bf16 rounding after each op); tiles past a row's visible
     # entries store -inf without computing
@@ -46,17 +54,23 @@ def _scores_rows_kernel(q_ptr, w_ptr, k_ptr, pos_ptr, out_ptr, wscale, S, N, H: 
                             mask=(hh < H)[:, None], other=0.0)
                 w = round_bf16(tl.load(w_ptr + row * H + hh, mask=hh < H, other=0.0)
                                .to(tl.float32) * wscale)
-                sc = round_bf16(dot_bf16(q, tl.trans(k), F32))              # [HP, BT]
-                sc = round_bf16(tl.maximum(sc, 0.0) * w[:, None])
-                s = tl.where(t < vis, round_bf16(tl.sum(sc, axis=0)), NEG_INF)
+                if TRANS:
+                    sc = round_bf16(dot_bf16(k, tl.trans(q), F32))          # [BT, HP]
+                    sc = round_bf16(tl.maximum(sc, 0.0) * w[None, :])
+                    s = tl.where(t < vis, round_bf16(tl.sum(sc, axis=1)), NEG_INF)
+                else:
+                    sc = round_bf16(dot_bf16(q, tl.trans(k), F32))          # [HP, BT]
+                    sc = round_bf16(tl.maximum(sc, 0.0) * w[:, None])
+                    s = tl.where(t < vis, round_bf16(tl.sum(sc, axis=0)), NEG_INF)
             tl.store(out_ptr + r.to(tl.int64) * N + t, s.to(out_ptr.dtype.element_ty), mask=tm)
 
 
 def index_scores_rows(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, pos0: torch.Tensor,
-                      wscale: float = 1.0) -> torch.Tensor:
+                      wscale: float = 1.0, trans: bool = INDEX_SCORES_TRANS) -> torch.Tensor:
     """Index scores [s, n] bf16 of the prepped queries q [s, h, di] (row r at position pos0 + r,
     pos0 [1] int64) against keys [n, di] with head weights w [s, h] * wscale; -inf where
-    t >= (pos0 + r + 1) // 4. One launch. Capture-safe, deterministic."""
+    t >= (pos0 + r + 1) // 4. One launch (trans: the orientation, as the decode kernel's).
+    Capture-safe, deterministic."""
     S, H, DI = q.shape
     N = keys.shape[0]
     if keys.dtype != torch.bfloat16 or q.dtype != torch.bfloat16 or DI & (DI - 1) \
@@ -68,6 +82,6 @@ def index_scores_rows(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, pos0
     with on_device(q):
         _scores_rows_kernel[(triton.cdiv(N, BT), triton.cdiv(S, QB))](
             q.contiguous(), w.contiguous(), keys, pos0, out, wscale, S, N, H=H,
-            HP=max(16, triton.next_power_of_2(H)), DI=DI, BT=BT, QB=QB, F32=interpreting(),
-            num_warps=4)
+            HP=max(16, triton.next_power_of_2(H)), DI=DI, BT=BT, QB=QB, TRANS=trans,
+            F32=interpreting(), num_warps=4)
     return out

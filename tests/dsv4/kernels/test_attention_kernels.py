@@ -273,10 +273,12 @@ def check_indexer(dev, g, cfg, capacity, positions):
         assert ((vals - best)[fin].abs() <= tol).all(), f"index top-k p={p}: different selection"
 
 
-def check_index_tiles(dev, g, H, DI, n, positions, tiles=(1, 2, 4)):
-    """The score kernel with 1, 2, 4 tiles a program (the query loaded once for them): within
-    bf16 rounding of the reference and, entry for entry, the same bits whatever the tiles, at
-    visibility 0, inside a tile, on a program's edge, past the cache; n not a multiple of a tile."""
+def check_index_tiles(dev, g, H, DI, n, positions, tiles=(1, 2, 4), configs=()):
+    """The score kernel with 1, 2, 4 tiles a program (the query loaded once for them) and the
+    (tiles, stages, warps, orientation) of `configs`: within bf16 rounding of the reference and,
+    entry for entry, the same bits whatever the tiles, the pipeline's depth and the warps (within
+    one orientation: the sum over the heads runs in another order in the other), at visibility 0,
+    inside a tile, on a program's edge, past the cache; n not a multiple of a tile."""
     from dsv4.kernels.decode import indexer as K
     keys = randn(g, n, DI, device=dev)
     wscale = DI ** -0.5 * H ** -0.5
@@ -285,14 +287,16 @@ def check_index_tiles(dev, g, H, DI, n, positions, tiles=(1, 2, 4)):
         q = randn(g, 1, H * DI, device=dev)
         w = randn(g, 1, H, device=dev)
         sr = K.index_scores_reference(q, w, keys, pos, wscale)
-        got = []
-        for tiles_ in tiles:
+        got = {}
+        runs = [(t, min(K.SCORES_STAGES, t), K.SCORES_WARPS, K.INDEX_SCORES_TRANS) for t in tiles]
+        for r in runs + list(configs):
             s = poisoned(1, n, device=dev)
-            K.index_scores(q, w, keys, pos, wscale, out=s, tiles=tiles_)
-            got.append(s)
-        assert_bf16_close(got[0], sr, f"index scores p={p}")
-        for t, s in zip(tiles[1:], got[1:]):
-            assert torch.equal(s, got[0]), f"index scores p={p}: {t} tiles a program differ"
+            K.index_scores(q, w, keys, pos, wscale, out=s, tiles=r[0], stages=r[1], warps=r[2],
+                           trans=r[3])
+            first = got.setdefault(r[3], (r, s))
+            assert torch.equal(s, first[1]), f"index scores p={p}: {r} differ from {first[0]}"
+        for _, s in got.values():
+            assert_bf16_close(s, sr, f"index scores p={p}")
 
 
 # ---- Attention decode: fused (dsv4.backend.fused.attention) vs torch -------------------------
@@ -440,7 +444,8 @@ def _interp_main(group: str, seed: int) -> None:
         check_indexer("cpu", g, SMALL, 64, (0, 3, 17, 33, 40, 63))   # visible 0 .. 16 > topk 8
         # visible 0, 1, 256 (a 4-tile program's edge), 275, 600 (all), past the cache
         check_index_tiles("cpu", g, SMALL.index_n_heads, SMALL.index_head_dim, 600,
-                          (0, 3, 1023, 1100, 2399, 5000))
+                          (0, 3, 1023, 1100, 2399, 5000),
+                          configs=((4, 2, 8, False), (4, 2, 4, True), (1, 1, 4, True)))
     else:
         check_attention_decode("cpu", g, seed=seed % 7)
         check_attention_decode_rows("cpu", g, seed=seed % 7)
@@ -513,14 +518,17 @@ def test_attention_kernels_cuda_real_shapes(preset, capacity):
 @pytest.mark.cuda
 def test_index_scores_tiles_cuda_long_cache():
     """A long cache (~800K positions at ratio 4) at Flash's indexer shape: the default takes 4
-    tiles a program there, and 1, 2, 4 give the same bits within bf16 rounding of the reference."""
+    tiles a program there, and 1, 2, 4 tiles, and pipelines of 2-4 tiles in flight on 4 or 8
+    warps, give the same bits within bf16 rounding of the reference."""
     from dsv4.kernels.decode.indexer import SCORES_SUB, scores_tiles
     from dsv4.weights.presets import PRESETS
     cfg, n = PRESETS["flash"], 200_003
     assert scores_tiles(n) == SCORES_SUB and scores_tiles(4096) == 1
     g = torch.Generator().manual_seed(input_seed(11))
     check_index_tiles("cuda", g, cfg.index_n_heads, cfg.index_head_dim, n,
-                      (0, 4000, 399_999, 800_011, 10 ** 6))
+                      (0, 4000, 399_999, 800_011, 10 ** 6),
+                      configs=((4, 2, 4, False), (8, 3, 8, False), (16, 4, 4, False), (4, 1, 4, True),
+                               (8, 3, 8, True), (4, 3, 4, True)))
 
 
 @pytest.mark.cuda

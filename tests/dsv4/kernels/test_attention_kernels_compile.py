@@ -41,9 +41,10 @@ def _compile_all():
                 ROWS=rows), 4) for rows in (False, True)],
         (A._ring_write_kernel, "", dict(W=128, DH=512), 4),
         (I._query_kernel, "freqs_ptr", dict(H=64, DI=128, HQ=16, NOPE=64, F32=False), 4),
-        # SUB: the tiles a program takes (1; SCORES_SUB on long caches)
-        *[(I._scores_kernel, "", dict(H=64, HP=64, DI=128, BT=I.BT, SUB=sub, F32=False), 4)
-          for sub in (1, I.SCORES_SUB)],
+        # SUB: the tiles a program takes (1; SCORES_SUB on long caches), STAGES: in flight
+        *[(I._scores_kernel, "", dict(H=64, HP=64, DI=128, BT=I.BT, SUB=sub, STAGES=stages,
+                                      TRANS=trans, F32=False), 4)
+          for sub, stages in ((1, 1), (I.SCORES_SUB, I.SCORES_STAGES)) for trans in (False, True)],
         (C._compressor_kernel, comp, dict(R=4, DC=512, OVERLAP=True, ROTATE=False, NOPE=448,
                                           RB=4), 8),
         (C._compressor_kernel, comp, dict(R=128, DC=512, OVERLAP=False, ROTATE=False, NOPE=448,

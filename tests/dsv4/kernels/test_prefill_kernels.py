@@ -373,8 +373,9 @@ def check_attention_rows(dev, gen, S=20, H=4, D=128, n=90, KI=45):
 
 
 def check_index_scores_rows(dev, gen, S=19, H=8, DI=64, n=40):
-    """The chunk's index scores == the decode kernel's for each row bit for bit, and the torch
-    reference (sparse.index_scores + the visibility mask) within bf16 rounding."""
+    """The chunk's index scores == the decode kernel's for each row bit for bit (in either
+    orientation of the two), and the torch reference (sparse.index_scores + the visibility
+    mask) within bf16 rounding."""
     from dsv4.kernels.decode.indexer import index_scores
     from dsv4.kernels.prefill.indexer import index_scores_rows
     from dsv4.numerics.sparse import index_scores as reference
@@ -382,12 +383,13 @@ def check_index_scores_rows(dev, gen, S=19, H=8, DI=64, n=40):
     w = torch.randn(S, H, generator=gen).bfloat16()
     keys = torch.randn(n, DI, generator=gen).bfloat16()
     pos0 = 101                             # rows see 25 .. 30 of the 40 entries
-    got = index_scores_rows(q.to(dev), w.to(dev), keys.to(dev),
-                            torch.tensor([pos0], device=dev), 0.5).cpu()
-    for r in range(S):
-        one = index_scores(q[r].reshape(1, -1).to(dev), w[r:r + 1].to(dev), keys.to(dev),
-                           torch.tensor([pos0 + r], device=dev), 0.5).cpu()
-        assert torch.equal(got[r:r + 1], one), f"row {r} != the decode kernel's"
+    for trans in (True, False):                 # (the default last: `got` is checked below)
+        got = index_scores_rows(q.to(dev), w.to(dev), keys.to(dev),
+                                torch.tensor([pos0], device=dev), 0.5, trans=trans).cpu()
+        for r in range(S):
+            one = index_scores(q[r].reshape(1, -1).to(dev), w[r:r + 1].to(dev), keys.to(dev),
+                               torch.tensor([pos0 + r], device=dev), 0.5, trans=trans).cpu()
+            assert torch.equal(got[r:r + 1], one), f"row {r} != the decode kernel's ({trans})"
     vis = (pos0 + 1 + torch.arange(S)).unsqueeze(1) // 4
     ref = reference(q.float(), (w.float() * 0.5).bfloat16().float(), keys.float())
     ref = ref.masked_fill(torch.arange(n) >= vis, float("-inf"))
@@ -790,7 +792,7 @@ def compile_all() -> list:
         ("index scores rows", I._scores_rows_kernel,
          {"q_ptr": "*bf16", "w_ptr": "*bf16", "k_ptr": "*bf16", "pos_ptr": "*i64",
           "out_ptr": "*bf16", "wscale": "fp32", "S": "i32", "N": "i32"},
-         dict(H=64, HP=64, DI=128, BT=I.BT, QB=I.QB, F32=False), 4),
+         dict(H=64, HP=64, DI=128, BT=I.BT, QB=I.QB, TRANS=I.INDEX_SCORES_TRANS, F32=False), 4),
         ("compressor rows (ratio 4)", C._compress_rows_kernel,
          {"ekv_ptr": "*fp32", "esc_ptr": "*fp32", "pkv_ptr": "*fp32", "psc_ptr": "*fp32",
           "norm_ptr": "*fp32", "freqs_ptr": "*fp32", "cache_ptr": "*bf16", "pos_ptr": "*i64", "S": "i32",
