@@ -74,14 +74,19 @@ def op_bytes(name: str, args: tuple, kw: dict, blk, st, context: int) -> int:
     row = st.kv_cache.shape[1] * st.kv_cache.element_size()
     visible = (context + 1) // r if r else 0
     attended = min(W, context + 1) + (min(cfg.index_topk, visible) if r == 4 else visible)
+
+    def within(t, cache):     # t is cache or a view of it (the compressor's part of the KV rows)
+        return cache is not None and \
+            t.untyped_storage().data_ptr() == cache.untyped_storage().data_ptr()
+
     total = 0
     for t in _tensors(list(args) + [v for key, v in kw.items() if key != "out"]):
         p, n = t.data_ptr(), t.numel() * t.element_size()
         if p in banks:
             n = n * k // E
-        elif p == st.kv_cache.data_ptr():
-            n = attended * row if name.startswith("sparse_attention") else 0   # prep: one write
-        elif st.index_cache is not None and p == st.index_cache.data_ptr():
+        elif within(t, st.kv_cache):   # the compressor, the prep: one row written
+            n = attended * row if name.startswith("sparse_attention") else 0
+        elif within(t, st.index_cache):
             n = visible * st.index_cache.shape[1] * st.index_cache.element_size() \
                 if name == "index_scores" else 0
         elif f.tid2eid is not None and p == f.tid2eid.data_ptr():

@@ -315,3 +315,26 @@ def test_bytes_a_tensor_parallel_rank_reads():
         print(f"flash tp={r['tp']}: {r['bytes_per_rank'] / 1e9:.3f} GB a rank a token "
               f"(replicated {r['replicated'] / 1e9:.3f} GB), floor {r['floor_ms']:.3f} ms at "
               f"4.25 TB/s")
+
+
+def test_layer_kernels_byte_count_of_cache_views():
+    """--layer-kernels' bytes of an op: the compressor's output, a view of the KV cache past the
+    window, is one row written, not read (the whole 266 MB cache was counted at a 1M context);
+    the attention reads its attended rows, the index scores the visible index rows, an expert
+    bank's op k / E of it."""
+    from types import SimpleNamespace as NS
+
+    from dsv4.bench.layer_kernels import op_bytes
+    kv = torch.zeros(16 + 64, 8, dtype=torch.bfloat16)      # a window of 16, 64 compressed rows
+    ix = torch.zeros(65, 4, dtype=torch.bfloat16)           # the index cache (+ a scratch row)
+    w = [torch.zeros(8, 4, 4) for _ in range(3)]
+    bank = NS(w1=w[0], w1_scale=None, w2=w[1], w2_scale=None, w3=w[2], w3_scale=None,
+              n_experts=8)
+    blk = NS(cfg=NS(n_activated_experts=2, window_size=16, index_topk=8),
+             ffn=NS(experts=bank, tid2eid=None), ratio=4)
+    st = NS(kv_cache=kv, index_cache=ix)
+    ctx, x = 200, torch.zeros(1, 32)                         # 50 visible entries, 8 attended
+    assert op_bytes("compressor_decode", (x, kv[16:]), {}, blk, st, ctx) == 32 * 4
+    assert op_bytes("sparse_attention_decode", (kv,), {}, blk, st, ctx) == (16 + 8) * 8 * 2
+    assert op_bytes("index_scores", (ix[:-1],), {}, blk, st, ctx) == 50 * 4 * 2
+    assert op_bytes("fp4_experts_up", (x, w[0]), {}, blk, st, ctx) == 32 * 4 + 8 * 16 * 4 * 2 // 8
