@@ -1,8 +1,8 @@
 """Microbenchmark of the decode GEMV / expert kernels at the real Flash / Pro shapes on CUDA: each
 kernel in a CUDA graph (rotating weight copies so L2 does not serve them) vs the measured copy
 bandwidth and vs the torch path; and the indexer's selection of a decode row (its scores against
-the index cache, their top-k) at a 4K and a 1M-token context. Run: `python
-scripts/bench_kernels.py [--preset pro] [--sweep]`.
+the index cache, their top-k) and a ratio-128 layer's attention at a 4K and a 1M-token context.
+Run: `python scripts/bench_kernels.py [--preset pro] [--sweep]`.
 """
 from __future__ import annotations
 
@@ -279,6 +279,39 @@ def expert_cases(E, inter, dim, k, dev, gen) -> list[Case]:
 INDEX_CONTEXTS = (4096, 1_040_000)   # the bench's 4K and 1M contexts
 
 
+def attention_cases(cfg, dev, gen) -> list[Case]:
+    """A ratio-128 layer's sparse attention of one decode row (the window and every visible
+    compressed entry; the split pass and its combine) at each of INDEX_CONTEXTS, all entries
+    visible: reads the window and context / 128 rows of the KV cache. config: the AttnConfig,
+    its neighbours swept (the splits and tiles change the merge order: each config is its own
+    bits)."""
+    from ..kernels.decode.attention import AttnConfig, plan_attention, sparse_attention_decode
+    from ..numerics.rope import rope_frequencies
+    H, Dh, W, r = cfg.n_heads, cfg.head_dim, cfg.window_size, 128
+    freqs = rope_frequencies(cfg, r, dev)
+    sink = torch.randn(H, device=dev, generator=gen)
+    q = torch.randn(1, H * Dh, device=dev, generator=gen).to(torch.bfloat16)
+    base = AttnConfig()
+    sweep = [AttnConfig(hb=hb, bn=bn, rows_per_split=rps, num_warps=nw)
+             for hb in (16, 32) for bn in (32, 64) for rps in (32, 64, 128) for nw in (4, 8)]
+    sweep = [c for c in sweep if c != base]
+    cases = []
+    for ctx in INDEX_CONTEXTS:
+        n = ctx // r
+        nbytes = (W + n) * Dh * 2
+        copies = n_copies(nbytes)
+        caches = [torch.randn(W + n + 1, Dh, device=dev, generator=gen).to(torch.bfloat16)
+                  for _ in range(copies)]
+        pos = torch.tensor([ctx - 1], device=dev)
+        pl = plan_attention(H, Dh, W, n, base)
+        cases.append(Case(
+            "attention.r128", f"ctx {ctx}: {W} + {n} rows, {pl['nsplit']} splits", nbytes,
+            lambda c, config, caches=caches, pos=pos, n=n: (lambda: sparse_attention_decode(
+                q, caches[c], sink, pos, freqs, Dh ** -0.5, H, W, r, n, config=config)),
+            base, None, copies, sweep))
+    return cases
+
+
 def index_cases(cfg, dev, gen) -> list[Case]:
     """The indexer's selection of one decode row at each of INDEX_CONTEXTS (a ratio-4 layer:
     context / 4 cache entries, all visible): its scores against the index cache (reads the cache;
@@ -356,6 +389,7 @@ def build_cases(preset: str, dev, only=(), seed: int = 0, tp: int = 1):
         ("experts.up experts.down experts.step",
          lambda: expert_cases(E, I, D, cfg.n_activated_experts, dev, gen)),
         ("index.scores index.topk", lambda: index_cases(cfg, dev, gen)),
+        ("attention.r128", lambda: attention_cases(cfg, dev, gen)),
     ]
     for names, make in makers:
         if only and not any(o in n for o in only for n in names.split()):
