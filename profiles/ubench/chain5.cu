@@ -118,14 +118,18 @@ __global__ void __launch_bounds__(STHREADS, 1) stage_fp8(const uint8_t* W, const
 // gap_norm into xn and raises `flag`); 3: no producer after the ring's first fill: the consumers
 // take the ring's units again and again (M stages' worth), no barrier, x0 throughout: the
 // consumers' own speed; 4: no weights (no units), the M stages' grid barriers and x's reload from
-// the partials of the stage before (L2); 5: as 4 without the reload (x0 once). M = 1: one stage,
-// the floor of this kernel.
+// the partials of the stage before (L2); 5: as 4 without the reload (x0 once); 6: as 1 with x
+// handed over: the last unit of a row tile to finish (a ticket a tile) sums the tile's partials
+// and writes its 16 values of x as f16 (xg), so after the barrier each CTA loads K halves (8 KB)
+// instead of reducing K x 4 partials (64 KB). M = 1: one stage, the floor of this kernel.
 template <int MODE>
 __global__ void __launch_bounds__((CONS + 1) * 32, 1) chain_fp8(const uint8_t* const* Ws, const float* const* Ss,
                                                                 const float* x0, float* parts, int M, int N, int K,
                                                                 int nbuf, unsigned* bar, unsigned epoch,
-                                                                float* xn, unsigned* flag) {
-  constexpr bool GAP = MODE == 2, SOLO = MODE == 3, EMPTY = MODE >= 4, RELOAD = MODE != 5;
+                                                                float* xn, unsigned* flag, __half* xg,
+                                                                unsigned* tick) {
+  constexpr bool GAP = MODE == 2, SOLO = MODE == 3, EMPTY = MODE == 4 || MODE == 5, RELOAD = MODE != 5;
+  const bool handoff = MODE == 6 && N == K;
   extern __shared__ __align__(128) unsigned char sm[];
   Ring g = ring_init(sm, K, size_t(UNITB), nbuf);      // xs: K floats of room, used as K halves
   __half* xh = reinterpret_cast<__half*>(g.xs);
@@ -148,7 +152,13 @@ __global__ void __launch_bounds__((CONS + 1) * 32, 1) chain_fp8(const uint8_t* c
     if (s == 0 || (!SOLO && RELOAD)) {
       const bool first = s == 0 || SOLO || N != K;   // x0 (unchained: every stage, as the graph)
       const float* x = first ? x0 : GAP ? xn + size_t(s - 1) * K : parts + size_t(s - 1) * N * CHUNKS;
-      load_xh(x, !first && !GAP, xh, K, CONS * 32);
+      if (handoff && !first) {
+        const __half* src = xg + size_t(s - 1) * K;
+        for (int i = 8 * threadIdx.x; i < K; i += 8 * CONS * 32)
+          *reinterpret_cast<uint4*>(xh + i) = __ldcg(reinterpret_cast<const uint4*>(src + i));
+      } else {
+        load_xh(x, !first && !GAP, xh, K, CONS * 32);
+      }
       cons_sync<CONS>();
     }
     float* part = parts + size_t(SOLO ? 0 : s) * N * CHUNKS;
@@ -163,6 +173,16 @@ __global__ void __launch_bounds__((CONS + 1) * 32, 1) chain_fp8(const uint8_t* c
       __syncwarp();
       if (!SOLO && lane == 0) g.release(slot);
       store_unit(part, u, p);
+      if (handoff && s + 1 < M) {   // the tile's last unit: its 16 values of x for the next stage
+        __threadfence();
+        __syncwarp();
+        unsigned last = 0;
+        if (lane == 0) last = atomicAdd(tick + size_t(s) * (N / 16) + tile, 1u) % CHUNKS == CHUNKS - 1;
+        if (__shfl_sync(0xffffffffu, last, 0)) {
+          __threadfence();
+          if (lane < 16) xg[size_t(s) * K + tile * 16 + lane] = __float2half_rn(y_at(part, CHUNKS, tile * 16 + lane));
+        }
+      }
     }
     if (SOLO || s + 1 == M) continue;
     cons_sync<CONS>();
@@ -237,11 +257,17 @@ int main(int argc, char** argv) {   // argv: the ring sizes in units (default 8 
       CK(cudaFuncSetAttribute(chain_fp8<3>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
       CK(cudaFuncSetAttribute(chain_fp8<4>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
       CK(cudaFuncSetAttribute(chain_fp8<5>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+      CK(cudaFuncSetAttribute(chain_fp8<6>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
       const int threads = (CONS + 1) * 32;
       unsigned epoch = 0;
       CK(cudaMemset(C.bar, 0, 4)); CK(cudaMemset(C.flag, 0, 4));
+      __half* xg;
+      unsigned* tick;            // a ticket a row tile and stage, never reset (CHUNKS arrivals a run)
+      CK(cudaMalloc(&xg, size_t(c.M) * c.K * 2));
+      CK(cudaMalloc(&tick, size_t(c.M) * (c.N / 16) * 4));
+      CK(cudaMemset(tick, 0, size_t(c.M) * (c.N / 16) * 4));
       auto run = [&](auto kern, int k, int M, int N, unsigned* b, unsigned ep) {
-        kern<<<sms, threads, smem, st>>>(C.Ws(k), C.Ss(k), C.x0, ps2, M, N, c.K, nbuf, b, ep, C.xn2, C.flag);
+        kern<<<sms, threads, smem, st>>>(C.Ws(k), C.Ss(k), C.x0, ps2, M, N, c.K, nbuf, b, ep, C.xn2, C.flag, xg, tick);
       };
       // the consumers alone: M stages' worth of units from the ring's one fill
       const float t_solo = T.time([&](int i) { run(chain_fp8<3>, i % COPIES, c.M, c.N, C.bar, 0); });
@@ -259,6 +285,15 @@ int main(int argc, char** argv) {   // argv: the ring sizes in units (default 8 
              "rows %.1f us (%.0f%% of the read) | %d stages with the dependency %.1f us (%.2f us a dependency) | same bits %s\n",
              nbuf, smem / 1024, t_solo, C.bytes / t_solo / 1e6, t_one, 100.0 * t_read / t_one, c.M, t_dep,
              (t_dep - t_one) / (c.M - 1), same);
+      if (chained) {   // x handed over by each row tile's last unit
+        const float t_hand = T.time([&](int i) { run(chain_fp8<6>, i % COPIES, c.M, c.N, C.bar, epoch++); });
+        CK(cudaMemset(ps2, 0xFF, ref.size() * 4));
+        run(chain_fp8<6>, 0, c.M, c.N, C.bar, epoch++);
+        const char* same6 = check(ref);
+        printf("    x handed over (a row tile's last unit writes its x as f16; 8 KB a CTA after the barrier): %d stages "
+               "%.1f us (%.2f us a dependency) | same bits %s\n", c.M, t_hand, (t_hand - t_one) / (c.M - 1), same6);
+      }
+      CK(cudaFree(xg)); CK(cudaFree(tick));
       // what a dependency is made of: the grid barriers alone (M stages, no weights) against one
       // stage's launch, then with x's reload from the partials of the stage before
       const float b1 = T.time([&](int i) { run(chain_fp8<5>, 0, 1, c.N, C.bar, 0); });
