@@ -43,8 +43,8 @@ from ..kernels.decode.indexer import (
     index_topk,
     scores_tiles,
 )
-from ..numerics.sparse import topk_lowest
 from ..numerics.quant import fp8_quant_dequant
+from ..numerics.sparse import topk_lowest
 from ..weights.formats import dequantize_fp4_weight, dequantize_fp8_weight
 from ..weights.presets import get_preset
 
@@ -315,8 +315,9 @@ def attention_cases(cfg, dev, gen) -> list[Case]:
 def index_cases(cfg, dev, gen) -> list[Case]:
     """The indexer's selection of one decode row at each of INDEX_CONTEXTS (a ratio-4 layer:
     context / 4 cache entries, all visible): its scores against the index cache (reads the cache;
-    config: the tiles a program, the tiles in flight, the warps, the orientation; swept), then their top-k (reads the scores the first wrote,
-    which L2 holds as it does in the step; the CUDA radix select against torch's)."""
+    config: the tiles a program, the tiles in flight, the warps, the orientation; swept), then
+    their top-k (reads the scores the first wrote, which L2 holds as it does in the step; the CUDA
+    radix select against torch's)."""
     H, DI, k = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
     cases = []
     for ctx in INDEX_CONTEXTS:

@@ -34,7 +34,8 @@ from ..cuda import lib as cuda_cpp
 BT = 64     # cache entries per tile of the score kernel
 SCORES_SUB = 4             # tiles a program takes on long caches (scores_tiles)
 SCORES_MIN_PROGRAMS = 528  # ... while that leaves this many programs (4 an SM of an H100 / H200)
-SCORES_STAGES, SCORES_WARPS = 2, 4   # the key tiles in flight (at most the tiles), a program's warps
+SCORES_STAGES = 2   # the key tiles in flight (at most the tiles a program takes)
+SCORES_WARPS = 4    # a program's warps
 HATCH = "DSV4_KERNELS=0 runs the torch path"
 
 
