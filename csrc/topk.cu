@@ -414,22 +414,25 @@ __global__ void __launch_bounds__(REG_THREADS) topk_bf16_regs_kernel(const uint1
 #pragma unroll
     for (int i = 0; i < 4; ++i) kw[s][i] = bf16_key2(kw[s][i]);
   auto key = [&](int s, int j) { return (kw[s][j >> 1] >> (16 * (j & 1))) & 0xFFFFu; };
+  // f(key, its index in the segment) for each of this thread's keys, in index order
+  auto each_key = [&](auto f) {
+#pragma unroll
+    for (int s = 0; s < REG_GROUPS; ++s)
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+        if (8 * s + j < nv) f(key(s, j), first + 8 * s + j);
+  };
   for (int i = tid; i < NHI; i += nt) hist[i] = 0;
   if (tid < NLO) hist2[tid] = 0;
   if (tid == 0) owned = 0;
   __syncthreads();
   int ninf = 0;
-#pragma unroll
-  for (int s = 0; s < REG_GROUPS; ++s)
-#pragma unroll
-    for (int j = 0; j < 8; ++j)
-      if (8 * s + j < nv) {
-        const uint32_t u = key(s, j);
-        if (u == NEG_INF_KEY)
-          ++ninf;
-        else
-          atomicAdd(hist + (u >> LO_BITS), 1);
-      }
+  each_key([&](uint32_t u, int) {
+    if (u == NEG_INF_KEY)
+      ++ninf;
+    else
+      atomicAdd(hist + (u >> LO_BITS), 1);
+  });
   ninf = warp_sum(ninf);
   if (lane == 0 && ninf) atomicAdd(hist + (NEG_INF_KEY >> LO_BITS), ninf);
   TOPK_MARK(1);
@@ -490,19 +493,15 @@ __global__ void __launch_bounds__(REG_THREADS) topk_bf16_regs_kernel(const uint1
   TOPK_MARK(4);
   ninf = 0;
   int gt_hi = 0, inb = 0;                     // this thread's keys above the bin / in it
-#pragma unroll
-  for (int s = 0; s < REG_GROUPS; ++s)
-#pragma unroll
-    for (int j = 0; j < 8; ++j)
-      if (8 * s + j < nv) {
-        const uint32_t u = key(s, j), d = u >> LO_BITS;
-        gt_hi += d > hi;
-        inb += d == hi;
-        if (u == NEG_INF_KEY)
-          ++ninf;
-        else if (d == hi)
-          atomicAdd(hist2 + (u & (NLO - 1)), 1);
-      }
+  each_key([&](uint32_t u, int) {
+    const uint32_t d = u >> LO_BITS;
+    gt_hi += d > hi;
+    inb += d == hi;
+    if (u == NEG_INF_KEY)
+      ++ninf;
+    else if (d == hi)
+      atomicAdd(hist2 + (u & (NLO - 1)), 1);
+  });
   if (hi == (NEG_INF_KEY >> LO_BITS)) {       // (uniform)
     ninf = warp_sum(ninf);
     if (lane == 0 && ninf) atomicAdd(hist2 + (NEG_INF_KEY & (NLO - 1)), ninf);
@@ -527,19 +526,13 @@ __global__ void __launch_bounds__(REG_THREADS) topk_bf16_regs_kernel(const uint1
   const int n_gt = above;                     // keys above the threshold in the row (< k)
   TOPK_MARK(6);
   int gt = gt_hi, eq = 0;                     // this thread's keys above / at the threshold
-  if (inb) {                                  // its keys in the threshold's bin, again
-#pragma unroll
-    for (int s = 0; s < REG_GROUPS; ++s)
-#pragma unroll
-      for (int j = 0; j < 8; ++j)
-        if (8 * s + j < nv) {
-          const uint32_t u = key(s, j);
-          if ((u >> LO_BITS) == hi) {
-            gt += u > thr;
-            eq += u == thr;
-          }
-        }
-  }
+  if (inb)                                    // its keys in the threshold's bin, again
+    each_key([&](uint32_t u, int) {
+      if ((u >> LO_BITS) == hi) {
+        gt += u > thr;
+        eq += u == thr;
+      }
+    });
   int tt;                                     // gt in the low 16 bits, eq in the high (<= 32,768)
   const int off = block_scan(gt | (eq << 16), wsum, &tt);
   if (tid == 0) {
@@ -556,19 +549,13 @@ __global__ void __launch_bounds__(REG_THREADS) topk_bf16_regs_kernel(const uint1
   }
   cl.barrier_arrive();                        // done with the others' shared memory
   int og = gbase + (off & 0xFFFF), oe = ebase + (off >> 16);
-  if (gt | eq) {
-#pragma unroll
-    for (int s = 0; s < REG_GROUPS; ++s)
-#pragma unroll
-      for (int j = 0; j < 8; ++j)
-        if (8 * s + j < nv) {
-          const uint32_t u = key(s, j);
-          if (u > thr)
-            out[og++] = s0 + first + 8 * s + j;
-          else if (u == thr && n_gt + oe < k)
-            out[n_gt + oe++] = s0 + first + 8 * s + j;
-        }
-  }
+  if (gt | eq)
+    each_key([&](uint32_t u, int i) {
+      if (u > thr)
+        out[og++] = s0 + i;
+      else if (u == thr && n_gt + oe < k)
+        out[n_gt + oe++] = s0 + i;
+    });
   TOPK_MARK(8);
   cl.barrier_wait();                          // no CTA exits while another reads its shared memory
   TOPK_MARK(9);
