@@ -353,6 +353,17 @@ DEV uint32_t bf16_key2(uint32_t w) {
   return w ^ ((neg * 0xFFFFu) | 0x80008000u);
 }
 
+// Inclusive prefix sum over the warp's lanes.
+DEV int warp_scan(int v) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int off = 1; off < 32; off <<= 1) {
+    const int t = __shfl_up_sync(FULL, v, off);
+    if (lane >= off) v += t;
+  }
+  return v;
+}
+
 DEV int warp_sum(int v) {
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(FULL, v, off);
@@ -366,11 +377,11 @@ __global__ void __launch_bounds__(REG_THREADS) topk_bf16_regs_kernel(const uint1
                                                                     int64_t* out) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   __shared__ int hist[NHI];
-  __shared__ int own[OWN];
-  __shared__ int hist2[NLO], tot2[NLO];
+  __shared__ __align__(16) int own[OWN];
+  __shared__ int hist2[NLO];
   __shared__ int wsum[32];
   __shared__ int owned, cnt[2];
-  __shared__ int bin, above, sl, sl_above;
+  __shared__ int bin, above, sl;
   cg::cluster_group cl = cg::this_cluster();
   const int tid = threadIdx.x, nt = blockDim.x, lane = tid & 31, rank = int(cl.block_rank());
   sc += size_t(blockIdx.y) * n;
@@ -403,22 +414,25 @@ __global__ void __launch_bounds__(REG_THREADS) topk_bf16_regs_kernel(const uint1
 #pragma unroll
     for (int i = 0; i < 4; ++i) kw[s][i] = bf16_key2(kw[s][i]);
   auto key = [&](int s, int j) { return (kw[s][j >> 1] >> (16 * (j & 1))) & 0xFFFFu; };
+  // f(key, its index in the segment) for each of this thread's keys, in index order
+  auto each_key = [&](auto f) {
+#pragma unroll
+    for (int s = 0; s < REG_GROUPS; ++s)
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+        if (8 * s + j < nv) f(key(s, j), first + 8 * s + j);
+  };
   for (int i = tid; i < NHI; i += nt) hist[i] = 0;
   if (tid < NLO) hist2[tid] = 0;
   if (tid == 0) owned = 0;
   __syncthreads();
   int ninf = 0;
-#pragma unroll
-  for (int s = 0; s < REG_GROUPS; ++s)
-#pragma unroll
-    for (int j = 0; j < 8; ++j)
-      if (8 * s + j < nv) {
-        const uint32_t u = key(s, j);
-        if (u == NEG_INF_KEY)
-          ++ninf;
-        else
-          atomicAdd(hist + (u >> LO_BITS), 1);
-      }
+  each_key([&](uint32_t u, int) {
+    if (u == NEG_INF_KEY)
+      ++ninf;
+    else
+      atomicAdd(hist + (u >> LO_BITS), 1);
+  });
   ninf = warp_sum(ninf);
   if (lane == 0 && ninf) atomicAdd(hist + (NEG_INF_KEY >> LO_BITS), ninf);
   TOPK_MARK(1);
@@ -440,65 +454,85 @@ __global__ void __launch_bounds__(REG_THREADS) topk_bf16_regs_kernel(const uint1
   if (lane == 0 && mysum) atomicAdd(&owned, mysum);
   TOPK_MARK(3);
   cl.sync();                                  // every CTA's own[] and owned published
-  // the owner whose bins hold the k-th largest key (owners from the top: lane i, owner C - 1 - i)
+  // one warp finds the threshold's 12-bit bin: the owner whose bins hold the k-th largest key
+  // (lane i: owner C - 1 - i, from the top), then the bin among its OWN (lane l: 16 bins from the
+  // top, read as four 16-byte pieces of its shared memory)
+  static_assert(OWN == 32 * 16, "a lane takes 16 of an owner's bins");
   if (tid < 32) {
     const int t = tid < CLUSTER ? *cl.map_shared_rank(&owned, CLUSTER - 1 - tid) : 0;
-    int incl = t;
+    const int incl = warp_scan(t);
+    const int win = __ffs(__ballot_sync(FULL, tid < CLUSTER && incl >= k)) - 1;
+    const int owner = CLUSTER - 1 - win, kk = k - __shfl_sync(FULL, incl - t, win);
+    const int lo = OWN - 16 * (tid + 1);                  // this lane's lowest bin
+    const int4* p = reinterpret_cast<const int4*>(cl.map_shared_rank(own, owner) + lo);
+    int sum = 0;
 #pragma unroll
-    for (int off = 1; off < 32; off <<= 1) {
-      const int v = __shfl_up_sync(FULL, incl, off);
-      if (tid >= off) incl += v;
+    for (int q = 0; q < 4; ++q) {
+      const int4 v = p[q];
+      sum += v.x + v.y + v.z + v.w;
     }
-    const unsigned m = __ballot_sync(FULL, tid < CLUSTER && incl >= k);
-    if (tid == __ffs(m) - 1) {
-      sl = CLUSTER - 1 - tid;
-      sl_above = incl - t;
+    const int incl2 = warp_scan(sum);
+    int acc = incl2 - sum;                                // keys in the owner's higher bins
+    if (acc < kk && incl2 >= kk) {                        // (one lane) its bins again, top down
+      const int* b = cl.map_shared_rank(own, owner) + lo;
+      for (int j = 15; j >= 0; --j) {
+        const int c = b[j];
+        if (acc + c >= kk) {
+          bin = lo + j;
+          above = acc + (k - kk);
+          sl = owner;
+          break;
+        }
+        acc += c;
+      }
     }
   }
   __syncthreads();
-  find_bin(cl.map_shared_rank(own, sl), OWN, k - sl_above, wsum, &bin, &above);
   const uint32_t hi = uint32_t(sl * OWN + bin);
-  const int above1 = sl_above + above;
+  const int above1 = above;                   // keys above the bin in the row
   TOPK_MARK(4);
   ninf = 0;
-#pragma unroll
-  for (int s = 0; s < REG_GROUPS; ++s)
-#pragma unroll
-    for (int j = 0; j < 8; ++j)
-      if (8 * s + j < nv) {
-        const uint32_t u = key(s, j);
-        if (u == NEG_INF_KEY)
-          ++ninf;
-        else if ((u >> LO_BITS) == hi)
-          atomicAdd(hist2 + (u & (NLO - 1)), 1);
-      }
+  int gt_hi = 0, inb = 0;                     // this thread's keys above the bin / in it
+  each_key([&](uint32_t u, int) {
+    const uint32_t d = u >> LO_BITS;
+    gt_hi += d > hi;
+    inb += d == hi;
+    if (u == NEG_INF_KEY)
+      ++ninf;
+    else if (d == hi)
+      atomicAdd(hist2 + (u & (NLO - 1)), 1);
+  });
   if (hi == (NEG_INF_KEY >> LO_BITS)) {       // (uniform)
     ninf = warp_sum(ninf);
     if (lane == 0 && ninf) atomicAdd(hist2 + (NEG_INF_KEY & (NLO - 1)), ninf);
   }
   TOPK_MARK(5);
   cl.sync();                                  // every CTA's hist2 complete
-  if (tid < NLO) {
+  if (tid < 32) {                             // lane l < NLO: low digit NLO - 1 - l, from the top
     int sum = 0;
+    if (tid < NLO) {
 #pragma unroll
-    for (int r = 0; r < CLUSTER; ++r) sum += cl.map_shared_rank(hist2, r)[tid];
-    tot2[tid] = sum;
+      for (int r = 0; r < CLUSTER; ++r) sum += cl.map_shared_rank(hist2, r)[NLO - 1 - tid];
+    }
+    const int incl = warp_scan(sum);
+    const int win = __ffs(__ballot_sync(FULL, tid < NLO && incl >= k - above1)) - 1;
+    if (tid == win) {
+      bin = NLO - 1 - tid;
+      above = above1 + incl - sum;
+    }
   }
   __syncthreads();
-  find_bin(tot2, NLO, k - above1, wsum, &bin, &above);
   const uint32_t thr = (hi << LO_BITS) | uint32_t(bin);
-  const int n_gt = above1 + above;            // keys above the threshold in the row (< k)
+  const int n_gt = above;                     // keys above the threshold in the row (< k)
   TOPK_MARK(6);
-  int gt = 0, eq = 0;                         // this thread's keys above / at the threshold
-#pragma unroll
-  for (int s = 0; s < REG_GROUPS; ++s)
-#pragma unroll
-    for (int j = 0; j < 8; ++j)
-      if (8 * s + j < nv) {
-        const uint32_t u = key(s, j);
+  int gt = gt_hi, eq = 0;                     // this thread's keys above / at the threshold
+  if (inb)                                    // its keys in the threshold's bin, again
+    each_key([&](uint32_t u, int) {
+      if ((u >> LO_BITS) == hi) {
         gt += u > thr;
         eq += u == thr;
       }
+    });
   int tt;                                     // gt in the low 16 bits, eq in the high (<= 32,768)
   const int off = block_scan(gt | (eq << 16), wsum, &tt);
   if (tid == 0) {
@@ -515,19 +549,13 @@ __global__ void __launch_bounds__(REG_THREADS) topk_bf16_regs_kernel(const uint1
   }
   cl.barrier_arrive();                        // done with the others' shared memory
   int og = gbase + (off & 0xFFFF), oe = ebase + (off >> 16);
-  if (gt | eq) {
-#pragma unroll
-    for (int s = 0; s < REG_GROUPS; ++s)
-#pragma unroll
-      for (int j = 0; j < 8; ++j)
-        if (8 * s + j < nv) {
-          const uint32_t u = key(s, j);
-          if (u > thr)
-            out[og++] = s0 + first + 8 * s + j;
-          else if (u == thr && n_gt + oe < k)
-            out[n_gt + oe++] = s0 + first + 8 * s + j;
-        }
-  }
+  if (gt | eq)
+    each_key([&](uint32_t u, int i) {
+      if (u > thr)
+        out[og++] = s0 + i;
+      else if (u == thr && n_gt + oe < k)
+        out[n_gt + oe++] = s0 + i;
+    });
   TOPK_MARK(8);
   cl.barrier_wait();                          // no CTA exits while another reads its shared memory
   TOPK_MARK(9);

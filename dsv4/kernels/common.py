@@ -370,3 +370,19 @@ def dot_bf16(a, b, F32: tl.constexpr):
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
     else:
         return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+
+
+@triton.jit
+def index_tile_scores(q, k, w, TRANS: tl.constexpr, F32: tl.constexpr):
+    """The index scores of a tile of keys k [BT, DI]: sum_h relu(q_h . k_t) * w_h with bf16
+    rounding after each op -> [BT] float32, for q [HP, DI] and w [HP] (float32, bf16 values).
+    TRANS: INDEX_SCORES_TRANS's orientation. The decode and chunk kernels' one arithmetic."""
+    if TRANS:
+        sc = round_bf16(dot_bf16(k, tl.trans(q), F32))                      # [BT, HP]
+        sc = round_bf16(tl.maximum(sc, 0.0) * w[None, :])
+        s = round_bf16(tl.sum(sc, axis=1))
+    else:
+        sc = round_bf16(dot_bf16(q, tl.trans(k), F32))                      # [HP, BT]
+        sc = round_bf16(tl.maximum(sc, 0.0) * w[:, None])
+        s = round_bf16(tl.sum(sc, axis=0))
+    return s

@@ -17,6 +17,7 @@ from ..common import (
     dot_bf16,
     fp4_fake_quant_rows,
     from_pairs,
+    index_tile_scores,
     interpreting,
     launch_args,
     load_pos,
@@ -90,14 +91,7 @@ def _scores_kernel(q_ptr, w_ptr, k_ptr, pos_ptr, out_ptr, wscale, N, H: tl.const
         for j in tl.range(0, SUB, num_stages=STAGES):
             t = t0 + j * BT + tl.arange(0, BT)
             k = tl.load(k_ptr + t[:, None] * DI + d[None, :], mask=(t < vis)[:, None], other=0.0)
-            if TRANS:
-                sc = round_bf16(dot_bf16(k, tl.trans(q), F32))                  # [BT, HP]
-                sc = round_bf16(tl.maximum(sc, 0.0) * w[None, :])
-                s = tl.where(t < vis, round_bf16(tl.sum(sc, axis=1)), NEG_INF)
-            else:
-                sc = round_bf16(dot_bf16(q, tl.trans(k), F32))                  # [HP, BT]
-                sc = round_bf16(tl.maximum(sc, 0.0) * w[:, None])
-                s = tl.where(t < vis, round_bf16(tl.sum(sc, axis=0)), NEG_INF)
+            s = tl.where(t < vis, index_tile_scores(q, k, w, TRANS, F32), NEG_INF)
             tl.store(out_ptr + t, s.to(out_ptr.dtype.element_ty), mask=t < N)
     else:
         for j in tl.static_range(SUB):

@@ -17,7 +17,7 @@ import triton.language as tl
 from ..common import (
     INDEX_SCORES_TRANS,
     NEG_INF,
-    dot_bf16,
+    index_tile_scores,
     interpreting,
     load_pos,
     on_device,
@@ -54,14 +54,7 @@ def _scores_rows_kernel(q_ptr, w_ptr, k_ptr, pos_ptr, out_ptr, wscale, S, N, H: 
                             mask=(hh < H)[:, None], other=0.0)
                 w = round_bf16(tl.load(w_ptr + row * H + hh, mask=hh < H, other=0.0)
                                .to(tl.float32) * wscale)
-                if TRANS:
-                    sc = round_bf16(dot_bf16(k, tl.trans(q), F32))          # [BT, HP]
-                    sc = round_bf16(tl.maximum(sc, 0.0) * w[None, :])
-                    s = tl.where(t < vis, round_bf16(tl.sum(sc, axis=1)), NEG_INF)
-                else:
-                    sc = round_bf16(dot_bf16(q, tl.trans(k), F32))          # [HP, BT]
-                    sc = round_bf16(tl.maximum(sc, 0.0) * w[:, None])
-                    s = tl.where(t < vis, round_bf16(tl.sum(sc, axis=0)), NEG_INF)
+                s = tl.where(t < vis, index_tile_scores(q, k, w, TRANS, F32), NEG_INF)
             tl.store(out_ptr + r.to(tl.int64) * N + t, s.to(out_ptr.dtype.element_ty), mask=tm)
 
 
