@@ -282,22 +282,28 @@ INDEX_CONTEXTS = (4096, 1_040_000)   # the bench's 4K and 1M contexts
 def attention_cases(cfg, dev, gen) -> list[Case]:
     """A ratio-128 layer's sparse attention of one decode row (the window and every visible
     compressed entry; the split pass and its combine) at each of INDEX_CONTEXTS, all entries
-    visible: reads the window and context / 128 rows of the KV cache. config: the AttnConfig,
-    its neighbours swept (the splits and tiles change the merge order: each config is its own
-    bits)."""
-    from ..kernels.decode.attention import AttnConfig, plan_attention, sparse_attention_decode
+    visible: reads the window and context / 128 rows of the KV cache. config: attn_config's pick
+    for those entries, the tile grid and the other pick swept (the splits and tiles change the
+    merge order: each config is its own bits)."""
+    from ..kernels.decode.attention import (
+        LONG_ATTN_CONFIG,
+        AttnConfig,
+        attn_config,
+        plan_attention,
+        sparse_attention_decode,
+    )
     from ..numerics.rope import rope_frequencies
     H, Dh, W, r = cfg.n_heads, cfg.head_dim, cfg.window_size, 128
     freqs = rope_frequencies(cfg, r, dev)
     sink = torch.randn(H, device=dev, generator=gen)
     q = torch.randn(1, H * Dh, device=dev, generator=gen).to(torch.bfloat16)
-    base = AttnConfig()
-    sweep = [AttnConfig(hb=hb, bn=bn, rows_per_split=rps, num_warps=nw)
-             for hb in (16, 32) for bn in (32, 64) for rps in (32, 64, 128) for nw in (4, 8)]
-    sweep = [c for c in sweep if c != base]
+    grid = [AttnConfig(hb=hb, bn=bn, rows_per_split=rps, num_warps=nw)
+            for hb in (16, 32) for bn in (32, 64) for rps in (32, 64, 128) for nw in (4, 8)]
     cases = []
     for ctx in INDEX_CONTEXTS:
         n = ctx // r
+        base = attn_config(H, n)   # the library's pick for these entries
+        sweep = [c for c in dict.fromkeys(grid + [AttnConfig(), LONG_ATTN_CONFIG]) if c != base]
         nbytes = (W + n) * Dh * 2
         copies = n_copies(nbytes)
         caches = [torch.randn(W + n + 1, Dh, device=dev, generator=gen).to(torch.bfloat16)

@@ -47,6 +47,23 @@ class AttnConfig:
     bd: int = 128
 
 
+# Many compressed entries (a ratio-128 layer's cache past ~256K tokens): 32 heads a program over
+# 64-row tiles, so each KV row is read by half as many programs, with at most 66 splits (the
+# combine's reads grow with them). A ratio-128 layer, 64 heads, one H200 (split pass + combine):
+# 11.6 -> 10.4 us at 2,048 entries, 21.2 -> 18.2 at 8,125; at 512 entries and fewer the default
+# is faster (6.1 against 9.0). Other head counts (Pro's 128, a tensor-parallel rank's 32 or 16)
+# keep the default: not measured.
+LONG_ATTN_ENTRIES = 2048
+LONG_ATTN_CONFIG = AttnConfig(hb=32, bn=64, rows_per_split=64, max_programs=132, num_warps=8)
+
+
+def attn_config(n_heads: int, n_comp: int) -> AttnConfig:
+    """The launch config a layer's decode attention takes for its heads and compressed entries."""
+    if n_comp >= LONG_ATTN_ENTRIES and n_heads == 64:
+        return LONG_ATTN_CONFIG
+    return AttnConfig()
+
+
 @triton.jit
 def attn_finish(acc, m, l, sink, pos_f, freqs_ptr, pair, ROWS: tl.constexpr, P: tl.constexpr,
                 NOPE: tl.constexpr):
@@ -194,8 +211,9 @@ COMBINE_WIDE_SPLITS = 32    # above this many splits the combine runs one head a
 
 def plan_attention(n_heads: int, head_dim: int, window: int, n_comp: int,
                    config: AttnConfig | None = None) -> dict:
-    """Fixed launch geometry for a layer (host-only, from shapes): tile sizes, splits, grids."""
-    c = config or AttnConfig()
+    """Fixed launch geometry for a layer (host-only, from shapes): tile sizes, splits, grids.
+    config None: attn_config's for these heads and entries."""
+    c = config or attn_config(n_heads, n_comp)
     hb = max(16, min(c.hb, triton.next_power_of_2(n_heads)))
     bn = max(16, min(c.bn, window))
     while window % bn:

@@ -516,6 +516,22 @@ def test_attention_kernels_cuda_real_shapes(preset, capacity):
 
 
 @pytest.mark.cuda
+def test_attention_long_context_config_cuda():
+    """A ratio-128 layer at ~1M tokens takes attn_config's long-context tiles (32 heads a program,
+    64-row tiles, 8 warps): against the reference and run twice, beside the default config, one
+    row and verify rows."""
+    from dsv4.kernels.decode.attention import LONG_ATTN_CONFIG, AttnConfig, attn_config
+    from dsv4.weights.presets import PRESETS
+    cfg = PRESETS["flash"]
+    capacity = 1_040_000
+    assert attn_config(cfg.n_heads, capacity // 128) == LONG_ATTN_CONFIG
+    g = torch.Generator().manual_seed(input_seed(11))
+    pos = (0, 4095, 600_000, capacity - 1)
+    check_attention("cuda", g, cfg, 128, capacity, pos, configs=(None, AttnConfig()))
+    check_attention_rows("cuda", g, cfg, 128, capacity, (capacity - 5,), Ts=(2,))
+
+
+@pytest.mark.cuda
 def test_index_scores_tiles_cuda_long_cache():
     """A long cache (~800K positions at ratio 4) at Flash's indexer shape: the default takes 4
     tiles a program there, and 1, 2, 4 tiles, and pipelines of 2-4 tiles in flight on 4 or 8

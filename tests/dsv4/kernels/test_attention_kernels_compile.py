@@ -25,6 +25,8 @@ def _compile_all():
     from dsv4.kernels.decode import indexer as I
     pl = A.plan_attention(64, 512, 128, 512)
     split = dict(HB=pl["hb"], BN=pl["bn"], BPS=pl["bps"], NSPLIT=pl["nsplit"])
+    lp = A.plan_attention(64, 512, 128, 8125)
+    assert (lp["hb"], lp["bn"], lp["num_warps"]) == (32, 64, 8), lp
     attn = dict(H=64, DH=512, W=128, R=4, KC=512, MODE=A.MODE_INDEXED, NOPE=448, F32=False)
     comp = "kv_ptr sc_ptr ape_ptr skv_ptr ssc_ptr norm_ptr freqs_ptr"
     jobs = [  # kernel, float32 pointer args (others bf16), constexprs, num_warps
@@ -40,6 +42,13 @@ def _compile_all():
            dict(H=64, DH=512, HC=pl["hc"], BD=pl["bd"], NSPLIT=pl["nsplit"], NOPE=448, W=128,
                 ROWS=rows), 4) for rows in (False, True)],
         (A._ring_write_kernel, "", dict(W=128, DH=512), 4),
+        # a ratio-128 layer at 1M tokens: attn_config's long-context tiles and splits
+        *[(A._attn_kernel, "sink_ptr freqs_ptr pm_ptr pl_ptr pacc_ptr",
+           {**attn, "R": 128, "KC": 8125, "MODE": A.MODE_RATIO, "ROWS": False, "HB": lp["hb"],
+            "BN": lp["bn"], "BPS": lp["bps"], "NSPLIT": lp["nsplit"]}, lp["num_warps"]),
+          (A._combine_kernel, "pm_ptr pl_ptr pacc_ptr sink_ptr freqs_ptr",
+           dict(H=64, DH=512, HC=lp["hc"], BD=lp["bd"], NSPLIT=lp["nsplit"], NOPE=448, W=128,
+                ROWS=False), 4)],
         (I._query_kernel, "freqs_ptr", dict(H=64, DI=128, HQ=16, NOPE=64, F32=False), 4),
         # SUB: the tiles a program takes (1; SCORES_SUB on long caches), STAGES: in flight
         *[(I._scores_kernel, "", dict(H=64, HP=64, DI=128, BT=I.BT, SUB=sub, STAGES=stages,
