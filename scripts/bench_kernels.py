@@ -2,9 +2,11 @@
 
   python scripts/bench_kernels.py [--preset flash|pro] [--reps 50] [--only wq_b,experts]
                                   [--sweep] [--no-torch] [--json PATH] [--tp N]
+                                  [--contexts 4096,1040000]
 Prints copy bandwidth, then per kernel: shape, weight+scale bytes, median us [min-max], TB/s, % of copy
 bandwidth and the torch-path time. --sweep also times neighbouring launch configs (tuning aid);
---tp N: a tensor-parallel rank's shard shapes (the split weights' rows / columns over N).
+--tp N: a tensor-parallel rank's shard shapes (the split weights' rows / columns over N);
+--contexts: the tokens of context the indexer and attention cases take.
 """
 from __future__ import annotations
 
@@ -28,10 +30,18 @@ def main() -> int:
     p.add_argument("--json", default=None, help="write the rows as JSON here")
     p.add_argument("--tp", type=int, default=1,
                    help="a tensor-parallel rank's shapes: the split weights over this many ranks")
+    p.add_argument("--contexts", default="4096,1040000",
+                   help="comma-separated contexts (tokens) of the index and attention cases")
     p.add_argument("--device", default="cuda")
     p.add_argument("--backend", default="both", choices=("cuda", "triton", "both"),
                    help="which implementation to time (both: a row each)")
     args = p.parse_args()
+    try:
+        contexts = tuple(int(c) for c in args.contexts.split(",") if c)
+    except ValueError:
+        contexts = ()
+    if not contexts or min(contexts) < 128:
+        p.error(f"--contexts {args.contexts!r}: expected comma-separated token counts >= 128")
     if not torch.cuda.is_available():
         print("bench_kernels: needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -50,7 +60,7 @@ def main() -> int:
     rows = []
     only = [s for s in args.only.split(",") if s]
     backends = ("triton", "cuda") if args.backend == "both" else (args.backend,)
-    for case in bench.build_cases(args.preset, dev, only, tp=args.tp):
+    for case in bench.build_cases(args.preset, dev, only, tp=args.tp, contexts=contexts):
         for b in backends:
             row = bench.run_case(case, bw, args.reps, args.sweep, not args.no_torch and b == "triton",
                                  impl=b)

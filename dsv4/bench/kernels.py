@@ -279,12 +279,12 @@ def expert_cases(E, inter, dim, k, dev, gen) -> list[Case]:
 INDEX_CONTEXTS = (4096, 1_040_000)   # the bench's 4K and 1M contexts
 
 
-def attention_cases(cfg, dev, gen) -> list[Case]:
+def attention_cases(cfg, dev, gen, contexts=INDEX_CONTEXTS, tp: int = 1) -> list[Case]:
     """A ratio-128 layer's sparse attention of one decode row (the window and every visible
-    compressed entry; the split pass and its combine) at each of INDEX_CONTEXTS, all entries
-    visible: reads the window and context / 128 rows of the KV cache. config: attn_config's pick
-    for those entries, the tile grid and the other pick swept (the splits and tiles change the
-    merge order: each config is its own bits)."""
+    compressed entry; the split pass and its combine; a rank's heads of tp) at each context, all
+    entries visible: reads the window and context / 128 rows of the KV cache. config:
+    attn_config's pick for those entries, the tile grid and the other pick swept (the splits and
+    tiles change the merge order: each config is its own bits)."""
     from ..kernels.decode.attention import (
         LONG_ATTN_CONFIG,
         AttnConfig,
@@ -293,14 +293,14 @@ def attention_cases(cfg, dev, gen) -> list[Case]:
         sparse_attention_decode,
     )
     from ..numerics.rope import rope_frequencies
-    H, Dh, W, r = cfg.n_heads, cfg.head_dim, cfg.window_size, 128
+    H, Dh, W, r = cfg.n_heads // tp, cfg.head_dim, cfg.window_size, 128
     freqs = rope_frequencies(cfg, r, dev)
     sink = torch.randn(H, device=dev, generator=gen)
     q = torch.randn(1, H * Dh, device=dev, generator=gen).to(torch.bfloat16)
     grid = [AttnConfig(hb=hb, bn=bn, rows_per_split=rps, num_warps=nw)
             for hb in (16, 32) for bn in (32, 64) for rps in (32, 64, 128) for nw in (4, 8)]
     cases = []
-    for ctx in INDEX_CONTEXTS:
+    for ctx in contexts:
         n = ctx // r
         base = attn_config(H, n)   # the library's pick for these entries
         sweep = [c for c in dict.fromkeys(grid + [AttnConfig(), LONG_ATTN_CONFIG]) if c != base]
@@ -311,22 +311,23 @@ def attention_cases(cfg, dev, gen) -> list[Case]:
         pos = torch.tensor([ctx - 1], device=dev)
         pl = plan_attention(H, Dh, W, n, base)
         cases.append(Case(
-            "attention.r128", f"ctx {ctx}: {W} + {n} rows, {pl['nsplit']} splits", nbytes,
+            "attention.r128", f"ctx {ctx}: {H} heads, {W} + {n} rows, {pl['nsplit']} splits",
+            nbytes,
             lambda c, config, caches=caches, pos=pos, n=n: (lambda: sparse_attention_decode(
                 q, caches[c], sink, pos, freqs, Dh ** -0.5, H, W, r, n, config=config)),
             base, None, copies, sweep))
     return cases
 
 
-def index_cases(cfg, dev, gen) -> list[Case]:
-    """The indexer's selection of one decode row at each of INDEX_CONTEXTS (a ratio-4 layer:
+def index_cases(cfg, dev, gen, contexts=INDEX_CONTEXTS) -> list[Case]:
+    """The indexer's selection of one decode row at each context (a ratio-4 layer:
     context / 4 cache entries, all visible): its scores against the index cache (reads the cache;
     config: the tiles a program, the tiles in flight, the warps, the orientation; swept), then
     their top-k (reads the scores the first wrote, which L2 holds as it does in the step; the CUDA
     radix select against torch's)."""
     H, DI, k = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
     cases = []
-    for ctx in INDEX_CONTEXTS:
+    for ctx in contexts:
         n = ctx // 4
         nbytes = n * DI * 2
         copies = n_copies(nbytes)
@@ -359,9 +360,11 @@ def index_cases(cfg, dev, gen) -> list[Case]:
     return cases
 
 
-def build_cases(preset: str, dev, only=(), seed: int = 0, tp: int = 1):
+def build_cases(preset: str, dev, only=(), seed: int = 0, tp: int = 1,
+                contexts=INDEX_CONTEXTS):
     """Yield the benchmark cases of `preset` one at a time (weights of one case live at once);
-    `only`: substrings of the names to keep; tp > 1: a tensor-parallel rank's shard shapes
+    `only`: substrings of the names to keep; contexts: the index and attention cases' (tokens);
+    tp > 1: a tensor-parallel rank's shard shapes
     (dsv4.model.sharding: its heads' wq_b / wo_a / wo_b, 1 / tp of the shared and routed experts'
     inter dim, its vocabulary rows of the head; the rest whole)."""
     cfg = get_preset(preset)
@@ -395,8 +398,8 @@ def build_cases(preset: str, dev, only=(), seed: int = 0, tp: int = 1):
                                     torch.float32)]),
         ("experts.up experts.down experts.step",
          lambda: expert_cases(E, I, D, cfg.n_activated_experts, dev, gen)),
-        ("index.scores index.topk", lambda: index_cases(cfg, dev, gen)),
-        ("attention.r128", lambda: attention_cases(cfg, dev, gen)),
+        ("index.scores index.topk", lambda: index_cases(cfg, dev, gen, contexts)),
+        ("attention.r128", lambda: attention_cases(cfg, dev, gen, contexts, tp)),
     ]
     for names, make in makers:
         if only and not any(o in n for o in only for n in names.split()):

@@ -90,8 +90,9 @@ def test_tp_bench_refuses_what_it_does_not_measure(capsys):
 
 def test_kernel_cases_of_a_rank_have_its_shard_shapes(monkeypatch):
     """bench_kernels --tp N: the split weights' cases take a rank's shapes (its heads' wq_b / wo_a
-    / wo_b, 1 / N of the shared and routed inter dim, its vocabulary rows of the head), the
-    replicated ones stay whole; a degree the model cannot split is refused."""
+    / wo_b and attention, 1 / N of the shared and routed inter dim, its vocabulary rows of the
+    head), the replicated ones stay whole; --contexts sets the attention case's entries; a degree
+    the model cannot split is refused."""
     import torch
 
     from dsv4.bench import kernels
@@ -101,9 +102,10 @@ def test_kernel_cases_of_a_rank_have_its_shard_shapes(monkeypatch):
     from dsv4.weights.presets import get_preset
     cfg = get_preset("tiny-tp")
     names = ["wq_a+wkv", "wq_b", "wo_a", "wo_b", "shared.w1+w3", "shared.w2", "head",
-             "experts.up"]
+             "experts.up", "attention.r128"]
     for tp in (1, 2, 4):
-        got = {c.name: c.shape for c in build_cases("tiny-tp", torch.device("cpu"), names, tp=tp)}
+        got = {c.name: c.shape for c in build_cases("tiny-tp", torch.device("cpu"), names, tp=tp,
+                                                    contexts=(1024,))}
         H, G, I = cfg.n_heads // tp, cfg.o_groups // tp, cfg.moe_inter_dim // tp
         assert got["wq_a+wkv"] == f"[{cfg.q_lora_rank + cfg.head_dim}, {cfg.dim}]"
         assert got["wq_b"] == f"[{H * cfg.head_dim}, {cfg.q_lora_rank}]"
@@ -114,6 +116,7 @@ def test_kernel_cases_of_a_rank_have_its_shard_shapes(monkeypatch):
         assert got["shared.w2"] == f"[{cfg.dim}, {I}]"
         assert got["head"] == f"[{-(-cfg.vocab_size // tp)}, {cfg.dim}]"
         assert f"I={I} " in got["experts.up"]
+        assert got["attention.r128"].startswith(f"ctx 1024: {H} heads, {cfg.window_size} + 8 rows")
     with pytest.raises(ConfigError):
         next(build_cases("tiny-tp", torch.device("cpu"), names, tp=8))
 
