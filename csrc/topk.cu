@@ -212,6 +212,19 @@ DEV void cluster_sum(cg::cluster_group& cl, int* hist, int nbins, int* tot) {
   }
   __syncthreads();
 }
+
+// The keys above / at the threshold in the cluster's lower ranks: the sums of cnt[0] / cnt[1]
+// (each CTA's counts, published before a cluster sync) over ranks 0 .. rank - 1.
+DEV void cluster_prefix(cg::cluster_group& cl, int* cnt, int rank, int* gbase, int* ebase) {
+  int g = 0, e = 0;
+  for (int r = 0; r < rank; ++r) {
+    const int* c = cl.map_shared_rank(cnt, r);
+    g += c[0];
+    e += c[1];
+  }
+  *gbase = g;
+  *ebase = e;
+}
 #endif
 
 // gt / eq of the CTA's segment sc[0..n) against the threshold key, summed over the CTA (every
@@ -291,12 +304,8 @@ __global__ void __launch_bounds__(1024) topk_bf16_cluster_kernel(const uint16_t*
     cnt[1] = my_eq;
   }
   cl.sync();                                // every CTA's counts published
-  int gbase = 0, ebase = 0;                 // keys above / at the threshold in lower ranks
-  for (int r = 0; r < rank; ++r) {
-    const int* c = cl.map_shared_rank(cnt, r);
-    gbase += c[0];
-    ebase += c[1];
-  }
+  int gbase, ebase;                         // keys above / at the threshold in lower ranks
+  cluster_prefix(cl, cnt, rank, &gbase, &ebase);
   cl.sync();                                // no CTA reads another's shared memory after this
   const int gend = gbase + my_gt, eend = ebase + my_eq;
   const int per = vec ? 8 : 1;
@@ -541,12 +550,8 @@ __global__ void __launch_bounds__(REG_THREADS) topk_bf16_regs_kernel(const uint1
   }
   TOPK_MARK(7);
   cl.sync();                                  // every CTA's counts published
-  int gbase = 0, ebase = 0;                   // keys above / at the threshold in lower ranks
-  for (int r = 0; r < rank; ++r) {
-    const int* c = cl.map_shared_rank(cnt, r);
-    gbase += c[0];
-    ebase += c[1];
-  }
+  int gbase, ebase;                           // keys above / at the threshold in lower ranks
+  cluster_prefix(cl, cnt, rank, &gbase, &ebase);
   cl.barrier_arrive();                        // done with the others' shared memory
   int og = gbase + (off & 0xFFFF), oe = ebase + (off >> 16);
   if (gt | eq)
