@@ -47,21 +47,31 @@ class AttnConfig:
     bd: int = 128
 
 
-# Many compressed entries (a ratio-128 layer's cache past ~256K tokens): 32 heads a program over
-# 64-row tiles, so each KV row is read by half as many programs, with at most 66 splits (the
-# combine's reads grow with them). A ratio-128 layer, 64 heads, one H200 (split pass + combine):
-# 11.6 -> 10.4 us at 2,048 entries, 21.2 -> 18.2 at 8,125; at 512 entries and fewer the default
-# is faster (6.1 against 9.0). Other head counts (Pro's 128, a tensor-parallel rank's 32 or 16)
-# keep the default: not measured.
-LONG_ATTN_ENTRIES = 2048
+# Many compressed entries (a ratio-128 layer's cache past ~256K tokens): 64-row tiles on 8 warps,
+# 16 heads a program for up to 32 heads (a tensor-parallel rank's), 32 for more, and at most 66
+# splits a head block (132 programs from two blocks on; the combine's reads grow with the
+# splits). A ratio-128 layer, one H200 (split pass + combine; the default in brackets):
+#   64 heads (Flash):       2,048 entries (10.4 us [11.6]), 8,125 (18.2 [21.2]); <= 512: [6.1] 9.0
+#   32 heads (a TP2 rank):  2,048 (8.7 [9.7]), 8,125 (14.4 [23.8, 129 splits])
+#   16 heads (a TP4 rank):  2,048 (8.4 [7.8]), 8,125 (13.4; the default's 254 splits make a combine
+#                           that did not compile in 7 minutes)
+#   128 heads (Pro):        2,048 (15.8 [15.2]), 8,125 (27.1 [33.0])
+# so 32 and 64 heads take them from 2,048 entries, other head counts from 4,096 (between 2,048 and
+# 8,125 not measured). The splits of any config stop at MAX_SPLITS: the combine unrolls them.
+LONG_ATTN_ENTRIES = {32: 2048, 64: 2048}
+LONG_ATTN_ENTRIES_OTHER = 4096
 LONG_ATTN_CONFIG = AttnConfig(hb=32, bn=64, rows_per_split=64, max_programs=132, num_warps=8)
+MAX_SPLITS = 132
 
 
 def attn_config(n_heads: int, n_comp: int) -> AttnConfig:
     """The launch config a layer's decode attention takes for its heads and compressed entries."""
-    if n_comp >= LONG_ATTN_ENTRIES and n_heads == 64:
+    if n_comp < LONG_ATTN_ENTRIES.get(n_heads, LONG_ATTN_ENTRIES_OTHER):
+        return AttnConfig()
+    if n_heads > 32:
         return LONG_ATTN_CONFIG
-    return AttnConfig()
+    return AttnConfig(hb=16, bn=64, rows_per_split=64, max_programs=66 * triton.cdiv(n_heads, 16),
+                      num_warps=8)
 
 
 @triton.jit
@@ -223,7 +233,8 @@ def plan_attention(n_heads: int, head_dim: int, window: int, n_comp: int,
                          f"({HATCH})")
     nblk = window // bn + triton.cdiv(n_comp, bn)
     nhb = triton.cdiv(n_heads, hb)
-    nsplit = min(triton.cdiv(nblk * bn, c.rows_per_split), max(1, c.max_programs // nhb), nblk)
+    nsplit = min(triton.cdiv(nblk * bn, c.rows_per_split), max(1, c.max_programs // nhb), nblk,
+                 MAX_SPLITS)
     bps = triton.cdiv(nblk, nsplit)
     nsplit = triton.cdiv(nblk, bps)
     # many splits (long context: a ratio-128 layer at 1M tokens has 66): one head a combine

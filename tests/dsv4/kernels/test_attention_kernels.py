@@ -515,20 +515,45 @@ def test_attention_kernels_cuda_real_shapes(preset, capacity):
     check_indexer("cuda", g, cfg, capacity, pos)
 
 
+def test_attention_plan_splits_stay_bounded():
+    """Every launch plan's splits stop at MAX_SPLITS (the combine unrolls them: a 16-head rank's
+    254 at 1M tokens made a kernel that did not compile in minutes), and attn_config's pick for a
+    ratio-128 layer at 1M tokens takes at most 66 splits a head block at every head count."""
+    from dsv4.kernels.decode.attention import MAX_SPLITS, AttnConfig, attn_config, plan_attention
+    for heads in (8, 16, 32, 64, 128):
+        for n in (0, 1, 512, 2048, 4096, 8125, 65_000):
+            for c in (None, AttnConfig(), AttnConfig(hb=16, bn=16, rows_per_split=16,
+                                                     max_programs=1024)):
+                pl = plan_attention(heads, 512, 128, n, c)
+                assert 1 <= pl["nsplit"] <= MAX_SPLITS, (heads, n, c, pl)
+                assert pl["nsplit"] * pl["bps"] >= 128 // pl["bn"] + -(-n // pl["bn"])
+        pl = plan_attention(heads, 512, 128, 8125)
+        assert pl["nsplit"] <= 66 and attn_config(heads, 8125).num_warps == 8, (heads, pl)
+    assert attn_config(64, 512) == AttnConfig() and attn_config(16, 2048) == AttnConfig()
+
+
 @pytest.mark.cuda
-def test_attention_long_context_config_cuda():
-    """A ratio-128 layer at ~1M tokens takes attn_config's long-context tiles (32 heads a program,
-    64-row tiles, 8 warps): against the reference and run twice, beside the default config, one
-    row and verify rows."""
-    from dsv4.kernels.decode.attention import LONG_ATTN_CONFIG, AttnConfig, attn_config
+@pytest.mark.parametrize("heads", [16, 32, 64, 128])
+def test_attention_long_context_config_cuda(heads):
+    """A ratio-128 layer at ~1M tokens takes attn_config's long-context tiles (64-row tiles, 8
+    warps, 16 or 32 heads a program, at most 66 splits a head block) at Flash's heads, a
+    tensor-parallel rank's (32, 16) and Pro's (128): against the reference and run twice; Flash's
+    also beside the default config, and for verify rows."""
+    from dataclasses import replace
+
+    from dsv4.kernels.decode.attention import AttnConfig, attn_config, plan_attention
     from dsv4.weights.presets import PRESETS
-    cfg = PRESETS["flash"]
+    cfg = replace(PRESETS["flash"], n_heads=heads)
     capacity = 1_040_000
-    assert attn_config(cfg.n_heads, capacity // 128) == LONG_ATTN_CONFIG
+    n = capacity // 128
+    assert attn_config(heads, n) != AttnConfig()
+    assert plan_attention(heads, cfg.head_dim, cfg.window_size, n)["nsplit"] <= 66
     g = torch.Generator().manual_seed(input_seed(11))
     pos = (0, 4095, 600_000, capacity - 1)
-    check_attention("cuda", g, cfg, 128, capacity, pos, configs=(None, AttnConfig()))
-    check_attention_rows("cuda", g, cfg, 128, capacity, (capacity - 5,), Ts=(2,))
+    check_attention("cuda", g, cfg, 128, capacity, pos,
+                    configs=(None, AttnConfig()) if heads == 64 else (None,))
+    if heads == 64:
+        check_attention_rows("cuda", g, cfg, 128, capacity, (capacity - 5,), Ts=(2,))
 
 
 @pytest.mark.cuda
