@@ -20,6 +20,7 @@
 #include <cuda_fp16.h>
 #include <cstdio>
 #include <cstdint>
+#include <type_traits>
 
 #include "fp8chain.cuh"
 
@@ -57,6 +58,25 @@ __device__ __forceinline__ void e2m1x8_f16(uint32_t w, uint32_t (&p)[4]) {
   p[1] = prmt(TLO, THI, prmt(odd, 0u, 0x20u)) | ((w << 8) & SG);
   p[2] = prmt(TLO, THI, prmt(even, 0u, 0x31u)) | ((w << 4) & SG);
   p[3] = prmt(TLO, THI, prmt(odd, 0u, 0x31u)) | (w & SG);
+}
+
+
+// timing probes: csrc/fp4_experts.cuh's two decodes (their own pair orders and scales)
+__device__ __forceinline__ uint32_t cvt_e4m3x2(uint32_t v) {
+  uint32_t r;
+  asm("{\n .reg .b16 t;\n cvt.u16.u32 t, %1;\n cvt.rn.f16x2.e4m3x2 %0, t;\n}\n" : "=r"(r) : "r"(v));
+  return r;
+}
+__device__ __forceinline__ void e2m1_cvt(uint32_t w, uint32_t (&p)[4]) {
+  const uint32_t lo = ((w << 2) & 0x1C1C1C1Cu) | ((w << 4) & 0x80808080u);
+  const uint32_t hi = ((w >> 2) & 0x1C1C1C1Cu) | (w & 0x80808080u);
+  p[0] = cvt_e4m3x2(lo); p[1] = cvt_e4m3x2(lo >> 16); p[2] = cvt_e4m3x2(hi); p[3] = cvt_e4m3x2(hi >> 16);
+}
+__device__ __forceinline__ void e2m1_int(uint32_t w, uint32_t (&p)[4]) {
+  p[0] = ((w << 9) & 0x0E000E00u) | ((w << 12) & 0x80008000u);
+  p[1] = ((w << 5) & 0x0E000E00u) | ((w << 8) & 0x80008000u);
+  p[2] = ((w << 1) & 0x0E000E00u) | ((w << 4) & 0x80008000u);
+  p[3] = ((w >> 3) & 0x0E000E00u) | (w & 0x80008000u);
 }
 
 // a lane's pieces of one K slice (256 K) of a unit: for steps s = 0, 1 (128 K each) its 16 bytes of
@@ -97,6 +117,7 @@ __device__ __forceinline__ void load_xq(const __half* a, uint4* xs, int nthreads
 // 2q+9); B column n is zero but for lane (n, n)'s group, so C[r][n] = row r's dot with group 4s +
 // n: lanes q < 2 hold columns 2q, 2q + 1 (c[0], c[1] row g; c[2], c[3] row g + 8) and scale them
 // in float. The same order in every kernel
+template <int MODE = 0>   // timing probes only (wrong values): 1 no e2m1 decode, 2 no MMA
 __device__ __forceinline__ float2 slice_dot(const Slice& sl, const uint4* xb, const XOp& xo) {
   const int q = threadIdx.x & 3, sh = 16 * (q & 1);
   float t0 = 0.f, t1 = 0.f;
@@ -109,10 +130,28 @@ __device__ __forceinline__ float2 slice_dot(const Slice& sl, const uint4* xb, co
     for (int wd = 0; wd < 4; ++wd) {
       const uint4 x = xb[s * xo.stride + (wd ^ xo.r)];
       uint32_t pa[4], pb[4];
-      e2m1x8_f16(A[wd], pa);
-      e2m1x8_f16(B[wd], pb);
-      mma16816(c, pa[0], pb[0], pa[1], pb[1], x.x, x.y);
-      mma16816(c, pa[2], pb[2], pa[3], pb[3], x.z, x.w);
+      if (MODE == 1) {
+        pa[0] = A[wd]; pa[1] = A[wd] >> 4; pa[2] = A[wd] << 4; pa[3] = A[wd] >> 8;
+        pb[0] = B[wd]; pb[1] = B[wd] >> 4; pb[2] = B[wd] << 4; pb[3] = B[wd] >> 8;
+      } else if (MODE == 3) {   // the library's decode 0: e4m3 bytes by bit ops, then cvt (another pair order)
+        e2m1_cvt(A[wd], pa);
+        e2m1_cvt(B[wd], pb);
+      } else if (MODE == 4) {   // the library's decode 1: f16 patterns by integer ops (another scale)
+        e2m1_int(A[wd], pa);
+        e2m1_int(B[wd], pb);
+      } else {
+        e2m1x8_f16(A[wd], pa);
+        e2m1x8_f16(B[wd], pb);
+      }
+      if (MODE == 2) {
+        c[0] += __uint_as_float((pa[0] ^ pb[1] ^ x.x) & 0x3FFFFFFFu);
+        c[1] += __uint_as_float((pa[1] ^ pb[0] ^ x.y) & 0x3FFFFFFFu);
+        c[2] += __uint_as_float((pa[2] ^ pb[3] ^ x.z) & 0x3FFFFFFFu);
+        c[3] += __uint_as_float((pa[3] ^ pb[2] ^ x.w) & 0x3FFFFFFFu);
+      } else {
+        mma16816(c, pa[0], pb[0], pa[1], pb[1], x.x, x.y);
+        mma16816(c, pa[2], pb[2], pa[3], pb[3], x.z, x.w);
+      }
     }
     const uint32_t ua = s ? sl.sa.y : sl.sa.x, ub = s ? sl.sb.y : sl.sb.x;
     if (q < 2) {
@@ -258,6 +297,111 @@ __global__ void __launch_bounds__((CONS + 1) * 32, 1) down_ring(const uint8_t* w
   }
 }
 
+
+// (5) the ring with G groups of 8 consumer warps (8G + 1 warps): group gi takes the CTA's tiles
+// gi, gi + G, ... and all k units of each; a warp keeps its slice's dot summed over the k experts
+// in registers (slot order) and the group meets once a tile (a named barrier of its own, red
+// double-buffered), not once a unit. A slot is free once its group's 8 warps have read it (empty
+// mbarriers count 8). The producer fills a round of G tiles' units j-major, so a group's next
+// unit is G fills after its last: with nbuf >= G, wait_after (the slot's use before released,
+// then the parity wait) cannot take an older use of the slot for this one. Sums in
+// another order than (2) / (3): checked against float64 only. SOLO: as in (3)
+constexpr int XFLOATS2 = (XCHUNKS * 16 + 128 + 3 * 2 * 8 * 16 * 4) / 4;   // xs, zero, red [G][2][8][16]
+template <bool SOLO, int G, int MODE = 0, bool PACKED = false>
+__global__ void __launch_bounds__((8 * G + 1) * 32, 1) down_ring2(const uint8_t* w2, const uint8_t* s2, const int* idx,
+                                                                  const __half* a, float* y, int nbuf, int passes) {
+  constexpr int NC = 8 * G;
+  extern __shared__ __align__(128) unsigned char sm[];
+  Ring rg;
+  rg.xs = reinterpret_cast<float*>(sm);
+  rg.rows = sm + size_t(XFLOATS2) * 4;
+  rg.full = reinterpret_cast<uint64_t*>(rg.rows + size_t(SLOTB) * nbuf);
+  rg.empty = rg.full + nbuf;
+  rg.rowb = SLOTB;
+  rg.nbuf = nbuf;
+  if (threadIdx.x == 0) {
+    for (int j = 0; j < nbuf; ++j) { mbar_init(&rg.full[j], 1); mbar_init(&rg.empty[j], 8); }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+  uint4* xs = reinterpret_cast<uint4*>(rg.xs);
+  float* reds = reinterpret_cast<float*>(xs + XCHUNKS + 8);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+  const int grp = warp >> 3, wg = warp & 7;
+  int t0, t1;
+  even_rows(TILES, t0, t1);
+  const int ntile = t1 - t0, units = ntile * TOPK, nfill = min(units, nbuf);
+  if (warp == NC) {   // fill order: rounds of G tiles, a round's units j-major (group-interleaved)
+    for (int p = 0, r = 0; r * G < ntile; ++r) {
+      const int nr = min(G, ntile - r * G);
+      for (int u2 = 0; u2 < TOPK * nr; ++u2, ++p) {
+      if (SOLO && p >= nfill) break;
+      const int j = u2 / nr, tl = r * G + u2 % nr;
+      int slot = 0;
+      if (lane == 0) {
+        slot = rg.acquire(p);
+        mbar_expect(&rg.full[slot], UNIT_TX);
+      }
+      slot = __shfl_sync(FULLM, slot, 0);
+      unsigned char* dst = rg.rows + size_t(slot) * SLOTB;
+      const size_t row = size_t(__ldg(idx + j)) * DOUT + (t0 + tl) * 16 + (lane & 15);
+      if (PACKED) {   // the tile's 16 rows are contiguous: one copy of the weights, one of the scales
+        if (lane == 0) bulk_g2s(dst, w2 + row * WROWB, 16 * WROWB, &rg.full[slot]);
+        else if (lane == 16) bulk_g2s(dst + 16 * WROWB, s2 + row * SROWB, 16 * SROWB, &rg.full[slot]);
+      } else if (lane < 16) {
+        bulk_g2s(dst + lane * RS, w2 + row * WROWB, WROWB, &rg.full[slot]);
+      } else {
+        bulk_g2s(dst + SLOT_W + (lane - 16) * SS, s2 + row * SROWB, SROWB, &rg.full[slot]);
+      }
+      }
+    }
+    return;
+  }
+  load_xq(a, xs, NC * 32);
+  cons_sync<NC>();
+  const XOp xo = xop(xs);
+  if (SOLO)
+    for (int i = 0; i < nfill; ++i) rg.wait(i);
+  int n = 0;   // the group's tiles so far (red's buffer parity)
+  for (int pass = 0; pass < (SOLO ? passes : 1); ++pass)
+    for (int tl = grp; tl < ntile; tl += G, ++n) {
+      float p0 = 0.f, p1 = 0.f;
+#pragma unroll 1
+      for (int j = 0; j < TOPK; ++j) {
+        const int r = tl / G, nr = min(G, ntile - r * G), u = r * G * TOPK + j * nr + grp;
+        const int slot = SOLO ? u % nfill : rg.wait_after(u);   // sound for nbuf >= G (see the fill order)
+        constexpr int RSX = PACKED ? WROWB : RS, SSX = PACKED ? SROWB : SS, SWX = PACKED ? 16 * WROWB : SLOT_W;
+        const unsigned char* wr = rg.rows + size_t(slot) * SLOTB + g * RSX + 128 * wg + 16 * q;
+        const unsigned char* sr = rg.rows + size_t(slot) * SLOTB + SWX + g * SSX + 8 * wg;
+        Slice sl;
+#pragma unroll
+        for (int st = 0; st < 2; ++st) {
+          sl.a[st][0] = *reinterpret_cast<const uint4*>(wr + 64 * st);
+          sl.a[st][1] = *reinterpret_cast<const uint4*>(wr + 8 * RSX + 64 * st);
+        }
+        sl.sa = *reinterpret_cast<const uint2*>(sr);
+        sl.sb = *reinterpret_cast<const uint2*>(sr + 8 * SSX);
+        __syncwarp();
+        if (!SOLO && lane == 0) rg.release(slot);
+        const float2 p = slice_dot<MODE>(sl, xo.at(j, wg), xo);
+        p0 += p.x;
+        p1 += p.y;
+      }
+      float* red = reds + (grp * 2 + (n & 1)) * 8 * 16;
+      if (q == 0) {
+        red[wg * 16 + g] = p0;
+        red[wg * 16 + g + 8] = p1;
+      }
+      asm volatile("bar.sync %0, 256;\n" ::"r"(2 + grp) : "memory");
+      if (wg == 0 && lane < 16) {
+        float t = 0.f;
+#pragma unroll
+        for (int w = 0; w < 8; ++w) t += red[w * 16 + lane];
+        y[(t0 + tl) * 16 + lane] = t;
+      }
+    }
+}
+
 static double e2m1_val(int c) {
   static const double mag[8] = {0, 0.5, 1, 1.5, 2, 3, 4, 6};
   return (c & 8) ? -mag[c & 7] : mag[c & 7];
@@ -360,6 +504,76 @@ int main(int argc, char** argv) {   // argv: the ring sizes in units (default 4 
            "launch %s | the consumers alone (%d passes of the first fill) %.1f us a pass (%.0f%% of the read)\n",
            nbuf, smem / 1024, t_ring, 100.0 * t_read / t_ring, err(yr), yr == yp ? "yes" : "NO", PASSES, t_solo,
            100.0 * t_read / t_solo);
+  }
+
+  // (5) grouped consumers
+  for (int nbuf : nbufs) {
+    const size_t smem = size_t(XFLOATS2) * 4 + size_t(nbuf) * SLOTB + size_t(nbuf) * 16;
+    if (nbuf < 1 || smem > 227 * 1024) { printf("  ring2 %d: too big\n", nbuf); continue; }
+    auto run2 = [&](auto solo_t, auto g_t) {
+      constexpr bool SOLO = decltype(solo_t)::value;
+      constexpr int G = decltype(g_t)::value;
+      CK(cudaFuncSetAttribute(down_ring2<SOLO, G>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+      return [&, smem](int k, float* y) {
+        down_ring2<SOLO, G><<<sms, (8 * G + 1) * 32, smem, st>>>(w2, s2, didx + k * TOPK, da, y, nbuf, PASSES);
+      };
+    };
+    auto one = [&](auto g_t) {
+      constexpr int G = decltype(g_t)::value;
+      auto ring = run2(std::false_type{}, g_t);
+      auto solo = run2(std::true_type{}, g_t);
+      const float t_ring = T.time([&](int i) { ring(i % COPIES, y3); });
+      const float t_solo = T.time([&](int i) { solo(i % COPIES, y3); }) / PASSES;
+      CK(cudaMemsetAsync(y3, 0xFF, DOUT * 4, st));
+      ring(0, y3);
+      CK(cudaStreamSynchronize(st)); CK(cudaGetLastError());
+      const std::vector<float> yr = fetch(y3, DOUT);
+      printf("  ring2 %2d units, %d consumer warps: %.1f us (%.0f%% of the read) | against float64 %.1e | the "
+             "consumers alone %.1f us a pass (%.0f%% of the read)\n", nbuf, 8 * G, t_ring, 100.0 * t_read / t_ring,
+             err(yr), t_solo, 100.0 * t_read / t_solo);
+    };
+    one(std::integral_constant<int, 1>{});
+    one(std::integral_constant<int, 2>{});
+    one(std::integral_constant<int, 3>{});
+    if (nbuf == nbufs[0]) {   // the consumers alone, 16 warps, without the decode / without the MMAs
+      const size_t sm2 = smem;
+      auto probe = [&](auto m_t) {
+        constexpr int MODE = decltype(m_t)::value;
+        CK(cudaFuncSetAttribute(down_ring2<true, 2, MODE>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(sm2)));
+        const float t = T.time([&](int i) {
+          down_ring2<true, 2, MODE><<<sms, 17 * 32, sm2, st>>>(w2, s2, didx + (i % COPIES) * TOPK, da, y3, nbuf, PASSES);
+        }) / PASSES;
+        printf("  ring2 consumers alone, 16 warps, %s: %.1f us a pass\n", MODE == 1 ? "no e2m1 decode" : MODE == 2 ?
+               "no MMA" : MODE == 3 ? "the library's decode 0 (bit ops + cvt)" : "the library's decode 1 (integer ops)", t);
+      };
+      probe(std::integral_constant<int, 1>{});
+      probe(std::integral_constant<int, 2>{});
+      probe(std::integral_constant<int, 3>{});
+      probe(std::integral_constant<int, 4>{});
+
+    }
+    // the whole ring, packed slots (2 bulk copies a unit, rows 1 KB apart: the consumers' loads
+    // conflict), 16 consumer warps: with the prmt decode (checked) and decode 1 (timing only)
+    auto whole = [&](auto m_t, auto g_t) {
+      constexpr int MODE = decltype(m_t)::value, G = decltype(g_t)::value;
+      CK(cudaFuncSetAttribute(down_ring2<false, G, MODE, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+      CK(cudaFuncSetAttribute(down_ring2<true, G, MODE, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+      const float t = T.time([&](int i) {
+        down_ring2<false, G, MODE, true><<<sms, (8 * G + 1) * 32, smem, st>>>(w2, s2, didx + (i % COPIES) * TOPK, da, y3, nbuf, 1);
+      });
+      const float ts = T.time([&](int i) {
+        down_ring2<true, G, MODE, true><<<sms, (8 * G + 1) * 32, smem, st>>>(w2, s2, didx + (i % COPIES) * TOPK, da, y3, nbuf, PASSES);
+      }) / PASSES;
+      CK(cudaMemsetAsync(y3, 0xFF, DOUT * 4, st));
+      down_ring2<false, G, MODE, true><<<sms, (8 * G + 1) * 32, smem, st>>>(w2, s2, didx, da, y3, nbuf, 1);
+      CK(cudaStreamSynchronize(st)); CK(cudaGetLastError());
+      const std::vector<float> yr = fetch(y3, DOUT);
+      printf("  ring2 packed slots, %2d units, %d warps, %s: %.1f us (%.0f%% of the read), consumers alone %.1f us a pass | against float64 %.1e\n",
+             nbuf, 8 * G, MODE == 0 ? "prmt decode" : "decode 1 (wrong values)", t, 100.0 * t_read / t, ts, err(yr));
+    };
+    whole(std::integral_constant<int, 0>{}, std::integral_constant<int, 2>{});
+    whole(std::integral_constant<int, 4>{}, std::integral_constant<int, 2>{});
+    whole(std::integral_constant<int, 4>{}, std::integral_constant<int, 3>{});
   }
   CK(cudaFree(w2)); CK(cudaFree(s2)); CK(cudaFree(didx)); CK(cudaFree(da));
   CK(cudaFree(ws)); CK(cudaFree(y2)); CK(cudaFree(y3)); CK(cudaFree(cnt));
