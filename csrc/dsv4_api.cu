@@ -6,7 +6,7 @@
 extern "C" {
 
 // Version of this ABI (checked by the loader).
-int dsv4_abi_version() { return 13; }
+int dsv4_abi_version() { return 14; }
 
 const char* dsv4_error_string(int code) { return cudaGetErrorString(static_cast<cudaError_t>(code)); }
 

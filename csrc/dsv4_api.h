@@ -58,7 +58,7 @@ int dsv4_fp4_up(const void* x, const void* idx, const void* rw, const void* w1, 
 int dsv4_fp4_down(const void* act, const void* idx, const void* w2, const void* s2, const void* add,
                   void* y, void* ws, void* cnt, int D, int I, int k, int y_f32, int spw, int dec,
                   int depth, int all_experts, int rows, const void* res, const float* post,
-                  const float* comb, void* stream, int pdl);
+                  const float* comb, int ctas, void* stream, int pdl);
 
 
 // The MoE routing of one token (kernels/decode/route.py semantics): logits [E] float32 with bias [E]

@@ -1,7 +1,8 @@
 // The routed FP4 experts' down of decode tokens on tensor cores (dsv4_fp4_down): w2 of each routed
-// expert, the experts summed in slot order through a per-row-tile semaphore (fp4_down_kernel) or
-// all experts of a row tile in one CTA (fp4_down_all_kernel; the same bits), plus the shared
-// expert's output. fp4_experts.cuh: the decode and the tensor-core step. early (the launch's pdl 2):
+// expert, the experts summed in slot order through a per-row-tile semaphore (fp4_down_kernel), all
+// experts of a row tile in one CTA (fp4_down_all_kernel), or a fixed grid of CTAs whose producer
+// bulk-copies the experts' tiles into a shared-memory ring for two groups of consumer warps
+// (fp4_down_ring_kernel, sm_90); the same bits; plus the shared expert's output. fp4_experts.cuh: the decode and the tensor-core step. early (the launch's pdl 2):
 // idx and the weights it addresses are requested before the PDL wait (idx comes from the routing,
 // which completed before up, the kernel waited for, passed its own wait), so the weights stream
 // while up finishes; the activation and everything else after it.
@@ -199,6 +200,203 @@ __global__ void __launch_bounds__(512) fp4_down_all_kernel(const __nv_bfloat16* 
   }
 }
 
+
+// ---- the ring kernel ------------------------------------------------------------------------------
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+DEV uint32_t smem_u32(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
+DEV void mbar_init(uint64_t* b, unsigned n) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(b)), "r"(n) : "memory");
+}
+DEV void mbar_wait(uint64_t* b, unsigned parity) {
+  asm volatile(
+      "{\n .reg .pred p;\n WAIT_%=:\n"
+      " mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+      " @!p bra WAIT_%=;\n}\n" ::"r"(smem_u32(b)), "r"(parity) : "memory");
+}
+DEV void mbar_arrive(uint64_t* b) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(b)) : "memory");
+}
+DEV void mbar_expect(uint64_t* b, unsigned bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(b)), "r"(bytes)
+               : "memory");
+}
+// bytes (a multiple of 16, both addresses 16-byte aligned) from global into shared memory by the
+// copy engine of the SM (TMA, 1-D), completing on mbarrier b
+DEV void bulk_g2s(void* dst, const void* src, unsigned bytes, uint64_t* b) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+          smem_u32(dst)),
+      "l"(src), "r"(bytes), "r"(smem_u32(b))
+      : "memory");
+}
+#endif
+
+// The ring kernel's shared memory: the expert_smem layout (xs of NE * SPW steps a warp of a group,
+// red [G][2][wg][NE][16]), then nbuf slots of a unit (16 weight rows, then their 16 scale rows:
+// the checkpoint's bytes of one expert's row tile, contiguous), then the full / empty mbarriers.
+template <int SPW, int NE, int G>
+size_t down_ring_smem(int wg, int I, int nbuf) {
+  const size_t head = (expert_smem_bytes<NE * SPW>(wg, 2 * G * NE) + 127) / 128 * 128;
+  return head + size_t(nbuf) * 16 * (I / 2 + I / 32) + size_t(nbuf) * 16;
+}
+
+// fp4_down_all_kernel's sums (the same bits) through a ring in shared memory: a fixed grid of
+// CTAs (one an SM), each with a contiguous share of the row tiles. Its last warp is the producer:
+// one thread bulk-copies units (one expert's 16-row tile: 16 * I / 2 weight bytes and 16 * I / 32
+// scale bytes, contiguous in the checkpoint's layout: two copies) into nbuf slots, in rounds of G
+// tiles, a round's units expert-major; with early (pdl 2) it reads idx and starts before the PDL
+// wait, so the first units land while up finishes. The other warps form G groups of wg = I /
+// (128 * SPW) warps; group h takes the CTA's tiles h, h + G, ... and all NE experts of each, warp
+// w its K slice [w * 128 * SPW, ...) of every expert from the slots, with fp4_down_all_kernel's
+// step (the weights and scale words from shared memory instead of global), then the tile's sums
+// meet once in red (a named barrier of the group's) in that kernel's order: per expert warps in
+// order then bf16, experts in slot order, + add, the post. A slot is free again once its group's
+// wg warps have read it (empty: wg arrivals); a group's next unit comes G fills after its last,
+// so with nbuf >= G the parity waits (the slot's use before released, then this use landed)
+// cannot take an older use for this one. One activation row. sm_90 (bulk copies, mbarriers).
+template <int SPW, int NE, int G, bool POST>
+__global__ void __launch_bounds__(G == 2 ? 800 : 544, 1) fp4_down_ring_kernel(
+    const __nv_bfloat16* act, const int64_t* idx, const uint8_t* w2, const uint8_t* s2,
+    const __nv_bfloat16* add, void* y, int D, int I, int y_f32, int early,
+    const __nv_bfloat16* res, const float* post, const float* comb, int nbuf) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  constexpr int NS = NE * SPW;
+  extern __shared__ __align__(128) uint8_t smem[];
+  const int WG = I / (128 * SPW), NC = WG * G;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, q = lane & 3;
+  const int grp = warp / WG, wg = warp % WG;
+  const size_t wrow = size_t(I) / 2, srow = size_t(I) / 32, slotb = 16 * (wrow + srow);
+  uint4* xs;
+  float *ef, *red;
+  int xstride;
+  const uint4* xq = expert_smem<NS>(smem, wg, WG, g, q, ef, red, xs, xstride);
+  uint8_t* ring = smem + (expert_smem_bytes<NS>(WG, 2 * G * NE) + 127) / 128 * 128;
+  uint64_t* full = reinterpret_cast<uint64_t*>(ring + nbuf * slotb);
+  uint64_t* empty = full + nbuf;
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < nbuf; ++i) {
+      mbar_init(&full[i], 1);
+      mbar_init(&empty[i], WG);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();   // the mbarriers, and expert_smem's zero operand
+  const int tiles = D / 16;
+  const int t0 = int(long(blockIdx.x) * tiles / gridDim.x);
+  const int ntile = int(long(blockIdx.x + 1) * tiles / gridDim.x) - t0;
+  if (warp == NC) {   // the producer
+    if (lane == 0) {
+      if (!early) pdl_wait();
+      int64_t e[NE];
+#pragma unroll
+      for (int j = 0; j < NE; ++j) e[j] = idx[j];
+      for (int p = 0, r = 0; r * G < ntile; ++r) {
+        const int nr = min(G, ntile - r * G);
+        for (int u = 0; u < NE * nr; ++u, ++p) {
+          const int slot = p % nbuf;
+          const size_t row0 = size_t(e[u / nr]) * D + size_t(t0 + r * G + u % nr) * 16;
+          mbar_wait(&empty[slot], ((p / nbuf) & 1) ^ 1);
+          mbar_expect(&full[slot], unsigned(slotb));
+          bulk_g2s(ring + slot * slotb, w2 + row0 * wrow, unsigned(16 * wrow), &full[slot]);
+          bulk_g2s(ring + slot * slotb + 16 * wrow, s2 + row0 * srow, unsigned(16 * srow),
+                   &full[slot]);
+        }
+      }
+      if (early) pdl_wait();
+    }
+    return;
+  }
+  pdl_wait();   // the activation comes from up
+  const int k0 = wg * 128 * SPW;
+  if (grp == 0)
+#pragma unroll
+    for (int j = 0; j < NE; ++j)
+      quant_slice<SPW, 0>(act + size_t(j) * I + k0, reinterpret_cast<uint16_t*>(xs + j * SPW * 16),
+                          ef + j * SPW, lane);
+  asm volatile("bar.sync 1, %0;\n" ::"r"(NC * 32) : "memory");   // xs: the consumers
+  for (int tl = grp, n = 0; tl < ntile; tl += G, ++n) {
+    const int r = tl / G, nr = min(G, ntile - r * G);
+    float tot[NE][1][2];
+#pragma unroll
+    for (int j = 0; j < NE; ++j) {
+      tot[j][0][0] = tot[j][0][1] = 0.0f;
+      const int p = r * G * NE + j * nr + grp, slot = p % nbuf;
+      mbar_wait(&empty[slot], ((p / nbuf) & 1) ^ 1);
+      mbar_wait(&full[slot], (p / nbuf) & 1);
+      const uint8_t* sw = ring + slot * slotb + g * wrow + (k0 >> 5) * 16 + q * 16;
+      const uint8_t* ss = ring + slot * slotb + 16 * wrow + g * srow + (k0 >> 5);
+#pragma unroll
+      for (int t = 0; t < SPW; ++t) {
+        ExpertStep<1> st;
+        st.wa[0] = *reinterpret_cast<const uint4*>(sw + t * 64);
+        st.wb[0] = *reinterpret_cast<const uint4*>(sw + 8 * wrow + t * 64);
+        st.sa[0] = *reinterpret_cast<const uint32_t*>(ss + 4 * t);
+        st.sb[0] = *reinterpret_cast<const uint32_t*>(ss + 8 * srow + 4 * t);
+        fp4_step<1, 0>(st, xq + (j * SPW + t) * xstride, ef[j * SPW + t], q, tot[j]);
+      }
+      __syncwarp();
+      if (lane == 0) mbar_arrive(&empty[slot]);   // this warp is done with the slot
+    }
+    float* rp = red + (grp * 2 + (n & 1)) * WG * NE * 16;   // the group's buffer of this parity
+#pragma unroll
+    for (int j = 0; j < NE; ++j) {
+      tot[j][0][0] += __shfl_xor_sync(FULL, tot[j][0][0], 1);
+      tot[j][0][1] += __shfl_xor_sync(FULL, tot[j][0][1], 1);
+      if (q == 0) {
+        rp[(wg * NE + j) * 16 + g] = tot[j][0][0];
+        rp[(wg * NE + j) * 16 + g + 8] = tot[j][0][1];
+      }
+    }
+    asm volatile("bar.sync %0, %1;\n" ::"r"(2 + grp), "r"(WG * 32) : "memory");
+    if (wg == 0 && lane < 16) {   // fp4_down_all_kernel's epilogue, the tile's rows r0 + lane
+      const int r0 = (t0 + tl) * 16;
+      float acc = 0.0f;
+      for (int j = 0; j < NE; ++j) {
+        float t = 0.0f;
+        for (int w = 0; w < WG; ++w) t += rp[(w * NE + j) * 16 + lane];
+        acc += bf16_round(t);   // fp4_gemm outputs bf16
+      }
+      if (add != nullptr) acc += __bfloat162float(add[r0 + lane]);
+      if constexpr (POST)
+        down_post(acc, res, post, comb, static_cast<__nv_bfloat16*>(y), D, r0 + lane);
+      else if (y_f32)
+        static_cast<float*>(y)[r0 + lane] = acc;
+      else
+        static_cast<__nv_bfloat16*>(y)[r0 + lane] = __float2bfloat16_rn(acc);
+    }
+  }
+#endif
+}
+
+template <int SPW, int NE, int G, bool POST>
+cudaError_t down_ring_launch(const __nv_bfloat16* ap, const int64_t* ip, const uint8_t* wp,
+                             const uint8_t* sp, const __nv_bfloat16* dp, void* y, int D, int I,
+                             int y_f32, int early, const __nv_bfloat16* rp, const float* post,
+                             const float* comb, int nbuf, int ctas, cudaStream_t st, int pdl) {
+  const int wg = I / (128 * SPW);
+  int dev = 0, major = 0;   // bulk copies and mbarriers: sm_90 on (the kernel is empty below)
+  if (cudaGetDevice(&dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
+      major < 9) {
+    (void)cudaGetLastError();
+    return cudaErrorNotSupported;
+  }
+  const size_t smem = down_ring_smem<SPW, NE, G>(wg, I, nbuf);
+  const auto fn = fp4_down_ring_kernel<SPW, NE, G, POST>;
+  if (smem > 48 * 1024) {   // above the default limit: opt in (no stream operation: capture-safe)
+    const cudaError_t err = cudaFuncSetAttribute(reinterpret_cast<const void*>(fn),
+                                                 cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                 int(smem));
+    if (err != cudaSuccess) {
+      (void)cudaGetLastError();
+      return err;
+    }
+  }
+  return launch(fn, dim3(ctas), dim3(32 * (wg * G + 1)), smem, st, pdl, ap, ip, wp, sp, dp, y, D,
+                I, y_f32, early, rp, post, comb, nbuf);
+}
+
 }  // namespace
 
 extern "C" {
@@ -207,11 +405,12 @@ extern "C" {
 // left zero) are the caller's workspace; add [D] bf16 or null. Grid (D / 16, k). all_experts:
 // fp4_down_all_kernel instead (grid D / 16, no workspace; k 6 (Flash, Pro), dec 0, the (spw, depth)
 // instantiated below). rows > 1 (all_experts only): rows activation rows, a [rows * k, I], idx
-// [rows * k], add / y [rows, D].
+// [rows * k], add / y [rows, D]. ctas > 0 (all_experts, one row, k 6, spw 2, dec 0; sm_90):
+// fp4_down_ring_kernel on ctas CTAs (<= D / 16, one an SM) with depth (>= 2) ring slots.
 int dsv4_fp4_down(const void* act, const void* idx, const void* w2, const void* s2, const void* add,
                   void* y, void* ws, void* cnt, int D, int I, int k, int y_f32, int spw, int dec,
                   int depth, int all_experts, int rows, const void* res, const float* post,
-                  const float* comb, void* stream, int pdl) {
+                  const float* comb, int ctas, void* stream, int pdl) {
   const int warps = I / (128 * spw);
   if (warps < 1 || warps > 16 || D % 16 || I % (128 * spw) || k < 1 || rows < 1 ||
       (rows > 1 && !all_experts) ||
@@ -239,6 +438,18 @@ int dsv4_fp4_down(const void* act, const void* idx, const void* w2, const void* 
          rp, post, comb)
 #define DSV4_DOWN_ALL(S, E, R) \
   (post != nullptr ? DSV4_DOWN_ALL_P(S, E, R, true) : DSV4_DOWN_ALL_P(S, E, R, false))
+  if (ctas > 0) {   // the ring kernel: ctas CTAs, depth slots
+    const int wg = warps, g2 = wg * 2 + 1 <= 25;
+    if (!all_experts || dec != 0 || rows != 1 || k != 6 || spw != 2 || depth < 2 || ctas > D / 16)
+      return -1;
+#define DSV4_DOWN_RING(G, P)                                                                     \
+  down_ring_launch<2, 6, G, P>(ap, ip, wp, sp, dp, y, D, I, y_f32, early, rp, post, comb, depth, \
+                               ctas, st, pdl)
+    (void)wg;
+    if (g2) return post != nullptr ? DSV4_DOWN_RING(2, true) : DSV4_DOWN_RING(2, false);
+    return post != nullptr ? DSV4_DOWN_RING(1, true) : DSV4_DOWN_RING(1, false);
+#undef DSV4_DOWN_RING
+  }
   if (all_experts) {
     if (dec != 0) return -1;
     switch ((k * 10 + spw) * 100 + (depth > 0 ? depth : spw)) {

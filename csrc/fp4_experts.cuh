@@ -199,7 +199,7 @@ DEV void spread_scales(uint32_t w, int h, int g, uint32_t& sa, uint32_t& sb) {
 
 // Bytes of the expert_smem layout below (nm red rows per warp).
 template <int SPW>
-constexpr size_t expert_smem_bytes(int warps, int nm) {
+__host__ __device__ constexpr size_t expert_smem_bytes(int warps, int nm) {
   return 128 + size_t(warps) * (256 * SPW + 4 * SPW) + size_t(warps) * nm * 16 * sizeof(float);
 }
 

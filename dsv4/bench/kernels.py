@@ -24,6 +24,7 @@ from ..kernels.cuda.experts import (
     cuda_expert_config,
     cuda_spw_fits,
     down_all_variants,
+    down_ring_variants,
     up_stream_variants,
 )
 from ..kernels.cuda.fp8 import cuda_config, mma_config, mma_configs, mma_stream_configs
@@ -271,7 +272,8 @@ def expert_cases(E, inter, dim, k, dev, gen) -> list[Case]:
     return [Case("experts.up", shp, 2 * k * per, up, ucfg, None, len(sets), _neighbours(ucfg), cu,
                  esweep(dim, CUDA_UP_VARIANTS) + up_stream_variants(dim)),
             Case("experts.down", shp, k * per, down, dcfg, None, len(sets), _neighbours(dcfg), cd,
-                 esweep(inter, CUDA_DOWN_VARIANTS) + down_all_variants(k, inter)),
+                 esweep(inter, CUDA_DOWN_VARIANTS) + down_all_variants(k, inter)
+                 + down_ring_variants(k, inter)),
             Case("experts.step", shp, 3 * k * per, step, (ucfg, dcfg), torch_step, len(sets),
                  cuda=(cu, cd) if cu is not None and cd is not None else None)]
 

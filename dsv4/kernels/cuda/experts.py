@@ -17,9 +17,11 @@ class ExpertCudaConfig:
     flight per warp (0: all spw; fewer registers, more resident warps); all_experts (down only):
     one CTA per 16 rows takes every expert (its warps stream the k * spw steps of their K slice,
     depth of them in flight), summing in slot order without the workspace and semaphores; ctas
-    (up only; 0: one CTA per expert and 16 rows): that many CTAs, each streaming tiles with the
-    next tile's weights in flight (spw 1 or 2, decode 0, at most 64 pairs of at most 4 activation
-    rows)."""
+    (up; 0: one CTA per expert and 16 rows): that many CTAs, each streaming tiles with the next
+    tile's weights in flight (spw 1 or 2, decode 0, at most 64 pairs of at most 4 activation
+    rows); ctas with all_experts (down): the ring kernel on that many CTAs (one an SM), depth its
+    ring slots (>= 2) of one expert's 16-row tile each, bulk-copied, with the all-experts kernel's
+    bits (spw 2, decode 0, k 6, one activation row; sm_90)."""
     spw: int
     dec: int = 0
     depth: int = 0
@@ -38,7 +40,9 @@ TUNED_CUDA_UP: dict[tuple, ExpertCudaConfig] = {
     (6, 1024, 4096): ExpertCudaConfig(2, ctas=100),    # TP2 (18.2) 15.9 us (132 CTAs: 14.8)
     (6, 512, 4096): ExpertCudaConfig(2, ctas=100)}     # TP4 (11.5) 10.1 us
 TUNED_CUDA_DOWN: dict[tuple, ExpertCudaConfig] = {
-    (6, 2048, 4096): ExpertCudaConfig(2, 0, 6, True),  # 12.0 us (one expert per CTA: 16 us)
+    # the ring, 4 slots (one H200: 11.8 us against the all-experts kernel's 15.4; 12 Flash layers,
+    # graph: 1.770 / 1.771 -> 1.741 / 1.736 ms)
+    (6, 2048, 4096): ExpertCudaConfig(2, 0, 4, True, 132),
     (6, 1024, 4096): ExpertCudaConfig(2, 0, 6, True),  # TP2 (9.7) 9.5 us
     (6, 512, 4096): ExpertCudaConfig(1, 0, 1)}         # TP4 (7.3) 6.8 us, one expert per CTA
 # the instantiated (spw, dec, depth) of csrc (depth 0 = spw)
@@ -50,6 +54,28 @@ CUDA_DOWN_VARIANTS = ((1, 0, 1), (2, 0, 2), (2, 0, 1), (4, 0, 4), (4, 0, 2), (2,
 CUDA_DOWN_ALL_VARIANTS = ((6, 2, 2), (6, 2, 4), (6, 2, 6), (6, 4, 4))
 # the streaming up kernel's (spw, ctas) sweep (an H100 / H200 has 132 SMs: one CTA per SM fits)
 CUDA_UP_STREAM_VARIANTS = ((2, 132), (2, 120), (2, 100), (2, 66))
+# the down ring kernel's (slots, ctas) sweep (k 6, spw 2); its shared memory (csrc/fp4_down.cu,
+# down_ring_smem): the all-experts layout of 2 groups, then the slots; at most 227 KB an SM
+CUDA_DOWN_RING_VARIANTS = ((8, 132), (6, 132), (4, 132))
+RING_SMEM_LIMIT = 227 * 1024
+
+
+def down_ring_smem(inter: int, slots: int) -> int:
+    """Bytes of shared memory of the down ring kernel (csrc/fp4_down.cu: down_ring_smem) at k 6,
+    spw 2 and I = inter, with its two (one, past 12 warps a group) consumer groups."""
+    wg = inter // 256
+    groups = 2 if 2 * wg + 1 <= 25 else 1
+    head = 128 + wg * (256 * 12 + 4 * 12) + wg * 2 * groups * 6 * 16 * 4
+    return -(-head // 128) * 128 + slots * 16 * (inter // 2 + inter // 32) + slots * 16
+
+
+def down_ring_variants(k: int, inter: int) -> list[ExpertCudaConfig]:
+    """The down ring configs that serve k experts of I = inter (k 6, spw 2, within the shared
+    memory)."""
+    if k != 6 or not cuda_spw_fits(inter, 2):
+        return []
+    return [ExpertCudaConfig(2, 0, slots, True, ctas) for slots, ctas in CUDA_DOWN_RING_VARIANTS
+            if down_ring_smem(inter, slots) <= RING_SMEM_LIMIT]
 
 
 def up_stream_variants(dim: int) -> list[ExpertCudaConfig]:
@@ -81,6 +107,12 @@ def cuda_down_config(k: int, inter: int, dim: int) -> ExpertCudaConfig | None:
     steps per warp, 4 in flight, if it fits), else one expert per CTA (cuda_expert_config)."""
     if (k, inter, dim) in TUNED_CUDA_DOWN:
         return TUNED_CUDA_DOWN[(k, inter, dim)]
+    return down_all_config(k, inter)
+
+
+def down_all_config(k: int, inter: int) -> ExpertCudaConfig | None:
+    """down's config without the ring: the all-experts kernel when instantiated for k (2 steps
+    per warp, 4 in flight, if it fits), else one expert per CTA (cuda_expert_config)."""
     alls = down_all_variants(k, inter)
     return (next((c for c in alls if (c.spw, c.depth) == (2, 4)), alls[0]) if alls
             else cuda_expert_config(inter, {}, ()))

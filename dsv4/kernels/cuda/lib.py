@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-ABI = 13
+ABI = 14
 CSRC = Path(__file__).resolve().parents[3] / "csrc"
 # the kernel families and the C interface, compiled into one library (the headers are in the key)
 SOURCES = ("fp8_gemv.cu", "fp8_mma.cu", "route.cu", "fp4_up.cu", "fp4_down.cu", "topk.cu",
@@ -102,8 +102,8 @@ def _declare(lib) -> None:
     lib.dsv4_topk_bf16.restype = i
     lib.dsv4_topk_bf16.argtypes = [p, i, i, p, i, p, i]
     lib.dsv4_fp4_down.restype = i
-    lib.dsv4_fp4_down.argtypes = [p, p, p, p, p, p, p, p, i, i, i, i, i, i, i, i, i, p, p, p, p,
-                                  i]
+    lib.dsv4_fp4_down.argtypes = [p, p, p, p, p, p, p, p, i, i, i, i, i, i, i, i, i, p, p, p, i,
+                                  p, i]
     # the all-reduces (allreduce.cu; their host side: dsv4/parallel/oneshot.py, twoshot.py)
     pp = ctypes.POINTER(p)
     lib.dsv4_ar_ipc_handle_bytes.restype = i
@@ -288,14 +288,15 @@ def topk_bf16(lib, scores, k: int, out, pdl: bool) -> None:
 
 def fp4_down(lib, a, idx, w2, s2, add, y, ws, cnt, D: int, I: int, k: int, y_f32: bool, cfg,
              pdl: int, rows: int = 1, post: tuple | None = None) -> None:
-    """dsv4_fp4_down; ws / cnt None (unused) for cfg.all_experts; rows > 1: all_experts only.
+    """dsv4_fp4_down; ws / cnt None (unused) for cfg.all_experts; rows > 1: all_experts only;
+    cfg.ctas > 0 (with all_experts, one row): the ring kernel on that many CTAs, depth slots.
     pdl: 0 off, 1 on, 2 on with idx and its weights read before the wait (dsv4_api.h says when).
     post: (res, post, comb) of the block's mHC post (y then the streams [rows, 4, D] bf16)."""
     res, pw, comb = post or (None, None, None)
     err = lib.dsv4_fp4_down(a.data_ptr(), idx.data_ptr(), w2.data_ptr(), s2.data_ptr(),
                             _ptr(add), y.data_ptr(), _ptr(ws), _ptr(cnt), D, I, k, int(y_f32),
                             cfg.spw, cfg.dec, cfg.depth, int(cfg.all_experts), rows, _ptr(res),
-                            _ptr(pw), _ptr(comb), _stream(y), int(pdl))   # pdl 0, 1 or 2
+                            _ptr(pw), _ptr(comb), cfg.ctas, _stream(y), int(pdl))   # pdl 0, 1, 2
     _check(err, "fp4 experts down (CUDA)", lib)
 
 

@@ -42,6 +42,7 @@ from ..cuda.experts import (
     ExpertCudaConfig,
     cuda_down_config,
     cuda_expert_config,
+    down_all_config,
     down_workspace,
 )
 from .mhc import hc_post, post_streams
@@ -328,6 +329,13 @@ def fp4_experts_down(a: torch.Tensor, idx: torch.Tensor, w2: torch.Tensor, s2: t
             and D % 16 == 0 and idx.dtype == torch.int64
             and (addc is None or addc.dtype == torch.bfloat16)):
         ccfg = config if isinstance(config, ExpertCudaConfig) else cuda_down_config(k // rows, I, D)
+        if ccfg is not None and ccfg.ctas and ccfg.all_experts:   # the ring kernel
+            if (rows > 1 or k != 6 or ccfg.spw != 2
+                    or torch.cuda.get_device_capability(dst.device) < (9, 0)):
+                ccfg = down_all_config(k // rows, I)   # the ring: one row of 6, sm_90
+            else:                                           # one CTA per SM at most resides
+                sms = torch.cuda.get_device_properties(dst.device).multi_processor_count
+                ccfg = replace(ccfg, ctas=min(ccfg.ctas, sms, D // 16))
         if ccfg is not None and (rows == 1 or ccfg.all_experts):
             ws, cnt = ((None, None) if ccfg.all_experts
                        else workspace or down_workspace(k, D, dst.device))

@@ -71,10 +71,14 @@ def test_every_measured_config_fits_its_shape():
         assert ex.cuda_expert_config(dim, ex.TUNED_CUDA_UP, (kk, inter, dim)) == c
     for (kk, inter, dim), c in ex.TUNED_CUDA_DOWN.items():
         assert ex.cuda_spw_fits(inter, c.spw), c
-        variants = ([(k6, s, d) for k6, s, d in ex.CUDA_DOWN_ALL_VARIANTS if k6 == kk]
-                    if c.all_experts else ex.CUDA_DOWN_VARIANTS)
-        key = (kk, c.spw, c.depth) if c.all_experts else (c.spw, c.dec, c.depth or c.spw)
-        assert key in variants, c
+        if c.ctas:   # the ring kernel
+            assert c in ex.down_ring_variants(kk, inter), c
+            assert ex.down_all_config(kk, inter).ctas == 0
+        else:
+            variants = ([(k6, s, d) for k6, s, d in ex.CUDA_DOWN_ALL_VARIANTS if k6 == kk]
+                        if c.all_experts else ex.CUDA_DOWN_VARIANTS)
+            key = (kk, c.spw, c.depth) if c.all_experts else (c.spw, c.dec, c.depth or c.spw)
+            assert key in variants, c
         assert ex.cuda_down_config(kk, inter, dim) == c
 
 
@@ -405,7 +409,8 @@ def test_fp4_experts_cuda_kernels(which):
     """Both e2m1 decodes and every steps-per-warp variant meet the references; the two decodes
     give the same bits (their products and sums differ by exact powers of two only)."""
     from dsv4.kernels.cuda.experts import (CUDA_DOWN_VARIANTS, CUDA_UP_VARIANTS, ExpertCudaConfig,
-                                          cuda_spw_fits, down_all_variants, up_stream_variants)
+                                          cuda_spw_fits, down_all_variants, down_ring_variants,
+                                          up_stream_variants)
     from dsv4.kernels.decode.fp4_experts import (fp4_experts_down, fp4_experts_down_reference,
                                           fp4_experts_up, fp4_experts_up_reference)
     _need_lib()
@@ -462,11 +467,30 @@ def test_fp4_experts_cuda_kernels(which):
                                                           device=dev), config=cfg)
         assert torch.equal(y, fp4_experts_down(a, idx, w2, s2,
                                                config=ExpertCudaConfig(cfg.spw))), cfg
+    # the ring kernel (a CTA an SM, slots bulk-copied): the all-experts kernel's bits, also on few
+    # CTAs (many tiles each: every slot reused many times) with few slots
+    rings = down_ring_variants(k, inter) + [ExpertCudaConfig(2, 0, d, True, 3) for d in (2, 3)]
+    for cfg in rings:
+        y = fp4_experts_down(a, idx, w2, s2, out=poisoned(1, dim, dtype=torch.float32,
+                                                          device=dev), config=cfg)
+        assert torch.equal(y, fp4_experts_down(a, idx, w2, s2,
+                                               config=ExpertCudaConfig(cfg.spw))), cfg
+        assert torch.equal(y, fp4_experts_down(a, idx, w2, s2, config=cfg)), cfg
     add = spiky_x(dim, gen, torch.bfloat16, dev)
-    for cfg in [downs[0]] + alls:
+    for cfg in [downs[0]] + alls + rings[:1]:
         yb = fp4_experts_down(a, idx, w2, s2, add=add, out_dtype=torch.bfloat16, config=cfg)
         y = fp4_experts_down(a, idx, w2, s2, config=cfg)
         assert torch.equal(yb, (y + add.float()).to(torch.bfloat16)), cfg
+    # the block's mHC post in the ring kernel's epilogue: the default kernel's streams
+    res = torch.randn(1, 4, dim, generator=gen, device=dev).to(torch.bfloat16)
+    pw, comb = 2 * torch.rand(1, 4, generator=gen, device=dev), torch.rand(1, 4, 4, generator=gen,
+                                                                           device=dev)
+    want = fp4_experts_down(a, idx, w2, s2, add=add, out_dtype=torch.bfloat16,
+                            post=(res, pw, comb, poisoned(1, 4, dim, device=dev)))
+    for cfg in rings[:1]:
+        got = fp4_experts_down(a, idx, w2, s2, add=add, out_dtype=torch.bfloat16, config=cfg,
+                               post=(res, pw, comb, poisoned(1, 4, dim, device=dev)))
+        assert torch.equal(got, want), cfg
 
 
 @pytest.mark.cuda
@@ -474,10 +498,12 @@ def test_cuda_kernels_capture_and_pdl():
     """Captured in a CUDA graph (under sync debug 'error'), replayed on new inputs: the same bits as
     eager calls; and the same bits without PDL (pdl=False: the backend's DSV4_PDL=0). down with
     idx_early (its weights requested before the PDL wait; idx written before the kernel it waits
-    for began) gives down's bits."""
+    for began) gives down's bits, and so does the ring kernel with and without it."""
+    from dsv4.kernels.cuda.experts import ExpertCudaConfig
     from dsv4.kernels.decode.fp4_experts import fp4_experts_down, fp4_experts_up
     from dsv4.kernels.decode.fp8_linear import fp8_linear, fp8_linear2, fp8_swiglu
     _need_lib()
+    ring = ExpertCudaConfig(2, 0, 4, True, 132)   # the down ring kernel, 4 slots
     dev, gen = torch.device("cuda"), fresh_gen("cuda")
     w, s = fp8_weight(1024, 4096, gen, device=dev)
     wk, sk = fp8_weight(512, 4096, gen, device=dev)
@@ -497,7 +523,11 @@ def test_cuda_kernels_capture_and_pdl():
         return (q, kv, fp8_linear(q, wo, so, pdl=pdl), sh,
                 fp4_experts_down(a, idx, w2, s2, add=x, out_dtype=torch.bfloat16, pdl=pdl),
                 fp4_experts_down(a, idx, w2, s2, add=x, out_dtype=torch.bfloat16, pdl=pdl,
-                                 idx_early=True))
+                                 idx_early=True),
+                fp4_experts_down(a, idx, w2, s2, add=x, out_dtype=torch.bfloat16, pdl=pdl,
+                                 idx_early=True, config=ring),
+                fp4_experts_down(a, idx, w2, s2, add=x, out_dtype=torch.bfloat16, pdl=pdl,
+                                 config=ring))
     g, outs = capture_step(step)
     x.copy_(spiky_x(4096, gen, torch.bfloat16, dev))
     idx.copy_(torch.tensor([0, 2, 3, 7, 8, 11], device=dev))
@@ -505,7 +535,8 @@ def test_cuda_kernels_capture_and_pdl():
     want = step()
     for got, ref in zip(outs, want):
         assert torch.equal(got, ref)
-    assert torch.equal(want[-1], want[-2])
+    for early_or_ring in want[-3:]:
+        assert torch.equal(early_or_ring, want[-4])
     if common.pdl(x):
         for got, ref in zip(step(pdl=False), want):
             assert torch.equal(got, ref)
