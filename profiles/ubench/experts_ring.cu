@@ -166,6 +166,23 @@ __device__ __forceinline__ float2 slice_dot(const Slice& sl, const uint4* xb, co
   return make_float2(t0, t1);
 }
 
+// a warp's Slice (its K slice wg of rows g, g + 8) from a slot of the ring: weight rows rs bytes
+// apart, the scale rows from byte sw of the slot, ss apart
+__device__ __forceinline__ Slice slot_slice(const unsigned char* slot, int rs, int ss, int sw, int wg) {
+  const int g = (threadIdx.x & 31) >> 2, q = threadIdx.x & 3;
+  const unsigned char* wr = slot + g * rs + 128 * wg + 16 * q;
+  const unsigned char* sr = slot + sw + g * ss + 8 * wg;
+  Slice sl;
+#pragma unroll
+  for (int st = 0; st < 2; ++st) {
+    sl.a[st][0] = *reinterpret_cast<const uint4*>(wr + 64 * st);
+    sl.a[st][1] = *reinterpret_cast<const uint4*>(wr + 8 * rs + 64 * st);
+  }
+  sl.sa = *reinterpret_cast<const uint2*>(sr);
+  sl.sb = *reinterpret_cast<const uint2*>(sr + 8 * ss);
+  return sl;
+}
+
 // (2) a warp a unit (tile, slot j), units strided over the grid's warps, from global memory, the
 // slices in order (PDEPTH in flight); a tile's k units meet through ws [TOPK][DOUT] and a
 // semaphore cnt [TILES] (reset by the last, which sums ws in slot order into y)
@@ -224,6 +241,31 @@ __global__ void __launch_bounds__(PTHREADS, 2) down_plain(const uint8_t* w2, con
   }
 }
 
+// the producer warp: use p of the ring <- expert e's 16-row tile `tile` of w2: 32 copies into
+// padded rows (lanes 0-15 the weight rows, 16-31 the scale rows), or PACKED 2 (the tile's rows are
+// contiguous in the checkpoint: lane 0 the weights, lane 16 the scales)
+template <bool PACKED>
+__device__ __forceinline__ void fill_unit(Ring& rg, int p, const uint8_t* w2, const uint8_t* s2, int e,
+                                          int tile) {
+  const int lane = threadIdx.x & 31;
+  int slot = 0;
+  if (lane == 0) {
+    slot = rg.acquire(p);
+    mbar_expect(&rg.full[slot], UNIT_TX);
+  }
+  slot = __shfl_sync(FULLM, slot, 0);
+  unsigned char* dst = rg.rows + size_t(slot) * SLOTB;
+  const size_t row = size_t(e) * DOUT + tile * 16 + (lane & 15);
+  if (PACKED) {
+    if (lane == 0) bulk_g2s(dst, w2 + row * WROWB, 16 * WROWB, &rg.full[slot]);
+    else if (lane == 16) bulk_g2s(dst + 16 * WROWB, s2 + row * SROWB, 16 * SROWB, &rg.full[slot]);
+  } else if (lane < 16) {
+    bulk_g2s(dst + lane * RS, w2 + row * WROWB, WROWB, &rg.full[slot]);
+  } else {
+    bulk_g2s(dst + SLOT_W + (lane - 16) * SS, s2 + row * SROWB, SROWB, &rg.full[slot]);
+  }
+}
+
 // (3) persistent: one CTA an SM, tiles split evenly (even_rows), each tile's k units in slot order
 // through a ring of nbuf slots [16 weight rows of RS | 16 scale rows of SS]. The producer warp: lane
 // 0 takes the slot and expects the unit's bytes, lanes 0-15 copy the weight rows, 16-31 the scale
@@ -243,18 +285,8 @@ __global__ void __launch_bounds__((CONS + 1) * 32, 1) down_ring(const uint8_t* w
   even_rows(TILES, t0, t1);
   const int units = (t1 - t0) * TOPK, nfill = min(units, nbuf);
   if (warp == CONS) {
-    for (int u = 0; u < (SOLO ? nfill : units); ++u) {
-      int slot = 0;
-      if (lane == 0) {
-        slot = rg.acquire(u);
-        mbar_expect(&rg.full[slot], UNIT_TX);
-      }
-      slot = __shfl_sync(FULLM, slot, 0);
-      unsigned char* dst = rg.rows + size_t(slot) * SLOTB;
-      const size_t row = size_t(__ldg(idx + u % TOPK)) * DOUT + (t0 + u / TOPK) * 16 + (lane & 15);
-      if (lane < 16) bulk_g2s(dst + lane * RS, w2 + row * WROWB, WROWB, &rg.full[slot]);
-      else bulk_g2s(dst + SLOT_W + (lane - 16) * SS, s2 + row * SROWB, SROWB, &rg.full[slot]);
-    }
+    for (int u = 0; u < (SOLO ? nfill : units); ++u)
+      fill_unit<false>(rg, u, w2, s2, __ldg(idx + u % TOPK), t0 + u / TOPK);
     return;
   }
   load_xq(a, xs, CONS * 32);
@@ -266,16 +298,7 @@ __global__ void __launch_bounds__((CONS + 1) * 32, 1) down_ring(const uint8_t* w
   for (int v = 0; v < (SOLO ? passes : 1) * units; ++v) {
     const int u = v % units, tile = t0 + u / TOPK, j = u % TOPK;
     const int slot = SOLO ? v % nfill : rg.wait(v);
-    const unsigned char* wr = rg.rows + size_t(slot) * SLOTB + g * RS + 128 * warp + 16 * q;
-    const unsigned char* sr = rg.rows + size_t(slot) * SLOTB + SLOT_W + g * SS + 8 * warp;
-    Slice sl;
-#pragma unroll
-    for (int st = 0; st < 2; ++st) {
-      sl.a[st][0] = *reinterpret_cast<const uint4*>(wr + 64 * st);
-      sl.a[st][1] = *reinterpret_cast<const uint4*>(wr + 8 * RS + 64 * st);
-    }
-    sl.sa = *reinterpret_cast<const uint2*>(sr);
-    sl.sb = *reinterpret_cast<const uint2*>(sr + 8 * SS);
+    const Slice sl = slot_slice(rg.rows + size_t(slot) * SLOTB, RS, SS, SLOT_W, warp);
     const float2 p = slice_dot(sl, xo.at(j, warp), xo);
     float* red = reds + (v & 1) * CONS * 16;
     if (q == 0) {
@@ -312,18 +335,7 @@ __global__ void __launch_bounds__((8 * G + 1) * 32, 1) down_ring2(const uint8_t*
                                                                   const __half* a, float* y, int nbuf, int passes) {
   constexpr int NC = 8 * G;
   extern __shared__ __align__(128) unsigned char sm[];
-  Ring rg;
-  rg.xs = reinterpret_cast<float*>(sm);
-  rg.rows = sm + size_t(XFLOATS2) * 4;
-  rg.full = reinterpret_cast<uint64_t*>(rg.rows + size_t(SLOTB) * nbuf);
-  rg.empty = rg.full + nbuf;
-  rg.rowb = SLOTB;
-  rg.nbuf = nbuf;
-  if (threadIdx.x == 0) {
-    for (int j = 0; j < nbuf; ++j) { mbar_init(&rg.full[j], 1); mbar_init(&rg.empty[j], 8); }
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-  }
-  __syncthreads();
+  Ring rg = ring_init(sm, XFLOATS2, SLOTB, nbuf, 8);   // a slot is free after its group's 8 warps
   uint4* xs = reinterpret_cast<uint4*>(rg.xs);
   float* reds = reinterpret_cast<float*>(xs + XCHUNKS + 8);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
@@ -334,26 +346,8 @@ __global__ void __launch_bounds__((8 * G + 1) * 32, 1) down_ring2(const uint8_t*
   if (warp == NC) {   // fill order: rounds of G tiles, a round's units j-major (group-interleaved)
     for (int p = 0, r = 0; r * G < ntile; ++r) {
       const int nr = min(G, ntile - r * G);
-      for (int u2 = 0; u2 < TOPK * nr; ++u2, ++p) {
-      if (SOLO && p >= nfill) break;
-      const int j = u2 / nr, tl = r * G + u2 % nr;
-      int slot = 0;
-      if (lane == 0) {
-        slot = rg.acquire(p);
-        mbar_expect(&rg.full[slot], UNIT_TX);
-      }
-      slot = __shfl_sync(FULLM, slot, 0);
-      unsigned char* dst = rg.rows + size_t(slot) * SLOTB;
-      const size_t row = size_t(__ldg(idx + j)) * DOUT + (t0 + tl) * 16 + (lane & 15);
-      if (PACKED) {   // the tile's 16 rows are contiguous: one copy of the weights, one of the scales
-        if (lane == 0) bulk_g2s(dst, w2 + row * WROWB, 16 * WROWB, &rg.full[slot]);
-        else if (lane == 16) bulk_g2s(dst + 16 * WROWB, s2 + row * SROWB, 16 * SROWB, &rg.full[slot]);
-      } else if (lane < 16) {
-        bulk_g2s(dst + lane * RS, w2 + row * WROWB, WROWB, &rg.full[slot]);
-      } else {
-        bulk_g2s(dst + SLOT_W + (lane - 16) * SS, s2 + row * SROWB, SROWB, &rg.full[slot]);
-      }
-      }
+      for (int u2 = 0; u2 < TOPK * nr && !(SOLO && p >= nfill); ++u2, ++p)
+        fill_unit<PACKED>(rg, p, w2, s2, __ldg(idx + u2 / nr), t0 + r * G + u2 % nr);
     }
     return;
   }
@@ -370,17 +364,8 @@ __global__ void __launch_bounds__((8 * G + 1) * 32, 1) down_ring2(const uint8_t*
       for (int j = 0; j < TOPK; ++j) {
         const int r = tl / G, nr = min(G, ntile - r * G), u = r * G * TOPK + j * nr + grp;
         const int slot = SOLO ? u % nfill : rg.wait_after(u);   // sound for nbuf >= G (see the fill order)
-        constexpr int RSX = PACKED ? WROWB : RS, SSX = PACKED ? SROWB : SS, SWX = PACKED ? 16 * WROWB : SLOT_W;
-        const unsigned char* wr = rg.rows + size_t(slot) * SLOTB + g * RSX + 128 * wg + 16 * q;
-        const unsigned char* sr = rg.rows + size_t(slot) * SLOTB + SWX + g * SSX + 8 * wg;
-        Slice sl;
-#pragma unroll
-        for (int st = 0; st < 2; ++st) {
-          sl.a[st][0] = *reinterpret_cast<const uint4*>(wr + 64 * st);
-          sl.a[st][1] = *reinterpret_cast<const uint4*>(wr + 8 * RSX + 64 * st);
-        }
-        sl.sa = *reinterpret_cast<const uint2*>(sr);
-        sl.sb = *reinterpret_cast<const uint2*>(sr + 8 * SSX);
+        const Slice sl = PACKED ? slot_slice(rg.rows + size_t(slot) * SLOTB, WROWB, SROWB, 16 * WROWB, wg)
+                                : slot_slice(rg.rows + size_t(slot) * SLOTB, RS, SS, SLOT_W, wg);
         __syncwarp();
         if (!SOLO && lane == 0) rg.release(slot);
         const float2 p = slice_dot<MODE>(sl, xo.at(j, wg), xo);

@@ -70,7 +70,8 @@ struct Ring {
 };
 
 // every thread: the ring carved from sm (K floats of xs first) with its mbarriers initialized
-__device__ __forceinline__ Ring ring_init(unsigned char* sm, int K, size_t rowb, int nbuf) {
+// (empty: `readers` arrivals free a slot)
+__device__ __forceinline__ Ring ring_init(unsigned char* sm, int K, size_t rowb, int nbuf, unsigned readers = 1) {
   Ring g;
   g.xs = reinterpret_cast<float*>(sm);
   g.rows = sm + size_t(K) * 4;
@@ -79,7 +80,7 @@ __device__ __forceinline__ Ring ring_init(unsigned char* sm, int K, size_t rowb,
   g.rowb = rowb;
   g.nbuf = nbuf;
   if (threadIdx.x == 0) {
-    for (int j = 0; j < nbuf; ++j) { mbar_init(&g.full[j], 1); mbar_init(&g.empty[j], 1); }
+    for (int j = 0; j < nbuf; ++j) { mbar_init(&g.full[j], 1); mbar_init(&g.empty[j], readers); }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
