@@ -25,6 +25,43 @@ DEV void down_post(float v, const __nv_bfloat16* res, const float* post, const f
     y[size_t(j) * D + r] = __float2bfloat16_rn(mhc_post_one(vb, rr, post, comb, j));
 }
 
+// The all-experts epilogue (fp4_down_all_kernel, fp4_down_ring_kernel), a warp's part: its sums
+// tot of each expert's rows g and g + 8 -> red [warps][NE][16] (lanes q == 0).
+template <int NE>
+DEV void down_all_partial(float (&tot)[NE][1][2], float* red, int warp, int g, int q) {
+#pragma unroll
+  for (int j = 0; j < NE; ++j) {
+    tot[j][0][0] += __shfl_xor_sync(FULL, tot[j][0][0], 1);
+    tot[j][0][1] += __shfl_xor_sync(FULL, tot[j][0][1], 1);
+    if (q == 0) {
+      red[(warp * NE + j) * 16 + g] = tot[j][0][0];
+      red[(warp * NE + j) * 16 + g + 8] = tot[j][0][1];
+    }
+  }
+}
+
+// The rest, row r0 + r of the tile (one thread a row, every warp's part in red): per expert the
+// warps in order, then bf16 (fp4_gemm outputs bf16); the experts in slot order; + add; then y
+// (float32 or bf16) or, POST, the block's mHC post into y's streams.
+template <int NE, bool POST>
+DEV void down_all_finish(const float* red, int nwarps, int r, int r0, const __nv_bfloat16* add,
+                         void* y, int D, int y_f32, const __nv_bfloat16* res, const float* post,
+                         const float* comb) {
+  float acc = 0.0f;
+  for (int j = 0; j < NE; ++j) {
+    float t = 0.0f;
+    for (int w = 0; w < nwarps; ++w) t += red[(w * NE + j) * 16 + r];
+    acc += bf16_round(t);
+  }
+  if (add != nullptr) acc += __bfloat162float(add[r0 + r]);
+  if constexpr (POST)
+    down_post(acc, res, post, comb, static_cast<__nv_bfloat16*>(y), D, r0 + r);
+  else if (y_f32)
+    static_cast<float*>(y)[r0 + r] = acc;
+  else
+    static_cast<__nv_bfloat16*>(y)[r0 + r] = __float2bfloat16_rn(acc);
+}
+
 // y[r] = sum_j bf16(W8A8 w2[idx[j]] @ a[j])[r] in float32, slot order j = 0..k-1, (+ add[r]),
 // rounded to y's dtype. Grid (D / 16, k): CTA (t, j) writes expert j's bf16 rows of tile t to
 // ws[j, :]; the last CTA of tile t (semaphore cnt[t], reset by it) adds them up in slot order.
@@ -172,32 +209,10 @@ __global__ void __launch_bounds__(512) fp4_down_all_kernel(const __nv_bfloat16* 
     fp4_step<1, DEC>(e, xq + s * xstride, ef[s], q, tot[s / SPW]);
     if (s + DEPTH < NS) load(s + DEPTH);
   }
-#pragma unroll
-  for (int j = 0; j < NE; ++j) {
-    tot[j][0][0] += __shfl_xor_sync(FULL, tot[j][0][0], 1);
-    tot[j][0][1] += __shfl_xor_sync(FULL, tot[j][0][1], 1);
-    if (q == 0) {
-      red[(warp * NE + j) * 16 + g] = tot[j][0][0];
-      red[(warp * NE + j) * 16 + g + 8] = tot[j][0][1];
-    }
-  }
+  down_all_partial<NE>(tot, red, warp, g, q);
   __syncthreads();
-  if (threadIdx.x < 16) {
-    const int r = threadIdx.x;
-    float acc = 0.0f;
-    for (int j = 0; j < NE; ++j) {
-      float t = 0.0f;
-      for (int w = 0; w < nwarps; ++w) t += red[(w * NE + j) * 16 + r];
-      acc += bf16_round(t);   // fp4_gemm outputs bf16
-    }
-    if (add != nullptr) acc += __bfloat162float(add[r0 + r]);
-    if constexpr (POST)
-      down_post(acc, res, post, comb, static_cast<__nv_bfloat16*>(y), D, r0 + r);
-    else if (y_f32)
-      static_cast<float*>(y)[r0 + r] = acc;
-    else
-      static_cast<__nv_bfloat16*>(y)[r0 + r] = __float2bfloat16_rn(acc);
-  }
+  if (threadIdx.x < 16)
+    down_all_finish<NE, POST>(red, nwarps, threadIdx.x, r0, add, y, D, y_f32, res, post, comb);
 }
 
 
@@ -339,32 +354,10 @@ __global__ void __launch_bounds__(G == 2 ? 800 : 544, 1) fp4_down_ring_kernel(
       if (lane == 0) mbar_arrive(&empty[slot]);   // this warp is done with the slot
     }
     float* rp = red + (grp * 2 + (n & 1)) * WG * NE * 16;   // the group's buffer of this parity
-#pragma unroll
-    for (int j = 0; j < NE; ++j) {
-      tot[j][0][0] += __shfl_xor_sync(FULL, tot[j][0][0], 1);
-      tot[j][0][1] += __shfl_xor_sync(FULL, tot[j][0][1], 1);
-      if (q == 0) {
-        rp[(wg * NE + j) * 16 + g] = tot[j][0][0];
-        rp[(wg * NE + j) * 16 + g + 8] = tot[j][0][1];
-      }
-    }
+    down_all_partial<NE>(tot, rp, wg, g, q);
     asm volatile("bar.sync %0, %1;\n" ::"r"(2 + grp), "r"(WG * 32) : "memory");
-    if (wg == 0 && lane < 16) {   // fp4_down_all_kernel's epilogue, the tile's rows r0 + lane
-      const int r0 = (t0 + tl) * 16;
-      float acc = 0.0f;
-      for (int j = 0; j < NE; ++j) {
-        float t = 0.0f;
-        for (int w = 0; w < WG; ++w) t += rp[(w * NE + j) * 16 + lane];
-        acc += bf16_round(t);   // fp4_gemm outputs bf16
-      }
-      if (add != nullptr) acc += __bfloat162float(add[r0 + lane]);
-      if constexpr (POST)
-        down_post(acc, res, post, comb, static_cast<__nv_bfloat16*>(y), D, r0 + lane);
-      else if (y_f32)
-        static_cast<float*>(y)[r0 + lane] = acc;
-      else
-        static_cast<__nv_bfloat16*>(y)[r0 + lane] = __float2bfloat16_rn(acc);
-    }
+    if (wg == 0 && lane < 16)   // fp4_down_all_kernel's epilogue, the tile's rows
+      down_all_finish<NE, POST>(rp, WG, lane, (t0 + tl) * 16, add, y, D, y_f32, res, post, comb);
   }
 #endif
 }
