@@ -156,6 +156,16 @@ def poison_cuda_memory(device: torch.device) -> float:
     return frac
 
 
+def poison_wanted(env) -> bool:
+    """Whether CUDA test modules poison memory first: not with DSV4_TEST_POISON=0, and not with
+    the caching allocator off (PYTORCH_NO_CUDA_MEMORY_CACHING=1, as under compute-sanitizer's
+    initcheck): then every allocation comes from the driver, there is no cache to keep the poison
+    in, and the probe that reads a fresh allocation back would itself be the unwritten read that
+    initcheck reports (it does, once per module, and slows the run several-fold)."""
+    return (env.get("DSV4_TEST_POISON", "1") != "0"
+            and env.get("PYTORCH_NO_CUDA_MEMORY_CACHING", "0") in ("", "0"))
+
+
 @pytest.fixture(autouse=True, scope="module")
 def poisoned_cuda_memory(request):
     """CUDA test modules start on poisoned GPU memory (poison_cuda_memory on every GPU). Off with
@@ -166,7 +176,7 @@ def poisoned_cuda_memory(request):
     if cuda_items and _cuda_ok() and os.environ.get("DSV4_CUDA_LIB"):
         from dsv4.kernels.cuda import lib as cuda_cpp
         cuda_cpp.status(torch.device("cuda", 0), os.environ["DSV4_CUDA_LIB"])
-    if cuda_items and _cuda_ok() and os.environ.get("DSV4_TEST_POISON", "1") != "0":
+    if cuda_items and _cuda_ok() and poison_wanted(os.environ):
         for d in range(torch.cuda.device_count()):
             frac = poison_cuda_memory(torch.device("cuda", d))
             if frac < 1.0:    # another process holds the GPU's memory: say so, run unpoisoned
