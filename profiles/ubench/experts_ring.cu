@@ -72,6 +72,14 @@ __device__ __forceinline__ void e2m1_cvt(uint32_t w, uint32_t (&p)[4]) {
   const uint32_t hi = ((w >> 2) & 0x1C1C1C1Cu) | (w & 0x80808080u);
   p[0] = cvt_e4m3x2(lo); p[1] = cvt_e4m3x2(lo >> 16); p[2] = cvt_e4m3x2(hi); p[3] = cvt_e4m3x2(hi >> 16);
 }
+// a timing bound: two instructions a pair (a rotate and a mask), what a nibble layout repacked at
+// load for one shift per pair would cost (no such layout exists for f16: the sign's 4-bit gap)
+__device__ __forceinline__ void e2m1_rot(uint32_t w, uint32_t (&p)[4]) {
+  p[0] = __funnelshift_l(w, w, 9) & 0x8E008E00u;
+  p[1] = __funnelshift_l(w, w, 5) & 0x8E008E00u;
+  p[2] = __funnelshift_l(w, w, 1) & 0x8E008E00u;
+  p[3] = __funnelshift_l(w, w, 29) & 0x8E008E00u;
+}
 __device__ __forceinline__ void e2m1_int(uint32_t w, uint32_t (&p)[4]) {
   p[0] = ((w << 9) & 0x0E000E00u) | ((w << 12) & 0x80008000u);
   p[1] = ((w << 5) & 0x0E000E00u) | ((w << 8) & 0x80008000u);
@@ -117,13 +125,16 @@ __device__ __forceinline__ void load_xq(const __half* a, uint4* xs, int nthreads
 // 2q+9); B column n is zero but for lane (n, n)'s group, so C[r][n] = row r's dot with group 4s +
 // n: lanes q < 2 hold columns 2q, 2q + 1 (c[0], c[1] row g; c[2], c[3] row g + 8) and scale them
 // in float. The same order in every kernel
-template <int MODE = 0>   // timing probes only (wrong values): 1 no e2m1 decode, 2 no MMA
+template <int MODE = 0>   // timing probes only (wrong values): 1 no e2m1 decode, 2 no MMA, 3 / 4
 __device__ __forceinline__ float2 slice_dot(const Slice& sl, const uint4* xb, const XOp& xo) {
+  // the library's decodes, 5 two instructions a pair, 6 / 7 decode 1 on 2 / 4 accumulator chains
   const int q = threadIdx.x & 3, sh = 16 * (q & 1);
+  constexpr int CH = MODE == 6 ? 2 : MODE == 7 ? 4 : 1;
   float t0 = 0.f, t1 = 0.f;
 #pragma unroll
   for (int s = 0; s < 2; ++s) {
-    float c[4] = {0.f, 0.f, 0.f, 0.f};
+    float cc[CH][4] = {};
+    float (&c)[4] = cc[0];
     const uint32_t A[4] = {sl.a[s][0].x, sl.a[s][0].y, sl.a[s][0].z, sl.a[s][0].w};
     const uint32_t B[4] = {sl.a[s][1].x, sl.a[s][1].y, sl.a[s][1].z, sl.a[s][1].w};
 #pragma unroll
@@ -136,9 +147,12 @@ __device__ __forceinline__ float2 slice_dot(const Slice& sl, const uint4* xb, co
       } else if (MODE == 3) {   // the library's decode 0: e4m3 bytes by bit ops, then cvt (another pair order)
         e2m1_cvt(A[wd], pa);
         e2m1_cvt(B[wd], pb);
-      } else if (MODE == 4) {   // the library's decode 1: f16 patterns by integer ops (another scale)
+      } else if (MODE == 4 || MODE == 6 || MODE == 7) {   // the library's decode 1: f16 patterns by integer ops (another scale)
         e2m1_int(A[wd], pa);
         e2m1_int(B[wd], pb);
+      } else if (MODE == 5) {
+        e2m1_rot(A[wd], pa);
+        e2m1_rot(B[wd], pb);
       } else {
         e2m1x8_f16(A[wd], pa);
         e2m1x8_f16(B[wd], pb);
@@ -149,10 +163,14 @@ __device__ __forceinline__ float2 slice_dot(const Slice& sl, const uint4* xb, co
         c[2] += __uint_as_float((pa[2] ^ pb[3] ^ x.z) & 0x3FFFFFFFu);
         c[3] += __uint_as_float((pa[3] ^ pb[2] ^ x.w) & 0x3FFFFFFFu);
       } else {
-        mma16816(c, pa[0], pb[0], pa[1], pb[1], x.x, x.y);
-        mma16816(c, pa[2], pb[2], pa[3], pb[3], x.z, x.w);
+        mma16816(cc[(CH == 4 ? 2 * wd : wd) % CH], pa[0], pb[0], pa[1], pb[1], x.x, x.y);
+        mma16816(cc[(CH == 4 ? 2 * wd + 1 : wd) % CH], pa[2], pb[2], pa[3], pb[3], x.z, x.w);
       }
     }
+#pragma unroll
+    for (int h = 1; h < CH; ++h)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) c[i] += cc[h][i];
     const uint32_t ua = s ? sl.sa.y : sl.sa.x, ub = s ? sl.sb.y : sl.sb.x;
     if (q < 2) {
       t0 = fmaf(c[0], e8m0(ua >> sh), t0);
@@ -529,12 +547,17 @@ int main(int argc, char** argv) {   // argv: the ring sizes in units (default 4 
           down_ring2<true, 2, MODE><<<sms, 17 * 32, sm2, st>>>(w2, s2, didx + (i % COPIES) * TOPK, da, y3, nbuf, PASSES);
         }) / PASSES;
         printf("  ring2 consumers alone, 16 warps, %s: %.1f us a pass\n", MODE == 1 ? "no e2m1 decode" : MODE == 2 ?
-               "no MMA" : MODE == 3 ? "the library's decode 0 (bit ops + cvt)" : "the library's decode 1 (integer ops)", t);
+               "no MMA" : MODE == 3 ? "the library's decode 0 (bit ops + cvt)" : MODE == 4 ? "the library's decode 1 (integer ops)" :
+               MODE == 5 ? "two instructions a pair (rotate, mask)" : MODE == 6 ? "decode 1, 2 accumulator chains" :
+               "decode 1, 4 accumulator chains", t);
       };
       probe(std::integral_constant<int, 1>{});
       probe(std::integral_constant<int, 2>{});
       probe(std::integral_constant<int, 3>{});
       probe(std::integral_constant<int, 4>{});
+      probe(std::integral_constant<int, 5>{});
+      probe(std::integral_constant<int, 6>{});
+      probe(std::integral_constant<int, 7>{});
 
     }
     // the whole ring, packed slots (2 bulk copies a unit, rows 1 KB apart: the consumers' loads
@@ -554,11 +577,13 @@ int main(int argc, char** argv) {   // argv: the ring sizes in units (default 4 
       CK(cudaStreamSynchronize(st)); CK(cudaGetLastError());
       const std::vector<float> yr = fetch(y3, DOUT);
       printf("  ring2 packed slots, %2d units, %d warps, %s: %.1f us (%.0f%% of the read), consumers alone %.1f us a pass | against float64 %.1e\n",
-             nbuf, 8 * G, MODE == 0 ? "prmt decode" : "decode 1 (wrong values)", t, 100.0 * t_read / t, ts, err(yr));
+             nbuf, 8 * G, MODE == 0 ? "prmt decode" : MODE == 4 ? "decode 1 (wrong values)" : MODE == 5 ? "rotate+mask (wrong values)" : "decode 1, 2 chains (wrong values)", t, 100.0 * t_read / t, ts, err(yr));
     };
     whole(std::integral_constant<int, 0>{}, std::integral_constant<int, 2>{});
     whole(std::integral_constant<int, 4>{}, std::integral_constant<int, 2>{});
     whole(std::integral_constant<int, 4>{}, std::integral_constant<int, 3>{});
+    whole(std::integral_constant<int, 5>{}, std::integral_constant<int, 2>{});
+    whole(std::integral_constant<int, 6>{}, std::integral_constant<int, 2>{});
   }
   CK(cudaFree(w2)); CK(cudaFree(s2)); CK(cudaFree(didx)); CK(cudaFree(da));
   CK(cudaFree(ws)); CK(cudaFree(y2)); CK(cudaFree(y3)); CK(cudaFree(cnt));
