@@ -43,6 +43,26 @@ def _capability(index: int) -> tuple:
     return torch.cuda.get_device_capability(index)
 
 
+@functools.lru_cache(maxsize=None)
+def _sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def device_capability(device: torch.device) -> tuple:
+    """A CUDA device's compute capability, asked of the driver once per device."""
+    return _capability(_index(device))
+
+
+def device_sms(device: torch.device) -> int:
+    """A CUDA device's SM count, asked of the driver once per device (launch configs with one
+    CTA an SM: no host query per eager launch)."""
+    return _sms(_index(device))
+
+
 def pdl(t: torch.Tensor, on: bool = True) -> bool:
     """Launch with programmatic dependent launch (PDL) on t's device: asked for (`on`: the
     backend's switch, DSV4_PDL), CUDA sm_90+, not under the interpreter. The kernel may then start
@@ -50,8 +70,7 @@ def pdl(t: torch.Tensor, on: bool = True) -> bool:
     kernel writes (see there)."""
     if not on or not t.is_cuda or interpreting():
         return False
-    return _capability(t.device.index if t.device.index is not None
-                       else torch.cuda.current_device()) >= (9, 0)
+    return device_capability(t.device) >= (9, 0)
 
 
 def launch_args(t: torch.Tensor, on: bool = True) -> dict:

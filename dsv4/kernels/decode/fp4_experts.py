@@ -23,6 +23,8 @@ from ...weights.formats import FP4_BLOCK, dequantize_fp4_weight
 from ..common import (
     Config,
     block_exponent,
+    device_capability,
+    device_sms,
     e2m1_word_to_f32,
     e8m0_to_f32,
     interpreting,
@@ -254,8 +256,7 @@ def fp4_experts_up(x: torch.Tensor, idx: torch.Tensor, route_w: torch.Tensor, w1
             if k > UP_STREAM_MAX_K or T > UP_STREAM_ROWS:     # the streaming kernel's limits
                 ccfg = replace(ccfg, ctas=0)
             else:                                             # one CTA per SM at most resides
-                sms = torch.cuda.get_device_properties(out.device).multi_processor_count
-                ccfg = replace(ccfg, ctas=min(ccfg.ctas, sms))
+                ccfg = replace(ccfg, ctas=min(ccfg.ctas, device_sms(out.device)))
         if ccfg is not None:
             with on_device(out):
                 cuda_cpp.fp4_up(cuda_cpp.lib_for(out.device), xc, idx.contiguous(), rw,
@@ -331,11 +332,10 @@ def fp4_experts_down(a: torch.Tensor, idx: torch.Tensor, w2: torch.Tensor, s2: t
         ccfg = config if isinstance(config, ExpertCudaConfig) else cuda_down_config(k // rows, I, D)
         if ccfg is not None and ccfg.ctas and ccfg.all_experts:   # the ring kernel
             if (rows > 1 or k != 6 or ccfg.spw != 2
-                    or torch.cuda.get_device_capability(dst.device) < (9, 0)):
+                    or device_capability(dst.device) < (9, 0)):
                 ccfg = down_all_config(k // rows, I)   # the ring: one row of 6, sm_90
             else:                                           # one CTA per SM at most resides
-                sms = torch.cuda.get_device_properties(dst.device).multi_processor_count
-                ccfg = replace(ccfg, ctas=min(ccfg.ctas, sms, D // 16))
+                ccfg = replace(ccfg, ctas=min(ccfg.ctas, device_sms(dst.device), D // 16))
         if ccfg is not None and (rows == 1 or ccfg.all_experts):
             ws, cnt = ((None, None) if ccfg.all_experts
                        else workspace or down_workspace(k, D, dst.device))
