@@ -2,10 +2,11 @@
 // expert, the experts summed in slot order through a per-row-tile semaphore (fp4_down_kernel), all
 // experts of a row tile in one CTA (fp4_down_all_kernel), or a fixed grid of CTAs whose producer
 // bulk-copies the experts' tiles into a shared-memory ring for two groups of consumer warps
-// (fp4_down_ring_kernel, sm_90); the same bits; plus the shared expert's output. fp4_experts.cuh: the decode and the tensor-core step. early (the launch's pdl 2):
-// idx and the weights it addresses are requested before the PDL wait (idx comes from the routing,
-// which completed before up, the kernel waited for, passed its own wait), so the weights stream
-// while up finishes; the activation and everything else after it.
+// (fp4_down_ring_kernel, sm_90); the same bits; plus the shared expert's output. fp4_experts.cuh:
+// the decode and the tensor-core step. early (the launch's pdl 2): idx and the weights it addresses
+// are requested before the PDL wait (idx comes from the routing, which completed before up, the
+// kernel waited for, passed its own wait), so the weights stream while up finishes; the activation
+// and everything else after it.
 #include "dsv4_api.h"
 #include "fp4_experts.cuh"
 
