@@ -4,7 +4,9 @@
 // memory with the column trick of csrc/fp4_experts.cuh (column n carries scale group n). 24,576 x
 // 4,096 FP4 rows = 6 experts x (w1, w3) x 2,048: the bytes of Flash's routed up (53.5 MB with
 // scales). Compare with bench_kernels' experts.up (~20 us on 132 CTAs, ~25 on 100, one H200).
-// Build and run: profiles/ubench/run.sh wgmma_fp4 (the descriptor reading of wgmma_gemv's lbo_k 1)
+// Build and run: profiles/ubench/run.sh wgmma_fp4 (the descriptor reading of wgmma_gemv's lbo_k 1).
+// wg_fp4: a warpgroup a CTA, each block's wgmmas waited for; wg_fp4_multi: 2 or 4 warpgroups a
+// CTA, a block's wgmmas in flight while the next is decoded.
 #include <cuda_runtime.h>
 #include "ubench.cuh"
 #include <cstdio>
@@ -110,6 +112,99 @@ __global__ void __launch_bounds__(128) wg_fp4(const uint8_t* __restrict__ W, con
   }
 }
 
+__device__ __forceinline__ void wg_wait1() { asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory"); }
+
+// wg_fp4 with WGS warpgroups a CTA, each taking its own 64-row tiles (warpgroup w of CTA b: tiles
+// b * WGS + w, then every gridDim.x * WGS), and a block's wgmmas in flight while the next block is
+// decoded and issued: two accumulators and two sets of A registers alternate (block u of a group
+// uses set u & 1), and wait_group 1 retires block u - 1, whose column sums are then scaled. The
+// DEPTH blocks of a group are unrolled (every register index fixed) and the group ends with
+// wait_group 0, so no wgmma is in flight across the loop's back edge and none sits in a branch.
+template <int DEPTH, int WGS>
+__global__ void __launch_bounds__(128 * WGS) wg_fp4_multi(const uint8_t* __restrict__ W, const uint8_t* __restrict__ S,
+                                                         const uint8_t* __restrict__ xsg, const float* __restrict__ sx,
+                                                         float* __restrict__ y, int N, int K, int lbo_k) {
+  static_assert(DEPTH % 2 == 0, "blocks alternate between two register sets");
+  extern __shared__ __align__(1024) uint8_t xs[];
+  const int KB = K / 128, tid = threadIdx.x;   // KB % DEPTH == 0 (the host checks)
+  for (int i = tid; i < KB * 64; i += 128 * WGS) reinterpret_cast<uint4*>(xs)[i] = reinterpret_cast<const uint4*>(xsg)[i];
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+  __syncthreads();
+  const int t = tid % 128, warp = t / 32, lane = t % 32, g = lane / 4, q = lane % 4;
+  const int tiles = N / 64, G = gridDim.x * WGS, me = blockIdx.x * WGS + tid / 128;
+  const int mine = tiles > me ? (tiles - 1 - me) / G + 1 : 0;
+  const int L = mine * KB;
+  const size_t wrow = size_t(K) / 2, srow = size_t(K) / 32;
+  uint4 wa[DEPTH], wb[DEPTH];
+  uint32_t ka[DEPTH], kb8[DEPTH];
+  auto rows = [&](int j) { return size_t(me + (j / KB) * G) * 64 + warp * 16 + g; };
+  auto load = [&](int j) {
+    if (j < L) {
+      const size_t r = rows(j);
+      const uint8_t* p = W + r * wrow + (j % KB) * 64 + q * 16;
+      wa[j % DEPTH] = ldg_na(p);
+      wb[j % DEPTH] = ldg_na(p + 8 * wrow);
+      const uint8_t* sp = S + r * srow + (j % KB) * 4;
+      ka[j % DEPTH] = q < 2 ? ldg_u32(sp) : 0u;
+      kb8[j % DEPTH] = q < 2 ? ldg_u32(sp + 8 * srow) : 0u;
+    }
+  };
+#pragma unroll
+  for (int j = 0; j < DEPTH; ++j) load(j);
+  const uint32_t lbo = lbo_k ? 128 : 256, sbo = lbo_k ? 256 : 128;
+  const uint32_t xb = smem_u32(xs);
+  float t0 = 0.f, t1 = 0.f;
+  float d[2][4];
+  uint32_t la[2][4], ha[2][4], lb[2][4], hb[2][4], sa[2], sb[2];
+  auto finish = [&](int j, const float (&dd)[4], uint32_t sa_, uint32_t sb_) {
+    const int kb = j % KB;
+    const float f = sx[kb] * 64.0f;
+    const int sh = 16 * (q & 1);
+    t0 += (dd[0] * e8m0(sa_ >> sh) + dd[1] * e8m0(sa_ >> (sh + 8))) * f;
+    t1 += (dd[2] * e8m0(sb_ >> sh) + dd[3] * e8m0(sb_ >> (sh + 8))) * f;
+    if (kb == KB - 1) {
+      const float s0 = t0 + __shfl_xor_sync(0xffffffffu, t0, 1), s1 = t1 + __shfl_xor_sync(0xffffffffu, t1, 1);
+      const size_t r = rows(j);
+      if (q == 0) { y[r] = s0; y[r + 8] = s1; }
+      t0 = t1 = 0.f;
+    }
+  };
+#pragma unroll 1
+  for (int j0 = 0; j0 < L; j0 += DEPTH) {
+#pragma unroll
+    for (int u = 0; u < DEPTH; ++u) {
+      const int s = u & 1;
+      const uint4 A = wa[u], B = wb[u];
+      e2m1x8_to_e4m3(A.x, la[s][0], ha[s][0]); e2m1x8_to_e4m3(B.x, lb[s][0], hb[s][0]);
+      e2m1x8_to_e4m3(A.y, la[s][1], ha[s][1]); e2m1x8_to_e4m3(B.y, lb[s][1], hb[s][1]);
+      e2m1x8_to_e4m3(A.z, la[s][2], ha[s][2]); e2m1x8_to_e4m3(B.z, lb[s][2], hb[s][2]);
+      e2m1x8_to_e4m3(A.w, la[s][3], ha[s][3]); e2m1x8_to_e4m3(B.w, lb[s][3], hb[s][3]);
+      sa[s] = ka[u];
+      sb[s] = kb8[u];
+      load(j0 + u + DEPTH);   // block u's registers are decoded (and its scales kept): refill them
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk)
+        asm volatile("" : "+r"(la[s][kk]), "+r"(lb[s][kk]), "+r"(ha[s][kk]), "+r"(hb[s][kk])::"memory");
+      asm volatile("" : "+f"(d[s][0]), "+f"(d[s][1]), "+f"(d[s][2]), "+f"(d[s][3])::"memory");
+      wg_fence();
+      const int kb = (j0 + u) % KB;
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk)
+        wgmma_ra(d[s], la[s][kk], lb[s][kk], ha[s][kk], hb[s][kk], desc(xb + kb * 1024 + kk * 256, lbo, sbo), kk > 0);
+      wg_commit();
+      if (u > 0) {
+        wg_wait1();   // block u - 1 retired; block u still in flight
+        asm volatile("" : "+f"(d[s ^ 1][0]), "+f"(d[s ^ 1][1]), "+f"(d[s ^ 1][2]), "+f"(d[s ^ 1][3])::"memory");
+        finish(j0 + u - 1, d[s ^ 1], sa[s ^ 1], sb[s ^ 1]);
+      }
+    }
+    wg_wait0();
+    constexpr int s = (DEPTH - 1) & 1;
+    asm volatile("" : "+f"(d[s][0]), "+f"(d[s][1]), "+f"(d[s][2]), "+f"(d[s][3])::"memory");
+    finish(j0 + DEPTH - 1, d[s], sa[s], sb[s]);
+  }
+}
+
 static double e4m3_val(uint8_t b) {
   const int s = b >> 7, e = (b >> 3) & 15, m = b & 7;
   const double v = e == 0 ? std::ldexp(m / 8.0, -6) : std::ldexp(1.0 + m / 8.0, e - 7);
@@ -142,6 +237,35 @@ static void run(const char* tag, int grid, uint8_t* dw, uint8_t* ds, uint8_t* dx
   const float us = ms * 1000 / REPS;
   printf("  %s depth %d grid %4d: %6.1f us (%.2f TB/s, %.0f%% of the read)  max err / max |y| %.2e\n", tag, D, grid, us,
          (wbytes + sbytes) / us / 1e6, 100 * read_us / us, maxerr / maxref);
+}
+
+template <int D, int WGS>
+static void run_multi(int grid, uint8_t* dw, uint8_t* ds, uint8_t* dxs, float* dsx, float* dy, int N, int K,
+                      size_t wbytes, size_t sbytes, int copies, int lbo_k, const std::vector<double>& ref, float read_us) {
+  const size_t smem = size_t(K / 128) * 1024;
+  auto kern = wg_fp4_multi<D, WGS>;
+  CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+  CK(cudaMemset(dy, 0xFF, N * 4));   // NaN: a row the kernel does not write fails the check
+  kern<<<grid, 128 * WGS, smem>>>(dw, ds, dxs, dsx, dy, N, K, lbo_k);
+  CK(cudaGetLastError()); CK(cudaDeviceSynchronize());
+  std::vector<float> hy(N);
+  CK(cudaMemcpy(hy.data(), dy, N * 4, cudaMemcpyDeviceToHost));
+  double maxerr = 0, maxref = 0;
+  for (int r = 0; r < N; ++r) {
+    const double e = std::fabs(hy[r] - ref[r]);
+    maxerr = std::max(maxerr, e == e ? e : INFINITY);
+    maxref = std::max(maxref, std::fabs(ref[r]));
+  }
+  cudaEvent_t e0, e1; CK(cudaEventCreate(&e0)); CK(cudaEventCreate(&e1));
+  const int REPS = 60;
+  CK(cudaEventRecord(e0));
+  for (int i = 0; i < REPS; ++i)
+    kern<<<grid, 128 * WGS, smem>>>(dw + (i % copies) * wbytes, ds + (i % copies) * sbytes, dxs, dsx, dy, N, K, lbo_k);
+  CK(cudaEventRecord(e1)); CK(cudaEventSynchronize(e1));
+  float ms; CK(cudaEventElapsedTime(&ms, e0, e1));
+  const float us = ms * 1000 / REPS;
+  printf("  multi: %d warpgroups a CTA, depth %d, grid %4d: %6.1f us (%.2f TB/s, %.0f%% of the read)  max err / max |y| %.2e\n",
+         WGS, D, grid, us, (wbytes + sbytes) / us / 1e6, 100 * read_us / us, maxerr / maxref);
 }
 
 int main(int argc, char** argv) {
@@ -206,5 +330,15 @@ int main(int argc, char** argv) {
     run<2>("wgmma", grid, dw, ds, dxs, dsx, dy, N, K, wbytes, sbytes, COPIES, lbo_k, ref, read_us);
     run<4>("wgmma", grid, dw, ds, dxs, dsx, dy, N, K, wbytes, sbytes, COPIES, lbo_k, ref, read_us);
   }
+  // the multi-warpgroup kernel: N / 64 warpgroups at most (each grid once)
+  const int tiles = N / 64;
+  for (int cps : {1, 2, 3}) {
+    const int grid = std::min((tiles + 1) / 2, sms * cps);
+    if (cps > 1 && grid == std::min((tiles + 1) / 2, sms * (cps - 1))) break;
+    run_multi<4, 2>(grid, dw, ds, dxs, dsx, dy, N, K, wbytes, sbytes, COPIES, lbo_k, ref, read_us);
+    run_multi<8, 2>(grid, dw, ds, dxs, dsx, dy, N, K, wbytes, sbytes, COPIES, lbo_k, ref, read_us);
+  }
+  run_multi<4, 4>(std::min((tiles + 3) / 4, sms), dw, ds, dxs, dsx, dy, N, K, wbytes, sbytes, COPIES, lbo_k, ref, read_us);
+  run_multi<2, 4>(std::min((tiles + 3) / 4, sms), dw, ds, dxs, dsx, dy, N, K, wbytes, sbytes, COPIES, lbo_k, ref, read_us);
   return 0;
 }
