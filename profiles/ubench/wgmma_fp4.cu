@@ -5,10 +5,11 @@
 // 4,096 FP4 rows = 6 experts x (w1, w3) x 2,048: the bytes of Flash's routed up (53.5 MB with
 // scales). Compare with bench_kernels' experts.up (~20 us on 132 CTAs, ~25 on 100, one H200).
 // Build and run: profiles/ubench/run.sh wgmma_fp4 (the descriptor reading of wgmma_gemv's lbo_k 1).
-// wg_fp4: a warpgroup a CTA, each block's wgmmas waited for; wg_fp4_multi: 2 or 4 warpgroups a
-// CTA, a block's wgmmas in flight while the next is decoded.
+// wg_fp4: a warpgroup a CTA, each block's wgmmas waited for; wg_fp4_multi: 2-4 warpgroups a
+// CTA, a block's wgmmas in flight while the next is decoded; wg_fp4_ring: the same consumers fed
+// from shared memory by a producer warp's bulk copies of units packed at load (one CTA an SM).
 #include <cuda_runtime.h>
-#include "ubench.cuh"
+#include "ring.cuh"
 #include <cstdio>
 #include <cstdlib>
 #include <cstdint>
@@ -205,6 +206,119 @@ __global__ void __launch_bounds__(128 * WGS) wg_fp4_multi(const uint8_t* __restr
   }
 }
 
+// wg_fp4_multi's consumers fed through shared memory: one CTA an SM, WGS consumer warpgroups, each
+// with a producer warp (after the consumers; lane 0 works) and a ring of NBUF slots of its own. A
+// unit = 64 rows (a tile) x KC columns, packed at load in the order the consumers read it, so one
+// bulk copy brings its weights and one its scales: weights [block][warp][lane][row g / g + 8] 16
+// bytes (a lane's 16 bytes of the block, as wg_fp4 loads them), scales [block][warp][g / g + 8][g]
+// the row's 4 group bytes of the block. Warpgroup me of the grid takes units [me U / G, (me + 1) U /
+// G) in tile-major order (U = N / 64 * K / KC, G warpgroups): even shares, split K where a share
+// starts or ends inside a tile, its rows' sums added into y (zeroed first; float atomics, so the
+// order of a split tile's two adds may vary: a timing ubench). A slot is released once its last
+// block is read into registers.
+template <int WGS, int NBUF, int KC>
+__global__ void __launch_bounds__(WGS * 160, 1) wg_fp4_ring(const uint8_t* __restrict__ Wp, const uint8_t* __restrict__ Sp,
+                                                           const uint8_t* __restrict__ xsg, const float* __restrict__ sx,
+                                                           float* __restrict__ y, int N, int K, int lbo_k) {
+  constexpr int BPU = KC / 128, WB = 32 * KC, SB = 2 * KC, UB = WB + SB;
+  extern __shared__ __align__(1024) uint8_t sm[];
+  const int KB = K / 128, tid = threadIdx.x;
+  uint8_t* xs = sm;
+  uint8_t* slots = sm + size_t(KB) * 1024;
+  uint64_t* bars = reinterpret_cast<uint64_t*>(slots + size_t(WGS) * NBUF * UB);   // full, then empty
+  if (tid == 0) {
+    for (int j = 0; j < WGS * NBUF; ++j) { mbar_init(&bars[j], 1); mbar_init(&bars[WGS * NBUF + j], 4); }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+  if (tid < WGS * 128) {   // the consumers load B while the producers start their copies
+    for (int i = tid; i < KB * 64; i += WGS * 128) reinterpret_cast<uint4*>(xs)[i] = reinterpret_cast<const uint4*>(xsg)[i];
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    asm volatile("bar.sync 1, %0;\n" ::"r"(WGS * 128) : "memory");
+  }
+  const bool producer = tid >= WGS * 128;
+  const int wgi = producer ? (tid - WGS * 128) / 32 : tid / 128;
+  const int CPT = K / KC, U = (N / 64) * CPT, G = gridDim.x * WGS, me = blockIdx.x * WGS + wgi;
+  const int u0 = int((long long)me * U / G), u1 = int((long long)(me + 1) * U / G);
+  uint64_t* full = bars + wgi * NBUF;
+  uint64_t* empty = bars + WGS * NBUF + wgi * NBUF;
+  uint8_t* ring = slots + size_t(wgi) * NBUF * UB;
+  if (producer) {
+    if ((tid & 31) == 0)
+      for (int u = u0, t = 0; u < u1; ++u, ++t) {
+        const int s = t % NBUF;
+        mbar_wait(&empty[s], ((t / NBUF) & 1) ^ 1);
+        mbar_expect(&full[s], UB);
+        bulk_g2s(ring + s * UB, Wp + size_t(u) * WB, WB, &full[s]);
+        bulk_g2s(ring + s * UB + WB, Sp + size_t(u) * SB, SB, &full[s]);
+      }
+    return;
+  }
+  const int t = tid % 128, warp = t / 32, lane = t % 32, g = lane / 4, q = lane % 4;
+  const uint32_t lbo = lbo_k ? 128 : 256, sbo = lbo_k ? 256 : 128;
+  const uint32_t xb = smem_u32(xs);
+  float t0 = 0.f, t1 = 0.f;
+  float d[2][4];
+  uint32_t la[2][4], ha[2][4], lb[2][4], hb[2][4], sa[2], sb[2];
+  auto finish = [&](int kb, const float (&dd)[4], uint32_t sa_, uint32_t sb_) {
+    const float f = sx[kb] * 64.0f;
+    const int sh = 16 * (q & 1);
+    t0 += (dd[0] * e8m0(sa_ >> sh) + dd[1] * e8m0(sa_ >> (sh + 8))) * f;
+    t1 += (dd[2] * e8m0(sb_ >> sh) + dd[3] * e8m0(sb_ >> (sh + 8))) * f;
+  };
+  auto flush = [&](int tile) {
+    const float s0 = t0 + __shfl_xor_sync(0xffffffffu, t0, 1), s1 = t1 + __shfl_xor_sync(0xffffffffu, t1, 1);
+    const size_t r = size_t(tile) * 64 + warp * 16 + g;
+    if (q == 0) { atomicAdd(y + r, s0); atomicAdd(y + r + 8, s1); }
+    t0 = t1 = 0.f;
+  };
+  int cur = u0 < u1 ? u0 / CPT : -1;
+#pragma unroll 1
+  for (int u = u0, tt = 0; u < u1; ++u, ++tt) {
+    const int tile = u / CPT, c = u % CPT, s = tt % NBUF;
+    if (tile != cur) { flush(cur); cur = tile; }
+    mbar_wait(&full[s], (tt / NBUF) & 1);
+    const uint8_t* slot = ring + s * UB;
+#pragma unroll
+    for (int blk = 0; blk < BPU; ++blk) {
+      const int p = blk & 1;
+      const uint4* wp = reinterpret_cast<const uint4*>(slot) + ((blk * 4 + warp) * 32 + lane) * 2;
+      const uint4 A = wp[0], B = wp[1];
+      const uint32_t* sp = reinterpret_cast<const uint32_t*>(slot + WB) + (blk * 4 + warp) * 16;
+      sa[p] = q < 2 ? sp[g] : 0u;
+      sb[p] = q < 2 ? sp[8 + g] : 0u;
+      e2m1x8_to_e4m3(A.x, la[p][0], ha[p][0]); e2m1x8_to_e4m3(B.x, lb[p][0], hb[p][0]);
+      e2m1x8_to_e4m3(A.y, la[p][1], ha[p][1]); e2m1x8_to_e4m3(B.y, lb[p][1], hb[p][1]);
+      e2m1x8_to_e4m3(A.z, la[p][2], ha[p][2]); e2m1x8_to_e4m3(B.z, lb[p][2], hb[p][2]);
+      e2m1x8_to_e4m3(A.w, la[p][3], ha[p][3]); e2m1x8_to_e4m3(B.w, lb[p][3], hb[p][3]);
+      if (blk == BPU - 1) {   // the unit is in registers: its slot is free
+        __syncwarp();
+        if (lane == 0) mbar_arrive(&empty[s]);
+      }
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk)
+        asm volatile("" : "+r"(la[p][kk]), "+r"(lb[p][kk]), "+r"(ha[p][kk]), "+r"(hb[p][kk])::"memory");
+      asm volatile("" : "+f"(d[p][0]), "+f"(d[p][1]), "+f"(d[p][2]), "+f"(d[p][3])::"memory");
+      wg_fence();
+      const int kb = c * BPU + blk;
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk)
+        wgmma_ra(d[p], la[p][kk], lb[p][kk], ha[p][kk], hb[p][kk], desc(xb + kb * 1024 + kk * 256, lbo, sbo), kk > 0);
+      wg_commit();
+      if (blk > 0) {
+        wg_wait1();
+        asm volatile("" : "+f"(d[p ^ 1][0]), "+f"(d[p ^ 1][1]), "+f"(d[p ^ 1][2]), "+f"(d[p ^ 1][3])::"memory");
+        finish(kb - 1, d[p ^ 1], sa[p ^ 1], sb[p ^ 1]);
+      }
+    }
+    wg_wait0();
+    constexpr int pl = (BPU - 1) & 1;
+    asm volatile("" : "+f"(d[pl][0]), "+f"(d[pl][1]), "+f"(d[pl][2]), "+f"(d[pl][3])::"memory");
+    finish(c * BPU + BPU - 1, d[pl], sa[pl], sb[pl]);
+  }
+  if (cur >= 0) flush(cur);
+}
+
 static double e4m3_val(uint8_t b) {
   const int s = b >> 7, e = (b >> 3) & 15, m = b & 7;
   const double v = e == 0 ? std::ldexp(m / 8.0, -6) : std::ldexp(1.0 + m / 8.0, e - 7);
@@ -266,6 +380,63 @@ static void run_multi(int grid, uint8_t* dw, uint8_t* ds, uint8_t* dxs, float* d
   const float us = ms * 1000 / REPS;
   printf("  multi: %d warpgroups a CTA, depth %d, grid %4d: %6.1f us (%.2f TB/s, %.0f%% of the read)  max err / max |y| %.2e\n",
          WGS, D, grid, us, (wbytes + sbytes) / us / 1e6, 100 * read_us / us, maxerr / maxref);
+}
+
+// the unit packing of wg_fp4_ring (see there) of row-major weights hw [N, K / 2] and scales hs [N, K / 32]
+static void pack_units(const std::vector<uint8_t>& hw, const std::vector<uint8_t>& hs, int N, int K, int KC,
+                       std::vector<uint8_t>& pw, std::vector<uint8_t>& ps) {
+  const int BPU = KC / 128, CPT = K / KC;
+  pw.assign(hw.size(), 0);
+  ps.assign(hs.size(), 0);
+  for (int tile = 0; tile < N / 64; ++tile)
+    for (int c = 0; c < CPT; ++c) {
+      const size_t u = size_t(tile) * CPT + c;
+      for (int blk = 0; blk < BPU; ++blk)
+        for (int w = 0; w < 4; ++w)
+          for (int g = 0; g < 8; ++g)
+            for (int h = 0; h < 2; ++h) {
+              const size_t row = size_t(tile) * 64 + 16 * w + g + 8 * h;
+              const int kb = c * BPU + blk;
+              for (int q = 0; q < 4; ++q)
+                std::copy_n(&hw[row * K / 2 + kb * 64 + q * 16], 16,
+                            &pw[((((u * BPU + blk) * 4 + w) * 32 + 4 * g + q) * 2 + h) * 16]);
+              std::copy_n(&hs[row * K / 32 + kb * 4], 4, &ps[((((u * BPU + blk) * 4 + w) * 2 + h) * 8 + g) * 4]);
+            }
+    }
+}
+
+template <int WGS, int NBUF, int KC>
+static void run_ring(int grid, uint8_t* dw, uint8_t* ds, uint8_t* dxs, float* dsx, float* dy, int N, int K,
+                     size_t wbytes, size_t sbytes, int copies, int lbo_k, const std::vector<double>& ref, float read_us,
+                     int rows = 0) {
+  // rows: the first `rows` of N only (the units are tile-major), against the read scaled to them
+  const int NR = rows ? rows : N;
+  const double part = double(NR) / N;
+  const size_t smem = size_t(K / 128) * 1024 + size_t(WGS) * NBUF * (34 * KC) + 16 * WGS * NBUF;
+  auto kern = wg_fp4_ring<WGS, NBUF, KC>;
+  if (smem > 232448) { printf("  ring: %d warpgroups, %d slots of %d K: %zu bytes of shared memory, too many\n", WGS, NBUF, KC, smem); return; }
+  CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+  CK(cudaMemset(dy, 0, N * 4));
+  kern<<<grid, 160 * WGS, smem>>>(dw, ds, dxs, dsx, dy, NR, K, lbo_k);
+  CK(cudaGetLastError()); CK(cudaDeviceSynchronize());
+  std::vector<float> hy(N);
+  CK(cudaMemcpy(hy.data(), dy, N * 4, cudaMemcpyDeviceToHost));
+  double maxerr = 0, maxref = 0;
+  for (int r = 0; r < NR; ++r) {
+    const double e = std::fabs(hy[r] - ref[r]);
+    maxerr = std::max(maxerr, e == e ? e : INFINITY);
+    maxref = std::max(maxref, std::fabs(ref[r]));
+  }
+  cudaEvent_t e0, e1; CK(cudaEventCreate(&e0)); CK(cudaEventCreate(&e1));
+  const int REPS = 60;
+  CK(cudaEventRecord(e0));
+  for (int i = 0; i < REPS; ++i)
+    kern<<<grid, 160 * WGS, smem>>>(dw + (i % copies) * wbytes, ds + (i % copies) * sbytes, dxs, dsx, dy, NR, K, lbo_k);
+  CK(cudaEventRecord(e1)); CK(cudaEventSynchronize(e1));
+  float ms; CK(cudaEventElapsedTime(&ms, e0, e1));
+  const float us = ms * 1000 / REPS;
+  printf("  ring: %d warpgroups a CTA, %d slots of %4d K, grid %4d, %5d rows: %6.1f us (%.2f TB/s, %.0f%% of the read)  max err / max |y| %.2e\n",
+         WGS, NBUF, KC, grid, NR, us, (wbytes + sbytes) * part / us / 1e6, 100 * read_us * part / us, maxerr / maxref);
 }
 
 int main(int argc, char** argv) {
@@ -338,7 +509,35 @@ int main(int argc, char** argv) {
     run_multi<4, 2>(grid, dw, ds, dxs, dsx, dy, N, K, wbytes, sbytes, COPIES, lbo_k, ref, read_us);
     run_multi<8, 2>(grid, dw, ds, dxs, dsx, dy, N, K, wbytes, sbytes, COPIES, lbo_k, ref, read_us);
   }
+  // 3 warpgroups a CTA, one CTA an SM: a tile a warpgroup on (nearly) every SM, no SM with two CTAs
+  run_multi<4, 3>(std::min((tiles + 2) / 3, sms), dw, ds, dxs, dsx, dy, N, K, wbytes, sbytes, COPIES, lbo_k, ref, read_us);
+  run_multi<2, 3>(std::min((tiles + 2) / 3, sms), dw, ds, dxs, dsx, dy, N, K, wbytes, sbytes, COPIES, lbo_k, ref, read_us);
+  run_multi<4, 3>(sms, dw, ds, dxs, dsx, dy, N, K, wbytes, sbytes, COPIES, lbo_k, ref, read_us);
   run_multi<4, 4>(std::min((tiles + 3) / 4, sms), dw, ds, dxs, dsx, dy, N, K, wbytes, sbytes, COPIES, lbo_k, ref, read_us);
   run_multi<2, 4>(std::min((tiles + 3) / 4, sms), dw, ds, dxs, dsx, dy, N, K, wbytes, sbytes, COPIES, lbo_k, ref, read_us);
+  // the ring: units packed at load, one CTA an SM
+  for (int KC : {256, 512, 1024}) {
+    std::vector<uint8_t> pw, ps;
+    pack_units(hw, hs, N, K, KC, pw, ps);
+    for (int c = 0; c < COPIES; ++c) {
+      CK(cudaMemcpy(dw + c * wbytes, pw.data(), wbytes, cudaMemcpyHostToDevice));
+      CK(cudaMemcpy(ds + c * sbytes, ps.data(), sbytes, cudaMemcpyHostToDevice));
+    }
+    if (KC == 256) {
+      run_ring<4, 3, 256>(sms, dw, ds, dxs, dsx, dy, N, K, wbytes, sbytes, COPIES, lbo_k, ref, read_us);
+      run_ring<5, 3, 256>(sms, dw, ds, dxs, dsx, dy, N, K, wbytes, sbytes, COPIES, lbo_k, ref, read_us);
+    } else if (KC == 512) {
+      run_ring<1, 8, 512>(sms, dw, ds, dxs, dsx, dy, N, K, wbytes, sbytes, COPIES, lbo_k, ref, read_us);
+      run_ring<2, 4, 512>(sms, dw, ds, dxs, dsx, dy, N, K, wbytes, sbytes, COPIES, lbo_k, ref, read_us);
+      run_ring<3, 3, 512>(sms, dw, ds, dxs, dsx, dy, N, K, wbytes, sbytes, COPIES, lbo_k, ref, read_us);
+      run_ring<4, 2, 512>(sms, dw, ds, dxs, dsx, dy, N, K, wbytes, sbytes, COPIES, lbo_k, ref, read_us);
+      // the same on a half and a quarter of the rows: time against bytes, the fixed cost its intercept
+      run_ring<4, 2, 512>(sms, dw, ds, dxs, dsx, dy, N, K, wbytes, sbytes, COPIES, lbo_k, ref, read_us, N / 2);
+      run_ring<4, 2, 512>(sms, dw, ds, dxs, dsx, dy, N, K, wbytes, sbytes, COPIES, lbo_k, ref, read_us, N / 4);
+    } else {
+      run_ring<1, 5, 1024>(sms, dw, ds, dxs, dsx, dy, N, K, wbytes, sbytes, COPIES, lbo_k, ref, read_us);
+      run_ring<2, 2, 1024>(sms, dw, ds, dxs, dsx, dy, N, K, wbytes, sbytes, COPIES, lbo_k, ref, read_us);
+    }
+  }
   return 0;
 }
