@@ -85,32 +85,6 @@ def on_device(t: torch.Tensor):
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
-_COUNTERS: dict = {}     # (device, owner) -> the zeroed int32 counters (row_counters)
-_RETIRED: list = []      # counters a larger set replaced: a captured graph may still hold them
-COUNTERS_MIN = 64        # rows a first set holds (decode and verify rows are a few)
-
-
-def row_counters(device: torch.device, rows: int, owner: str) -> torch.Tensor:
-    """Arrival counters [rows] int32 of a kernel whose programs count themselves in per row, the
-    row's last arrival doing the row's finish and setting its counter back to 0: zeroed once,
-    then kept for the process (fixed addresses, as a captured graph needs). One set per (device,
-    owner): an owner's launches on a device must run one at a time (in stream order; with PDL a
-    kernel touches its counter only after its wait, when every kernel before it has finished).
-    A set is made outside a capture: the eager warm-up runs every launch shape first."""
-    device = torch.device(device)
-    key = (device, owner)
-    have = _COUNTERS.get(key)
-    if have is None or have.numel() < rows:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"row_counters({owner!r}): {rows} rows first asked for during a "
-                               "graph capture; run the launch eagerly once before capturing it")
-        if have is not None:
-            _RETIRED.append(have)
-        have = torch.zeros(max(rows, COUNTERS_MIN), dtype=torch.int32, device=device)
-        _COUNTERS[key] = have
-    return have[:rows]
-
-
 @dataclass(frozen=True)
 class Config:
     """A fixed launch config: BN output rows per program, NB blocks of 128 K-elements per step;
