@@ -16,6 +16,7 @@
 #include <cmath>
 #include <vector>
 #include <algorithm>
+#include <string>
 
 
 __device__ __forceinline__ void wgmma_ra(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint64_t db, int acc) {
@@ -444,7 +445,11 @@ int main(int argc, char** argv) {
   const int lbo_k = argc > 1 ? atoi(argv[1]) : 1;
   cudaDeviceProp prop;
   const int sms = sm_count(prop);
-  const int N = 24576, K = 4096, KB = K / 128, COPIES = 3;
+  // argv: lbo_k, K (4096: up's w1 + w3; 2048: down's w2, 6 experts x 4,096 rows), `ring`: the
+  // ring kernel only
+  const int K = argc > 2 ? atoi(argv[2]) : 4096;
+  const bool ring_only = argc > 3 && std::string(argv[3]) == "ring";
+  const int N = 24576, KB = K / 128, COPIES = 3;
   const size_t wbytes = size_t(N) * K / 2, sbytes = size_t(N) * K / 32;
   printf("%s, %d SMs; FP4 %d x %d (%.1f MB with scales); lbo_k %d\n", prop.name, sms, N, K, (wbytes + sbytes) / 1e6, lbo_k);
   std::vector<uint8_t> hw(wbytes), hs(sbytes), hx(K);
@@ -494,29 +499,32 @@ int main(int argc, char** argv) {
   }
   printf("read alone (weights only, %.1f MB): %.1f us (%.2f TB/s)\n", wbytes / 1e6, read_us, wbytes / read_us / 1e6);
   int last = 0;
-  for (int cps : {1, 2, 3, 4, 6, 8}) {   // a CTA a 64-row tile (no split K): at most N / 64 CTAs
-    const int grid = std::min(N / 64, sms * cps);
-    if (grid == last) break;
-    last = grid;
-    run<2>("wgmma", grid, dw, ds, dxs, dsx, dy, N, K, wbytes, sbytes, COPIES, lbo_k, ref, read_us);
-    run<4>("wgmma", grid, dw, ds, dxs, dsx, dy, N, K, wbytes, sbytes, COPIES, lbo_k, ref, read_us);
+  if (!ring_only) {
+    for (int cps : {1, 2, 3, 4, 6, 8}) {   // a CTA a 64-row tile (no split K): at most N / 64 CTAs
+      const int grid = std::min(N / 64, sms * cps);
+      if (grid == last) break;
+      last = grid;
+      run<2>("wgmma", grid, dw, ds, dxs, dsx, dy, N, K, wbytes, sbytes, COPIES, lbo_k, ref, read_us);
+      run<4>("wgmma", grid, dw, ds, dxs, dsx, dy, N, K, wbytes, sbytes, COPIES, lbo_k, ref, read_us);
+    }
+    // the multi-warpgroup kernel: N / 64 warpgroups at most (each grid once)
+    const int tiles = N / 64;
+    for (int cps : {1, 2, 3}) {
+      const int grid = std::min((tiles + 1) / 2, sms * cps);
+      if (cps > 1 && grid == std::min((tiles + 1) / 2, sms * (cps - 1))) break;
+      run_multi<4, 2>(grid, dw, ds, dxs, dsx, dy, N, K, wbytes, sbytes, COPIES, lbo_k, ref, read_us);
+      run_multi<8, 2>(grid, dw, ds, dxs, dsx, dy, N, K, wbytes, sbytes, COPIES, lbo_k, ref, read_us);
+    }
+    // 3 warpgroups a CTA, one CTA an SM: a tile a warpgroup on (nearly) every SM, no SM with two CTAs
+    run_multi<4, 3>(std::min((tiles + 2) / 3, sms), dw, ds, dxs, dsx, dy, N, K, wbytes, sbytes, COPIES, lbo_k, ref, read_us);
+    run_multi<2, 3>(std::min((tiles + 2) / 3, sms), dw, ds, dxs, dsx, dy, N, K, wbytes, sbytes, COPIES, lbo_k, ref, read_us);
+    run_multi<4, 3>(sms, dw, ds, dxs, dsx, dy, N, K, wbytes, sbytes, COPIES, lbo_k, ref, read_us);
+    run_multi<4, 4>(std::min((tiles + 3) / 4, sms), dw, ds, dxs, dsx, dy, N, K, wbytes, sbytes, COPIES, lbo_k, ref, read_us);
+    run_multi<2, 4>(std::min((tiles + 3) / 4, sms), dw, ds, dxs, dsx, dy, N, K, wbytes, sbytes, COPIES, lbo_k, ref, read_us);
   }
-  // the multi-warpgroup kernel: N / 64 warpgroups at most (each grid once)
-  const int tiles = N / 64;
-  for (int cps : {1, 2, 3}) {
-    const int grid = std::min((tiles + 1) / 2, sms * cps);
-    if (cps > 1 && grid == std::min((tiles + 1) / 2, sms * (cps - 1))) break;
-    run_multi<4, 2>(grid, dw, ds, dxs, dsx, dy, N, K, wbytes, sbytes, COPIES, lbo_k, ref, read_us);
-    run_multi<8, 2>(grid, dw, ds, dxs, dsx, dy, N, K, wbytes, sbytes, COPIES, lbo_k, ref, read_us);
-  }
-  // 3 warpgroups a CTA, one CTA an SM: a tile a warpgroup on (nearly) every SM, no SM with two CTAs
-  run_multi<4, 3>(std::min((tiles + 2) / 3, sms), dw, ds, dxs, dsx, dy, N, K, wbytes, sbytes, COPIES, lbo_k, ref, read_us);
-  run_multi<2, 3>(std::min((tiles + 2) / 3, sms), dw, ds, dxs, dsx, dy, N, K, wbytes, sbytes, COPIES, lbo_k, ref, read_us);
-  run_multi<4, 3>(sms, dw, ds, dxs, dsx, dy, N, K, wbytes, sbytes, COPIES, lbo_k, ref, read_us);
-  run_multi<4, 4>(std::min((tiles + 3) / 4, sms), dw, ds, dxs, dsx, dy, N, K, wbytes, sbytes, COPIES, lbo_k, ref, read_us);
-  run_multi<2, 4>(std::min((tiles + 3) / 4, sms), dw, ds, dxs, dsx, dy, N, K, wbytes, sbytes, COPIES, lbo_k, ref, read_us);
   // the ring: units packed at load, one CTA an SM
   for (int KC : {256, 512, 1024}) {
+    if (K % KC) continue;
     std::vector<uint8_t> pw, ps;
     pack_units(hw, hs, N, K, KC, pw, ps);
     for (int c = 0; c < COPIES; ++c) {
