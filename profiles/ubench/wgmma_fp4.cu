@@ -216,12 +216,21 @@ __global__ void __launch_bounds__(128 * WGS) wg_fp4_multi(const uint8_t* __restr
 // G) in tile-major order (U = N / 64 * K / KC, G warpgroups): even shares, split K where a share
 // starts or ends inside a tile, its rows' sums added into y (zeroed first; float atomics, so the
 // order of a split tile's two adds may vary: a timing ubench). A slot is released once its last
-// block is read into registers.
-template <int WGS, int NBUF, int KC>
+// block is read into registers. ROWS: the weights in the checkpoint's row-major layout instead
+// (no packing): the producer warp's lanes copy each of the unit's 64 rows (KC / 2 bytes, and its
+// KC / 32 scale bytes) on their own, into slot rows padded to RS bytes (RS % 128 == 64: a
+// quarter-warp's 16-byte reads fall on distinct banks).
+template <int KC, bool ROWS> struct RingUnit {
+  static constexpr int RS = ROWS ? KC / 2 + 64 : 0;
+  static constexpr int WB = ROWS ? 64 * RS : 32 * KC, SB = 2 * KC, UB = WB + SB;
+};
+template <int WGS, int NBUF, int KC, bool ROWS = false>
 __global__ void __launch_bounds__(WGS * 160, 1) wg_fp4_ring(const uint8_t* __restrict__ Wp, const uint8_t* __restrict__ Sp,
                                                            const uint8_t* __restrict__ xsg, const float* __restrict__ sx,
                                                            float* __restrict__ y, int N, int K, int lbo_k) {
-  constexpr int BPU = KC / 128, WB = 32 * KC, SB = 2 * KC, UB = WB + SB;
+  static_assert(!ROWS || KC >= 512, "a row's scales of a unit: at least a 16-byte copy");
+  constexpr int BPU = KC / 128, RS = RingUnit<KC, ROWS>::RS, WB = RingUnit<KC, ROWS>::WB;
+  constexpr int SB = RingUnit<KC, ROWS>::SB, UB = RingUnit<KC, ROWS>::UB;
   extern __shared__ __align__(1024) uint8_t sm[];
   const int KB = K / 128, tid = threadIdx.x;
   uint8_t* xs = sm;
@@ -245,14 +254,30 @@ __global__ void __launch_bounds__(WGS * 160, 1) wg_fp4_ring(const uint8_t* __res
   uint64_t* empty = bars + WGS * NBUF + wgi * NBUF;
   uint8_t* ring = slots + size_t(wgi) * NBUF * UB;
   if (producer) {
-    if ((tid & 31) == 0)
-      for (int u = u0, t = 0; u < u1; ++u, ++t) {
-        const int s = t % NBUF;
-        mbar_wait(&empty[s], ((t / NBUF) & 1) ^ 1);
-        mbar_expect(&full[s], UB);
-        bulk_g2s(ring + s * UB, Wp + size_t(u) * WB, WB, &full[s]);
-        bulk_g2s(ring + s * UB + WB, Sp + size_t(u) * SB, SB, &full[s]);
+    const int pl = tid & 31;
+    for (int u = u0, t = 0; u < u1; ++u, ++t) {
+      const int s = t % NBUF;
+      if (!ROWS) {
+        if (pl == 0) {
+          mbar_wait(&empty[s], ((t / NBUF) & 1) ^ 1);
+          mbar_expect(&full[s], UB);
+          bulk_g2s(ring + s * UB, Wp + size_t(u) * WB, WB, &full[s]);
+          bulk_g2s(ring + s * UB + WB, Sp + size_t(u) * SB, SB, &full[s]);
+        }
+        continue;
       }
+      if (pl == 0) {   // the slot free, and the bytes to come counted before any copy lands
+        mbar_wait(&empty[s], ((t / NBUF) & 1) ^ 1);
+        mbar_expect(&full[s], 64 * (KC / 2 + KC / 32));
+      }
+      __syncwarp();
+      const int tile = u / CPT, c = u % CPT;
+      for (int r = pl; r < 64; r += 32) {
+        const size_t row = size_t(tile) * 64 + r;
+        bulk_g2s(ring + s * UB + r * RS, Wp + row * (K / 2) + c * (KC / 2), KC / 2, &full[s]);
+        bulk_g2s(ring + s * UB + WB + r * (KC / 32), Sp + row * (K / 32) + c * (KC / 32), KC / 32, &full[s]);
+      }
+    }
     return;
   }
   const int t = tid % 128, warp = t / 32, lane = t % 32, g = lane / 4, q = lane % 4;
@@ -283,11 +308,22 @@ __global__ void __launch_bounds__(WGS * 160, 1) wg_fp4_ring(const uint8_t* __res
 #pragma unroll
     for (int blk = 0; blk < BPU; ++blk) {
       const int p = blk & 1;
-      const uint4* wp = reinterpret_cast<const uint4*>(slot) + ((blk * 4 + warp) * 32 + lane) * 2;
-      const uint4 A = wp[0], B = wp[1];
-      const uint32_t* sp = reinterpret_cast<const uint32_t*>(slot + WB) + (blk * 4 + warp) * 16;
-      sa[p] = q < 2 ? sp[g] : 0u;
-      sb[p] = q < 2 ? sp[8 + g] : 0u;
+      uint4 A, B;
+      if (ROWS) {   // rows 16 warp + g and + 8, the block's 64 bytes, the lane's 16
+        const uint8_t* wr = slot + (warp * 16 + g) * RS + blk * 64 + q * 16;
+        A = *reinterpret_cast<const uint4*>(wr);
+        B = *reinterpret_cast<const uint4*>(wr + 8 * RS);
+        const uint8_t* sr = slot + WB + (warp * 16 + g) * (KC / 32) + blk * 4;
+        sa[p] = q < 2 ? *reinterpret_cast<const uint32_t*>(sr) : 0u;
+        sb[p] = q < 2 ? *reinterpret_cast<const uint32_t*>(sr + 8 * (KC / 32)) : 0u;
+      } else {
+        const uint4* wp = reinterpret_cast<const uint4*>(slot) + ((blk * 4 + warp) * 32 + lane) * 2;
+        A = wp[0];
+        B = wp[1];
+        const uint32_t* sp = reinterpret_cast<const uint32_t*>(slot + WB) + (blk * 4 + warp) * 16;
+        sa[p] = q < 2 ? sp[g] : 0u;
+        sb[p] = q < 2 ? sp[8 + g] : 0u;
+      }
       e2m1x8_to_e4m3(A.x, la[p][0], ha[p][0]); e2m1x8_to_e4m3(B.x, lb[p][0], hb[p][0]);
       e2m1x8_to_e4m3(A.y, la[p][1], ha[p][1]); e2m1x8_to_e4m3(B.y, lb[p][1], hb[p][1]);
       e2m1x8_to_e4m3(A.z, la[p][2], ha[p][2]); e2m1x8_to_e4m3(B.z, lb[p][2], hb[p][2]);
@@ -406,15 +442,15 @@ static void pack_units(const std::vector<uint8_t>& hw, const std::vector<uint8_t
     }
 }
 
-template <int WGS, int NBUF, int KC>
+template <int WGS, int NBUF, int KC, bool ROWS = false>
 static void run_ring(int grid, uint8_t* dw, uint8_t* ds, uint8_t* dxs, float* dsx, float* dy, int N, int K,
                      size_t wbytes, size_t sbytes, int copies, int lbo_k, const std::vector<double>& ref, float read_us,
                      int rows = 0) {
   // rows: the first `rows` of N only (the units are tile-major), against the read scaled to them
   const int NR = rows ? rows : N;
   const double part = double(NR) / N;
-  const size_t smem = size_t(K / 128) * 1024 + size_t(WGS) * NBUF * (34 * KC) + 16 * WGS * NBUF;
-  auto kern = wg_fp4_ring<WGS, NBUF, KC>;
+  const size_t smem = size_t(K / 128) * 1024 + size_t(WGS) * NBUF * RingUnit<KC, ROWS>::UB + 16 * WGS * NBUF;
+  auto kern = wg_fp4_ring<WGS, NBUF, KC, ROWS>;
   if (smem > 232448) { printf("  ring: %d warpgroups, %d slots of %d K: %zu bytes of shared memory, too many\n", WGS, NBUF, KC, smem); return; }
   CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
   CK(cudaMemset(dy, 0, N * 4));
@@ -436,8 +472,8 @@ static void run_ring(int grid, uint8_t* dw, uint8_t* ds, uint8_t* dxs, float* ds
   CK(cudaEventRecord(e1)); CK(cudaEventSynchronize(e1));
   float ms; CK(cudaEventElapsedTime(&ms, e0, e1));
   const float us = ms * 1000 / REPS;
-  printf("  ring: %d warpgroups a CTA, %d slots of %4d K, grid %4d, %5d rows: %6.1f us (%.2f TB/s, %.0f%% of the read)  max err / max |y| %.2e\n",
-         WGS, NBUF, KC, grid, NR, us, (wbytes + sbytes) * part / us / 1e6, 100 * read_us * part / us, maxerr / maxref);
+  printf("  ring%s: %d warpgroups a CTA, %d slots of %4d K, grid %4d, %5d rows: %6.1f us (%.2f TB/s, %.0f%% of the read)  max err / max |y| %.2e\n",
+         ROWS ? " (rows)" : "", WGS, NBUF, KC, grid, NR, us, (wbytes + sbytes) * part / us / 1e6, 100 * read_us * part / us, maxerr / maxref);
 }
 
 int main(int argc, char** argv) {
@@ -522,7 +558,10 @@ int main(int argc, char** argv) {
     run_multi<4, 4>(std::min((tiles + 3) / 4, sms), dw, ds, dxs, dsx, dy, N, K, wbytes, sbytes, COPIES, lbo_k, ref, read_us);
     run_multi<2, 4>(std::min((tiles + 3) / 4, sms), dw, ds, dxs, dsx, dy, N, K, wbytes, sbytes, COPIES, lbo_k, ref, read_us);
   }
-  // the ring: units packed at load, one CTA an SM
+  // the ring on the checkpoint's layout (a copy a row), then on units packed at load; one CTA an SM
+  run_ring<4, 2, 512, true>(sms, dw, ds, dxs, dsx, dy, N, K, wbytes, sbytes, COPIES, lbo_k, ref, read_us);
+  run_ring<3, 3, 512, true>(sms, dw, ds, dxs, dsx, dy, N, K, wbytes, sbytes, COPIES, lbo_k, ref, read_us);
+  run_ring<2, 2, 1024, true>(sms, dw, ds, dxs, dsx, dy, N, K, wbytes, sbytes, COPIES, lbo_k, ref, read_us);
   for (int KC : {256, 512, 1024}) {
     if (K % KC) continue;
     std::vector<uint8_t> pw, ps;
