@@ -8,6 +8,8 @@
 // wg_fp4: a warpgroup a CTA, each block's wgmmas waited for; wg_fp4_multi: 2-4 warpgroups a
 // CTA, a block's wgmmas in flight while the next is decoded; wg_fp4_ring: the same consumers fed
 // from shared memory by a producer warp's bulk copies of units packed at load (one CTA an SM).
+#include <cuda.h>
+#include <cudaTypedefs.h>
 #include <cuda_runtime.h>
 #include "ring.cuh"
 #include <cstdio>
@@ -216,21 +218,31 @@ __global__ void __launch_bounds__(128 * WGS) wg_fp4_multi(const uint8_t* __restr
 // G) in tile-major order (U = N / 64 * K / KC, G warpgroups): even shares, split K where a share
 // starts or ends inside a tile, its rows' sums added into y (zeroed first; float atomics, so the
 // order of a split tile's two adds may vary: a timing ubench). A slot is released once its last
-// block is read into registers. ROWS: the weights in the checkpoint's row-major layout instead
-// (no packing): the producer warp's lanes copy each of the unit's 64 rows (KC / 2 bytes, and its
-// KC / 32 scale bytes) on their own, into slot rows padded to RS bytes (RS % 128 == 64: a
-// quarter-warp's 16-byte reads fall on distinct banks).
-template <int KC, bool ROWS> struct RingUnit {
-  static constexpr int RS = ROWS ? KC / 2 + 64 : 0;
-  static constexpr int WB = ROWS ? 64 * RS : 32 * KC, SB = 2 * KC, UB = WB + SB;
+// block is read into registers. MODE (RING_PACKED above) RING_ROWS: the weights in the
+// checkpoint's row-major layout instead (no packing): the producer warp's lanes copy each of the
+// unit's 64 rows (KC / 2 bytes, and its KC / 32 scale bytes) on their own, into slot rows padded
+// to RS bytes (RS % 128 == 64: a quarter-warp's 16-byte reads fall on distinct banks). RING_TMA:
+// the checkpoint's layout through 2-D tensor copies (tw, ts: tensor maps of the weights [N, K / 2]
+// and the scales [N, K / 32] bytes, boxes of 64 rows x KC / 2 and KC / 32), one copy a unit for
+// each, into dense slot rows (RS = KC / 2, no swizzle: two-way bank conflicts).
+enum { RING_PACKED = 0, RING_ROWS = 1, RING_TMA = 2 };
+template <int KC, int MODE> struct RingUnit {
+  static constexpr int RS = MODE == RING_ROWS ? KC / 2 + 64 : MODE == RING_TMA ? KC / 2 : 0;
+  static constexpr int WB = MODE == RING_PACKED ? 32 * KC : 64 * RS, SB = 2 * KC, UB = WB + SB;
 };
-template <int WGS, int NBUF, int KC, bool ROWS = false>
+__device__ __forceinline__ void tma2d(void* dst, const CUtensorMap* m, int c0, int c1, uint64_t* bar) {
+  asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n"
+               ::"r"(smem_u32(dst)), "l"(m), "r"(c0), "r"(c1), "r"(smem_u32(bar)) : "memory");
+}
+template <int WGS, int NBUF, int KC, int MODE = RING_PACKED>
 __global__ void __launch_bounds__(WGS * 160, 1) wg_fp4_ring(const uint8_t* __restrict__ Wp, const uint8_t* __restrict__ Sp,
                                                            const uint8_t* __restrict__ xsg, const float* __restrict__ sx,
-                                                           float* __restrict__ y, int N, int K, int lbo_k) {
-  static_assert(!ROWS || KC >= 512, "a row's scales of a unit: at least a 16-byte copy");
-  constexpr int BPU = KC / 128, RS = RingUnit<KC, ROWS>::RS, WB = RingUnit<KC, ROWS>::WB;
-  constexpr int SB = RingUnit<KC, ROWS>::SB, UB = RingUnit<KC, ROWS>::UB;
+                                                           float* __restrict__ y, int N, int K, int lbo_k,
+                                                           const __grid_constant__ CUtensorMap tw,
+                                                           const __grid_constant__ CUtensorMap ts) {
+  static_assert(MODE == RING_PACKED || KC >= 512, "a row's scales of a unit: at least a 16-byte copy");
+  constexpr int BPU = KC / 128, RS = RingUnit<KC, MODE>::RS, WB = RingUnit<KC, MODE>::WB;
+  constexpr int SB = RingUnit<KC, MODE>::SB, UB = RingUnit<KC, MODE>::UB;
   extern __shared__ __align__(1024) uint8_t sm[];
   const int KB = K / 128, tid = threadIdx.x;
   uint8_t* xs = sm;
@@ -257,12 +269,21 @@ __global__ void __launch_bounds__(WGS * 160, 1) wg_fp4_ring(const uint8_t* __res
     const int pl = tid & 31;
     for (int u = u0, t = 0; u < u1; ++u, ++t) {
       const int s = t % NBUF;
-      if (!ROWS) {
+      if (MODE == RING_PACKED) {
         if (pl == 0) {
           mbar_wait(&empty[s], ((t / NBUF) & 1) ^ 1);
           mbar_expect(&full[s], UB);
           bulk_g2s(ring + s * UB, Wp + size_t(u) * WB, WB, &full[s]);
           bulk_g2s(ring + s * UB + WB, Sp + size_t(u) * SB, SB, &full[s]);
+        }
+        continue;
+      }
+      if (MODE == RING_TMA) {
+        if (pl == 0) {
+          mbar_wait(&empty[s], ((t / NBUF) & 1) ^ 1);
+          mbar_expect(&full[s], UB);
+          tma2d(ring + s * UB, &tw, (u % CPT) * (KC / 2), (u / CPT) * 64, &full[s]);
+          tma2d(ring + s * UB + WB, &ts, (u % CPT) * (KC / 32), (u / CPT) * 64, &full[s]);
         }
         continue;
       }
@@ -309,7 +330,7 @@ __global__ void __launch_bounds__(WGS * 160, 1) wg_fp4_ring(const uint8_t* __res
     for (int blk = 0; blk < BPU; ++blk) {
       const int p = blk & 1;
       uint4 A, B;
-      if (ROWS) {   // rows 16 warp + g and + 8, the block's 64 bytes, the lane's 16
+      if (MODE != RING_PACKED) {   // rows 16 warp + g and + 8, the block's 64 bytes, the lane's 16
         const uint8_t* wr = slot + (warp * 16 + g) * RS + blk * 64 + q * 16;
         A = *reinterpret_cast<const uint4*>(wr);
         B = *reinterpret_cast<const uint4*>(wr + 8 * RS);
@@ -442,19 +463,44 @@ static void pack_units(const std::vector<uint8_t>& hw, const std::vector<uint8_t
     }
 }
 
-template <int WGS, int NBUF, int KC, bool ROWS = false>
+// a 2-D tensor map of bytes [rows, inner] (row-major), boxes of box_rows x box_inner
+static CUtensorMap byte_map(const void* base, uint64_t inner, uint64_t rows, uint32_t box_inner, uint32_t box_rows) {
+  static PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
+  if (encode == nullptr) {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult q;
+    CK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &q));
+    encode = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+  }
+  CUtensorMap m;
+  cuuint64_t dims[2] = {inner, rows}, strides[1] = {inner};
+  cuuint32_t box[2] = {box_inner, box_rows}, es[2] = {1, 1};
+  const CUresult r = encode(&m, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<void*>(base), dims, strides, box, es,
+                            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS) { printf("cuTensorMapEncodeTiled: error %d\n", int(r)); exit(1); }
+  return m;
+}
+
+template <int WGS, int NBUF, int KC, int MODE = RING_PACKED>
 static void run_ring(int grid, uint8_t* dw, uint8_t* ds, uint8_t* dxs, float* dsx, float* dy, int N, int K,
                      size_t wbytes, size_t sbytes, int copies, int lbo_k, const std::vector<double>& ref, float read_us,
                      int rows = 0) {
   // rows: the first `rows` of N only (the units are tile-major), against the read scaled to them
   const int NR = rows ? rows : N;
   const double part = double(NR) / N;
-  const size_t smem = size_t(K / 128) * 1024 + size_t(WGS) * NBUF * RingUnit<KC, ROWS>::UB + 16 * WGS * NBUF;
-  auto kern = wg_fp4_ring<WGS, NBUF, KC, ROWS>;
+  const size_t smem = size_t(K / 128) * 1024 + size_t(WGS) * NBUF * RingUnit<KC, MODE>::UB + 16 * WGS * NBUF;
+  auto kern = wg_fp4_ring<WGS, NBUF, KC, MODE>;
+  std::vector<CUtensorMap> tw, ts;   // a pair per copy of the weights (MODE RING_TMA reads them)
+  for (int c = 0; c < copies; ++c) {
+    CUtensorMap none{};
+    tw.push_back(MODE == RING_TMA ? byte_map(dw + c * wbytes, K / 2, N, KC / 2, 64) : none);
+    ts.push_back(MODE == RING_TMA ? byte_map(ds + c * sbytes, K / 32, N, KC / 32, 64) : none);
+  }
   if (smem > 232448) { printf("  ring: %d warpgroups, %d slots of %d K: %zu bytes of shared memory, too many\n", WGS, NBUF, KC, smem); return; }
   CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
   CK(cudaMemset(dy, 0, N * 4));
-  kern<<<grid, 160 * WGS, smem>>>(dw, ds, dxs, dsx, dy, NR, K, lbo_k);
+  kern<<<grid, 160 * WGS, smem>>>(dw, ds, dxs, dsx, dy, NR, K, lbo_k, tw[0], ts[0]);
   CK(cudaGetLastError()); CK(cudaDeviceSynchronize());
   std::vector<float> hy(N);
   CK(cudaMemcpy(hy.data(), dy, N * 4, cudaMemcpyDeviceToHost));
@@ -468,12 +514,13 @@ static void run_ring(int grid, uint8_t* dw, uint8_t* ds, uint8_t* dxs, float* ds
   const int REPS = 60;
   CK(cudaEventRecord(e0));
   for (int i = 0; i < REPS; ++i)
-    kern<<<grid, 160 * WGS, smem>>>(dw + (i % copies) * wbytes, ds + (i % copies) * sbytes, dxs, dsx, dy, NR, K, lbo_k);
+    kern<<<grid, 160 * WGS, smem>>>(dw + (i % copies) * wbytes, ds + (i % copies) * sbytes, dxs, dsx, dy, NR, K, lbo_k,
+                                    tw[i % copies], ts[i % copies]);
   CK(cudaEventRecord(e1)); CK(cudaEventSynchronize(e1));
   float ms; CK(cudaEventElapsedTime(&ms, e0, e1));
   const float us = ms * 1000 / REPS;
   printf("  ring%s: %d warpgroups a CTA, %d slots of %4d K, grid %4d, %5d rows: %6.1f us (%.2f TB/s, %.0f%% of the read)  max err / max |y| %.2e\n",
-         ROWS ? " (rows)" : "", WGS, NBUF, KC, grid, NR, us, (wbytes + sbytes) * part / us / 1e6, 100 * read_us * part / us, maxerr / maxref);
+         MODE == RING_ROWS ? " (rows)" : MODE == RING_TMA ? " (2-D TMA)" : "", WGS, NBUF, KC, grid, NR, us, (wbytes + sbytes) * part / us / 1e6, 100 * read_us * part / us, maxerr / maxref);
 }
 
 int main(int argc, char** argv) {
@@ -559,9 +606,10 @@ int main(int argc, char** argv) {
     run_multi<2, 4>(std::min((tiles + 3) / 4, sms), dw, ds, dxs, dsx, dy, N, K, wbytes, sbytes, COPIES, lbo_k, ref, read_us);
   }
   // the ring on the checkpoint's layout (a copy a row), then on units packed at load; one CTA an SM
-  run_ring<4, 2, 512, true>(sms, dw, ds, dxs, dsx, dy, N, K, wbytes, sbytes, COPIES, lbo_k, ref, read_us);
-  run_ring<3, 3, 512, true>(sms, dw, ds, dxs, dsx, dy, N, K, wbytes, sbytes, COPIES, lbo_k, ref, read_us);
-  run_ring<2, 2, 1024, true>(sms, dw, ds, dxs, dsx, dy, N, K, wbytes, sbytes, COPIES, lbo_k, ref, read_us);
+  run_ring<4, 2, 512, RING_TMA>(sms, dw, ds, dxs, dsx, dy, N, K, wbytes, sbytes, COPIES, lbo_k, ref, read_us);
+  run_ring<3, 3, 512, RING_TMA>(sms, dw, ds, dxs, dsx, dy, N, K, wbytes, sbytes, COPIES, lbo_k, ref, read_us);
+  run_ring<4, 2, 512, RING_ROWS>(sms, dw, ds, dxs, dsx, dy, N, K, wbytes, sbytes, COPIES, lbo_k, ref, read_us);
+  run_ring<2, 2, 1024, RING_ROWS>(sms, dw, ds, dxs, dsx, dy, N, K, wbytes, sbytes, COPIES, lbo_k, ref, read_us);
   for (int KC : {256, 512, 1024}) {
     if (K % KC) continue;
     std::vector<uint8_t> pw, ps;
