@@ -39,6 +39,43 @@ __device__ __forceinline__ void e2m1x8_to_e4m3(uint32_t w, uint32_t& lo, uint32_
 }
 __device__ __forceinline__ float e8m0(uint32_t b) { return __uint_as_float((b & 0xFFu) << 23); }
 
+// A lane's operands of one 128-block from its 16 bytes of rows g (A) and g + 8 (B): la / lb the
+// even elements, ha / hb the odd ones, as e4m3 (word kk feeds wgmma kk).
+__device__ __forceinline__ void decode_block(const uint4& A, const uint4& B, uint32_t (&la)[4], uint32_t (&ha)[4],
+                                             uint32_t (&lb)[4], uint32_t (&hb)[4]) {
+  e2m1x8_to_e4m3(A.x, la[0], ha[0]); e2m1x8_to_e4m3(B.x, lb[0], hb[0]);
+  e2m1x8_to_e4m3(A.y, la[1], ha[1]); e2m1x8_to_e4m3(B.y, lb[1], hb[1]);
+  e2m1x8_to_e4m3(A.z, la[2], ha[2]); e2m1x8_to_e4m3(B.z, lb[2], hb[2]);
+  e2m1x8_to_e4m3(A.w, la[3], ha[3]); e2m1x8_to_e4m3(B.w, lb[3], hb[3]);
+}
+
+// DEPTH 128-blocks of a lane's weights in flight in registers (wg_fp4, wg_fp4_multi): block j of
+// the lane's chain in slot j % DEPTH, its 16 bytes of rows r and r + 8 (wa / wb) and, for lanes q
+// < 2, their scale words (groups 4kb .. 4kb + 3; ka / kb8).
+template <int DEPTH> struct LaneBlocks {
+  uint4 wa[DEPTH], wb[DEPTH];
+  uint32_t ka[DEPTH], kb8[DEPTH];
+  __device__ __forceinline__ void load(int slot, const uint8_t* W, const uint8_t* S, size_t r, int kb, int q, size_t wrow,
+                                       size_t srow) {
+    const uint8_t* p = W + r * wrow + kb * 64 + q * 16;
+    wa[slot] = ldg_na(p);
+    wb[slot] = ldg_na(p + 8 * wrow);
+    const uint8_t* sp = S + r * srow + kb * 4;
+    ka[slot] = q < 2 ? ldg_u32(sp) : 0u;
+    kb8[slot] = q < 2 ? ldg_u32(sp + 8 * srow) : 0u;
+  }
+};
+
+// t0 / t1 (rows g, g + 8) += a block's column sums d, scaled by f (the activation block's scale
+// and the decode's 2^6) and, lanes q < 2 (columns 2q, 2q + 1 = groups 4kb + 2q, + 1), by the rows'
+// group scales sa / sb
+__device__ __forceinline__ void scale_add(float& t0, float& t1, const float (&d)[4], uint32_t sa, uint32_t sb, float f,
+                                          int q) {
+  const int sh = 16 * (q & 1);
+  t0 += (d[0] * e8m0(sa >> sh) + d[1] * e8m0(sa >> (sh + 8))) * f;
+  t1 += (d[2] * e8m0(sb >> sh) + d[3] * e8m0(sb >> (sh + 8))) * f;
+}
+
 // One CTA = one warpgroup; tile = 64 rows x all K; warp w rows 16w..16w+15; lane (g, q) loads
 // the 16 bytes of group q of each 128-block for rows g and g + 8 (4 words: word kk feeds wgmma kk).
 // DEPTH 128-blocks of weights in flight in registers. xs: B for every 128-block (1 KB each).
@@ -56,19 +93,10 @@ __global__ void __launch_bounds__(128) wg_fp4(const uint8_t* __restrict__ W, con
   const int mine = tiles > (int)blockIdx.x ? (tiles - 1 - blockIdx.x) / G + 1 : 0;
   const int L = mine * KB;
   const size_t wrow = size_t(K) / 2, srow = size_t(K) / 32;
-  uint4 wa[DEPTH], wb[DEPTH];
-  uint32_t ka[DEPTH], kb8[DEPTH];   // the scale words (groups 4kb .. 4kb + 3) of rows g, g + 8
+  LaneBlocks<DEPTH> lb8;
   auto rows = [&](int j) { return size_t(blockIdx.x + (j / KB) * G) * 64 + warp * 16 + g; };
   auto load = [&](int j) {
-    if (j < L) {
-      const size_t r = rows(j);
-      const uint8_t* p = W + r * wrow + (j % KB) * 64 + q * 16;
-      wa[j % DEPTH] = ldg_na(p);
-      wb[j % DEPTH] = ldg_na(p + 8 * wrow);
-      const uint8_t* sp = S + r * srow + (j % KB) * 4;
-      ka[j % DEPTH] = q < 2 ? ldg_u32(sp) : 0u;
-      kb8[j % DEPTH] = q < 2 ? ldg_u32(sp + 8 * srow) : 0u;
-    }
+    if (j < L) lb8.load(j % DEPTH, W, S, rows(j), j % KB, q, wrow, srow);
   };
 #pragma unroll
   for (int j = 0; j < DEPTH; ++j) load(j);
@@ -83,13 +111,9 @@ __global__ void __launch_bounds__(128) wg_fp4(const uint8_t* __restrict__ W, con
       if (j >= L) break;
       const int kb = j % KB;
       const size_t r = rows(j);
-      const uint32_t sa = ka[u], sb = kb8[u];
-      const uint4 A = wa[u], B = wb[u];
+      const uint32_t sa = lb8.ka[u], sb = lb8.kb8[u];
       uint32_t la[4], ha[4], lb[4], hb[4];
-      e2m1x8_to_e4m3(A.x, la[0], ha[0]); e2m1x8_to_e4m3(B.x, lb[0], hb[0]);
-      e2m1x8_to_e4m3(A.y, la[1], ha[1]); e2m1x8_to_e4m3(B.y, lb[1], hb[1]);
-      e2m1x8_to_e4m3(A.z, la[2], ha[2]); e2m1x8_to_e4m3(B.z, lb[2], hb[2]);
-      e2m1x8_to_e4m3(A.w, la[3], ha[3]); e2m1x8_to_e4m3(B.w, lb[3], hb[3]);
+      decode_block(lb8.wa[u], lb8.wb[u], la, ha, lb, hb);
       load(j + DEPTH);   // the registers of block u are decoded: refill them
       float d[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
@@ -103,10 +127,7 @@ __global__ void __launch_bounds__(128) wg_fp4(const uint8_t* __restrict__ W, con
       wg_commit();
       wg_wait0();
       asm volatile("" : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])::"memory");
-      const float f = sx[kb] * 64.0f;   // the e2m1 -> e4m3 decode leaves out 2^6
-      const int sh = 16 * (q & 1);     // lane q < 2: columns 2q, 2q + 1 = groups 4kb + 2q, + 1
-      t0 += (d[0] * e8m0(sa >> sh) + d[1] * e8m0(sa >> (sh + 8))) * f;
-      t1 += (d[2] * e8m0(sb >> sh) + d[3] * e8m0(sb >> (sh + 8))) * f;
+      scale_add(t0, t1, d, sa, sb, sx[kb] * 64.0f, q);   // the e2m1 -> e4m3 decode leaves out 2^6
       if (kb == KB - 1) {
         const float s0 = t0 + __shfl_xor_sync(0xffffffffu, t0, 1), s1 = t1 + __shfl_xor_sync(0xffffffffu, t1, 1);
         if (q == 0) { y[r] = s0; y[r + 8] = s1; }
@@ -139,19 +160,10 @@ __global__ void __launch_bounds__(128 * WGS) wg_fp4_multi(const uint8_t* __restr
   const int mine = tiles > me ? (tiles - 1 - me) / G + 1 : 0;
   const int L = mine * KB;
   const size_t wrow = size_t(K) / 2, srow = size_t(K) / 32;
-  uint4 wa[DEPTH], wb[DEPTH];
-  uint32_t ka[DEPTH], kb8[DEPTH];
+  LaneBlocks<DEPTH> lb8;
   auto rows = [&](int j) { return size_t(me + (j / KB) * G) * 64 + warp * 16 + g; };
   auto load = [&](int j) {
-    if (j < L) {
-      const size_t r = rows(j);
-      const uint8_t* p = W + r * wrow + (j % KB) * 64 + q * 16;
-      wa[j % DEPTH] = ldg_na(p);
-      wb[j % DEPTH] = ldg_na(p + 8 * wrow);
-      const uint8_t* sp = S + r * srow + (j % KB) * 4;
-      ka[j % DEPTH] = q < 2 ? ldg_u32(sp) : 0u;
-      kb8[j % DEPTH] = q < 2 ? ldg_u32(sp + 8 * srow) : 0u;
-    }
+    if (j < L) lb8.load(j % DEPTH, W, S, rows(j), j % KB, q, wrow, srow);
   };
 #pragma unroll
   for (int j = 0; j < DEPTH; ++j) load(j);
@@ -162,10 +174,7 @@ __global__ void __launch_bounds__(128 * WGS) wg_fp4_multi(const uint8_t* __restr
   uint32_t la[2][4], ha[2][4], lb[2][4], hb[2][4], sa[2], sb[2];
   auto finish = [&](int j, const float (&dd)[4], uint32_t sa_, uint32_t sb_) {
     const int kb = j % KB;
-    const float f = sx[kb] * 64.0f;
-    const int sh = 16 * (q & 1);
-    t0 += (dd[0] * e8m0(sa_ >> sh) + dd[1] * e8m0(sa_ >> (sh + 8))) * f;
-    t1 += (dd[2] * e8m0(sb_ >> sh) + dd[3] * e8m0(sb_ >> (sh + 8))) * f;
+    scale_add(t0, t1, dd, sa_, sb_, sx[kb] * 64.0f, q);
     if (kb == KB - 1) {
       const float s0 = t0 + __shfl_xor_sync(0xffffffffu, t0, 1), s1 = t1 + __shfl_xor_sync(0xffffffffu, t1, 1);
       const size_t r = rows(j);
@@ -178,13 +187,9 @@ __global__ void __launch_bounds__(128 * WGS) wg_fp4_multi(const uint8_t* __restr
 #pragma unroll
     for (int u = 0; u < DEPTH; ++u) {
       const int s = u & 1;
-      const uint4 A = wa[u], B = wb[u];
-      e2m1x8_to_e4m3(A.x, la[s][0], ha[s][0]); e2m1x8_to_e4m3(B.x, lb[s][0], hb[s][0]);
-      e2m1x8_to_e4m3(A.y, la[s][1], ha[s][1]); e2m1x8_to_e4m3(B.y, lb[s][1], hb[s][1]);
-      e2m1x8_to_e4m3(A.z, la[s][2], ha[s][2]); e2m1x8_to_e4m3(B.z, lb[s][2], hb[s][2]);
-      e2m1x8_to_e4m3(A.w, la[s][3], ha[s][3]); e2m1x8_to_e4m3(B.w, lb[s][3], hb[s][3]);
-      sa[s] = ka[u];
-      sb[s] = kb8[u];
+      decode_block(lb8.wa[u], lb8.wb[u], la[s], ha[s], lb[s], hb[s]);
+      sa[s] = lb8.ka[u];
+      sb[s] = lb8.kb8[u];
       load(j0 + u + DEPTH);   // block u's registers are decoded (and its scales kept): refill them
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk)
@@ -308,10 +313,7 @@ __global__ void __launch_bounds__(WGS * 160, 1) wg_fp4_ring(const uint8_t* __res
   float d[2][4];
   uint32_t la[2][4], ha[2][4], lb[2][4], hb[2][4], sa[2], sb[2];
   auto finish = [&](int kb, const float (&dd)[4], uint32_t sa_, uint32_t sb_) {
-    const float f = sx[kb] * 64.0f;
-    const int sh = 16 * (q & 1);
-    t0 += (dd[0] * e8m0(sa_ >> sh) + dd[1] * e8m0(sa_ >> (sh + 8))) * f;
-    t1 += (dd[2] * e8m0(sb_ >> sh) + dd[3] * e8m0(sb_ >> (sh + 8))) * f;
+    scale_add(t0, t1, dd, sa_, sb_, sx[kb] * 64.0f, q);
   };
   auto flush = [&](int tile) {
     const float s0 = t0 + __shfl_xor_sync(0xffffffffu, t0, 1), s1 = t1 + __shfl_xor_sync(0xffffffffu, t1, 1);
@@ -345,10 +347,7 @@ __global__ void __launch_bounds__(WGS * 160, 1) wg_fp4_ring(const uint8_t* __res
         sa[p] = q < 2 ? sp[g] : 0u;
         sb[p] = q < 2 ? sp[8 + g] : 0u;
       }
-      e2m1x8_to_e4m3(A.x, la[p][0], ha[p][0]); e2m1x8_to_e4m3(B.x, lb[p][0], hb[p][0]);
-      e2m1x8_to_e4m3(A.y, la[p][1], ha[p][1]); e2m1x8_to_e4m3(B.y, lb[p][1], hb[p][1]);
-      e2m1x8_to_e4m3(A.z, la[p][2], ha[p][2]); e2m1x8_to_e4m3(B.z, lb[p][2], hb[p][2]);
-      e2m1x8_to_e4m3(A.w, la[p][3], ha[p][3]); e2m1x8_to_e4m3(B.w, lb[p][3], hb[p][3]);
+      decode_block(A, B, la[p], ha[p], lb[p], hb[p]);
       if (blk == BPU - 1) {   // the unit is in registers: its slot is free
         __syncwarp();
         if (lane == 0) mbar_arrive(&empty[s]);
@@ -387,28 +386,46 @@ static double e2m1_val(int c) {
   return (c & 8) ? -mag[c & 7] : mag[c & 7];
 }
 
+// One launch checked against the float64 reference (its first `rows` outputs; dy filled with the
+// byte `fill` first: 0xFF, NaN, fails a row the kernel does not write; 0 for kernels that add into
+// y), then REPS launches timed, launch(c) reading copy c of the weights (rotated: L2 holds none of
+// the next one's) -> us a launch; max |error| / max |y| into err.
+template <typename Launch>
+static float check_and_time(Launch launch, float* dy, int rows, int fill, const std::vector<double>& ref, int copies,
+                            double& err) {
+  CK(cudaMemset(dy, fill, size_t(rows) * 4));
+  launch(0);
+  CK(cudaGetLastError()); CK(cudaDeviceSynchronize());
+  std::vector<float> hy(rows);
+  CK(cudaMemcpy(hy.data(), dy, size_t(rows) * 4, cudaMemcpyDeviceToHost));
+  double maxerr = 0, maxref = 0;
+  for (int r = 0; r < rows; ++r) {
+    const double e = std::fabs(hy[r] - ref[r]);
+    maxerr = std::max(maxerr, e == e ? e : INFINITY);
+    maxref = std::max(maxref, std::fabs(ref[r]));
+  }
+  err = maxerr / maxref;
+  cudaEvent_t e0, e1; CK(cudaEventCreate(&e0)); CK(cudaEventCreate(&e1));
+  const int REPS = 60;
+  CK(cudaEventRecord(e0));
+  for (int i = 0; i < REPS; ++i) launch(i % copies);
+  CK(cudaEventRecord(e1)); CK(cudaEventSynchronize(e1));
+  float ms; CK(cudaEventElapsedTime(&ms, e0, e1));
+  CK(cudaEventDestroy(e0)); CK(cudaEventDestroy(e1));
+  return ms * 1000 / REPS;
+}
+
 template <int D>
 static void run(const char* tag, int grid, uint8_t* dw, uint8_t* ds, uint8_t* dxs, float* dsx, float* dy, int N, int K,
                 size_t wbytes, size_t sbytes, int copies, int lbo_k, const std::vector<double>& ref, float read_us) {
   const size_t smem = size_t(K / 128) * 1024;
   CK(cudaFuncSetAttribute(wg_fp4<D>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-  CK(cudaMemset(dy, 0, N * 4));
-  wg_fp4<D><<<grid, 128, smem>>>(dw, ds, dxs, dsx, dy, N, K, lbo_k);
-  CK(cudaGetLastError()); CK(cudaDeviceSynchronize());
-  std::vector<float> hy(N);
-  CK(cudaMemcpy(hy.data(), dy, N * 4, cudaMemcpyDeviceToHost));
-  double maxerr = 0, maxref = 0;
-  for (int r = 0; r < N; ++r) { maxerr = std::max(maxerr, std::fabs(hy[r] - ref[r])); maxref = std::max(maxref, std::fabs(ref[r])); }
-  cudaEvent_t e0, e1; CK(cudaEventCreate(&e0)); CK(cudaEventCreate(&e1));
-  const int REPS = 60;
-  CK(cudaEventRecord(e0));
-  for (int i = 0; i < REPS; ++i)
-    wg_fp4<D><<<grid, 128, smem>>>(dw + (i % copies) * wbytes, ds + (i % copies) * sbytes, dxs, dsx, dy, N, K, lbo_k);
-  CK(cudaEventRecord(e1)); CK(cudaEventSynchronize(e1));
-  float ms; CK(cudaEventElapsedTime(&ms, e0, e1));
-  const float us = ms * 1000 / REPS;
+  double err;
+  const float us = check_and_time([&](int c) {
+    wg_fp4<D><<<grid, 128, smem>>>(dw + c * wbytes, ds + c * sbytes, dxs, dsx, dy, N, K, lbo_k);
+  }, dy, N, 0xFF, ref, copies, err);
   printf("  %s depth %d grid %4d: %6.1f us (%.2f TB/s, %.0f%% of the read)  max err / max |y| %.2e\n", tag, D, grid, us,
-         (wbytes + sbytes) / us / 1e6, 100 * read_us / us, maxerr / maxref);
+         (wbytes + sbytes) / us / 1e6, 100 * read_us / us, err);
 }
 
 template <int D, int WGS>
@@ -417,27 +434,12 @@ static void run_multi(int grid, uint8_t* dw, uint8_t* ds, uint8_t* dxs, float* d
   const size_t smem = size_t(K / 128) * 1024;
   auto kern = wg_fp4_multi<D, WGS>;
   CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-  CK(cudaMemset(dy, 0xFF, N * 4));   // NaN: a row the kernel does not write fails the check
-  kern<<<grid, 128 * WGS, smem>>>(dw, ds, dxs, dsx, dy, N, K, lbo_k);
-  CK(cudaGetLastError()); CK(cudaDeviceSynchronize());
-  std::vector<float> hy(N);
-  CK(cudaMemcpy(hy.data(), dy, N * 4, cudaMemcpyDeviceToHost));
-  double maxerr = 0, maxref = 0;
-  for (int r = 0; r < N; ++r) {
-    const double e = std::fabs(hy[r] - ref[r]);
-    maxerr = std::max(maxerr, e == e ? e : INFINITY);
-    maxref = std::max(maxref, std::fabs(ref[r]));
-  }
-  cudaEvent_t e0, e1; CK(cudaEventCreate(&e0)); CK(cudaEventCreate(&e1));
-  const int REPS = 60;
-  CK(cudaEventRecord(e0));
-  for (int i = 0; i < REPS; ++i)
-    kern<<<grid, 128 * WGS, smem>>>(dw + (i % copies) * wbytes, ds + (i % copies) * sbytes, dxs, dsx, dy, N, K, lbo_k);
-  CK(cudaEventRecord(e1)); CK(cudaEventSynchronize(e1));
-  float ms; CK(cudaEventElapsedTime(&ms, e0, e1));
-  const float us = ms * 1000 / REPS;
+  double err;
+  const float us = check_and_time([&](int c) {
+    kern<<<grid, 128 * WGS, smem>>>(dw + c * wbytes, ds + c * sbytes, dxs, dsx, dy, N, K, lbo_k);
+  }, dy, N, 0xFF, ref, copies, err);
   printf("  multi: %d warpgroups a CTA, depth %d, grid %4d: %6.1f us (%.2f TB/s, %.0f%% of the read)  max err / max |y| %.2e\n",
-         WGS, D, grid, us, (wbytes + sbytes) / us / 1e6, 100 * read_us / us, maxerr / maxref);
+         WGS, D, grid, us, (wbytes + sbytes) / us / 1e6, 100 * read_us / us, err);
 }
 
 // the unit packing of wg_fp4_ring (see there) of row-major weights hw [N, K / 2] and scales hs [N, K / 32]
@@ -499,28 +501,12 @@ static void run_ring(int grid, uint8_t* dw, uint8_t* ds, uint8_t* dxs, float* ds
   }
   if (smem > 232448) { printf("  ring: %d warpgroups, %d slots of %d K: %zu bytes of shared memory, too many\n", WGS, NBUF, KC, smem); return; }
   CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-  CK(cudaMemset(dy, 0, N * 4));
-  kern<<<grid, 160 * WGS, smem>>>(dw, ds, dxs, dsx, dy, NR, K, lbo_k, tw[0], ts[0]);
-  CK(cudaGetLastError()); CK(cudaDeviceSynchronize());
-  std::vector<float> hy(N);
-  CK(cudaMemcpy(hy.data(), dy, N * 4, cudaMemcpyDeviceToHost));
-  double maxerr = 0, maxref = 0;
-  for (int r = 0; r < NR; ++r) {
-    const double e = std::fabs(hy[r] - ref[r]);
-    maxerr = std::max(maxerr, e == e ? e : INFINITY);
-    maxref = std::max(maxref, std::fabs(ref[r]));
-  }
-  cudaEvent_t e0, e1; CK(cudaEventCreate(&e0)); CK(cudaEventCreate(&e1));
-  const int REPS = 60;
-  CK(cudaEventRecord(e0));
-  for (int i = 0; i < REPS; ++i)
-    kern<<<grid, 160 * WGS, smem>>>(dw + (i % copies) * wbytes, ds + (i % copies) * sbytes, dxs, dsx, dy, NR, K, lbo_k,
-                                    tw[i % copies], ts[i % copies]);
-  CK(cudaEventRecord(e1)); CK(cudaEventSynchronize(e1));
-  float ms; CK(cudaEventElapsedTime(&ms, e0, e1));
-  const float us = ms * 1000 / REPS;
+  double err;
+  const float us = check_and_time([&](int c) {
+    kern<<<grid, 160 * WGS, smem>>>(dw + c * wbytes, ds + c * sbytes, dxs, dsx, dy, NR, K, lbo_k, tw[c], ts[c]);
+  }, dy, NR, 0, ref, copies, err);   // 0: the warpgroups add their rows' sums into y
   printf("  ring%s: %d warpgroups a CTA, %d slots of %4d K, grid %4d, %5d rows: %6.1f us (%.2f TB/s, %.0f%% of the read)  max err / max |y| %.2e\n",
-         MODE == RING_ROWS ? " (rows)" : MODE == RING_TMA ? " (2-D TMA)" : "", WGS, NBUF, KC, grid, NR, us, (wbytes + sbytes) * part / us / 1e6, 100 * read_us * part / us, maxerr / maxref);
+         MODE == RING_ROWS ? " (rows)" : MODE == RING_TMA ? " (2-D TMA)" : "", WGS, NBUF, KC, grid, NR, us, (wbytes + sbytes) * part / us / 1e6, 100 * read_us * part / us, err);
 }
 
 int main(int argc, char** argv) {
