@@ -66,6 +66,9 @@ def test_force_ids_run_exactly_that_many_steps(ckpt, tmp_path):
 @pytest.mark.parametrize("args,words", [
     (["--prompt", ""], ["empty"]),
     (["--prompt-ids", "1,2,x"], ["--prompt-ids", "integers"]),
+    (["--prompt-ids", "1,,2"], ["--prompt-ids '1,,2'", "item 2 is empty"]),
+    (["--prompt-ids", "1,2", "--force-ids", ",3"], ["--force-ids ',3'", "item 1 is empty"]),
+    (["--prompt-ids", ","], ["--prompt-ids is empty"]),
     (["--prompt-ids", "5,99999"], ["99999", "2048"]),
     (["--prompt-ids", "-3"], ["-3", "2048"]),
     # "7 8" was read as the id 78 (every space dropped); spaces around an item are still fine

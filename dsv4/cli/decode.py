@@ -57,14 +57,20 @@ def build_parser() -> Parser:
 
 
 def _parse_ids(text: str, flag: str) -> list[int]:
+    items = text.split(",")
+    if len(items) > 1 and items[-1].strip() == "":
+        items.pop()            # one trailing comma, as scripts write lists
+    if all(t.strip() == "" for t in items):
+        raise InputError(f"{flag} is empty: give at least one token id")
+    for i, t in enumerate(items):
+        if t.strip() == "":    # "1,,2": a missing id, not two ids
+            raise InputError(f"{flag} {text!r}: item {i + 1} is empty; expected comma-separated "
+                             "integers like 1,2,3")
     try:
         # each item stripped, never the spaces inside it: "1 2 3" is not the id 123
-        ids = [int(t) for t in text.split(",") if t.strip() != ""]
+        return [int(t) for t in items]
     except ValueError:
         raise InputError(f"{flag} {text!r}: expected comma-separated integers like 1,2,3") from None
-    if not ids:
-        raise InputError(f"{flag} is empty: give at least one token id")
-    return ids
 
 
 def _prompt_ids(args, tok, demo: bool) -> list[int]:
