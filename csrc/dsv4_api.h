@@ -1,7 +1,8 @@
 // The C interface of the dsv4 CUDA C++ library (ctypes: dsv4/kernels/cuda/lib.py): plain
 // pointers, sizes, the CUDA stream and a PDL switch. Every launcher returns 0, a cudaError_t, or
 // -1 when no kernel is instantiated for the asked config. One file per kernel family implements
-// its launchers (fp8_gemv.cu, fp8_mma.cu, route.cu, fp4_experts.cu, topk.cu, allreduce.cu);
+// its launchers (fp8_gemv.cu, fp8_mma.cu, route.cu, fp4_up.cu, fp4_up_wg.cu, fp4_down.cu, topk.cu,
+// allreduce.cu);
 // prefetch.cu the L2 prefetch; dsv4_api.cu the version and the error strings.
 #pragma once
 
@@ -42,6 +43,15 @@ int dsv4_fp8_gemv_mma(const void* w0, const void* s0, void* y0, const void* w1, 
 int dsv4_fp4_up(const void* x, const void* idx, const void* rw, const void* w1, const void* s1,
                 const void* w3, const void* s3, void* out, float limit, int I, int D, int k,
                 int spw, int dec, int depth, int ctas, int kpr, void* stream, int pdl);
+
+
+// The same a on Hopper's warpgroup MMA (fp4_up_wg.cu, sm_90a; an sm_90 GPU only, else -1): a
+// persistent kernel on min(ctas, k * I / 32) CTAs streaming the checkpoint's bytes by tensor copies
+// (w1 / w3 [E, I, D / 2], s1 / s3 [E, I, D / 32]); I % 32 == 0, D % 512 == 0, k / kpr <= 4 rows.
+// The FP8 MMA's sums: new bits against dsv4_fp4_up's, the same bits for any ctas and row count.
+int dsv4_fp4_up_wg(const void* x, const void* idx, const void* rw, const void* w1, const void* s1,
+                   const void* w3, const void* s3, void* out, float limit, int E, int I, int D, int k,
+                   int kpr, int ctas, void* stream, int pdl);
 
 
 // y [D] (float32 or bf16) from a [k, I] bf16; ws [k, D] float32 and cnt [D / 16] int32 (zeros,

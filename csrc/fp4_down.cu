@@ -9,6 +9,7 @@
 // and everything else after it.
 #include "dsv4_api.h"
 #include "fp4_experts.cuh"
+#include "tma.cuh"
 
 namespace {
 
@@ -219,34 +220,6 @@ __global__ void __launch_bounds__(512) fp4_down_all_kernel(const __nv_bfloat16* 
 
 // ---- the ring kernel ------------------------------------------------------------------------------
 
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-DEV uint32_t smem_u32(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
-DEV void mbar_init(uint64_t* b, unsigned n) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(b)), "r"(n) : "memory");
-}
-DEV void mbar_wait(uint64_t* b, unsigned parity) {
-  asm volatile(
-      "{\n .reg .pred p;\n WAIT_%=:\n"
-      " mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
-      " @!p bra WAIT_%=;\n}\n" ::"r"(smem_u32(b)), "r"(parity) : "memory");
-}
-DEV void mbar_arrive(uint64_t* b) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(b)) : "memory");
-}
-DEV void mbar_expect(uint64_t* b, unsigned bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(b)), "r"(bytes)
-               : "memory");
-}
-// bytes (a multiple of 16, both addresses 16-byte aligned) from global into shared memory by the
-// copy engine of the SM (TMA, 1-D), completing on mbarrier b
-DEV void bulk_g2s(void* dst, const void* src, unsigned bytes, uint64_t* b) {
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
-          smem_u32(dst)),
-      "l"(src), "r"(bytes), "r"(smem_u32(b))
-      : "memory");
-}
-#endif
 
 // The ring kernel's shared memory: the expert_smem layout (xs of NE * SPW steps a warp of a group,
 // red [G][2][wg][NE][16]), then nbuf slots of a unit (16 weight rows, then their 16 scale rows:

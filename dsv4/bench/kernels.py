@@ -26,6 +26,7 @@ from ..kernels.cuda.experts import (
     down_all_variants,
     down_ring_variants,
     up_stream_variants,
+    up_wg_variants,
 )
 from ..kernels.cuda.fp8 import cuda_config, mma_config, mma_configs, mma_stream_configs
 from ..kernels.decode.bf16_linear import bf16_config, bf16_linear
@@ -270,7 +271,8 @@ def expert_cases(E, inter, dim, k, dev, gen) -> list[Case]:
         return run
     shp = f"E={E} I={inter} D={dim} k={k}"
     return [Case("experts.up", shp, 2 * k * per, up, ucfg, None, len(sets), _neighbours(ucfg), cu,
-                 esweep(dim, CUDA_UP_VARIANTS) + up_stream_variants(dim)),
+                 esweep(dim, CUDA_UP_VARIANTS) + up_stream_variants(dim)
+                 + up_wg_variants(inter, dim)),
             Case("experts.down", shp, k * per, down, dcfg, None, len(sets), _neighbours(dcfg), cd,
                  esweep(inter, CUDA_DOWN_VARIANTS) + down_all_variants(k, inter)
                  + down_ring_variants(k, inter)),

@@ -1,4 +1,4 @@
-"""Launch configs of the CUDA C++ routed-expert kernels (csrc/fp4_up.cu, fp4_down.cu, used by
+"""Launch configs of the CUDA C++ routed-expert kernels (csrc/fp4_up.cu, fp4_up_wg.cu, fp4_down.cu, used by
 dsv4/kernels/fp4_experts.py): `ExpertCudaConfig`, the configs measured best on an H200, the
 instantiated variants, the heuristics for other shapes, and the down kernel's workspace.
 """
@@ -21,24 +21,31 @@ class ExpertCudaConfig:
     tile's weights in flight (spw 1 or 2, decode 0, at most 64 pairs of at most 4 activation
     rows); ctas with all_experts (down): the ring kernel on that many CTAs (one an SM), depth its
     ring slots (>= 2) of one expert's 16-row tile each, bulk-copied, with the all-experts kernel's
-    bits (spw 2, decode 0, k 6, one activation row; sm_90)."""
+    bits (spw 2, decode 0, k 6, one activation row; sm_90). wgmma (up): the warpgroup-MMA kernel
+    (csrc/fp4_up_wg.cu, an sm_90 GPU) on ctas CTAs instead, a persistent ring fed by tensor copies
+    of the checkpoint's bytes (spw, dec and depth unused; up_wg_fits says where it serves, else the
+    streaming kernel of spw on ctas CTAs): new bits (the FP8 MMA's sums), the same for every ctas
+    and row count."""
     spw: int
     dec: int = 0
     depth: int = 0
     all_experts: bool = False
     ctas: int = 0
+    wgmma: bool = False
 
 
 # measured best on an H200 (bench_kernels --sweep --backend cuda), keyed (k, I, D)
-# up: 100 streaming CTAs (25.0 us alone, 20.2 on 132) leave SMs for the shared expert's branch
-# beside it (8 Flash layers, graph: 1.360 ms vs 1.369-1.377 with 116 / 132 CTAs)
+# up: the wgmma kernel on 100 CTAs (18.1 us alone on 132, against the streaming kernel's 25.0 on
+# 100 and 20.2 on 132); 100 leave SMs for the shared expert's branch beside it (12 Flash layers,
+# graph/device, one H200: 1.722 / 1.722 ms on 100, 1.741 / 1.739 on 132, the streaming kernel
+# 1.741 / 1.747), and the verify rows gain most (T = 2: 1.59x -> 1.53x the plain step)
 UP_STREAM_MAX_K, UP_STREAM_ROWS = 64, 4   # the streaming up kernel's pairs and activation rows
-# a tensor-parallel rank's inter slice (I / world): bench_kernels --sweep --tp N on one H100
-# (2026-11-27), the default in brackets
+# a tensor-parallel rank's inter slice (I / world): bench_kernels --sweep --tp N, alone on one
+# H200 (2026-11-29; the streaming kernel on 100 CTAs in brackets); not yet timed in a TP layer
 TUNED_CUDA_UP: dict[tuple, ExpertCudaConfig] = {
-    (6, 2048, 4096): ExpertCudaConfig(2, ctas=100),
-    (6, 1024, 4096): ExpertCudaConfig(2, ctas=100),    # TP2 (18.2) 15.9 us (132 CTAs: 14.8)
-    (6, 512, 4096): ExpertCudaConfig(2, ctas=100)}     # TP4 (11.5) 10.1 us
+    (6, 2048, 4096): ExpertCudaConfig(2, ctas=100, wgmma=True),
+    (6, 1024, 4096): ExpertCudaConfig(2, ctas=100, wgmma=True),    # TP2 (14.5) 12.7 us
+    (6, 512, 4096): ExpertCudaConfig(2, ctas=100, wgmma=True)}     # TP4 (9.3) 9.0 us
 TUNED_CUDA_DOWN: dict[tuple, ExpertCudaConfig] = {
     # the ring, 4 slots (one H200: 11.8 us against the all-experts kernel's 15.4; 12 Flash layers,
     # graph: 1.770 / 1.771 -> 1.741 / 1.736 ms)
@@ -58,6 +65,36 @@ CUDA_UP_STREAM_VARIANTS = ((2, 132), (2, 120), (2, 100), (2, 66))
 # down_ring_smem): the all-experts layout of 2 groups, then the slots; at most 227 KB an SM
 CUDA_DOWN_RING_VARIANTS = ((8, 132), (6, 132), (4, 132))
 RING_SMEM_LIMIT = 227 * 1024
+
+
+# the wgmma up kernel (csrc/fp4_up_wg.cu): 4 consumer warpgroups of 2 slots of 64 rows x 512 K, 32
+# inter rows a tile, at most 4 activation rows (two share a B operand of 1 KB per 128-block)
+UP_WG_WGS, UP_WG_SLOTS, UP_WG_KC, UP_WG_TILE, UP_WG_ROWS = 4, 2, 512, 32, 4
+CUDA_UP_WG_VARIANTS = (132, 100)   # its ctas in the sweep
+
+
+def up_wg_smem(rows: int, dim: int) -> int:
+    """Bytes of shared memory of the wgmma up kernel (csrc/fp4_up_wg.cu: UpWgSmem)."""
+    kb = dim // 128
+    slots = (rows + 1) // 2 * kb * 1024
+    ef = slots + UP_WG_WGS * UP_WG_SLOTS * 64 * (UP_WG_KC // 2 + UP_WG_KC // 32)
+    red = ef + -(-rows * kb * 4 // 16) * 16
+    return red + 2 * UP_WG_WGS * 64 * 4 + 2 * UP_WG_WGS * UP_WG_SLOTS * 8
+
+
+def up_wg_fits(rows: int, inter: int, dim: int, capability: tuple) -> bool:
+    """Whether the wgmma up kernel serves rows activation rows of I = inter, D = dim on a GPU of
+    this capability (sm_90 only: wgmma)."""
+    return (tuple(capability) == (9, 0) and 1 <= rows <= UP_WG_ROWS and inter % UP_WG_TILE == 0
+            and inter > 0 and dim % UP_WG_KC == 0 and dim > 0
+            and up_wg_smem(rows, dim) <= RING_SMEM_LIMIT)
+
+
+def up_wg_variants(inter: int, dim: int) -> list[ExpertCudaConfig]:
+    """The wgmma up configs of the sweep for one row of I = inter, D = dim (on an sm_90 GPU)."""
+    if not up_wg_fits(1, inter, dim, (9, 0)):
+        return []
+    return [ExpertCudaConfig(2, ctas=c, wgmma=True) for c in CUDA_UP_WG_VARIANTS]
 
 
 def down_ring_smem(inter: int, slots: int) -> int:

@@ -23,12 +23,12 @@ from pathlib import Path
 
 import torch
 
-ABI = 14
+ABI = 15
 CSRC = Path(__file__).resolve().parents[3] / "csrc"
 # the kernel families and the C interface, compiled into one library (the headers are in the key)
-SOURCES = ("fp8_gemv.cu", "fp8_mma.cu", "route.cu", "fp4_up.cu", "fp4_down.cu", "topk.cu",
-           "allreduce.cu", "prefetch.cu", "dsv4_api.cu")
-HEADERS = ("dsv4_common.cuh", "fp8.cuh", "fp4_experts.cuh", "dsv4_api.h")
+SOURCES = ("fp8_gemv.cu", "fp8_mma.cu", "route.cu", "fp4_up.cu", "fp4_up_wg.cu", "fp4_down.cu",
+           "topk.cu", "allreduce.cu", "prefetch.cu", "dsv4_api.cu")
+HEADERS = ("dsv4_common.cuh", "fp8.cuh", "fp4_experts.cuh", "tma.cuh", "dsv4_api.h")
 MIN_CAPABILITY = (8, 9)        # cvt e4m3x2 (sm_89); PDL needs sm_90 and is compiled out below
 
 FLAG_X_F32, FLAG_Y_F32, FLAG_QUANT, FLAG_TWO = 1, 2, 4, 8
@@ -74,8 +74,9 @@ def build(arch: str, out: Path | None = None, nvcc: str | None = None) -> Path:
           file=sys.stderr)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         so = Path(tmp) / out.name
+        sm = arch + "a" if arch == "90" else arch     # sm_90a: Hopper's wgmma (fp4_up_wg.cu)
         cmd = [nvcc, "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC",
-               f"-gencode=arch=compute_{arch},code=sm_{arch}", "-o", str(so),
+               f"-gencode=arch=compute_{sm},code=sm_{sm}", "-o", str(so),
                *(str(CSRC / f) for f in SOURCES)]
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode != 0:
@@ -97,6 +98,8 @@ def _declare(lib) -> None:
                                        i, p, i]
     lib.dsv4_fp4_up.restype = i
     lib.dsv4_fp4_up.argtypes = [p, p, p, p, p, p, p, p, f, i, i, i, i, i, i, i, i, p, i]
+    lib.dsv4_fp4_up_wg.restype = i
+    lib.dsv4_fp4_up_wg.argtypes = [p, p, p, p, p, p, p, p, f, i, i, i, i, i, i, p, i]
     lib.dsv4_route.restype = i
     lib.dsv4_route.argtypes = [p, p, p, p, i, i, i, f, p, p, i, p, i]
     lib.dsv4_topk_bf16.restype = i
@@ -268,6 +271,16 @@ def fp4_up(lib, x, idx, rw, w1, s1, w3, s3, out, limit: float, I: int, D: int, k
                           k, cfg.spw, cfg.dec, cfg.depth, cfg.ctas, kpr or k, _stream(out),
                           int(pdl))
     _check(err, "fp4 experts up (CUDA)", lib)
+
+
+def fp4_up_wg(lib, x, idx, rw, w1, s1, w3, s3, out, limit: float, E: int, I: int, D: int,
+              k: int, kpr: int, ctas: int, pdl: bool) -> None:
+    """dsv4_fp4_up_wg: the up on Hopper's warpgroup MMA, k pairs, kpr of them per activation row,
+    on min(ctas, k * I / 32) CTAs."""
+    err = lib.dsv4_fp4_up_wg(x.data_ptr(), idx.data_ptr(), rw.data_ptr(), w1.data_ptr(),
+                             s1.data_ptr(), w3.data_ptr(), s3.data_ptr(), out.data_ptr(), limit, E,
+                             I, D, k, kpr, ctas, _stream(out), int(pdl))
+    _check(err, "fp4 experts up (CUDA, wgmma)", lib)
 
 
 def route(lib, logits, bias, tid2eid, ids, k: int, score: int, route_scale: float, idx, w,

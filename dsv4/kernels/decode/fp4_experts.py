@@ -3,8 +3,10 @@ route weight) -> a [k, I] bf16, and `fp4_experts_down` (w2, per-expert bf16, fp3
 y [1, D] float32. Weights [E, out, in/2] int8 (e2m1 pairs) + [E, out, in/32] ue8m0.
 Two implementations: the CUDA C++ kernels on tensor cores (csrc/fp4_up.cu, fp4_down.cu via
 dsv4.kernels.cuda.lib; the default where available: e2m1 decoded to f16 in registers, f16 MMAs
-with float32 accumulation per 32-group, the group scale applied in float32) and the Triton kernels
-below (the fallback, and the interpreter tests). `impl=` (the backend's decision: "cuda" or
+with float32 accumulation per 32-group, the group scale applied in float32; on an sm_90 GPU the
+tuned up is csrc/fp4_up_wg.cu's, e2m1 decoded to e4m3 for Hopper's FP8 warpgroup MMA, whose
+accumulation of a group's 32 products is not IEEE float32: new bits within ~1e-4 of the sums) and
+the Triton kernels below (the fallback, and the interpreter tests). `impl=` (the backend's decision: "cuda" or
 "triton") / the config type pick one.
 The CUDA kernels' launch configs: dsv4/kernels/cuda/experts.py.
 Test: `python -m pytest tests/dsv4/kernels/test_decode_kernels.py`; bench: `python scripts/bench_kernels.py`.
@@ -46,6 +48,7 @@ from ..cuda.experts import (
     cuda_expert_config,
     down_all_config,
     down_workspace,
+    up_wg_fits,
 )
 from .mhc import hc_post, post_streams
 
@@ -252,6 +255,18 @@ def fp4_experts_up(x: torch.Tensor, idx: torch.Tensor, route_w: torch.Tensor, w1
             and I % 16 == 0 and idx.dtype == torch.int64):
         ccfg = config if isinstance(config, ExpertCudaConfig) else cuda_expert_config(
             D, TUNED_CUDA_UP, (k // T, I, D))
+        if ccfg is not None and ccfg.wgmma:
+            if (up_wg_fits(T, I, D, device_capability(out.device)) and s1.is_contiguous()
+                    and s3.is_contiguous() and s1.data_ptr() % 16 == 0
+                    and s3.data_ptr() % 16 == 0):
+                with on_device(out):
+                    cuda_cpp.fp4_up_wg(cuda_cpp.lib_for(out.device), xc, idx.contiguous(), rw,
+                                       w1, s1.view(torch.uint8), w3, s3.view(torch.uint8), out,
+                                       float(limit), E, I, D, k, k // T,
+                                       min(ccfg.ctas, device_sms(out.device)),
+                                       pdl_on(out, pdl))
+                return out
+            ccfg = replace(ccfg, wgmma=False)                 # the streaming kernel instead
         if ccfg is not None and ccfg.ctas:
             if k > UP_STREAM_MAX_K or T > UP_STREAM_ROWS:     # the streaming kernel's limits
                 ccfg = replace(ccfg, ctas=0)

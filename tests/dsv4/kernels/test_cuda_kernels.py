@@ -67,7 +67,8 @@ def test_every_measured_config_fits_its_shape():
             assert c.warps * 128 * c.spw == k and (c.spw, nm == 2) in MMA_VARIANTS, (n, k, c)
     for (kk, inter, dim), c in ex.TUNED_CUDA_UP.items():
         assert ex.cuda_spw_fits(dim, c.spw) and kk <= ex.UP_STREAM_MAX_K, c
-        assert c.ctas == 0 or (c.spw, c.ctas) in ex.CUDA_UP_STREAM_VARIANTS, c
+        assert (c.ctas == 0 or (c.spw, c.ctas) in ex.CUDA_UP_STREAM_VARIANTS
+                or c in ex.up_wg_variants(inter, dim)), c
         assert ex.cuda_expert_config(dim, ex.TUNED_CUDA_UP, (kk, inter, dim)) == c
     for (kk, inter, dim), c in ex.TUNED_CUDA_DOWN.items():
         assert ex.cuda_spw_fits(inter, c.spw), c
@@ -80,6 +81,25 @@ def test_every_measured_config_fits_its_shape():
             key = (kk, c.spw, c.depth) if c.all_experts else (c.spw, c.dec, c.depth or c.spw)
             assert key in variants, c
         assert ex.cuda_down_config(kk, inter, dim) == c
+
+
+def test_wgmma_up_serves_the_real_shapes():
+    """The wgmma up kernel's shared memory (csrc/fp4_up_wg.cu: UpWgSmem) fits Flash's up for every
+    verify row count and Pro's for two rows (its B operand grows with D); it serves sm_90 GPUs
+    only (wgmma)."""
+    from dsv4.kernels.cuda import experts as ex
+    from test_decode_kernels import EXPERTS
+    _, fi, fd = EXPERTS["flash"]
+    _, pi, pd = EXPERTS["pro"]
+    assert all(ex.up_wg_fits(t, fi, fd, (9, 0)) for t in (1, 2, 3, 4))
+    assert ex.up_wg_smem(4, fd) == 2 * 32 * 1024 + 8 * 64 * 272 + 4 * 32 * 4 + 2048 + 128
+    assert ex.up_wg_fits(2, pi, pd, (9, 0)) and not ex.up_wg_fits(3, pi, pd, (9, 0))
+    assert not ex.up_wg_fits(5, fi, fd, (9, 0))                 # at most 4 rows
+    for cap in ((8, 9), (10, 0), (12, 0)):                      # no wgmma there
+        assert not ex.up_wg_fits(1, fi, fd, cap)
+    assert not ex.up_wg_fits(1, fi + 16, fd, (9, 0))            # 32-row tiles
+    assert not ex.up_wg_fits(1, fi, fd + 128, (9, 0))           # 512-wide units
+    assert [c.ctas for c in ex.up_wg_variants(fi, fd)] == list(ex.CUDA_UP_WG_VARIANTS)
 
 
 def test_expert_config_and_cpu_fallback():
@@ -306,9 +326,9 @@ def test_rows_equal_one_row_launches_cuda(T):
     """The speculative verify rows: T activation rows in one launch (FP8 CUDA kernel: weights
     held in registers across rows; bf16 Triton: one program per row and tile) give each row the bits of
     its own one-row launch, at the Flash / Pro decode shapes (tuned configs), with two matrices,
-    SwiGLU and the grouped wo_a; the routed experts of T rows (up: the streaming and the per-tile
-    kernels over all pairs against the one-row streaming kernel; down: the all-experts kernel with
-    a row grid)."""
+    SwiGLU and the grouped wo_a; the routed experts of T rows (up: the tuned kernel (the wgmma one
+    on an sm_90 GPU) against its one-row launches, and the streaming and the per-tile kernels over
+    all pairs against each other; down: the all-experts kernel with a row grid)."""
     from dsv4.kernels.decode.bf16_linear import bf16_linear, bf16_linear_multi
     from dsv4.kernels.decode.fp8_linear import fp8_linear, fp8_linear2, fp8_swiglu
     from test_decode_kernels import BF16_SHAPES
@@ -349,14 +369,16 @@ def test_rows_equal_one_row_launches_cuda(T):
     idx = torch.cat([torch.randperm(E, device=dev)[:k].sort().values for _ in range(T)])
     rw = torch.rand(T * k, generator=gen, device=dev)
     add = torch.randn(T, D, generator=gen, device=dev).bfloat16()
-    ae = fp4_experts_up(xe, idx, rw, w1, s1, w3, s3, 10.0)             # streaming, T rows
+    ae = fp4_experts_up(xe, idx, rw, w1, s1, w3, s3, 10.0)             # tuned, T rows
+    st = fp4_experts_up(xe, idx, rw, w1, s1, w3, s3, 10.0,
+                        config=ExpertCudaConfig(2, ctas=100))           # streaming, T rows
     pt = fp4_experts_up(xe, idx, rw, w1, s1, w3, s3, 10.0,
                         config=ExpertCudaConfig(2))                     # per tile, T rows
-    assert torch.equal(ae, pt)
+    assert torch.equal(st, pt)
     ye = fp4_experts_down(ae, idx, w2, s2, add=add, out_dtype=torch.bfloat16, rows=T)
     for t in range(T):
         p = slice(t * k, (t + 1) * k)
-        one = fp4_experts_up(xe[t:t + 1], idx[p], rw[p], w1, s1, w3, s3, 10.0)   # streaming
+        one = fp4_experts_up(xe[t:t + 1], idx[p], rw[p], w1, s1, w3, s3, 10.0)   # tuned
         assert torch.equal(ae[p], one), t
         assert torch.equal(ye[t:t + 1], fp4_experts_down(one, idx[p], w2, s2, add=add[t:t + 1],
                                                          out_dtype=torch.bfloat16)), t
@@ -491,6 +513,69 @@ def test_fp4_experts_cuda_kernels(which):
         got = fp4_experts_down(a, idx, w2, s2, add=add, out_dtype=torch.bfloat16, config=cfg,
                                post=(res, pw, comb, poisoned(1, 4, dim, device=dev)))
         assert torch.equal(got, want), cfg
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("which", ["flash", "pro", "flash/4"])
+def test_fp4_up_wgmma(which):
+    """The up on Hopper's warpgroup MMA (csrc/fp4_up_wg.cu, an sm_90 GPU): within the reference's
+    bounds with the FP8 MMA's accumulation (new bits: 2^-12 of |x||W| allowed where the f16 MMAs
+    keep 1e-5), every output written (poisoned), the same bits twice, on any grid, in a CUDA graph,
+    and for each pair of a T-row launch those of its one-row launch; an expert id past the bank
+    reads zeros (the tensor copies' bounds) instead of memory outside it."""
+    from dataclasses import replace
+
+    from dsv4.kernels.common import device_capability
+    from dsv4.kernels.cuda.experts import ExpertCudaConfig, up_wg_fits
+    from dsv4.kernels.decode.fp4_experts import fp4_experts_up, fp4_experts_up_reference
+    _need_lib()
+    dev = torch.device("cuda")
+    E, inter, dim = {**EXPERTS, "flash/4": (256, 512, 4096)}[which]   # a TP4 rank's slice: 96 tiles
+    if not up_wg_fits(1, inter, dim, device_capability(dev)):
+        pytest.skip("the wgmma up kernel serves sm_90 GPUs (H100 / H200) only")
+    gen = fresh_gen("cuda")
+    w1, s1, w3, s3, _, _ = fp4_bank(E, inter, dim, gen, gain=4.0, device=dev)
+    k = 6
+    idx = torch.cat((torch.randperm(E - 1, generator=gen, device=dev)[:k - 1],
+                     torch.tensor([E - 1], device=dev))).sort().values   # the last expert: the map's end
+    rw = torch.rand(k, generator=gen, device=dev) + 0.5
+    x = spiky_x(dim, gen, torch.bfloat16, dev)
+    cfg = ExpertCudaConfig(2, ctas=132, wgmma=True)
+
+    def up(xx, ii, rr, limit=10.0, c=cfg):
+        return fp4_experts_up(xx, ii, rr, w1, s1, w3, s3, limit, config=c,
+                              out=poisoned(ii.numel(), inter, device=dev))
+    for limit in (10.0, 0.0):
+        a = up(x, idx, rw, limit)
+        assert_close_bf16(a, fp4_experts_up_reference(x, idx, rw, w1, s1, w3, s3, limit),
+                          rtol=2 ** -5, min_equal=0.9,
+                          absdot=fp4_swiglu_absdot(x, idx, rw, w1, s1, w3, s3, limit, eps=2 ** -12))
+        assert torch.equal(a, up(x, idx, rw, limit)), "not deterministic"
+    for ctas in (1, 7, 100):                  # a CTA's tiles in turn: the same bits on any grid
+        assert torch.equal(a, up(x, idx, rw, 0.0, replace(cfg, ctas=ctas))), ctas
+    out = torch.empty_like(a)
+    g, _ = capture_step(lambda: fp4_experts_up(x, idx, rw, w1, s1, w3, s3, 0.0, config=cfg,
+                                               out=out))
+    out.fill_(float("nan"))
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, a), "graph replay != eager"
+    for T in (2, 3, 4):
+        if not up_wg_fits(T, inter, dim, device_capability(dev)):
+            continue
+        xe = torch.cat([spiky_x(dim, gen, torch.bfloat16, dev) for _ in range(T)])
+        ie = torch.cat([torch.randperm(E, generator=gen, device=dev)[:k].sort().values
+                        for _ in range(T)])
+        re = torch.rand(T * k, generator=gen, device=dev) + 0.5
+        ae = up(xe, ie, re)
+        for t in range(T):
+            p = slice(t * k, (t + 1) * k)
+            assert torch.equal(ae[p], up(xe[t:t + 1], ie[p], re[p])), (T, t)
+    bad = idx.clone()
+    bad[2] = E + 5
+    a = up(x, idx, rw)
+    got = up(x, bad, rw)
+    assert (got[2] == 0).all() and torch.equal(got[:2], a[:2]) and torch.equal(got[3:], a[3:])
 
 
 @pytest.mark.cuda

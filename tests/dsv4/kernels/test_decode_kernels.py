@@ -93,17 +93,18 @@ def assert_close_bf16(y, ref, x=None, w=None, s=None, quant=True, group_k=None, 
     assert eq >= min_equal, f"only {eq:.3f} bit-identical to the reference (seed {SEED})"
 
 
-def _swiglu_err(g, u, adg, adu, limit):
+def _swiglu_err(g, u, adg, adu, limit, eps=1e-5):
     """The float32-summation part of the SwiGLU error bound, per output: g and u (exact, before the
     clamp) may each move by 1e-5 * |x||W| (adg / adu: |x| @ |W|^T) and then round to bf16 by up to
     one ulp, which silu(g) * u carries as |u| |silu'(g)| dg + |silu(g)| du; returned as `absdot`
     for assert_close_bf16 (which adds it times 1e-5), so where u nearly cancels the output is judged
     against what its inputs allow. The clamp caps g and u but not their summation error, which
-    stays 1e-5 * |x||W| of the unclamped sums."""
+    stays 1e-5 * |x||W| of the unclamped sums. eps: the sums' error per |x||W| where it is not
+    1e-5 (the FP8 MMA's accumulation)."""
     if limit > 0:
         u, g = u.clamp(-limit, limit), g.clamp(max=limit)
-    dg = adg + 1e5 * 2 ** -8 * g.abs()
-    du = adu + 1e5 * 2 ** -8 * u.abs()
+    dg = eps * 1e5 * adg + 1e5 * 2 ** -8 * g.abs()
+    du = eps * 1e5 * adu + 1e5 * 2 ** -8 * u.abs()
     sig = torch.sigmoid(g)
     dsilu = (sig * (1 + g * (1 - sig))).abs()
     return 2 * (u.abs() * dsilu * dg + (g * sig).abs() * du)
@@ -117,7 +118,7 @@ def swiglu_absdot(x, w1, s1, w3, s3, limit):
     return _swiglu_err(g, u, _fp8_absdot(x, w1, s1, True), _fp8_absdot(x, w3, s3, True), limit)
 
 
-def fp4_swiglu_absdot(x, idx, rw, w1, s1, w3, s3, limit):
+def fp4_swiglu_absdot(x, idx, rw, w1, s1, w3, s3, limit, eps=1e-5):
     """_swiglu_err of the routed experts' up (fp4_experts_up), row j scaled by rw[j]: [k, inter]."""
     from dsv4.weights.formats import dequantize_fp4_weight
     from dsv4.numerics.quant import fp8_quant_dequant
@@ -128,7 +129,7 @@ def fp4_swiglu_absdot(x, idx, rw, w1, s1, w3, s3, limit):
         w3d = dequantize_fp4_weight(w3[e], s3[e], torch.float64)
         g, u = (w1d @ xq).float(), (w3d @ xq).float()
         adg, adu = (w1d.abs() @ xq.abs()).float(), (w3d.abs() @ xq.abs()).float()
-        rows.append(rw[j].float().abs() * _swiglu_err(g, u, adg, adu, limit))
+        rows.append(rw[j].float().abs() * _swiglu_err(g, u, adg, adu, limit, eps))
     return torch.stack(rows)
 
 
