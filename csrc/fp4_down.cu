@@ -243,12 +243,15 @@ size_t down_ring_smem(int wg, int I, int nbuf) {
 // order then bf16, experts in slot order, + add, the post. A slot is free again once its group's
 // wg warps have read it (empty: wg arrivals); a group's next unit comes G fills after its last,
 // so with nbuf >= G the parity waits (the slot's use before released, then this use landed)
-// cannot take an older use for this one. One activation row. sm_90 (bulk copies, mbarriers).
+// cannot take an older use for this one. rows activation rows (the speculative verify rows) in
+// turn: the producer streams row b's units after row b - 1's, the consumers quantize row b's
+// activation once every consumer is done with row b - 1's (a barrier), so each row gets the bits
+// of its one-row launch. sm_90 (bulk copies, mbarriers).
 template <int SPW, int NE, int G, bool POST>
 __global__ void __launch_bounds__(G == 2 ? 800 : 544, 1) fp4_down_ring_kernel(
     const __nv_bfloat16* act, const int64_t* idx, const uint8_t* w2, const uint8_t* s2,
     const __nv_bfloat16* add, void* y, int D, int I, int y_f32, int early,
-    const __nv_bfloat16* res, const float* post, const float* comb, int nbuf) {
+    const __nv_bfloat16* res, const float* post, const float* comb, int nbuf, int rows) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   constexpr int NS = NE * SPW;
   extern __shared__ __align__(128) uint8_t smem[];
@@ -277,19 +280,21 @@ __global__ void __launch_bounds__(G == 2 ? 800 : 544, 1) fp4_down_ring_kernel(
   if (warp == NC) {   // the producer
     if (lane == 0) {
       if (!early) pdl_wait();
-      int64_t e[NE];
+      for (int b = 0, p = 0; b < rows; ++b) {
+        int64_t e[NE];
 #pragma unroll
-      for (int j = 0; j < NE; ++j) e[j] = idx[j];
-      for (int p = 0, r = 0; r * G < ntile; ++r) {
-        const int nr = min(G, ntile - r * G);
-        for (int u = 0; u < NE * nr; ++u, ++p) {
-          const int slot = p % nbuf;
-          const size_t row0 = size_t(e[u / nr]) * D + size_t(t0 + r * G + u % nr) * 16;
-          mbar_wait(&empty[slot], ((p / nbuf) & 1) ^ 1);
-          mbar_expect(&full[slot], unsigned(slotb));
-          bulk_g2s(ring + slot * slotb, w2 + row0 * wrow, unsigned(16 * wrow), &full[slot]);
-          bulk_g2s(ring + slot * slotb + 16 * wrow, s2 + row0 * srow, unsigned(16 * srow),
-                   &full[slot]);
+        for (int j = 0; j < NE; ++j) e[j] = idx[size_t(b) * NE + j];
+        for (int r = 0; r * G < ntile; ++r) {
+          const int nr = min(G, ntile - r * G);
+          for (int u = 0; u < NE * nr; ++u, ++p) {
+            const int slot = p % nbuf;
+            const size_t row0 = size_t(e[u / nr]) * D + size_t(t0 + r * G + u % nr) * 16;
+            mbar_wait(&empty[slot], ((p / nbuf) & 1) ^ 1);
+            mbar_expect(&full[slot], unsigned(slotb));
+            bulk_g2s(ring + slot * slotb, w2 + row0 * wrow, unsigned(16 * wrow), &full[slot]);
+            bulk_g2s(ring + slot * slotb + 16 * wrow, s2 + row0 * srow, unsigned(16 * srow),
+                     &full[slot]);
+          }
         }
       }
       if (early) pdl_wait();
@@ -298,40 +303,51 @@ __global__ void __launch_bounds__(G == 2 ? 800 : 544, 1) fp4_down_ring_kernel(
   }
   pdl_wait();   // the activation comes from up
   const int k0 = wg * 128 * SPW;
-  if (grp == 0)
+  for (int b = 0, n = 0; b < rows; ++b) {   // n: the group's tiles so far (red's parity)
+    if (b > 0) asm volatile("bar.sync 1, %0;\n" ::"r"(NC * 32) : "memory");   // row b - 1's xs read
+    if (grp == 0)
 #pragma unroll
-    for (int j = 0; j < NE; ++j)
-      quant_slice<SPW, 0>(act + size_t(j) * I + k0, reinterpret_cast<uint16_t*>(xs + j * SPW * 16),
-                          ef + j * SPW, lane);
-  asm volatile("bar.sync 1, %0;\n" ::"r"(NC * 32) : "memory");   // xs: the consumers
-  for (int tl = grp, n = 0; tl < ntile; tl += G, ++n) {
-    const int r = tl / G, nr = min(G, ntile - r * G);
-    float tot[NE][1][2];
+      for (int j = 0; j < NE; ++j)
+        quant_slice<SPW, 0>(act + (size_t(b) * NE + j) * I + k0,
+                            reinterpret_cast<uint16_t*>(xs + j * SPW * 16), ef + j * SPW, lane);
+    asm volatile("bar.sync 1, %0;\n" ::"r"(NC * 32) : "memory");   // xs: the consumers
+    // row b's add, output and post (fp4_down_all_kernel's row b), and its first unit
+    const __nv_bfloat16* addb = add == nullptr ? nullptr : add + size_t(b) * D;
+    void* yb = static_cast<char*>(y) + size_t(b) * D * (POST ? MHC_STREAMS * 2 : (y_f32 ? 4 : 2));
+    const __nv_bfloat16* resb = POST ? res + size_t(b) * MHC_STREAMS * D : res;
+    const float* postb = POST ? post + size_t(b) * MHC_STREAMS : post;
+    const float* combb = POST ? comb + size_t(b) * MHC_STREAMS * MHC_STREAMS : comb;
+    const int pb = b * NE * ntile;
+    for (int tl = grp; tl < ntile; tl += G, ++n) {
+      const int r = tl / G, nr = min(G, ntile - r * G);
+      float tot[NE][1][2];
 #pragma unroll
-    for (int j = 0; j < NE; ++j) {
-      tot[j][0][0] = tot[j][0][1] = 0.0f;
-      const int p = r * G * NE + j * nr + grp, slot = p % nbuf;
-      mbar_wait(&empty[slot], ((p / nbuf) & 1) ^ 1);
-      mbar_wait(&full[slot], (p / nbuf) & 1);
-      const uint8_t* sw = ring + slot * slotb + g * wrow + (k0 >> 5) * 16 + q * 16;
-      const uint8_t* ss = ring + slot * slotb + 16 * wrow + g * srow + (k0 >> 5);
+      for (int j = 0; j < NE; ++j) {
+        tot[j][0][0] = tot[j][0][1] = 0.0f;
+        const int p = pb + r * G * NE + j * nr + grp, slot = p % nbuf;
+        mbar_wait(&empty[slot], ((p / nbuf) & 1) ^ 1);
+        mbar_wait(&full[slot], (p / nbuf) & 1);
+        const uint8_t* sw = ring + slot * slotb + g * wrow + (k0 >> 5) * 16 + q * 16;
+        const uint8_t* ss = ring + slot * slotb + 16 * wrow + g * srow + (k0 >> 5);
 #pragma unroll
-      for (int t = 0; t < SPW; ++t) {
-        ExpertStep<1> st;
-        st.wa[0] = *reinterpret_cast<const uint4*>(sw + t * 64);
-        st.wb[0] = *reinterpret_cast<const uint4*>(sw + 8 * wrow + t * 64);
-        st.sa[0] = *reinterpret_cast<const uint32_t*>(ss + 4 * t);
-        st.sb[0] = *reinterpret_cast<const uint32_t*>(ss + 8 * srow + 4 * t);
-        fp4_step<1, 0>(st, xq + (j * SPW + t) * xstride, ef[j * SPW + t], q, tot[j]);
+        for (int t = 0; t < SPW; ++t) {
+          ExpertStep<1> st;
+          st.wa[0] = *reinterpret_cast<const uint4*>(sw + t * 64);
+          st.wb[0] = *reinterpret_cast<const uint4*>(sw + 8 * wrow + t * 64);
+          st.sa[0] = *reinterpret_cast<const uint32_t*>(ss + 4 * t);
+          st.sb[0] = *reinterpret_cast<const uint32_t*>(ss + 8 * srow + 4 * t);
+          fp4_step<1, 0>(st, xq + (j * SPW + t) * xstride, ef[j * SPW + t], q, tot[j]);
+        }
+        __syncwarp();
+        if (lane == 0) mbar_arrive(&empty[slot]);   // this warp is done with the slot
       }
-      __syncwarp();
-      if (lane == 0) mbar_arrive(&empty[slot]);   // this warp is done with the slot
+      float* rp = red + (grp * 2 + (n & 1)) * WG * NE * 16;   // the group's buffer of this parity
+      down_all_partial<NE>(tot, rp, wg, g, q);
+      asm volatile("bar.sync %0, %1;\n" ::"r"(2 + grp), "r"(WG * 32) : "memory");
+      if (wg == 0 && lane < 16)   // fp4_down_all_kernel's epilogue, the tile's rows
+        down_all_finish<NE, POST>(rp, WG, lane, (t0 + tl) * 16, addb, yb, D, y_f32, resb, postb,
+                                  combb);
     }
-    float* rp = red + (grp * 2 + (n & 1)) * WG * NE * 16;   // the group's buffer of this parity
-    down_all_partial<NE>(tot, rp, wg, g, q);
-    asm volatile("bar.sync %0, %1;\n" ::"r"(2 + grp), "r"(WG * 32) : "memory");
-    if (wg == 0 && lane < 16)   // fp4_down_all_kernel's epilogue, the tile's rows
-      down_all_finish<NE, POST>(rp, WG, lane, (t0 + tl) * 16, add, y, D, y_f32, res, post, comb);
   }
 #endif
 }
@@ -340,7 +356,8 @@ template <int SPW, int NE, int G, bool POST>
 cudaError_t down_ring_launch(const __nv_bfloat16* ap, const int64_t* ip, const uint8_t* wp,
                              const uint8_t* sp, const __nv_bfloat16* dp, void* y, int D, int I,
                              int y_f32, int early, const __nv_bfloat16* rp, const float* post,
-                             const float* comb, int nbuf, int ctas, cudaStream_t st, int pdl) {
+                             const float* comb, int nbuf, int rows, int ctas, cudaStream_t st,
+                             int pdl) {
   const int wg = I / (128 * SPW);
   int dev = 0, major = 0;   // bulk copies and mbarriers: sm_90 on (the kernel is empty below)
   if (cudaGetDevice(&dev) != cudaSuccess ||
@@ -361,7 +378,7 @@ cudaError_t down_ring_launch(const __nv_bfloat16* ap, const int64_t* ip, const u
     }
   }
   return launch(fn, dim3(ctas), dim3(32 * (wg * G + 1)), smem, st, pdl, ap, ip, wp, sp, dp, y, D,
-                I, y_f32, early, rp, post, comb, nbuf);
+                I, y_f32, early, rp, post, comb, nbuf, rows);
 }
 
 }  // namespace
@@ -372,8 +389,9 @@ extern "C" {
 // left zero) are the caller's workspace; add [D] bf16 or null. Grid (D / 16, k). all_experts:
 // fp4_down_all_kernel instead (grid D / 16, no workspace; k 6 (Flash, Pro), dec 0, the (spw, depth)
 // instantiated below). rows > 1 (all_experts only): rows activation rows, a [rows * k, I], idx
-// [rows * k], add / y [rows, D]. ctas > 0 (all_experts, one row, k 6, spw 2, dec 0; sm_90):
-// fp4_down_ring_kernel on ctas CTAs (<= D / 16, one an SM) with depth (>= 2) ring slots.
+// [rows * k], add / y [rows, D]. ctas > 0 (all_experts, k 6, spw 2, dec 0; sm_90):
+// fp4_down_ring_kernel on ctas CTAs (<= D / 16, one an SM) with depth (>= 2) ring slots, the
+// rows in turn.
 int dsv4_fp4_down(const void* act, const void* idx, const void* w2, const void* s2, const void* add,
                   void* y, void* ws, void* cnt, int D, int I, int k, int y_f32, int spw, int dec,
                   int depth, int all_experts, int rows, const void* res, const float* post,
@@ -407,11 +425,11 @@ int dsv4_fp4_down(const void* act, const void* idx, const void* w2, const void* 
   (post != nullptr ? DSV4_DOWN_ALL_P(S, E, R, true) : DSV4_DOWN_ALL_P(S, E, R, false))
   if (ctas > 0) {   // the ring kernel: ctas CTAs, depth slots
     const int wg = warps, g2 = wg * 2 + 1 <= 25;
-    if (!all_experts || dec != 0 || rows != 1 || k != 6 || spw != 2 || depth < 2 || ctas > D / 16)
+    if (!all_experts || dec != 0 || k != 6 || spw != 2 || depth < 2 || ctas > D / 16)
       return -1;
 #define DSV4_DOWN_RING(G, P)                                                                     \
   down_ring_launch<2, 6, G, P>(ap, ip, wp, sp, dp, y, D, I, y_f32, early, rp, post, comb, depth, \
-                               ctas, st, pdl)
+                               rows, ctas, st, pdl)
     (void)wg;
     if (g2) return post != nullptr ? DSV4_DOWN_RING(2, true) : DSV4_DOWN_RING(2, false);
     return post != nullptr ? DSV4_DOWN_RING(1, true) : DSV4_DOWN_RING(1, false);

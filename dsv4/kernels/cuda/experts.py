@@ -21,7 +21,7 @@ class ExpertCudaConfig:
     tile's weights in flight (spw 1 or 2, decode 0, at most 64 pairs of at most 4 activation
     rows); ctas with all_experts (down): the ring kernel on that many CTAs (one an SM), depth its
     ring slots (>= 2) of one expert's 16-row tile each, bulk-copied, with the all-experts kernel's
-    bits (spw 2, decode 0, k 6, one activation row; sm_90). wgmma (up): the warpgroup-MMA kernel
+    bits (spw 2, decode 0, k 6 a row, the rows in turn; sm_90). wgmma (up): the warpgroup-MMA kernel
     (csrc/fp4_up_wg.cu, an sm_90 GPU) on ctas CTAs instead, a persistent ring fed by tensor copies
     of the checkpoint's bytes (spw, dec and depth unused; up_wg_fits says where it serves, else the
     streaming kernel of spw on ctas CTAs): new bits (the FP8 MMA's sums), the same for every ctas

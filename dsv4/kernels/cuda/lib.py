@@ -302,7 +302,7 @@ def topk_bf16(lib, scores, k: int, out, pdl: bool) -> None:
 def fp4_down(lib, a, idx, w2, s2, add, y, ws, cnt, D: int, I: int, k: int, y_f32: bool, cfg,
              pdl: int, rows: int = 1, post: tuple | None = None) -> None:
     """dsv4_fp4_down; ws / cnt None (unused) for cfg.all_experts; rows > 1: all_experts only;
-    cfg.ctas > 0 (with all_experts, one row): the ring kernel on that many CTAs, depth slots.
+    cfg.ctas > 0 (with all_experts): the ring kernel on that many CTAs, depth slots.
     pdl: 0 off, 1 on, 2 on with idx and its weights read before the wait (dsv4_api.h says when).
     post: (res, post, comb) of the block's mHC post (y then the streams [rows, 4, D] bf16)."""
     res, pw, comb = post or (None, None, None)

@@ -346,9 +346,8 @@ def fp4_experts_down(a: torch.Tensor, idx: torch.Tensor, w2: torch.Tensor, s2: t
             and (addc is None or addc.dtype == torch.bfloat16)):
         ccfg = config if isinstance(config, ExpertCudaConfig) else cuda_down_config(k // rows, I, D)
         if ccfg is not None and ccfg.ctas and ccfg.all_experts:   # the ring kernel
-            if (rows > 1 or k != 6 or ccfg.spw != 2
-                    or device_capability(dst.device) < (9, 0)):
-                ccfg = down_all_config(k // rows, I)   # the ring: one row of 6, sm_90
+            if k != 6 * rows or ccfg.spw != 2 or device_capability(dst.device) < (9, 0):
+                ccfg = down_all_config(k // rows, I)   # the ring: rows of 6, sm_90
             else:                                           # one CTA per SM at most resides
                 ccfg = replace(ccfg, ctas=min(ccfg.ctas, device_sms(dst.device), D // 16))
         if ccfg is not None and (rows == 1 or ccfg.all_experts):
