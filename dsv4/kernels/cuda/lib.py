@@ -52,8 +52,9 @@ def _nvcc() -> str | None:
 
 
 def build(arch: str, out: Path | None = None, nvcc: str | None = None) -> Path:
-    """Compile csrc/ (SOURCES, including HEADERS) for sm_`arch` ("90") into one shared library;
-    returns its path. Raises RuntimeError with the compiler's message on failure."""
+    """Compile csrc/ (SOURCES, including HEADERS) for sm_`arch` ("90": as sm_90a, for the warpgroup
+    MMA) into one shared library; returns its path. Raises RuntimeError with the compiler's
+    message on failure."""
     nvcc = nvcc or _nvcc()
     if nvcc is None:
         raise RuntimeError("nvcc not found (PATH, CUDA_HOME, /usr/local/cuda)")
@@ -70,11 +71,11 @@ def build(arch: str, out: Path | None = None, nvcc: str | None = None) -> Path:
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
-    print(f"dsv4: building the CUDA kernels for sm_{arch} (once) into {out.parent}",
+    sm = arch + "a" if arch == "90" else arch         # sm_90a: Hopper's wgmma (fp4_up_wg.cu)
+    print(f"dsv4: building the CUDA kernels for sm_{sm} (once) into {out.parent}",
           file=sys.stderr)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         so = Path(tmp) / out.name
-        sm = arch + "a" if arch == "90" else arch     # sm_90a: Hopper's wgmma (fp4_up_wg.cu)
         cmd = [nvcc, "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC",
                f"-gencode=arch=compute_{sm},code=sm_{sm}", "-o", str(so),
                *(str(CSRC / f) for f in SOURCES)]

@@ -88,7 +88,6 @@ def test_wgmma_up_serves_the_real_shapes():
     verify row count and Pro's for two rows (its B operand grows with D); it serves sm_90 GPUs
     only (wgmma)."""
     from dsv4.kernels.cuda import experts as ex
-    from test_decode_kernels import EXPERTS
     _, fi, fd = EXPERTS["flash"]
     _, pi, pd = EXPERTS["pro"]
     assert all(ex.up_wg_fits(t, fi, fd, (9, 0)) for t in (1, 2, 3, 4))
