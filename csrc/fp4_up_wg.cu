@@ -68,7 +68,8 @@ DEV void decode_block(const uint4& A, const uint4& B, uint32_t (&la)[4], uint32_
 // t0 / t1 (rows g, g + 8) += a block's column sums d (columns 2 (q & 1), + 1: groups of the
 // block) scaled by the rows' group scales sa / sb (zero for the lanes of the other row's columns)
 // and f (the activation block's scale times the decode's 2^6)
-DEV void scale_add(float& t0, float& t1, const float (&d)[4], uint32_t sa, uint32_t sb, float f, int q) {
+DEV void scale_add(float& t0, float& t1, const float (&d)[4], uint32_t sa, uint32_t sb, float f,
+               int q) {
   const int sh = 16 * (q & 1);
   t0 += (d[0] * e8m0(sa >> sh) + d[1] * e8m0(sa >> (sh + 8))) * f;
   t1 += (d[2] * e8m0(sb >> sh) + d[3] * e8m0(sb >> (sh + 8))) * f;
@@ -79,7 +80,8 @@ DEV void scale_add(float& t0, float& t1, const float (&d)[4], uint32_t sa, uint3
 // and the consumers' barrier.
 DEV void quant_b(const __nv_bfloat16* x, uint8_t* xs, float* ef, int rows, int D, size_t xs_bytes,
                  int tid, int nct) {
-  for (size_t i = tid; i < xs_bytes / 16; i += nct) reinterpret_cast<uint4*>(xs)[i] = make_uint4(0u, 0u, 0u, 0u);
+  for (size_t i = tid; i < xs_bytes / 16; i += nct)
+    reinterpret_cast<uint4*>(xs)[i] = make_uint4(0u, 0u, 0u, 0u);
   bar_consumers(nct);
   const int KB = D / 128, lane = tid & 31;
   // lane's elements 4 lane .. 4 lane + 3 of a block: group n, wgmma kk, word positions 4 (lane & 1)
@@ -94,7 +96,8 @@ DEV void quant_b(const __nv_bfloat16* x, uint8_t* xs, float* ef, int rows, int D
     for (int off = 1; off < 32; off <<= 1) amax = fmaxf(amax, __shfl_xor_sync(FULL, amax, off));
     const int e = block_exponent(amax);
     const float inv = pow2f(-e);
-    uint8_t* p = xs + (size_t(r >> 1) * KB + kb) * 1024 + kk * 256 + ((r & 1) * 4 + n) * 16 + 4 * n + i0;
+    uint8_t* p =
+        xs + (size_t(r >> 1) * KB + kb) * 1024 + kk * 256 + ((r & 1) * 4 + n) * 16 + 4 * n + i0;
     p[0] = uint8_t(f32_to_e4m3(v[0] * inv));
     p[128] = uint8_t(f32_to_e4m3(v[1] * inv));
     p[1] = uint8_t(f32_to_e4m3(v[2] * inv));
@@ -127,7 +130,8 @@ DEV void up_wg_finish(const float* red, int wgs, int r, float rw, float limit, _
 // KC / 32). WGS consumer warpgroups, then WGS producer warps (lane 0 works).
 template <int WGS, int NBUF, int KC>
 __global__ void __launch_bounds__(WGS * 160, 1) fp4_up_wg_kernel(
-    const __nv_bfloat16* __restrict__ x, const int64_t* __restrict__ idx, const float* __restrict__ rw,
+    const __nv_bfloat16* __restrict__ x, const int64_t* __restrict__ idx,
+    const float* __restrict__ rw,
     const __grid_constant__ CUtensorMap tw1, const __grid_constant__ CUtensorMap ts1,
     const __grid_constant__ CUtensorMap tw3, const __grid_constant__ CUtensorMap ts3,
     __nv_bfloat16* __restrict__ out, float limit, int I, int D, int k, int kpr) {
@@ -214,7 +218,8 @@ __global__ void __launch_bounds__(WGS * 160, 1) fp4_up_wg_kernel(
         }
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk)   // the operands computed before the fence
-          asm volatile("" : "+r"(la[p][kk]), "+r"(lb[p][kk]), "+r"(ha[p][kk]), "+r"(hb[p][kk])::"memory");
+          asm volatile("" : "+r"(la[p][kk]), "+r"(lb[p][kk]), "+r"(ha[p][kk]), "+r"(hb[p][kk])
+                       :: "memory");
         asm volatile("" : "+f"(d[p][0]), "+f"(d[p][1]), "+f"(d[p][2]), "+f"(d[p][3])::"memory");
         wg_fence();
         const int kb = u * BPU + blk;
@@ -225,7 +230,8 @@ __global__ void __launch_bounds__(WGS * 160, 1) fp4_up_wg_kernel(
         wg_commit();
         if (blk > 0) {   // block blk - 1 retired, block blk in flight
           wg_wait1();
-          asm volatile("" : "+f"(d[p ^ 1][0]), "+f"(d[p ^ 1][1]), "+f"(d[p ^ 1][2]), "+f"(d[p ^ 1][3])::"memory");
+          asm volatile("" : "+f"(d[p ^ 1][0]), "+f"(d[p ^ 1][1]), "+f"(d[p ^ 1][2]),
+                       "+f"(d[p ^ 1][3]) :: "memory");
           scale_add(t0, t1, d[p ^ 1], sa[p ^ 1], sb[p ^ 1], efr[kb - 1], q);
         }
       }
@@ -241,7 +247,7 @@ __global__ void __launch_bounds__(WGS * 160, 1) fp4_up_wg_kernel(
       rp[wgi * 64 + warp * 16 + g] = s0;
       rp[wgi * 64 + warp * 16 + g + 8] = s1;
     }
-    bar_consumers(NCT);   // red[par] complete; its previous use read (warp 0 passed the last barrier)
+    bar_consumers(NCT);   // red[par] complete, its previous use read (warp 0 passed the last barrier)
     if (tid < UPW_TILE)
       up_wg_finish(rp, WGS, tid, rw[j], limit, out + size_t(j) * I + (t % RT) * UPW_TILE + tid);
   }
@@ -255,8 +261,8 @@ EncodeTiled encode_tiled() {
   if (fn == nullptr) {
     void* p = nullptr;
     cudaDriverEntryPointQueryResult q;
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &q) ==
-            cudaSuccess &&
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault,
+                                         &q) == cudaSuccess &&
         q == cudaDriverEntryPointSuccess)
       fn = reinterpret_cast<EncodeTiled>(p);
   }
@@ -270,9 +276,9 @@ bool byte_map(CUtensorMap* m, const void* base, uint64_t inner, uint64_t rows, u
   if (encode == nullptr) return false;
   cuuint64_t dims[2] = {inner, rows}, strides[1] = {inner};
   cuuint32_t box[2] = {box_inner, box_rows}, es[2] = {1, 1};
-  return encode(m, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<void*>(base), dims, strides, box, es,
-                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+  return encode(m, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<void*>(base), dims, strides, box,
+                es, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE,
+                CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
 }  // namespace
@@ -284,23 +290,27 @@ extern "C" {
 // 16-byte aligned; I % 32 == 0, D % 512 == 0, k / kpr <= 4 activation rows, within the shared
 // memory (-1 otherwise, or on another GPU).
 int dsv4_fp4_up_wg(const void* x, const void* idx, const void* rw, const void* w1, const void* s1,
-                   const void* w3, const void* s3, void* out, float limit, int E, int I, int D, int k,
-                   int kpr, int ctas, void* stream, int pdl) {
-  if (E < 1 || I < UPW_TILE || I % UPW_TILE || D < UPW_KC || D % UPW_KC || k < 1 || kpr < 1 || k % kpr ||
-      k / kpr > UPW_ROWS || ctas < 1)
+                   const void* w3, const void* s3, void* out, float limit, int E, int I, int D,
+                   int k, int kpr, int ctas, void* stream, int pdl) {
+  if (E < 1 || I < UPW_TILE || I % UPW_TILE || D < UPW_KC || D % UPW_KC || k < 1 || kpr < 1 ||
+      k % kpr || k / kpr > UPW_ROWS || ctas < 1)
     return -1;
   int dev = 0, major = 0, minor = 0;
   cudaError_t err = cudaGetDevice(&dev);
-  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
-  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev);
+  if (err == cudaSuccess)
+    err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+  if (err == cudaSuccess)
+    err = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev);
   if (err != cudaSuccess) return err;
   if (major != 9 || minor != 0) return -1;
   const size_t smem = UpWgSmem(D, k / kpr, UPW_WGS, UPW_NBUF, UPW_KC).total;
   if (smem > 227 * 1024) return -1;
   const uint64_t rows = uint64_t(E) * I;
   CUtensorMap m[4];
-  if (!byte_map(&m[0], w1, D / 2, rows, UPW_KC / 2, UPW_TILE) || !byte_map(&m[1], s1, D / 32, rows, UPW_KC / 32, UPW_TILE) ||
-      !byte_map(&m[2], w3, D / 2, rows, UPW_KC / 2, UPW_TILE) || !byte_map(&m[3], s3, D / 32, rows, UPW_KC / 32, UPW_TILE))
+  if (!byte_map(&m[0], w1, D / 2, rows, UPW_KC / 2, UPW_TILE) ||
+      !byte_map(&m[1], s1, D / 32, rows, UPW_KC / 32, UPW_TILE) ||
+      !byte_map(&m[2], w3, D / 2, rows, UPW_KC / 2, UPW_TILE) ||
+      !byte_map(&m[3], s3, D / 32, rows, UPW_KC / 32, UPW_TILE))
     return cudaErrorInvalidValue;
   auto kern = fp4_up_wg_kernel<UPW_WGS, UPW_NBUF, UPW_KC>;
   err = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
@@ -308,7 +318,8 @@ int dsv4_fp4_up_wg(const void* x, const void* idx, const void* rw, const void* w
   const int tiles = k * (I / UPW_TILE);
   return launch(kern, dim3(ctas < tiles ? ctas : tiles), dim3(UPW_WGS * 160), smem,
                 static_cast<cudaStream_t>(stream), pdl, static_cast<const __nv_bfloat16*>(x),
-                static_cast<const int64_t*>(idx), static_cast<const float*>(rw), m[0], m[1], m[2], m[3],
+                static_cast<const int64_t*>(idx), static_cast<const float*>(rw), m[0], m[1], m[2],
+                m[3],
                 static_cast<__nv_bfloat16*>(out), limit, I, D, k, kpr);
 }
 

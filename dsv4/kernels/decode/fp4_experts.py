@@ -6,8 +6,8 @@ dsv4.kernels.cuda.lib; the default where available: e2m1 decoded to f16 in regis
 with float32 accumulation per 32-group, the group scale applied in float32; on an sm_90 GPU the
 tuned up is csrc/fp4_up_wg.cu's, e2m1 decoded to e4m3 for Hopper's FP8 warpgroup MMA, whose
 accumulation of a group's 32 products is not IEEE float32: new bits within ~1e-4 of the sums) and
-the Triton kernels below (the fallback, and the interpreter tests). `impl=` (the backend's decision: "cuda" or
-"triton") / the config type pick one.
+the Triton kernels below (the fallback, and the interpreter tests). `impl=` (the backend's
+decision: "cuda" or "triton") / the config type pick one.
 The CUDA kernels' launch configs: dsv4/kernels/cuda/experts.py.
 Test: `python -m pytest tests/dsv4/kernels/test_decode_kernels.py`; bench: `python scripts/bench_kernels.py`.
 """
