@@ -27,6 +27,23 @@ DEV void down_post(float v, const __nv_bfloat16* res, const float* post, const f
     y[size_t(j) * D + r] = __float2bfloat16_rn(mhc_post_one(vb, rr, post, comb, j));
 }
 
+// Activation row b's add, output and post operands of the all-experts kernels (fp4_down_all_kernel,
+// fp4_down_ring_kernel): add and y [rows, D] (y float32 or bf16), or, POST, y and res [rows, 4, D]
+// bf16 with post [rows, 4] and comb [rows, 4, 4].
+template <bool POST>
+DEV void down_row(size_t b, int D, int y_f32, const __nv_bfloat16*& add, void*& y,
+                  const __nv_bfloat16*& res, const float*& post, const float*& comb) {
+  if (add != nullptr) add += b * D;
+  if constexpr (POST) {
+    res += b * MHC_STREAMS * D;
+    post += b * MHC_STREAMS;
+    comb += b * MHC_STREAMS * MHC_STREAMS;
+    y = static_cast<char*>(y) + b * MHC_STREAMS * D * 2;
+  } else {
+    y = static_cast<char*>(y) + b * D * (y_f32 ? 4 : 2);
+  }
+}
+
 // The all-experts epilogue (fp4_down_all_kernel, fp4_down_ring_kernel), a warp's part: its sums
 // tot of each expert's rows g and g + 8 -> red [warps][NE][16] (lanes q == 0).
 template <int NE>
@@ -159,15 +176,7 @@ __global__ void __launch_bounds__(512) fp4_down_all_kernel(const __nv_bfloat16* 
   const int g = lane >> 2, q = lane & 3, r0 = blockIdx.x * 16;
   act += size_t(blockIdx.y) * NE * I;
   idx += size_t(blockIdx.y) * NE;
-  if (add != nullptr) add += size_t(blockIdx.y) * D;
-  if constexpr (POST) {          // row b's streams: y and res [rows, 4, D], post / comb its own
-    res += size_t(blockIdx.y) * MHC_STREAMS * D;
-    post += size_t(blockIdx.y) * MHC_STREAMS;
-    comb += size_t(blockIdx.y) * MHC_STREAMS * MHC_STREAMS;
-    y = static_cast<char*>(y) + size_t(blockIdx.y) * MHC_STREAMS * D * 2;
-  } else {
-    y = static_cast<char*>(y) + size_t(blockIdx.y) * D * (y_f32 ? 4 : 2);
-  }
+  down_row<POST>(blockIdx.y, D, y_f32, add, y, res, post, comb);
   uint4* xs;
   float *ef, *red;   // the expert_smem layout with NS steps per warp; red [warps][NE][16]
   int xstride;
@@ -311,12 +320,10 @@ __global__ void __launch_bounds__(G == 2 ? 800 : 544, 1) fp4_down_ring_kernel(
         quant_slice<SPW, 0>(act + (size_t(b) * NE + j) * I + k0,
                             reinterpret_cast<uint16_t*>(xs + j * SPW * 16), ef + j * SPW, lane);
     asm volatile("bar.sync 1, %0;\n" ::"r"(NC * 32) : "memory");   // xs: the consumers
-    // row b's add, output and post (fp4_down_all_kernel's row b), and its first unit
-    const __nv_bfloat16* addb = add == nullptr ? nullptr : add + size_t(b) * D;
-    void* yb = static_cast<char*>(y) + size_t(b) * D * (POST ? MHC_STREAMS * 2 : (y_f32 ? 4 : 2));
-    const __nv_bfloat16* resb = POST ? res + size_t(b) * MHC_STREAMS * D : res;
-    const float* postb = POST ? post + size_t(b) * MHC_STREAMS : post;
-    const float* combb = POST ? comb + size_t(b) * MHC_STREAMS * MHC_STREAMS : comb;
+    const __nv_bfloat16 *addb = add, *resb = res;   // row b's operands, and its first unit
+    void* yb = y;
+    const float *postb = post, *combb = comb;
+    down_row<POST>(b, D, y_f32, addb, yb, resb, postb, combb);
     const int pb = b * NE * ntile;
     for (int tl = grp; tl < ntile; tl += G, ++n) {
       const int r = tl / G, nr = min(G, ntile - r * G);

@@ -221,6 +221,18 @@ DEV const uint4* expert_smem(uint8_t* smem, int warp, int nwarps, int g, int q, 
   return g == q ? xs + 4 * q : zero + 1;
 }
 
+// up's output of one row from its gate / up sums (fp4_up.cu, fp4_up_wg.cu): each rounded to bf16
+// (fp4_gemm outputs bf16), u clamped to +-limit and g from above (limit 0: none), then SwiGLU
+// and the route weight rw.
+DEV __nv_bfloat16 up_swiglu(float gs, float us, float limit, float rw) {
+  float gv = bf16_round(gs), uv = bf16_round(us);
+  if (limit > 0.0f) {
+    uv = fminf(fmaxf(uv, -limit), limit);
+    gv = fminf(gv, limit);
+  }
+  return __float2bfloat16_rn(gv / (1.0f + expf(-gv)) * uv * rw);
+}
+
 // A per-tile expert kernel's instantiation as one switch key: (spw, e2m1 decode, steps in flight;
 // depth 0 = spw). Used by both launchers' case labels, so key and labels cannot drift apart.
 constexpr int expert_variant(int spw, int dec, int depth) {

@@ -34,12 +34,7 @@ DEV void up_finish(const float* red, int lane, int nwarps, const float* rw, __nv
   for (int w = 0; w < nwarps; ++w) sum += red[(w * 2 + m) * 16 + r];
   const float us = __shfl_down_sync(FULL, sum, 16);
   if (lane >= 16) return;
-  float gv = bf16_round(sum), uv = bf16_round(us);   // fp4_gemm outputs bf16
-  if (limit > 0.0f) {
-    uv = fminf(fmaxf(uv, -limit), limit);
-    gv = fminf(gv, limit);
-  }
-  out[size_t(j) * I + r0 + r] = __float2bfloat16_rn(gv / (1.0f + expf(-gv)) * uv * rw[j]);
+  out[size_t(j) * I + r0 + r] = up_swiglu(sum, us, limit, rw[j]);
 }
 
 // up's epilogue for one tile (expert slot j, rows r0 .. r0 + 15): the warps' gate / up sums tot

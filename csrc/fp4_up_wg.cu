@@ -109,19 +109,14 @@ DEV void quant_b(const __nv_bfloat16* x, uint8_t* xs, float* ef, int rows, int D
 }
 
 // a tile's output row r (< 32) from the warpgroups' sums red [wgs][64] (gate r, up 32 + r) added
-// in warpgroup order: bf16 (fp4_gemm outputs bf16), the clamp, SwiGLU and the route weight
+// in warpgroup order, then up_swiglu
 DEV void up_wg_finish(const float* red, int wgs, int r, float rw, float limit, __nv_bfloat16* o) {
   float gs = 0.0f, us = 0.0f;
   for (int w = 0; w < wgs; ++w) {
     gs += red[w * 64 + r];
     us += red[w * 64 + 32 + r];
   }
-  float gv = bf16_round(gs), uv = bf16_round(us);
-  if (limit > 0.0f) {
-    uv = fminf(fmaxf(uv, -limit), limit);
-    gv = fminf(gv, limit);
-  }
-  *o = __float2bfloat16_rn(gv / (1.0f + expf(-gv)) * uv * rw);
+  *o = up_swiglu(gs, us, limit, rw);
 }
 #endif
 

@@ -1,6 +1,7 @@
-"""Launch configs of the CUDA C++ routed-expert kernels (csrc/fp4_up.cu, fp4_up_wg.cu, fp4_down.cu, used by
-dsv4/kernels/fp4_experts.py): `ExpertCudaConfig`, the configs measured best on an H200, the
-instantiated variants, the heuristics for other shapes, and the down kernel's workspace.
+"""Launch configs of the CUDA C++ routed-expert kernels (csrc/fp4_up.cu, fp4_up_wg.cu,
+fp4_down.cu, used by dsv4/kernels/fp4_experts.py): `ExpertCudaConfig`, the configs measured best
+on an H200, the instantiated variants, the heuristics for other shapes, and the down kernel's
+workspace.
 """
 from __future__ import annotations
 

@@ -250,15 +250,14 @@ def fp4_experts_up(x: torch.Tensor, idx: torch.Tensor, route_w: torch.Tensor, w1
     if out is None:
         out = torch.empty(k, I, dtype=torch.bfloat16, device=x.device)
     xc, rw = x.contiguous(), route_w.to(torch.float32).contiguous()
-    if (cuda_cpp.pick("fp4 experts", impl, xc, w1, w3, out, declined=isinstance(config, Config),
+    if (cuda_cpp.pick("fp4 experts", impl, xc, w1, s1, w3, s3, out,
+                      declined=isinstance(config, Config),
                       strict=strict or isinstance(config, ExpertCudaConfig))
             and I % 16 == 0 and idx.dtype == torch.int64):
         ccfg = config if isinstance(config, ExpertCudaConfig) else cuda_expert_config(
             D, TUNED_CUDA_UP, (k // T, I, D))
         if ccfg is not None and ccfg.wgmma:
-            if (up_wg_fits(T, I, D, device_capability(out.device)) and s1.is_contiguous()
-                    and s3.is_contiguous() and s1.data_ptr() % 16 == 0
-                    and s3.data_ptr() % 16 == 0):
+            if up_wg_fits(T, I, D, device_capability(out.device)):
                 with on_device(out):
                     cuda_cpp.fp4_up_wg(cuda_cpp.lib_for(out.device), xc, idx.contiguous(), rw,
                                        w1, s1.view(torch.uint8), w3, s3.view(torch.uint8), out,
@@ -339,7 +338,7 @@ def fp4_experts_down(a: torch.Tensor, idx: torch.Tensor, w2: torch.Tensor, s2: t
     dst = out if post is None else streams            # what the CUDA kernel writes
     ac = a.contiguous()
     addc = None if add is None else add.contiguous()
-    if (cuda_cpp.pick("fp4 experts", impl, ac, w2, dst, *(() if addc is None else (addc,)),
+    if (cuda_cpp.pick("fp4 experts", impl, ac, w2, s2, dst, *(() if addc is None else (addc,)),
                       declined=isinstance(config, Config),
                       strict=strict or isinstance(config, ExpertCudaConfig))
             and D % 16 == 0 and idx.dtype == torch.int64
