@@ -191,7 +191,8 @@ def run(args, command: str = "") -> dict:
     spec = None
     if args.speculative:
         spec = bench_spec.run(model, args.context, args.seed, graph_ms, _log,
-                              reps=min(bench_spec.REPS, args.steps), n_new=args.spec_tokens)
+                              reps=min(bench_spec.REPS, args.steps), n_new=args.spec_tokens,
+                              kernels=not args.no_kernels)
     layers = None
     if args.layer_kernels:
         if not on_cuda:
@@ -232,7 +233,8 @@ def _plan(args, on_cuda: bool) -> tuple[list, list, list, list]:
         modes = ["eager"]
         notes.append("graph mode needs CUDA: not measured")
     for flag, v, lo in (("--steps", args.steps, 1), ("--warmup", args.warmup, 0),
-                        ("--context", args.context, 1), ("--spec-tokens", args.spec_tokens, 2)):
+                        ("--context", args.context, 1), ("--spec-tokens", args.spec_tokens, 2),
+                        ("--layer-rows", args.layer_rows, 1)):
         if v < lo:
             raise InputError(f"{flag} {v}: must be >= {lo}")
     if args.steps < MIN_STEPS:
@@ -291,7 +293,8 @@ def _layer_kernel_runs(model: Transformer, args, bw: dict) -> list[dict]:
     fill_state(model, args.context, args.seed)
     for l in lk.representative_layers(model):
         _log(f"layer {l}: each kernel alone, then the layer whole")
-        rep = lk.layer_kernels(model, l, args.context, bw[str(model.layers[l].device)])
+        rep = lk.layer_kernels(model, l, args.context, bw[str(model.layers[l].device)],
+                               rows=args.layer_rows)
         out.append(rep)
         for line in lk.format_rows(rep):
             _log(line)

@@ -207,18 +207,20 @@ def _layer_us(step, device, reps: int) -> float:
 
 
 @torch.inference_mode()
-def layer_kernels(model, layer: int, context: int, copy_tbps: float, reps: int = 50) -> dict:
+def layer_kernels(model, layer: int, context: int, copy_tbps: float, reps: int = 50,
+                  rows: int = 1) -> dict:
     """One layer's kernels alone and the layer whole at position `context` (the model's state
-    filled, dsv4.bench.common.fill_state); copy_tbps: the device's measured copy bandwidth. The
-    layer's binding is restored afterwards."""
+    filled, dsv4.bench.common.fill_state); copy_tbps: the device's measured copy bandwidth; rows:
+    the step's rows (T > 1: a speculative verify step of T rows at context .. context + T - 1).
+    The layer's binding is restored afterwards."""
     from . import common
     blk, st, dev = model.layers[layer], model.states[layer], model.layers[layer].device
     ops = model.binding.ops(dev)
     quiet = Ops(replace(ops.backend, pdl=False, branches=frozenset(), prefetch=frozenset()))
     cfg = model.cfg
     g = torch.Generator(device=dev).manual_seed(layer)
-    h = torch.randn(1, cfg.hc_mult, cfg.dim, generator=g, device=dev).to(model.act)
-    ids = torch.tensor([1234 % cfg.vocab_size], device=dev)
+    h = torch.randn(rows, cfg.hc_mult, cfg.dim, generator=g, device=dev).to(model.act)
+    ids = torch.tensor([(1234 + 7 * t) % cfg.vocab_size for t in range(rows)], device=dev)
     pos = torch.tensor([context], device=dev)
     out = torch.empty_like(h)
     step = lambda: blk.decode(h, ids, pos, st, out=out)          # noqa: E731
@@ -256,7 +258,7 @@ def layer_kernels(model, layer: int, context: int, copy_tbps: float, reps: int =
     common.fill_state(model, context, layer)            # the replays moved the state
     sum_us = sum(r["us"] for r in rows)
     nbytes = sum(r["bytes"] for r in rows)
-    return {"layer": layer, "ratio": blk.ratio, "hash": blk.ffn.hash, "ops": rows,
+    return {"layer": layer, "ratio": blk.ratio, "hash": blk.ffn.hash, "rows": h.shape[0], "ops": rows,
             "ops_sum_us": sum_us, "layer_us": layer_us, "layer_quiet_us": quiet_us,
             "boundary_us": layer_us - sum_us, "bytes": nbytes,
             "floor_us": nbytes / (copy_tbps * 1e12) * 1e6, "copy_TBps": copy_tbps}
@@ -275,7 +277,8 @@ def representative_layers(model) -> list[int]:
 
 def format_rows(rep: dict) -> list[str]:
     """The table of one layer's report."""
-    kind = f"layer {rep['layer']} (ratio {rep['ratio']}{', hash' if rep['hash'] else ''})"
+    kind = (f"layer {rep['layer']} (ratio {rep['ratio']}{', hash' if rep['hash'] else ''}"
+            f"{', %d rows' % rep['rows'] if rep.get('rows', 1) > 1 else ''})")
     lines = [f"{kind}: whole {rep['layer_us']:.1f} us (PDL/branches off {rep['layer_quiet_us']:.1f}), "
              f"kernels alone {rep['ops_sum_us']:.1f} us, boundaries {rep['boundary_us']:.1f} us; "
              f"bytes {rep['bytes'] / 1e6:.1f} MB, floor {rep['floor_us']:.1f} us",

@@ -24,7 +24,8 @@ from ..runtime.sampling import SamplingParams
 from ..runtime.session import Session
 from ..runtime.speculative.policy import DEFAULT_MIN_ACCEPTANCE, SpecPolicy
 from ..runtime.speculative.step import verify_decoder
-from .common import _sync, fill_state, time_steps
+from . import timeline
+from .common import _sync, count_kernels, fill_state, time_steps
 
 ACCEPTANCE = (0.0, 0.5, 0.7, 0.8, 0.9, 1.0)
 PROMPT = 64
@@ -33,13 +34,15 @@ REPS = 20               # timed replays of each verify pass and of the plain ste
 
 
 def run(model, context: int, seed: int, plain_ms: float | None, log, reps: int = REPS,
-        n_new: int = 256) -> dict:
+        n_new: int = 256, kernels: bool = False) -> dict:
+    """kernels (CUDA): also one profiled replay of each verify pass: its timeline (weights
+    streaming / not, dsv4.bench.timeline) and its kernels by name, T = 2's beside T = 1's."""
     hd, V = model.head_device, model.cfg.vocab_size
     devices = [hd] + sorted({*model.placement} - {hd}, key=str)
     mode = "graph" if hd.type == "cuda" else "eager"
     g = torch.Generator().manual_seed(seed)
 
-    verify_ms = {}
+    verify_ms, verify_top, verify_tl = {}, {}, {}
     with torch.inference_mode():
         for T in (1, 2, 3, 4):
             dec, bufs = verify_decoder(model, T - 1, mode)
@@ -51,10 +54,25 @@ def run(model, context: int, seed: int, plain_ms: float | None, log, reps: int =
             bufs.pending.fill_(int(torch.randint(1, V, (1,), generator=g)))
             dec.step()
             verify_ms[T] = statistics.median(time_steps(dec.step, reps, devices))
-            dec.close()
             log(f"verify T={T}: {verify_ms[T]:.3f} ms"
                 + (f" ({verify_ms[T] / plain_ms:.2f}x the plain step)" if plain_ms else ""))
+            if kernels and hd.type == "cuda":
+                top, events = {}, []
+                count_kernels(dec.step, devices, top, events=events)
+                verify_top[T] = {timeline.short_name(k): v for k, v in top.items()}
+                verify_tl[T] = timeline.analyze(events, model.cfg.n_layers)
+                log(f"verify T={T}: {timeline.format_line(verify_tl[T])}")
+            dec.close()
     model.reset()
+    if 1 in verify_top and 2 in verify_top:
+        log("verify T=2 against T=1, device us a step by kernel (side branches and PDL waits "
+            "overlap: the sums exceed the step):")
+        names = sorted(verify_top[2], key=lambda k: -verify_top[2][k][1])
+        for k in names[:16]:
+            n1, us1 = verify_top[1].get(k, [0, 0.0])
+            n2, us2 = verify_top[2][k]
+            log(f"  {k:<48} T=1 {us1:8.1f} us {n1:4d}x   T=2 {us2:8.1f} us {n2:4d}x   "
+                f"+{us2 - us1:7.1f}")
 
     # end to end: plain decoding, then the speculative loop with the oracle at each rate a
     prompt = torch.randint(0, V, (PROMPT,), generator=g).tolist()
@@ -114,4 +132,8 @@ def run(model, context: int, seed: int, plain_ms: float | None, log, reps: int =
             "spec_plain_tok_per_s": plain_tps, "spec_same_tokens": same,
             "spec_e2e": always, "spec_e2e_default": e2e["default"], "spec_new_tokens": n_new,
             "spec_context": context,
+            "spec_verify_timeline": verify_tl or None,
+            "spec_verify_kernels": {T: sorted(([k, n, round(us, 1)] for k, (n, us) in t.items()),
+                                              key=lambda r: -r[2])[:30]
+                                    for T, t in verify_top.items()} or None,
             "spec_verify2_over_plain": verify_ms[2] / plain_ms if plain_ms else None}

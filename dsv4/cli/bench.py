@@ -69,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="CUDA: for the first layer of each kind, each kernel op replayed alone (PDL "
                         "off, L2 flushed) with the bytes it reads, against the layer replayed "
                         "whole: what the kernel boundaries cost")
+    p.add_argument("--layer-rows", type=int, default=1, metavar="T",
+                   help="--layer-kernels of a verify step of T rows (speculative decoding's "
+                        "verify; default 1: the plain step)")
     return p
 
 

@@ -18,6 +18,7 @@ from ..weights.presets import get_preset
 from .decode.argmax import BLOCK as ARGMAX_BLOCK
 from .decode.argmax import NUM_WARPS as ARGMAX_WARPS
 from .decode.argmax import _argmax_kernel
+from .decode.bf16_linear import FP_FUSION as BF16_FP_FUSION
 from .decode.bf16_linear import _bf16_gemv_kernel, bf16_config
 from .decode.fp4_experts import _fp4_down_kernel, _fp4_up_kernel, down_config, up_config
 from .decode.fp8_linear import _fp8_gemv_kernel, fp8_config
@@ -59,9 +60,11 @@ def variants(preset: str) -> list[tuple[str, object, dict, dict, int]]:
         cfg = bf16_config(sum(ns), D)
         bk = cfg.nb * 128
         nz = ns + [0] * (5 - len(ns))
-        ce = dict(**{f"N{i}": n for i, n in enumerate(nz)}, NSEG=len(ns), K=D, BN=cfg.bn, BK=bk,
-                  EVEN_K=D % bk == 0, PDL=True)
-        out.append((f"bf16.{name}", _bf16_gemv_kernel, dict(BF16_SIG, x_ptr=xdt), ce, cfg.num_warps))
+        for tr in (1, 2, 4) if name != "gate" else (1,):     # the verify rows: 2 and 4 a program
+            ce = dict(**{f"N{i}": n for i, n in enumerate(nz)}, NSEG=len(ns), K=D, BN=cfg.bn,
+                      BK=bk, EVEN_K=D % bk == 0, TR=tr, PDL=True)
+            out.append((f"bf16.{name}" + (f".r{tr}" if tr > 1 else ""), _bf16_gemv_kernel,
+                        dict(BF16_SIG, x_ptr=xdt), ce, cfg.num_warps))
     E = c.n_routed_experts
     for hashed in (False, True):
         ce = dict(E=E, EP=triton.next_power_of_2(E), K=c.n_activated_experts,
@@ -93,6 +96,8 @@ def compile_variant(kernel, sig: dict, constexprs: dict, num_warps: int, arch: i
     src = ASTSource(fn=kernel, signature=sig, constexprs=constexprs, attrs=attrs)
     opts = {"num_warps": num_warps} if num_stages is None else {"num_warps": num_warps,
                                                                  "num_stages": num_stages}
+    if kernel is _bf16_gemv_kernel:         # launched without FMA contraction
+        opts["enable_fp_fusion"] = BF16_FP_FUSION
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=opts)
 
 

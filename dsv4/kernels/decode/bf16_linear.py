@@ -1,6 +1,7 @@
 """bf16-weight GEMV for a few activation rows (router gate, compressor, indexer weights_proj, LM head):
 x [T, K] (bf16 or float32 values) @ w [N, K] bf16 -> [T, N], float32 accumulation, any N (T = 1 in
-decoding; T > 1: the speculative verify rows, each with the bits of a one-row launch).
+decoding; T > 1: the speculative verify rows, each with the bits of a one-row launch; a program
+takes up to 4 rows, reading its weight tile once for them).
 Test: `python -m pytest tests/dsv4/kernels/test_decode_kernels.py`; bench: `python scripts/bench_kernels.py`.
 """
 from __future__ import annotations
@@ -13,6 +14,9 @@ from ..common import Config, launch_args, on_device, pdl_wait, pick_config, roun
 
 TILE_BYTES = 16384   # weight bytes per program and step
 BN_MAX = 16
+# products and sums rounded each (no FMA contraction): the contraction the compiler picks can
+# differ between a one-row and a T-row program, and so would a row's bits
+FP_FUSION = False
 
 
 @triton.jit
@@ -33,10 +37,12 @@ def _bf16_fma(acc, x_ptr, kk, w, K: tl.constexpr, EVEN_K: tl.constexpr):
 
 @triton.jit
 def _bf16_rows(x_ptr, w_ptr, y_ptr, pid, N: tl.constexpr, K: tl.constexpr, BN: tl.constexpr,
-               BK: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
-    """Program `pid` of one matrix: y[rows] = w[rows] @ x, BN rows, K in steps of BK as [C, 8]
-    16-byte chunks (rows past N are clamped for the loads and not stored). The caller has moved
-    x_ptr / y_ptr to its activation row."""
+               BK: tl.constexpr, EVEN_K: tl.constexpr, TR: tl.constexpr, PDL: tl.constexpr):
+    """Program `pid` of one matrix: y[r, rows] = w[rows] @ x[r] for the TR activation rows r at
+    x_ptr + r * K (y_ptr + r * N), BN rows, K in steps of BK as [C, 8] 16-byte chunks (rows past
+    N are clamped for the loads and not stored). Each weight tile is loaded once for the TR rows;
+    every row has its own accumulator and the same operations as a one-row program (TR = 1),
+    hence its bits. The caller has moved x_ptr / y_ptr to its first activation row."""
     rows = pid * BN + tl.arange(0, BN)
     EVEN_N: tl.constexpr = N % BN == 0
     if not EVEN_N:
@@ -48,10 +54,36 @@ def _bf16_rows(x_ptr, w_ptr, y_ptr, pid, N: tl.constexpr, K: tl.constexpr, BN: t
     wrow = w_ptr + rows_ld[:, None, None] * K
     w = _bf16_wload(wrow, koff, K, EVEN_K)     # immutable: loads before the PDL wait
     pdl_wait(PDL)
-    acc = _bf16_fma(tl.zeros([BN, C], tl.float32), x_ptr, koff, w, K, EVEN_K)
+    zero = tl.zeros([BN, C], tl.float32)
+    acc0 = _bf16_fma(zero, x_ptr, koff, w, K, EVEN_K)
+    acc1, acc2, acc3 = zero, zero, zero
+    if TR > 1:
+        acc1 = _bf16_fma(zero, x_ptr + K, koff, w, K, EVEN_K)
+    if TR > 2:
+        acc2 = _bf16_fma(zero, x_ptr + 2 * K, koff, w, K, EVEN_K)
+    if TR > 3:
+        acc3 = _bf16_fma(zero, x_ptr + 3 * K, koff, w, K, EVEN_K)
     for k0 in range(BK, K, BK):
         kk = k0 + koff
-        acc = _bf16_fma(acc, x_ptr, kk, _bf16_wload(wrow, kk, K, EVEN_K), K, EVEN_K)
+        w = _bf16_wload(wrow, kk, K, EVEN_K)
+        acc0 = _bf16_fma(acc0, x_ptr, kk, w, K, EVEN_K)
+        if TR > 1:
+            acc1 = _bf16_fma(acc1, x_ptr + K, kk, w, K, EVEN_K)
+        if TR > 2:
+            acc2 = _bf16_fma(acc2, x_ptr + 2 * K, kk, w, K, EVEN_K)
+        if TR > 3:
+            acc3 = _bf16_fma(acc3, x_ptr + 3 * K, kk, w, K, EVEN_K)
+    _bf16_store(y_ptr, rows, acc0, N, EVEN_N)
+    if TR > 1:
+        _bf16_store(y_ptr + N, rows, acc1, N, EVEN_N)
+    if TR > 2:
+        _bf16_store(y_ptr + 2 * N, rows, acc2, N, EVEN_N)
+    if TR > 3:
+        _bf16_store(y_ptr + 3 * N, rows, acc3, N, EVEN_N)
+
+
+@triton.jit
+def _bf16_store(y_ptr, rows, acc, N: tl.constexpr, EVEN_N: tl.constexpr):
     y = tl.sum(acc, axis=1)
     if y_ptr.dtype.element_ty == tl.bfloat16:
         y = round_bf16(y)
@@ -65,13 +97,14 @@ def _bf16_rows(x_ptr, w_ptr, y_ptr, pid, N: tl.constexpr, K: tl.constexpr, BN: t
 def _bf16_gemv_kernel(x_ptr, w0, y0, w1, y1, w2, y2, w3, y3, w4, y4,
                       N0: tl.constexpr, N1: tl.constexpr, N2: tl.constexpr, N3: tl.constexpr,
                       N4: tl.constexpr, NSEG: tl.constexpr, K: tl.constexpr, BN: tl.constexpr,
-                      BK: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
+                      BK: tl.constexpr, EVEN_K: tl.constexpr, TR: tl.constexpr, PDL: tl.constexpr):
     # x [T, K]; up to 5 matrices wi [Ni, K] bf16 -> yi [T, Ni] on the same x, one after the other
-    # along grid axis 1 (cdiv(Ni, BN) programs each); axis 0: the activation row t. Every row runs
-    # the same compiled program (only the pointers move), so row t of a T-row launch has the bits
-    # of a one-row launch; the T programs of a weight tile are neighbours in launch order and run
-    # together, so the tile comes from DRAM about once (the others hit L2).
-    t = tl.program_id(0)
+    # along grid axis 1 (cdiv(Ni, BN) programs each); axis 0: the group of TR activation rows
+    # (T / TR groups). A program loads each weight tile once for its TR rows; each row keeps the
+    # operations, hence the bits, of a one-row launch. (TR = 1 for T rows ran T programs a tile,
+    # neighbours in launch order: the tile came from DRAM about once, but the verify rows' head
+    # took ~1.75x the one-row head's time on an H200.)
+    t = tl.program_id(0) * TR
     pid = tl.program_id(1)
     x_ptr += t * K
     y0 += t * N0
@@ -84,18 +117,18 @@ def _bf16_gemv_kernel(x_ptr, w0, y0, w1, y1, w2, y2, w3, y3, w4, y4,
     P2: tl.constexpr = P1 + (N2 + BN - 1) // BN
     P3: tl.constexpr = P2 + (N3 + BN - 1) // BN
     if NSEG == 1:
-        _bf16_rows(x_ptr, w0, y0, pid, N0, K, BN, BK, EVEN_K, PDL)
+        _bf16_rows(x_ptr, w0, y0, pid, N0, K, BN, BK, EVEN_K, TR, PDL)
     else:   # unused trailing matrices have N = 0: their branch is never taken
         if pid < P0:
-            _bf16_rows(x_ptr, w0, y0, pid, N0, K, BN, BK, EVEN_K, PDL)
+            _bf16_rows(x_ptr, w0, y0, pid, N0, K, BN, BK, EVEN_K, TR, PDL)
         elif pid < P1:
-            _bf16_rows(x_ptr, w1, y1, pid - P0, N1, K, BN, BK, EVEN_K, PDL)
+            _bf16_rows(x_ptr, w1, y1, pid - P0, N1, K, BN, BK, EVEN_K, TR, PDL)
         elif pid < P2:
-            _bf16_rows(x_ptr, w2, y2, pid - P1, N2, K, BN, BK, EVEN_K, PDL)
+            _bf16_rows(x_ptr, w2, y2, pid - P1, N2, K, BN, BK, EVEN_K, TR, PDL)
         elif pid < P3:
-            _bf16_rows(x_ptr, w3, y3, pid - P2, N3, K, BN, BK, EVEN_K, PDL)
+            _bf16_rows(x_ptr, w3, y3, pid - P2, N3, K, BN, BK, EVEN_K, TR, PDL)
         else:
-            _bf16_rows(x_ptr, w4, y4, pid - P3, N4, K, BN, BK, EVEN_K, PDL)
+            _bf16_rows(x_ptr, w4, y4, pid - P3, N4, K, BN, BK, EVEN_K, TR, PDL)
 
 
 # measured best on an H200 by `bench_kernels.py --sweep` (2026-11-22); other shapes: heuristic
@@ -112,6 +145,12 @@ def bf16_config(n: int, k: int) -> Config:
 
 MAX_MATRICES = 5
 MAX_PROGRAMS = 65535   # grid axis 1
+MAX_TR = 4             # activation rows a program (the verify rows of speculative decoding)
+
+
+def rows_per_program(T: int) -> int:
+    """TR: the most activation rows (<= MAX_TR) a program takes that divide T."""
+    return next(tr for tr in range(min(T, MAX_TR), 0, -1) if T % tr == 0)
 
 
 def _rows(x: torch.Tensor, K: int) -> int:
@@ -144,12 +183,14 @@ def bf16_linear_multi(x: torch.Tensor, weights: list, out_dtypes: list, *,
     pad = MAX_MATRICES - len(weights)
     ws, ys = list(weights) + [weights[0]] * pad, outs + [outs[0]] * pad
     nz = ns + [0] * pad
-    grid = _grid(T, sum(triton.cdiv(n, cfg.bn) for n in ns))
+    tr = rows_per_program(T)
+    grid = _grid(T // tr, sum(triton.cdiv(n, cfg.bn) for n in ns))
     with on_device(outs[0]):
         _bf16_gemv_kernel[grid](
             x.contiguous(), ws[0], ys[0], ws[1], ys[1], ws[2], ys[2], ws[3], ys[3], ws[4], ys[4],
             N0=nz[0], N1=nz[1], N2=nz[2], N3=nz[3], N4=nz[4], NSEG=len(weights), K=K, BN=cfg.bn,
-            BK=bk, EVEN_K=K % bk == 0, num_warps=cfg.num_warps, **launch_args(outs[0], pdl))
+            BK=bk, EVEN_K=K % bk == 0, TR=tr, num_warps=cfg.num_warps,
+            enable_fp_fusion=FP_FUSION, **launch_args(outs[0], pdl))
     return outs
 
 
@@ -173,11 +214,12 @@ def bf16_linear(x: torch.Tensor, w: torch.Tensor, *, out_dtype: torch.dtype = to
         out = torch.empty(T, N, dtype=out_dtype, device=x.device)
     elif out.numel() != T * N or not out.is_contiguous():
         raise ValueError(f"bf16_linear: out {tuple(out.shape)}; expected a contiguous {T}x{N}")
+    tr = rows_per_program(T)
     with on_device(out):
-        _bf16_gemv_kernel[_grid(T, triton.cdiv(N, cfg.bn))](
+        _bf16_gemv_kernel[_grid(T // tr, triton.cdiv(N, cfg.bn))](
             x.contiguous(), w, out, w, out, w, out, w, out, w, out, N0=N, N1=0, N2=0, N3=0, N4=0,
-            NSEG=1, K=K, BN=cfg.bn, BK=bk, EVEN_K=K % bk == 0, num_warps=cfg.num_warps,
-            **launch_args(out, pdl))
+            NSEG=1, K=K, BN=cfg.bn, BK=bk, EVEN_K=K % bk == 0, TR=tr, num_warps=cfg.num_warps,
+            enable_fp_fusion=FP_FUSION, **launch_args(out, pdl))
     return out
 
 

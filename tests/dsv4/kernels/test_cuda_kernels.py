@@ -323,8 +323,8 @@ def test_fp8_mma_two_matrices_and_swiglu():
 @pytest.mark.parametrize("T", [2, 3, 4])
 def test_rows_equal_one_row_launches_cuda(T):
     """The speculative verify rows: T activation rows in one launch (FP8 CUDA kernel: weights
-    held in registers across rows; bf16 Triton: one program per row and tile) give each row the bits of
-    its own one-row launch, at the Flash / Pro decode shapes (tuned configs), with two matrices,
+    held in registers across rows; bf16 Triton: a program's weight tile loaded once for its rows)
+    give each row the bits of its own one-row launch, at the Flash / Pro decode shapes (tuned configs), with two matrices,
     SwiGLU and the grouped wo_a; the routed experts of T rows (up: the tuned kernel (the wgmma one
     on an sm_90 GPU) against its one-row launches, and the streaming and the per-tile kernels over
     all pairs against each other; down: the all-experts kernel with a row grid)."""

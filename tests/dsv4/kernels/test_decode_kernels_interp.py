@@ -205,10 +205,10 @@ def test_bf16_linear_multi_equals_separate_calls():
         bf16_linear_multi(x, ws + ws[:1], dts + dts[:1])
 
 
-@pytest.mark.parametrize("T", [2, 3, 6])
+@pytest.mark.parametrize("T", [2, 3, 4, 6, 8])
 def test_bf16_rows_equal_one_row_calls(T):
-    """T activation rows in one launch (the speculative verify rows): row t has the bits of a
-    one-row call, single and multi-matrix."""
+    """T activation rows in one launch (the speculative verify rows; a program takes 2, 3 or 4 of
+    them, 6 and 8 in two groups): row t has the bits of a one-row call, single and multi-matrix."""
     ns, k, cfg = [100, 33], 384, Config(16, 2)
     ws = [(torch.randn(n, k, generator=GEN) * k ** -0.5).to(torch.bfloat16) for n in ns]
     x = torch.cat([spiky_x(k, GEN, torch.bfloat16) for _ in range(T)])
