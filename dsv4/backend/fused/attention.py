@@ -32,8 +32,8 @@ def decode_rows(attn, ops: Ops, x: torch.Tensor, pos: torch.Tensor, st, reduce: 
     start at once; the indexer's query (its wq_b) needs q_norm's qr only and runs on a second lane
     beside the compressors; the scores and the top-k wait for both. Every row's compressor step
     runs before the first row's scores and attention: those mask the entries of later positions,
-    so what later rows emit changes nothing for them. The compressor steps run row after row
-    (each row's state follows the previous row's); the index query, scores, top-k, prep and
+    so what later rows emit changes nothing for them. A compressor's steps run row after row in
+    one launch (each row's state follows the previous row's); the index query, scores, top-k, prep and
     attention take all rows in one launch each. For T > 1 the ring is written after every row's
     attention (row t + 1's slot holds a position that row t's window reads): until then a row
     reads the slots of rows <= t from their prepped kv (sparse_attention_decode_rows).
@@ -42,19 +42,15 @@ def decode_rows(attn, ops: Ops, x: torch.Tensor, pos: torch.Tensor, st, reduce: 
     cfg, act, H, T = attn.cfg, x.dtype, attn.n_heads, x.shape[0]     # H: this rank's heads
     W, r, eps = cfg.window_size, attn.ratio, cfg.norm_eps
     ix = attn.indexer
-    ps = pos if T == 1 else pos + torch.arange(T, device=x.device)   # the rows' positions
-    rows = [slice(t, t + 1) for t in range(T)]
     br = branches.Branch(x, "attn", ops.backend.branches, when=bool(r))
     idx, n, proj = None, (st.kv_cache.shape[0] - W - 1 if r else 0), None  # n: compressed
     with br.side():
-        if r:
+        if r:   # each compressor's T steps in one launch, row after row
             proj = side_projections(attn, ops, x)
-            for row in rows:
-                if r == 4:
-                    fused_indexer.compress(ix, ops, x[row], ps[row], st, attn.freqs,
-                                           [proj[2][row], proj[3][row]])
-                fused_compressor.decode(attn.compressor, ops, x[row], ps[row], st.compressor,
-                                        st.kv_cache[W:], attn.freqs, [proj[0][row], proj[1][row]])
+            if r == 4:
+                fused_indexer.compress(ix, ops, x, pos, st, attn.freqs, proj[2:4])
+            fused_compressor.decode(attn.compressor, ops, x, pos, st.compressor, st.kv_cache[W:],
+                                    attn.freqs, proj[:2])
     qr, kv = q_kv_rows(attn, ops, x)
     qr = ops.rms_norm_row(qr, attn.q_norm, eps)
     bq = None

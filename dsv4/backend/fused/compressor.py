@@ -13,8 +13,9 @@ from ..ops import Ops
 
 def decode(comp, ops: Ops, x: torch.Tensor, pos: torch.Tensor, st, cache: torch.Tensor,
            freqs: torch.Tensor, proj: list | None = None) -> None:
-    """Compressor.decode_reference's step for one token at pos ([1] int64), the pooling, norm,
-    RoPE and fake-quant in one launch. proj: (wkv(x), wgate(x)) float32 when computed already."""
+    """Compressor.decode_reference's steps for the T rows of x at pos .. pos + T - 1 (pos [1]
+    int64; T > 1: the speculative verify rows, in turn), the pooling, norm, RoPE and fake-quant in
+    one launch. proj: (wkv(x), wgate(x)) float32 [T, c*dc] when computed already."""
     kv, sc = comp.project(x) if proj is None else proj               # [1, c*dc] f32
     ops.compressor_decode(kv, sc, comp.ape, st.kv, st.score, comp.norm, freqs, pos, cache,
                           comp.cfg.norm_eps, comp.ratio, comp.rotate,

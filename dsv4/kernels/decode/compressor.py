@@ -39,11 +39,26 @@ def _pool(m, l, acc, kvt, sct):
 @triton.jit
 def _compressor_kernel(kv_ptr, sc_ptr, ape_ptr, skv_ptr, ssc_ptr, norm_ptr, freqs_ptr, pos_ptr,
                        cache_ptr, eps, R: tl.constexpr, DC: tl.constexpr, OVERLAP: tl.constexpr,
-                       ROTATE: tl.constexpr, NOPE: tl.constexpr, RB: tl.constexpr, PDL: tl.constexpr):
-    # one program: state row write; on emit ((pos+1) % R == 0) pool, shift, finish, cache write
+                       ROTATE: tl.constexpr, NOPE: tl.constexpr, RB: tl.constexpr, T: tl.constexpr,
+                       PDL: tl.constexpr):
+    # one program, the T rows' steps in turn (row t at pos + t, its kv / sc row t): each as a
+    # one-row launch does it, a barrier between them (row t + 1 reads what row t wrote)
     pdl_wait(PDL)
     CD: tl.constexpr = 2 * DC if OVERLAP else DC
-    pos = load_pos(pos_ptr)
+    pos0 = load_pos(pos_ptr)
+    for t in range(T):
+        if t > 0:
+            tl.debug_barrier()
+        _compressor_step(kv_ptr + t * CD, sc_ptr + t * CD, ape_ptr, skv_ptr, ssc_ptr, norm_ptr,
+                         freqs_ptr, pos0 + t, cache_ptr, eps, R, DC, OVERLAP, ROTATE, NOPE, RB)
+
+
+@triton.jit
+def _compressor_step(kv_ptr, sc_ptr, ape_ptr, skv_ptr, ssc_ptr, norm_ptr, freqs_ptr, pos,
+                     cache_ptr, eps, R: tl.constexpr, DC: tl.constexpr, OVERLAP: tl.constexpr,
+                     ROTATE: tl.constexpr, NOPE: tl.constexpr, RB: tl.constexpr):
+    # one row: state row write; on emit ((pos+1) % R == 0) pool, shift, finish, cache write
+    CD: tl.constexpr = 2 * DC if OVERLAP else DC
     slot = pos % R
     row = slot + R if OVERLAP else slot
     ch = tl.arange(0, CD)
@@ -92,25 +107,31 @@ def compressor_decode(kv: torch.Tensor, sc: torch.Tensor, ape: torch.Tensor, sta
                       state_score: torch.Tensor, norm: torch.Tensor, freqs: torch.Tensor,
                       pos: torch.Tensor, cache: torch.Tensor, eps: float, ratio: int, rotate: bool,
                       nope: int, pdl: bool = True) -> None:
-    """One decode step of a compressor after its projections: kv, sc [1, c*dc] f32 (c = 2 for
-    ratio 4). Updates state_kv/state_score [c*r, c*dc] in place; when (pos+1) % ratio == 0 writes
-    the finished entry (bf16) to cache[pos // ratio] (cache [n+1, dc]). Unlike the torch path,
+    """Decode steps of a compressor after its projections: kv, sc [T, c*dc] f32 (c = 2 for ratio
+    4), the rows of positions pos .. pos + T - 1 (T = 1: one decode step; T > 1: the speculative
+    verify rows, in turn, each with the bits of its one-row launch after the rows before it).
+    Updates state_kv/state_score [c*r, c*dc] in place; when (p+1) % ratio == 0 writes the
+    finished entry (bf16) to cache[p // ratio] (cache [n+1, dc]). Unlike the torch path,
     non-emitting steps skip the pooling and leave the scratch row (cache[-1]) alone.
     Capture-safe (pos [1] int64 on the device), one program, deterministic."""
     overlap = ratio == 4
     c = 2 if overlap else 1
     dc = cache.shape[-1]
-    if kv.numel() != c * dc or tuple(state_kv.shape) != (c * ratio, c * dc) or dc & (dc - 1) \
+    T = kv.numel() // (c * dc) if kv.numel() else 0
+    if kv.shape[-1] != c * dc or sc.shape != kv.shape or not kv.is_contiguous() \
+            or not sc.is_contiguous() or T < 1 \
+            or tuple(state_kv.shape) != (c * ratio, c * dc) or dc & (dc - 1) \
             or ratio & (ratio - 1) or cache.dtype != torch.bfloat16 or dc % 64:
-        raise ValueError(f"compressor_decode: kv {tuple(kv.shape)}, state {tuple(state_kv.shape)}, "
-                         f"cache {tuple(cache.shape)} {cache.dtype}, ratio {ratio}; expected "
-                         f"[1, {c}*dc], [{c}*r, {c}*dc], bf16 [n+1, dc] with dc, r powers of two "
+        raise ValueError(f"compressor_decode: kv {tuple(kv.shape)}, sc {tuple(sc.shape)}, state "
+                         f"{tuple(state_kv.shape)}, cache {tuple(cache.shape)} {cache.dtype}, "
+                         f"ratio {ratio}; expected contiguous [T, {c}*dc], "
+                         f"[{c}*r, {c}*dc], bf16 [n+1, dc] with dc, r powers of two "
                          f"(DSV4_KERNELS=0 runs the torch path)")
     rb = min(ratio, 16)
     with on_device(cache):
         _compressor_kernel[(1,)](kv, sc, ape, state_kv, state_score, norm, freqs, pos, cache, eps,
                                  R=ratio, DC=dc, OVERLAP=overlap, ROTATE=rotate, NOPE=nope, RB=rb,
-                                 num_warps=4 if dc <= 128 else 8, **launch_args(cache, pdl))
+                                 T=T, num_warps=4 if dc <= 128 else 8, **launch_args(cache, pdl))
 
 
 def compressor_decode_reference(comp, x: torch.Tensor, pos: torch.Tensor, st, cache: torch.Tensor,

@@ -242,6 +242,43 @@ def check_compressor(dev, g, cfg, ratio, dc, rotate, capacity, starts, steps):
             assert torch.equal(cache_f[:-1], cache_r[:-1]), f"{what}: wrote another row"
 
 
+def check_compressor_rows(dev, g, cfg, ratio, dc, rotate, capacity, starts, Ts):
+    """T rows' steps in one launch (the verify rows) == T one-row launches in turn, bit for bit:
+    the state, and the cache with the entries the rows emit (starts chosen so some do)."""
+    from dsv4.backend.fused import compressor as fused_compressor
+    from dsv4.backend.ops import Ops
+    from dsv4.model.state import CompressorState
+    from dsv4.numerics.rope import rope_frequencies
+    comp = _compressor(cfg, ratio, dc, rotate, dev, g)
+    ops = Ops.for_device(dev, cfg=cfg)
+    freqs = rope_frequencies(cfg, ratio, dev)
+    c = 2 if ratio == 4 else 1
+    for start in starts:
+        for T in Ts:
+            st_a, st_b = (CompressorState.allocate(ratio, dc, dev) for _ in range(2))
+            st_a.kv.copy_(torch.randn(st_a.kv.shape, generator=g))
+            st_a.score.copy_(torch.randn(st_a.score.shape, generator=g))
+            st_b.kv.copy_(st_a.kv)
+            st_b.score.copy_(st_a.score)
+            cache_a = torch.full((capacity // ratio + 1, dc), float("nan"), dtype=torch.bfloat16,
+                                 device=dev)
+            cache_b = cache_a.clone()
+            kv = torch.randn(T, c * dc, generator=g).to(dev)
+            sc = torch.randn(T, c * dc, generator=g).to(dev)
+            x = torch.empty(T, cfg.dim, device=dev)              # unused: proj given
+            pos = torch.tensor([start], device=dev)
+            fused_compressor.decode(comp, ops, x, pos, st_a, cache_a, freqs, [kv, sc])
+            for t in range(T):
+                fused_compressor.decode(comp, ops, x[t:t + 1], pos + t, st_b, cache_b, freqs,
+                                        [kv[t:t + 1], sc[t:t + 1]])
+            what = f"compressor rows r={ratio} dc={dc} start={start} T={T}"
+            assert torch.equal(st_a.kv, st_b.kv) and torch.equal(st_a.score, st_b.score), what
+            assert torch.equal(cache_a.isnan(), cache_b.isnan()), what
+            assert torch.equal(cache_a.nan_to_num(), cache_b.nan_to_num()), what
+            emitted = sum((start + t + 1) % ratio == 0 for t in range(T))
+            assert (~cache_a.isnan().all(-1)).sum() == emitted, what
+
+
 def check_indexer(dev, g, cfg, capacity, positions):
     from dsv4.kernels.decode import indexer as K
     from dsv4.numerics.rope import rope_frequencies
@@ -441,6 +478,9 @@ def _interp_main(group: str, seed: int) -> None:
         check_compressor("cpu", g, SMALL, 4, SMALL.head_dim, False, 64, (0, 40), 12)
         check_compressor("cpu", g, SMALL, 16, SMALL.head_dim, False, 64, (0,), 34)
         check_compressor("cpu", g, SMALL, 4, SMALL.index_head_dim, True, 64, (0, 52), 12)
+        check_compressor_rows("cpu", g, SMALL, 4, SMALL.head_dim, False, 64, (2, 5), (2, 4))
+        check_compressor_rows("cpu", g, SMALL, 16, SMALL.head_dim, False, 64, (13,), (3, 4))
+        check_compressor_rows("cpu", g, SMALL, 4, SMALL.index_head_dim, True, 64, (1,), (3,))
         check_indexer("cpu", g, SMALL, 64, (0, 3, 17, 33, 40, 63))   # visible 0 .. 16 > topk 8
         # visible 0, 1, 256 (a 4-tile program's edge), 275, 600 (all), past the cache
         check_index_tiles("cpu", g, SMALL.index_n_heads, SMALL.index_head_dim, 600,
@@ -512,6 +552,9 @@ def test_attention_kernels_cuda_real_shapes(preset, capacity):
     check_compressor("cuda", g, cfg, 4, cfg.head_dim, False, capacity, (0, capacity - 9), 9)
     check_compressor("cuda", g, cfg, 4, cfg.index_head_dim, True, capacity, (0, capacity - 9), 9)
     check_compressor("cuda", g, cfg, 128, cfg.head_dim, False, capacity, (capacity - 130,), 130)
+    check_compressor_rows("cuda", g, cfg, 4, cfg.head_dim, False, capacity, (2, 5), (2, 3, 4))
+    check_compressor_rows("cuda", g, cfg, 4, cfg.index_head_dim, True, capacity, (2,), (2, 4))
+    check_compressor_rows("cuda", g, cfg, 128, cfg.head_dim, False, capacity, (126,), (2, 4))
     check_indexer("cuda", g, cfg, capacity, pos)
 
 

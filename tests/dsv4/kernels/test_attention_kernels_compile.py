@@ -54,11 +54,13 @@ def _compile_all():
         *[(I._scores_kernel, "", dict(H=64, HP=64, DI=128, BT=I.BT, SUB=sub, STAGES=stages,
                                       TRANS=trans, F32=False), 4)
           for sub, stages in ((1, 1), (I.SCORES_SUB, I.SCORES_STAGES)) for trans in (False, True)],
-        (C._compressor_kernel, comp, dict(R=4, DC=512, OVERLAP=True, ROTATE=False, NOPE=448,
-                                          RB=4), 8),
+        # T: the rows of one launch (1: a decode step, 4: verify rows)
+        *[(C._compressor_kernel, comp, dict(R=4, DC=512, OVERLAP=True, ROTATE=False, NOPE=448,
+                                            RB=4, T=t), 8) for t in (1, 4)],
         (C._compressor_kernel, comp, dict(R=128, DC=512, OVERLAP=False, ROTATE=False, NOPE=448,
-                                          RB=16), 8),
-        (C._compressor_kernel, comp, dict(R=4, DC=128, OVERLAP=True, ROTATE=True, NOPE=64, RB=4), 4),
+                                          RB=16, T=1), 8),
+        (C._compressor_kernel, comp, dict(R=4, DC=128, OVERLAP=True, ROTATE=True, NOPE=64, RB=4,
+                                          T=1), 4),
     ]
     for fn, f32, const, nw in jobs:
         const = dict(const, PDL=True)
