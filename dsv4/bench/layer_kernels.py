@@ -61,10 +61,11 @@ def _tensors(x):
             yield from _tensors(y)
 
 
-def op_bytes(name: str, args: tuple, kw: dict, blk, st, context: int) -> int:
-    """The bytes one call must read: its input tensors, with what a decode step reads of the
-    large ones: k/E of an expert bank, the attended rows of the KV cache, the visible rows of the
-    index cache, the token's row of the hash table; outputs (`out=`) not counted."""
+def op_bytes(name: str, args: tuple, kw: dict, blk, st, context: int, rows: int = 1) -> int:
+    """The bytes one call must read: its input tensors, with what a decode step of `rows` rows
+    reads of the large ones: rows * k / E of an expert bank (the rows' experts taken distinct, as
+    random routing makes them), the attended rows of the KV cache, the visible rows of the index
+    cache, the tokens' rows of the hash table; outputs (`out=`) not counted."""
     cfg, f = blk.cfg, blk.ffn
     bank = f.experts
     banks = {t.data_ptr() for t in (bank.w1, bank.w1_scale, bank.w2, bank.w2_scale, bank.w3,
@@ -83,14 +84,14 @@ def op_bytes(name: str, args: tuple, kw: dict, blk, st, context: int) -> int:
     for t in _tensors(list(args) + [v for key, v in kw.items() if key != "out"]):
         p, n = t.data_ptr(), t.numel() * t.element_size()
         if p in banks:
-            n = n * k // E
+            n = n * min(E, rows * k) // E
         elif within(t, st.kv_cache):   # the compressor, the prep: one row written
             n = attended * row if name.startswith("sparse_attention") else 0
         elif within(t, st.index_cache):
             n = visible * st.index_cache.shape[1] * st.index_cache.element_size() \
                 if name == "index_scores" else 0
         elif f.tid2eid is not None and p == f.tid2eid.data_ptr():
-            n = k * f.tid2eid.element_size()
+            n = rows * k * f.tid2eid.element_size()
         total += n
     return total
 
@@ -241,7 +242,7 @@ def layer_kernels(model, layer: int, context: int, copy_tbps: float, reps: int =
         fn = getattr(quiet, name)
         call = lambda: fn(*args, **kw)                  # noqa: E731
         kernels, us = _kernel_us(call, dev, reps)
-        nbytes = op_bytes(name, args, kw, blk, st, context)
+        nbytes = op_bytes(name, args, kw, blk, st, context, h.shape[0])
         # the same op with what fits of its bytes in L2 (replayed back to back), and with its
         # weights prefetched (dsv4.backend.fused.prefetch's kernel, then 20 us of nothing) after
         # the flush: what an L2 prefetch could win at most, and what it wins

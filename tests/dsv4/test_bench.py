@@ -321,7 +321,7 @@ def test_layer_kernels_byte_count_of_cache_views():
     """--layer-kernels' bytes of an op: the compressor's output, a view of the KV cache past the
     window, is one row written, not read (the whole 266 MB cache was counted at a 1M context);
     the attention reads its attended rows, the index scores the visible index rows, an expert
-    bank's op k / E of it."""
+    bank's op k / E of it a row."""
     from types import SimpleNamespace as NS
 
     from dsv4.bench.layer_kernels import op_bytes
@@ -338,3 +338,7 @@ def test_layer_kernels_byte_count_of_cache_views():
     assert op_bytes("sparse_attention_decode", (kv,), {}, blk, st, ctx) == (16 + 8) * 8 * 2
     assert op_bytes("index_scores", (ix[:-1],), {}, blk, st, ctx) == 50 * 4 * 2
     assert op_bytes("fp4_experts_up", (x, w[0]), {}, blk, st, ctx) == 32 * 4 + 8 * 16 * 4 * 2 // 8
+    # a verify step's rows: each row's experts (distinct), at most the whole bank
+    assert op_bytes("fp4_experts_up", (x, w[0]), {}, blk, st, ctx, rows=3) == \
+        32 * 4 + 8 * 16 * 4 * 6 // 8
+    assert op_bytes("fp4_experts_up", (x, w[0]), {}, blk, st, ctx, rows=5) == 32 * 4 + 8 * 16 * 4
