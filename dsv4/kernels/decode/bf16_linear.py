@@ -55,24 +55,11 @@ def _bf16_rows(x_ptr, w_ptr, y_ptr, pid, N: tl.constexpr, K: tl.constexpr, BN: t
     w = _bf16_wload(wrow, koff, K, EVEN_K)     # immutable: loads before the PDL wait
     pdl_wait(PDL)
     zero = tl.zeros([BN, C], tl.float32)
-    acc0 = _bf16_fma(zero, x_ptr, koff, w, K, EVEN_K)
-    acc1, acc2, acc3 = zero, zero, zero
-    if TR > 1:
-        acc1 = _bf16_fma(zero, x_ptr + K, koff, w, K, EVEN_K)
-    if TR > 2:
-        acc2 = _bf16_fma(zero, x_ptr + 2 * K, koff, w, K, EVEN_K)
-    if TR > 3:
-        acc3 = _bf16_fma(zero, x_ptr + 3 * K, koff, w, K, EVEN_K)
+    acc0, acc1, acc2, acc3 = _bf16_fma_rows(zero, zero, zero, zero, x_ptr, koff, w, K, EVEN_K, TR)
     for k0 in range(BK, K, BK):
         kk = k0 + koff
-        w = _bf16_wload(wrow, kk, K, EVEN_K)
-        acc0 = _bf16_fma(acc0, x_ptr, kk, w, K, EVEN_K)
-        if TR > 1:
-            acc1 = _bf16_fma(acc1, x_ptr + K, kk, w, K, EVEN_K)
-        if TR > 2:
-            acc2 = _bf16_fma(acc2, x_ptr + 2 * K, kk, w, K, EVEN_K)
-        if TR > 3:
-            acc3 = _bf16_fma(acc3, x_ptr + 3 * K, kk, w, K, EVEN_K)
+        acc0, acc1, acc2, acc3 = _bf16_fma_rows(acc0, acc1, acc2, acc3, x_ptr, kk,
+                                                _bf16_wload(wrow, kk, K, EVEN_K), K, EVEN_K, TR)
     _bf16_store(y_ptr, rows, acc0, N, EVEN_N)
     if TR > 1:
         _bf16_store(y_ptr + N, rows, acc1, N, EVEN_N)
@@ -80,6 +67,20 @@ def _bf16_rows(x_ptr, w_ptr, y_ptr, pid, N: tl.constexpr, K: tl.constexpr, BN: t
         _bf16_store(y_ptr + 2 * N, rows, acc2, N, EVEN_N)
     if TR > 3:
         _bf16_store(y_ptr + 3 * N, rows, acc3, N, EVEN_N)
+
+
+@triton.jit
+def _bf16_fma_rows(acc0, acc1, acc2, acc3, x_ptr, kk, w, K: tl.constexpr, EVEN_K: tl.constexpr,
+                   TR: tl.constexpr):
+    """One K step of the TR rows at x_ptr + r * K (r < TR; the others' accumulators unused)."""
+    acc0 = _bf16_fma(acc0, x_ptr, kk, w, K, EVEN_K)
+    if TR > 1:
+        acc1 = _bf16_fma(acc1, x_ptr + K, kk, w, K, EVEN_K)
+    if TR > 2:
+        acc2 = _bf16_fma(acc2, x_ptr + 2 * K, kk, w, K, EVEN_K)
+    if TR > 3:
+        acc3 = _bf16_fma(acc3, x_ptr + 3 * K, kk, w, K, EVEN_K)
+    return acc0, acc1, acc2, acc3
 
 
 @triton.jit
