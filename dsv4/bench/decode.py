@@ -237,6 +237,9 @@ def _plan(args, on_cuda: bool) -> tuple[list, list, list, list]:
                         ("--layer-rows", args.layer_rows, 1)):
         if v < lo:
             raise InputError(f"{flag} {v}: must be >= {lo}")
+    if args.layer_rows > 1 and not args.layer_kernels:
+        raise InputError(f"--layer-rows {args.layer_rows}: the rows of the --layer-kernels step; "
+                         f"add --layer-kernels")
     if args.steps < MIN_STEPS:
         notes.append(f"--steps {args.steps} < {MIN_STEPS}: not a figure for BENCHMARKS.md")
     if not on_cuda:

@@ -163,6 +163,10 @@ def test_bad_arguments_exit_2(capsys):
     assert bench.main(["--preset", "tiny", "--device", "cpu", "--layers", "9"]) == 2
     assert "layers = 9" in capsys.readouterr().err
     assert bench.main(["--preset", "nope"]) == 2
+    assert bench.main(["--preset", "tiny", "--device", "cpu", "--layer-rows", "0"]) == 2
+    assert "--layer-rows 0: must be >= 1" in capsys.readouterr().err
+    assert bench.main(["--preset", "tiny", "--device", "cpu", "--layer-rows", "2"]) == 2
+    assert "add --layer-kernels" in capsys.readouterr().err
 
 
 def test_capacity():
