@@ -237,12 +237,12 @@ def layer_kernels(model, layer: int, context: int, copy_tbps: float, reps: int =
         layer_us = _layer_us(step, dev, reps)           # as decoding runs it
     finally:
         bind_block(blk, ops)
-    rows, scratch = [], {}
+    table, scratch = [], {}
     for name, args, kw in calls:
         fn = getattr(quiet, name)
         call = lambda: fn(*args, **kw)                  # noqa: E731
         kernels, us = _kernel_us(call, dev, reps)
-        nbytes = op_bytes(name, args, kw, blk, st, context, h.shape[0])
+        nbytes = op_bytes(name, args, kw, blk, st, context, rows)
         # the same op with what fits of its bytes in L2 (replayed back to back), and with its
         # weights prefetched (dsv4.backend.fused.prefetch's kernel, then 20 us of nothing) after
         # the flush: what an L2 prefetch could win at most, and what it wins
@@ -252,14 +252,14 @@ def layer_kernels(model, layer: int, context: int, copy_tbps: float, reps: int =
             _, pre = _kernel_us(call, dev, reps, before=lambda: (ops.l2_prefetch(ws),
                                                                  torch.cuda._sleep(PAUSE_CYCLES)))
         read = _read_us(nbytes, dev, reps, scratch) if nbytes >= READ_MIN_BYTES else None
-        rows.append({"op": name, "kernels": sorted(kernels), "us": us, "bytes": nbytes,
-                     "pct_copy": 100 * nbytes / (us * 1e-6) / (copy_tbps * 1e12) if us else None,
-                     "us_l2_warm": warm, "us_prefetched": pre, "us_read": read})
+        table.append({"op": name, "kernels": sorted(kernels), "us": us, "bytes": nbytes,
+                      "pct_copy": 100 * nbytes / (us * 1e-6) / (copy_tbps * 1e12) if us else None,
+                      "us_l2_warm": warm, "us_prefetched": pre, "us_read": read})
     scratch.clear()
     common.fill_state(model, context, layer)            # the replays moved the state
-    sum_us = sum(r["us"] for r in rows)
-    nbytes = sum(r["bytes"] for r in rows)
-    return {"layer": layer, "ratio": blk.ratio, "hash": blk.ffn.hash, "rows": h.shape[0], "ops": rows,
+    sum_us = sum(r["us"] for r in table)
+    nbytes = sum(r["bytes"] for r in table)
+    return {"layer": layer, "ratio": blk.ratio, "hash": blk.ffn.hash, "rows": rows, "ops": table,
             "ops_sum_us": sum_us, "layer_us": layer_us, "layer_quiet_us": quiet_us,
             "boundary_us": layer_us - sum_us, "bytes": nbytes,
             "floor_us": nbytes / (copy_tbps * 1e12) * 1e6, "copy_TBps": copy_tbps}

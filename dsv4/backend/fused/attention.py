@@ -33,8 +33,8 @@ def decode_rows(attn, ops: Ops, x: torch.Tensor, pos: torch.Tensor, st, reduce: 
     beside the compressors; the scores and the top-k wait for both. Every row's compressor step
     runs before the first row's scores and attention: those mask the entries of later positions,
     so what later rows emit changes nothing for them. A compressor's steps run row after row in
-    one launch (each row's state follows the previous row's); the index query, scores, top-k, prep and
-    attention take all rows in one launch each. For T > 1 the ring is written after every row's
+    one launch (each row's state follows the previous row's); the index query, scores, top-k,
+    prep and attention take all rows in one launch each. For T > 1 the ring is written after every row's
     attention (row t + 1's slot holds a position that row t's window reads): until then a row
     reads the slots of rows <= t from their prepped kv (sparse_attention_decode_rows).
     reduce=False: a tensor-parallel rank's partial output (wo_b of its heads), left for the block

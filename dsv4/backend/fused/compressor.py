@@ -16,7 +16,7 @@ def decode(comp, ops: Ops, x: torch.Tensor, pos: torch.Tensor, st, cache: torch.
     """Compressor.decode_reference's steps for the T rows of x at pos .. pos + T - 1 (pos [1]
     int64; T > 1: the speculative verify rows, in turn), the pooling, norm, RoPE and fake-quant in
     one launch. proj: (wkv(x), wgate(x)) float32 [T, c*dc] when computed already."""
-    kv, sc = comp.project(x) if proj is None else proj               # [1, c*dc] f32
+    kv, sc = comp.project(x) if proj is None else proj               # [T, c*dc] f32
     ops.compressor_decode(kv, sc, comp.ape, st.kv, st.score, comp.norm, freqs, pos, cache,
                           comp.cfg.norm_eps, comp.ratio, comp.rotate,
                           comp.dc - comp.cfg.rope_head_dim)

@@ -117,7 +117,7 @@ def compressor_decode(kv: torch.Tensor, sc: torch.Tensor, ape: torch.Tensor, sta
     overlap = ratio == 4
     c = 2 if overlap else 1
     dc = cache.shape[-1]
-    T = kv.numel() // (c * dc) if kv.numel() else 0
+    T = kv.numel() // (c * dc)
     if kv.shape[-1] != c * dc or sc.shape != kv.shape or not kv.is_contiguous() \
             or not sc.is_contiguous() or T < 1 \
             or tuple(state_kv.shape) != (c * ratio, c * dc) or dc & (dc - 1) \

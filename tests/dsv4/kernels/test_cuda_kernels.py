@@ -324,10 +324,11 @@ def test_fp8_mma_two_matrices_and_swiglu():
 def test_rows_equal_one_row_launches_cuda(T):
     """The speculative verify rows: T activation rows in one launch (FP8 CUDA kernel: weights
     held in registers across rows; bf16 Triton: a program's weight tile loaded once for its rows)
-    give each row the bits of its own one-row launch, at the Flash / Pro decode shapes (tuned configs), with two matrices,
-    SwiGLU and the grouped wo_a; the routed experts of T rows (up: the tuned kernel (the wgmma one
-    on an sm_90 GPU) against its one-row launches, and the streaming and the per-tile kernels over
-    all pairs against each other; down: the all-experts kernel with a row grid)."""
+    give each row the bits of its own one-row launch, at the Flash / Pro decode shapes (tuned
+    configs), with two matrices, SwiGLU and the grouped wo_a; the routed experts of T rows (up:
+    the tuned kernel (the wgmma one on an sm_90 GPU) against its one-row launches, and the
+    streaming and the per-tile kernels over all pairs against each other; down: the all-experts
+    kernel with a row grid)."""
     from dsv4.kernels.decode.bf16_linear import bf16_linear, bf16_linear_multi
     from dsv4.kernels.decode.fp8_linear import fp8_linear, fp8_linear2, fp8_swiglu
     from test_decode_kernels import BF16_SHAPES
