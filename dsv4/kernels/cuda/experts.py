@@ -5,7 +5,7 @@ workspace.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -46,13 +46,17 @@ UP_STREAM_MAX_K, UP_STREAM_ROWS = 64, 4   # the streaming up kernel's pairs and 
 TUNED_CUDA_UP: dict[tuple, ExpertCudaConfig] = {
     (6, 2048, 4096): ExpertCudaConfig(2, ctas=100, wgmma=True),
     (6, 1024, 4096): ExpertCudaConfig(2, ctas=100, wgmma=True),    # TP2 (14.5) 12.7 us
-    (6, 512, 4096): ExpertCudaConfig(2, ctas=100, wgmma=True)}     # TP4 (9.3) 9.0 us
+    (6, 512, 4096): ExpertCudaConfig(2, ctas=100, wgmma=True),     # TP4 (9.3) 9.0 us
+    # Pro (one H200, alone: the per-tile default 82.0 us, wgmma 47.2 on 100 CTAs, 43.7 on 132;
+    # 100 as Flash's layer chose; spw 4: rows past the wgmma's two take the per-tile kernel)
+    (6, 3072, 7168): ExpertCudaConfig(4, ctas=100, wgmma=True)}
 TUNED_CUDA_DOWN: dict[tuple, ExpertCudaConfig] = {
     # the ring, 4 slots (one H200: 11.8 us against the all-experts kernel's 15.4; 12 Flash layers,
     # graph: 1.770 / 1.771 -> 1.741 / 1.736 ms)
     (6, 2048, 4096): ExpertCudaConfig(2, 0, 4, True, 132),
     (6, 1024, 4096): ExpertCudaConfig(2, 0, 6, True),  # TP2 (9.7) 9.5 us
-    (6, 512, 4096): ExpertCudaConfig(1, 0, 1)}         # TP4 (7.3) 6.8 us, one expert per CTA
+    (6, 512, 4096): ExpertCudaConfig(1, 0, 1),         # TP4 (7.3) 6.8 us, one expert per CTA
+    (6, 3072, 7168): ExpertCudaConfig(2, 0, 6, True, 132)}  # Pro: the ring (45.3) 27.3 us
 # the instantiated (spw, dec, depth) of csrc (depth 0 = spw)
 CUDA_UP_VARIANTS = ((1, 0, 1), (2, 0, 2), (2, 0, 1), (4, 0, 4), (4, 0, 3), (4, 0, 2), (4, 1, 4),
                     (4, 1, 2))
@@ -95,7 +99,16 @@ def up_wg_variants(inter: int, dim: int) -> list[ExpertCudaConfig]:
     """The wgmma up configs of the sweep for one row of I = inter, D = dim (on an sm_90 GPU)."""
     if not up_wg_fits(1, inter, dim, (9, 0)):
         return []
-    return [ExpertCudaConfig(2, ctas=c, wgmma=True) for c in CUDA_UP_WG_VARIANTS]
+    spw = next(s for s in (2, 4, 1) if cuda_spw_fits(dim, s))   # the fallback's warps (below)
+    return [ExpertCudaConfig(spw, ctas=c, wgmma=True) for c in CUDA_UP_WG_VARIANTS]
+
+
+def up_wg_fallback(cfg: ExpertCudaConfig) -> ExpertCudaConfig:
+    """The kernel for the rows a wgmma config cannot serve (more than its rows, or not sm_90):
+    the streaming kernel where (spw, ctas) is one of its instantiations, else the per-tile kernel
+    with cfg's steps per warp (the two give the same bits; not the wgmma kernel's)."""
+    return replace(cfg, wgmma=False,
+                   ctas=cfg.ctas if (cfg.spw, cfg.ctas) in CUDA_UP_STREAM_VARIANTS else 0)
 
 
 def down_ring_smem(inter: int, slots: int) -> int:

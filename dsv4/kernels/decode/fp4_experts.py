@@ -48,6 +48,7 @@ from ..cuda.experts import (
     cuda_expert_config,
     down_all_config,
     down_workspace,
+    up_wg_fallback,
     up_wg_fits,
 )
 from .mhc import hc_post, post_streams
@@ -265,7 +266,7 @@ def fp4_experts_up(x: torch.Tensor, idx: torch.Tensor, route_w: torch.Tensor, w1
                                        min(ccfg.ctas, device_sms(out.device)),
                                        pdl_on(out, pdl))
                 return out
-            ccfg = replace(ccfg, wgmma=False)                 # the streaming kernel instead
+            ccfg = up_wg_fallback(ccfg)                       # the CUDA-core kernels instead
         if ccfg is not None and ccfg.ctas:
             if k > UP_STREAM_MAX_K or T > UP_STREAM_ROWS:     # the streaming kernel's limits
                 ccfg = replace(ccfg, ctas=0)

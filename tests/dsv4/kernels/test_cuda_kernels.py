@@ -397,6 +397,50 @@ def test_rows_equal_one_row_launches_cuda(T):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("T", [1, 2, 3])
+def test_pro_tuned_experts_rows_cuda(T):
+    """Pro's tuned expert kernels (the wgmma up on an sm_90 GPU, the down ring) at Pro's I and D
+    (16 experts): within the references' bounds, and each row of a T-row launch with the bits of
+    its one-row launch; up's rows past the wgmma kernel's two take the per-tile kernel
+    (up_wg_fallback), whose rows have its own one-row bits."""
+    from dsv4.kernels.common import device_capability
+    from dsv4.kernels.cuda.experts import (TUNED_CUDA_DOWN, TUNED_CUDA_UP, up_wg_fallback,
+                                          up_wg_fits)
+    from dsv4.kernels.decode.fp4_experts import (fp4_experts_down, fp4_experts_down_reference,
+                                                 fp4_experts_up, fp4_experts_up_reference)
+    _need_lib()
+    _, inter, dim = EXPERTS["pro"]
+    E, k = 16, 6
+    dev, gen = torch.device("cuda"), fresh_gen("cuda")
+    w1, s1, w3, s3, _, _ = fp4_bank(E, inter, dim, gen, gain=4.0, device=dev)
+    *_, w2, s2 = fp4_bank(E, inter, dim, gen, up=False, device=dev)
+    up_cfg, down_cfg = TUNED_CUDA_UP[(k, inter, dim)], TUNED_CUDA_DOWN[(k, inter, dim)]
+    x = torch.cat([spiky_x(dim, gen, torch.bfloat16, dev) for _ in range(T)])
+    idx = torch.cat([torch.randperm(E, generator=gen, device=dev)[:k].sort().values
+                     for _ in range(T)])
+    rw = torch.rand(T * k, generator=gen, device=dev) + 0.5
+    a = fp4_experts_up(x, idx, rw, w1, s1, w3, s3, 10.0, out=poisoned(T * k, inter, device=dev))
+    wg = up_wg_fits(T, inter, dim, device_capability(dev))
+    one_cfg = up_cfg if wg else up_wg_fallback(up_cfg)
+    y = fp4_experts_down(a, idx, w2, s2, out=poisoned(T, dim, dtype=torch.float32, device=dev),
+                         rows=T)
+    for t in range(T):
+        p, xt = slice(t * k, (t + 1) * k), x[t:t + 1]
+        assert_close_bf16(a[p], fp4_experts_up_reference(xt, idx[p], rw[p], w1, s1, w3, s3, 10.0),
+                          rtol=2 ** -5, min_equal=0.9,
+                          absdot=fp4_swiglu_absdot(xt, idx[p], rw[p], w1, s1, w3, s3, 10.0,
+                                                   eps=2 ** -12 if wg else 1e-5))
+        assert torch.equal(a[p], fp4_experts_up(xt, idx[p], rw[p], w1, s1, w3, s3, 10.0,
+                                                config=one_cfg)), (T, t)
+        ref = fp4_experts_down_reference(a[p], idx[p], w2, s2)
+        scale = sum(fp4_experts_down_reference(a[j:j + 1], idx[j:j + 1], w2, s2).abs()
+                    for j in range(p.start, p.stop))
+        assert ((y[t] - ref[0]).abs() <= 2 ** -7 * scale[0] + 1e-30).all(), (T, t)
+        assert torch.equal(y[t:t + 1], fp4_experts_down(a[p], idx[p], w2, s2,
+                                                        config=down_cfg)), (T, t)
+
+
+@pytest.mark.cuda
 def test_fp8_two_matrices_and_swiglu_cuda():
     """wq_a + wkv in one CUDA launch equal their own launches with the same config (bit for bit);
     the fused SwiGLU meets its reference."""
