@@ -93,6 +93,34 @@ def run(model, context: int, seed: int, plain_ms: float | None, log, reps: int =
         + (f" ({follow_ms / plain_ms:.3f}x the plain step)" if plain_ms else ""))
     model.reset()
 
+    # the speculative step's device work alone: its segments replayed back to back (no read by
+    # the host between steps; drafts of token 0, rejected), against the verify pass of T = 2
+    b = s.spec.bufs
+    s.spec.set_oracle((), -1.0)
+    fill_state(model, context, seed)
+    b.pos.fill_(context)
+    b.limit.fill_(2)
+    b.drafts.zero_()
+    s.spec.decoder.step()
+    b.pos.fill_(context)
+    device_ms = statistics.median(time_steps(s.spec.decoder.step, n, devices))
+    log(f"speculative step on the device (segments back to back, no host read): {device_ms:.3f} "
+        f"ms = verify T=2 {verify_ms[2]:.3f} + MTP block, its head and the draft "
+        f"{device_ms - verify_ms[2]:.3f}")
+    step_top = {}
+    if kernels and hd.type == "cuda" and 2 in verify_top:
+        top = {}
+        b.pos.fill_(context)
+        count_kernels(s.spec.decoder.step, devices, top)
+        step_top = {timeline.short_name(k): v for k, v in top.items()}
+        log("the speculative step against the verify pass of T=2, device us by kernel (what the "
+            "MTP segment adds):")
+        extra = {k: v[1] - verify_top[2].get(k, [0, 0.0])[1] for k, v in step_top.items()}
+        for k in sorted(extra, key=lambda k: -extra[k])[:12]:
+            n2 = verify_top[2].get(k, [0, 0.0])[0]
+            log(f"  {k:<48} +{extra[k]:7.1f} us  ({step_top[k][0] - n2:+d} launches)")
+    model.reset()
+
     e2e, same = {}, True
     for policy, min_acc in (("always", 0.0), ("default", DEFAULT_MIN_ACCEPTANCE)):
         rows = e2e[policy] = []
@@ -122,11 +150,14 @@ def run(model, context: int, seed: int, plain_ms: float | None, log, reps: int =
     for rows in e2e.values():
         for r in rows:
             r["over_plain"] = r["tok_per_s"] / plain_tps
-    log(f"speculative step {step_ms:.3f} ms (verify T=2 {verify_ms[2]:.3f} ms + MTP rows, draft "
-        f"and host turn-around {step_ms - verify_ms[2]:.3f} ms); plain {plain_tps:.1f} tok/s; "
-        f"same tokens as plain: {same}")
+    log(f"speculative step {step_ms:.3f} ms (verify T=2 {verify_ms[2]:.3f} ms + MTP rows and "
+        f"draft {device_ms - verify_ms[2]:.3f} ms + the host's turn-around "
+        f"{step_ms - device_ms:.3f} ms); plain {plain_tps:.1f} tok/s; same tokens as plain: {same}")
     return {"spec_mode": mode, "spec_verify_ms": verify_ms, "spec_step_ms": step_ms,
             "spec_draft_ms": step_ms - verify_ms[2], "spec_plain_ms": plain_ms,
+            "spec_step_device_ms": device_ms, "spec_host_ms": step_ms - device_ms,
+            "spec_step_kernels": sorted(([k, n, round(us, 1)] for k, (n, us) in step_top.items()),
+                                        key=lambda r: -r[2])[:30] or None,
             "spec_plain_follow_ms": follow_ms,
             "spec_break_even": step_ms / follow_ms - 1,
             "spec_plain_tok_per_s": plain_tps, "spec_same_tokens": same,

@@ -220,6 +220,9 @@ def test_speculative_bench_on_cpu(capsys):
     assert set(rep["spec_verify_ms"]) == {"1", "2", "3", "4"}     # JSON keys
     assert all(v > 0 for v in rep["spec_verify_ms"].values()) and rep["spec_step_ms"] > 0
     assert rep["spec_plain_follow_ms"] > 0 and rep["spec_new_tokens"] == 40
+    # the step's device work (segments back to back) and the host's turn-around split the step
+    assert rep["spec_step_device_ms"] > 0
+    assert rep["spec_host_ms"] == pytest.approx(rep["spec_step_ms"] - rep["spec_step_device_ms"])
     assert rep["spec_same_tokens"] is True
     e2e = {r["a"]: r for r in rep["spec_e2e"]}
     # every step drafts but the last (one token wanted: a plain step)
