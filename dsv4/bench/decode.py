@@ -192,7 +192,8 @@ def run(args, command: str = "") -> dict:
     if args.speculative:
         spec = bench_spec.run(model, args.context, args.seed, graph_ms, _log,
                               reps=min(bench_spec.REPS, args.steps), n_new=args.spec_tokens,
-                              kernels=not args.no_kernels)
+                              kernels=not args.no_kernels,
+                              granularity=graph["granularity"] if graph else "segment")
     layers = None
     if args.layer_kernels:
         if not on_cuda:

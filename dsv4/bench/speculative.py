@@ -34,9 +34,11 @@ REPS = 20               # timed replays of each verify pass and of the plain ste
 
 
 def run(model, context: int, seed: int, plain_ms: float | None, log, reps: int = REPS,
-        n_new: int = 256, kernels: bool = False) -> dict:
+        n_new: int = 256, kernels: bool = False, granularity: str = "segment") -> dict:
     """kernels (CUDA): also one profiled replay of each verify pass: its timeline (weights
-    streaming / not, dsv4.bench.timeline) and its kernels by name, T = 2's beside T = 1's."""
+    streaming / not, dsv4.bench.timeline) and its kernels by name, T = 2's beside T = 1's; and
+    of the speculative step, what its MTP segment adds and where the device waits for the host.
+    granularity: of every graph (that of the plain step plain_ms was measured with)."""
     hd, V = model.head_device, model.cfg.vocab_size
     devices = [hd] + sorted({*model.placement} - {hd}, key=str)
     mode = "graph" if hd.type == "cuda" else "eager"
@@ -45,7 +47,7 @@ def run(model, context: int, seed: int, plain_ms: float | None, log, reps: int =
     verify_ms, verify_top, verify_tl = {}, {}, {}
     with torch.inference_mode():
         for T in (1, 2, 3, 4):
-            dec, bufs = verify_decoder(model, T - 1, mode)
+            dec, bufs = verify_decoder(model, T - 1, mode, granularity)
             if mode == "graph":
                 dec.warmup()
                 dec.capture()
@@ -76,10 +78,10 @@ def run(model, context: int, seed: int, plain_ms: float | None, log, reps: int =
 
     # end to end: plain decoding, then the speculative loop with the oracle at each rate a
     prompt = torch.randint(0, V, (PROMPT,), generator=g).tolist()
-    plain = Session(model, SamplingParams(), mode=mode)
+    plain = Session(model, SamplingParams(), mode=mode, granularity=granularity)
     ref = plain.generate(prompt, n_new)
     plain.close()
-    s = Session(model, SamplingParams(), mode=mode, speculative=1)
+    s = Session(model, SamplingParams(), mode=mode, granularity=granularity, speculative=1)
 
     # the plain step of the speculative session: plain decoding's step + the MTP block's row
     fill_state(model, context, seed)
@@ -107,7 +109,7 @@ def run(model, context: int, seed: int, plain_ms: float | None, log, reps: int =
     log(f"speculative step on the device (segments back to back, no host read): {device_ms:.3f} "
         f"ms = verify T=2 {verify_ms[2]:.3f} + MTP block, its head and the draft "
         f"{device_ms - verify_ms[2]:.3f}")
-    step_top = {}
+    step_top, host_gaps = {}, None
     if kernels and hd.type == "cuda" and 2 in verify_top:
         top = {}
         b.pos.fill_(context)
@@ -119,6 +121,20 @@ def run(model, context: int, seed: int, plain_ms: float | None, log, reps: int =
         for k in sorted(extra, key=lambda k: -extra[k])[:12]:
             n2 = verify_top[2].get(k, [0, 0.0])[0]
             log(f"  {k:<48} +{extra[k]:7.1f} us  ({step_top[k][0] - n2:+d} launches)")
+        # steps as decoding takes them (the host reads each step's output, then launches the
+        # next): where the device has no kernel to run
+        events, steps = [], 3
+        s.spec.policy = SpecPolicy(0.0)             # every step speculative
+        b.pos.fill_(context)
+        s.spec.step(2, None)                        # (drafts from the MTP block's last row)
+        count_kernels(lambda: [s.spec.step(2, None) for _ in range(steps)], devices, {},
+                      events=events)
+        tl = timeline.analyze(events, steps)
+        host_gaps = timeline.gaps(events)
+        log(f"{steps} speculative steps as decoding takes them (profiled): a step's span "
+            f"{tl['span_us_per_layer']:.1f} us, no kernel running {tl['no_kernel_us_per_layer']:.1f}"
+            f" us; the longest waits: " + "; ".join(f"{g[0]:.1f} us after {g[1]} before {g[2]}"
+                                                    for g in host_gaps[:6]))
     model.reset()
 
     e2e, same = {}, True
@@ -156,6 +172,7 @@ def run(model, context: int, seed: int, plain_ms: float | None, log, reps: int =
     return {"spec_mode": mode, "spec_verify_ms": verify_ms, "spec_step_ms": step_ms,
             "spec_draft_ms": step_ms - verify_ms[2], "spec_plain_ms": plain_ms,
             "spec_step_device_ms": device_ms, "spec_host_ms": step_ms - device_ms,
+            "spec_host_gaps": host_gaps,
             "spec_step_kernels": sorted(([k, n, round(us, 1)] for k, (n, us) in step_top.items()),
                                         key=lambda r: -r[2])[:30] or None,
             "spec_plain_follow_ms": follow_ms,

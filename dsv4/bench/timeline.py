@@ -91,3 +91,19 @@ def format_line(tl: dict) -> str:
     return (f"a layer (profiled): span {tl['span_us_per_layer']:.1f} us, weights streaming "
             f"{tl['streaming_us_per_layer']:.1f} us ({share:.0%}), none streaming "
             f"{tl['idle_us_per_layer']:.1f} us: {who}")
+
+
+def gaps(events: list[tuple], top: int = 8) -> list[list]:
+    """events [(device, start_us, end_us, name)] -> the largest stretches in which no kernel runs
+    on a device, [[us, kernel before, kernel after, device], ...] largest first (what the device
+    waited for: the host's launch or read, a hand-off)."""
+    out = []
+    for dev in sorted({e[0] for e in events}):
+        evs = sorted((e for e in events if e[0] == dev and e[2] > e[1]), key=lambda e: e[1])
+        end, last = None, None
+        for e in evs:
+            if end is not None and e[1] > end:
+                out.append([round(e[1] - end, 1), short_name(last), short_name(e[3]), str(dev)])
+            if end is None or e[2] > end:
+                end, last = e[2], e[3]
+    return sorted(out, key=lambda g: -g[0])[:top]

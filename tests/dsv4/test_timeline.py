@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from dsv4.bench.timeline import NO_KERNEL, analyze, format_line, short_name
+from dsv4.bench.timeline import NO_KERNEL, analyze, format_line, gaps, short_name
 
 GEMV = "void (anonymous namespace)::fp8_gemv_kernel<8, 2, true>(ArgsA)"
 UP = "void (anonymous namespace)::fp4_up_stream_kernel<2>(ArgsB)"
@@ -44,6 +44,20 @@ def test_a_kernel_that_ends_where_the_next_starts_leaves_no_gap():
     tl = analyze([(0, 0.0, 5.0, GEMV), (0, 5.0, 7.0, "_rms_norm_kernel"), (0, 7.0, 9.0, GEMV)])
     assert tl["idle_us"] == pytest.approx(2.0) and tl["no_kernel_us"] == 0.0
     assert analyze([])["span_us"] == 0.0
+
+
+def test_gaps_are_the_stretches_without_a_kernel_largest_first():
+    ev = [(0, 0.0, 10.0, GEMV),
+          (0, 2.0, 12.0, "_route_kernel"),         # ends last: the gap after it is its
+          (0, 15.0, 20.0, UP),                     # 3 us after _route_kernel
+          (0, 20.0, 21.0, "_post_kernel"),         # touching: no gap
+          (0, 29.0, 30.0, "_argmax_kernel"),       # 8 us
+          (1, 0.0, 1.0, GEMV), (1, 6.0, 7.0, GEMV)]   # 5 us on the other device
+    assert gaps(ev) == [[8.0, "_post_kernel", "_argmax_kernel", "0"],
+                        [5.0, "fp8_gemv_kernel", "fp8_gemv_kernel", "1"],
+                        [3.0, "_route_kernel", "fp4_up_stream_kernel", "0"]]
+    assert gaps(ev, top=1) == [[8.0, "_post_kernel", "_argmax_kernel", "0"]]
+    assert gaps([]) == []
 
 
 def test_short_names():

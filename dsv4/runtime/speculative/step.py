@@ -220,7 +220,8 @@ def layer_journals(model: Transformer, T: int) -> list[Journal]:
             for blk, st in zip(model.layers, model.states)]
 
 
-def verify_decoder(model: Transformer, k: int, mode: str) -> tuple[CUDAGraphDecoder, SpecBuffers]:
+def verify_decoder(model: Transformer, k: int, mode: str, granularity: str = "segment"
+                   ) -> tuple[CUDAGraphDecoder, SpecBuffers]:
     """Benchmarks: the verify pass of T = k + 1 rows (greedy), accept and rewind included, as a
     decoder of its own (allocated; warm up and capture it for graph mode). Its static inputs are
     those of a step at pos 1 with drafts 0; each step leaves the state as it found it when
@@ -231,8 +232,8 @@ def verify_decoder(model: Transformer, k: int, mode: str) -> tuple[CUDAGraphDeco
                            inputs={"pending": bufs.pending, "pos": bufs.pos,
                                    "drafts": bufs.drafts, "q": bufs.q, "limit": bufs.limit,
                                    "eos": bufs.eos},
-                           outputs={"record": bufs.record}, mode=mode, reset_fn=model.reset,
-                           nvtx_domain="dsv4-verify")
+                           outputs={"record": bufs.record}, mode=mode, granularity=granularity,
+                           reset_fn=model.reset, nvtx_domain="dsv4-verify")
     dec.allocate()
     return dec, bufs
 
