@@ -1,14 +1,15 @@
 """The speculative decode step as graphs/ segments: static buffers, verify, accept, rewind, draft.
 
-One step (K = 1 draft, T = K + 1 rows): `embed` (ids = [pending, drafts]) -> `layer{l}` (save the
-journal, then the T rows through Block.decode_rows at positions pos.. : each row with the bits of
-plain decoding's step, so kept rows are plain decoding's bit for bit; the linears read each weight
-once for all rows) -> `lm_head`
-(logits of the T rows) -> `accept` (dsv4.runtime.speculative.verify.accept: tokens y, rows kept) -> `rewind{l}`
-(the journal puts back the rows after keep) -> `mtp` (the MTP block reads the T rows with the
-chosen tokens, rewinds its own rows after keep, drafts from its row keep; the pending token and
-position advance). Every fn is capture-safe, so the whole step replays from CUDA graphs
-(graphs.CUDAGraphDecoder) and runs the same functions eagerly on the CPU.
+One step (K = 1 draft, T = K + 1 rows): `embed` (ids = [pending, drafts]) -> `layer{l}` (a
+device's first layer saves the journal of all its layers; then the T rows through
+Block.decode_rows at positions pos.. : each row with the bits of plain decoding's step, so kept
+rows are plain decoding's bit for bit; the linears read each weight once for all rows) ->
+`lm_head` (logits of the T rows) -> `accept` (dsv4.runtime.speculative.verify.accept: tokens y,
+rows kept) -> `rewind{i}` (device i's journal puts back its layers' rows after keep) -> `mtp` (the
+MTP block reads the T rows with the chosen tokens, rewinds its own rows after keep, drafts from
+its row keep; the pending token and position advance). Every fn is capture-safe, so the whole
+step replays from CUDA graphs (graphs.CUDAGraphDecoder) and runs the same functions eagerly on
+the CPU.
 
 The host reads `record` ([keep + 1, y...]) after each step: the output of a step is known only
 on the device, and the next step's limit (tokens still wanted) depends on it.
@@ -89,9 +90,9 @@ class SpecBuffers:
 
 def build_spec_segments(model: Transformer, bufs: SpecBuffers,
                         params: SamplingParams | SamplingKnobs,
-                        journals: list[Journal], mtp_journal: Journal | None) -> list[Segment]:
-    """The segments of one step; without mtp_journal, the verify alone (no `mtp` segment: the
-    benchmark's verify pass of T rows)."""
+                        journals: dict, mtp_journal: Journal | None) -> list[Segment]:
+    """The segments of one step (journals: device_journals); without mtp_journal, the verify
+    alone (no `mtp` segment: the benchmark's verify pass of T rows)."""
     hd = model.head_device
     h = bufs.h[hd]
 
@@ -100,11 +101,17 @@ def build_spec_segments(model: Transformer, bufs: SpecBuffers,
         bufs.ids[1:].copy_(bufs.drafts)
         h.copy_(model.embed_tokens(bufs.ids))
 
+    first = {}                                          # device -> its first layer
+    for l, blk in enumerate(model.layers):
+        first.setdefault(blk.device, l)
+
     def layer(l, blk, st, h, ids, pos):
-        journal = journals[l]
+        # the device's first layer saves the slots of all its layers (none written yet)
+        journal = journals[blk.device] if first[blk.device] == l else None
 
         def fn():
-            journal.save(pos)
+            if journal is not None:
+                journal.save(pos)
             blk.decode_rows(h, ids, pos, st, out=h)     # row i sees rows < i in the state: causal
         return fn
 
@@ -118,10 +125,9 @@ def build_spec_segments(model: Transformer, bufs: SpecBuffers,
                         reads={"logits": bufs.logits, "drafts": bufs.drafts, "q": bufs.q,
                                "pos": bufs.pos, "limit": bufs.limit, "eos": bufs.eos},
                         writes={"y": bufs.y, "keep": bufs.keep, "record": bufs.record}))
-    for l, blk in enumerate(model.layers):
-        dev = blk.device
-        segs.append(Segment(f"rewind{l}", dev,
-                            _rewind_fn(journals[l], bufs.pos_on[dev], bufs.keep_on[dev]),
+    for i, (dev, journal) in enumerate(journals.items()):
+        segs.append(Segment(f"rewind{i}", dev,
+                            _rewind_fn(journal, bufs.pos_on[dev], bufs.keep_on[dev]),
                             reads={"pos": bufs.pos_on[dev], "keep": bufs.keep_on[dev]},
                             writes={}))
     if mtp_journal is None:
@@ -214,10 +220,14 @@ def plain_segments(model: Transformer, bufs: SpecBuffers, plain: DecodeBuffers, 
                     writes={"drafts": bufs.drafts, "q": bufs.q}))
 
 
-def layer_journals(model: Transformer, T: int) -> list[Journal]:
-    """One journal per main layer for a pass of T rows (on the layer's device)."""
-    return [Journal([(st, blk.ratio)], model.cfg.window_size, T, model.binding.ops(blk.device))
-            for blk, st in zip(model.layers, model.states)]
+def device_journals(model: Transformer, T: int) -> dict:
+    """{device: the journal of its layers} for a pass of T rows: one save and one rewind launch a
+    device (the save in the device's first layer, before any of its layers writes)."""
+    states: dict = {}
+    for blk, st in zip(model.layers, model.states):
+        states.setdefault(blk.device, []).append((st, blk.ratio))
+    return {dev: Journal(sts, model.cfg.window_size, T, model.binding.ops(dev))
+            for dev, sts in states.items()}
 
 
 def verify_decoder(model: Transformer, k: int, mode: str, granularity: str = "segment"
@@ -228,7 +238,7 @@ def verify_decoder(model: Transformer, k: int, mode: str, granularity: str = "se
     the drafts are rejected."""
     bufs = SpecBuffers.allocate(model, k)
     dec = CUDAGraphDecoder(build_spec_segments(model, bufs, SamplingParams(),
-                                               layer_journals(model, k + 1), None),
+                                               device_journals(model, k + 1), None),
                            inputs={"pending": bufs.pending, "pos": bufs.pos,
                                    "drafts": bufs.drafts, "q": bufs.q, "limit": bufs.limit,
                                    "eos": bufs.eos},
@@ -261,7 +271,7 @@ class SpecStep:
         self.policy = SpecPolicy(min_acceptance if plain is not None else 0.0)
         T = k + 1
         self.bufs = SpecBuffers.allocate(model, k)
-        self.journals = layer_journals(model, T)
+        self.journals = device_journals(model, T)
         self.mtp_journal = Journal([(model.mtp.state, model.mtp.block.ratio)],
                                    model.cfg.window_size, T, model.binding.ops(model.head_device))
         b = self.bufs
