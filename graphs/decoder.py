@@ -16,7 +16,7 @@ from graphs.placement import (INPUT_STAGE, Op, Plan, Segment, by_device, copy_op
                               device_units, plan_handoffs)
 
 MODES = ("auto", "graph", "eager")
-GRANULARITIES = ("segment", "device")
+GRANULARITIES = ("segment", "device", "staged")
 
 
 class CUDAGraphDecoder:
@@ -132,7 +132,8 @@ class CUDAGraphDecoder:
         self._inputs.allocate_staging()
         self._plan = plan
         self._ensure_pools()
-        self._units = (device_units(self._segments, plan) if self._granularity == "device"
+        self._units = (device_units(self._segments, plan, self._granularity == "staged")
+                       if self._granularity != "segment"
                        else [[i] for i in range(len(self._segments))])
         ops = []
         for i, s in enumerate(self._segments):
@@ -188,7 +189,7 @@ class CUDAGraphDecoder:
                 segs = [self._segments[i] for i in unit]
                 label = segs[0].name if len(segs) == 1 else f"{segs[0].name}..{segs[-1].name}"
                 inside = [h for i in unit for h in plan.before[i]
-                          if not h.cross_device and self._granularity == "device"]
+                          if not h.cross_device and self._granularity != "segment"]
                 outside = [h for i in unit for h in plan.before[i] if h not in inside]
                 fn = segs[0].fn if len(segs) == 1 and not inside else self._unit_fn(unit)
                 cu = capture_unit(fn, name=label, device=dev, stream=self._streams[dev],
@@ -197,8 +198,8 @@ class CUDAGraphDecoder:
                 self._graphs.append(cu.graph)
                 self._capture_seconds[str(dev)] += cu.seconds
                 self._graph_bytes[str(dev)] += cu.pool_bytes
-                nvtx = (f"replay/{device_tag(dev)}/{label}" if self._granularity == "segment"
-                        else f"replay/{device_tag(dev)}")
+                nvtx = (f"replay/{device_tag(dev)}" if self._granularity == "device"
+                        else f"replay/{device_tag(dev)}/{label}")
                 ops += [copy_op(h) for h in outside]
                 ops.append(Op(dev, label, cu.graph.replay, nvtx))
         except Exception:

@@ -204,12 +204,14 @@ def balanced_placement(layer_bytes: Sequence[int], devices: Sequence, head_bytes
     return [devices[i] for i in fill(lo)]
 
 
-def device_units(segments: Sequence[Segment], plan: Plan) -> list[list[int]]:
+def device_units(segments: Sequence[Segment], plan: Plan, staged: bool = False
+                 ) -> list[list[int]]:
     """Runs of consecutive segments on one device that can share one graph.
 
     Cross-device hand-offs stay outside graphs and are issued before the unit's replay, so a
     segment whose incoming cross-device copy would clobber a buffer an earlier segment of the
-    run still uses starts a new run.
+    run still uses starts a new run. staged: each run cut into pieces of STAGE_FIRST, then twice
+    as many, ... segments (staged_pieces).
     """
     units: list[list[int]] = []
     for i, s in enumerate(segments):
@@ -221,7 +223,24 @@ def device_units(segments: Sequence[Segment], plan: Plan) -> list[list[int]]:
                 units[-1].append(i)
                 continue
         units.append([i])
-    return units
+    return [p for u in units for p in staged_pieces(u)] if staged else units
+
+
+STAGE_FIRST = 2
+
+
+def staged_pieces(run: list[int]) -> list[list[int]]:
+    """A run of segments cut into pieces of 2, 4, 8, ... (the last one what is left). A graph's
+    launch costs the host time for each of its kernels before the device runs any of it, so one
+    graph for a long run leaves the device idle at the start of a step the host waited for (the
+    speculative step, a constrained token); in pieces that double, the device starts on the first
+    while the host launches the next, each piece's launch shorter than the run of the piece
+    before it, and a step has about log2(n) graph boundaries instead of n."""
+    out, i, n = [], 0, STAGE_FIRST
+    while i < len(run):
+        out.append(run[i:i + n])
+        i, n = i + n, 2 * n
+    return out
 
 
 @dataclass(frozen=True)

@@ -226,7 +226,8 @@ def run(args, command: str = "") -> dict:
 def _plan(args, on_cuda: bool) -> tuple[list, list, list, list]:
     """The checked flags -> (modes, graph granularities, prefill lengths, notes)."""
     modes = ["eager", "graph"] if args.mode == "both" else [args.mode]
-    grans = ["segment", "device"] if args.granularity == "both" else [args.granularity]
+    grans = {"both": ["segment", "device"], "all": ["segment", "device", "staged"]}.get(
+        args.granularity, [args.granularity])
     notes = []
     if "graph" in modes and not on_cuda:
         if args.mode == "graph":

@@ -23,14 +23,14 @@ def build(model: ToyModel, **kw) -> CUDAGraphDecoder:
     return dec
 
 
-@pytest.mark.parametrize("granularity", ["segment", "device"])
+@pytest.mark.parametrize("granularity", ["segment", "device", "staged"])
 def test_graph_replay_equals_eager_bitwise(granularity):
     dev = torch.device("cuda:0")
     eager = build(ToyModel([dev] * 3, dev, head_reads_copy=True), mode="eager")
     graph = build(ToyModel([dev] * 3, dev, head_reads_copy=True), mode="graph",
                   granularity=granularity)
     assert eager.mode == "eager" and graph.mode == "graph"
-    assert graph.n_graphs == (5 if granularity == "segment" else 1)
+    assert graph.n_graphs == {"segment": 5, "device": 1, "staged": 2}[granularity]
     assert_graph_equals_eager(eager, graph, N_STEPS)
 
 
@@ -136,7 +136,7 @@ def test_capture_failure_names_segment_device_and_fixes():
     dec.close()
 
 
-@pytest.mark.parametrize("granularity", ["segment", "device"])
+@pytest.mark.parametrize("granularity", ["segment", "device", "staged"])
 def test_nvtx_range_names(monkeypatch, granularity):
     import graphs.capture
     fake = FakeNvtx()
@@ -151,6 +151,9 @@ def test_nvtx_range_names(monkeypatch, granularity):
     if granularity == "segment":
         assert captured == ["capture/dev0/embed", "capture/dev0/layer0", "capture/dev0/head"]
         assert replayed == ["replay/dev0/embed", "replay/dev0/layer0", "replay/dev0/head"]
+    elif granularity == "staged":                       # pieces of 2, then the rest
+        assert captured == ["capture/dev0/embed..layer0", "capture/dev0/head"]
+        assert replayed == ["replay/dev0/embed..layer0", "replay/dev0/head"]
     else:
         assert captured == ["capture/dev0/embed..head"] and replayed == ["replay/dev0"]
     assert {d for d, _ in fake.events} == {"dsv4"}

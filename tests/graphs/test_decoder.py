@@ -27,7 +27,7 @@ def run(dec: CUDAGraphDecoder, n: int, forced=None):
 
 
 @pytest.mark.parametrize("mode", ["eager", "auto"])
-@pytest.mark.parametrize("granularity", ["segment", "device"])
+@pytest.mark.parametrize("granularity", ["segment", "device", "staged"])
 @pytest.mark.parametrize("head_reads_copy", [False, True])
 def test_cpu_matches_reference_loop(mode, granularity, head_reads_copy):
     model = ToyModel([CPU] * 3, CPU, head_reads_copy=head_reads_copy)

@@ -23,7 +23,7 @@ def build(model: ToyModel, **kw) -> CUDAGraphDecoder:
     return dec
 
 
-@pytest.mark.parametrize("granularity", ["segment", "device"])
+@pytest.mark.parametrize("granularity", ["segment", "device", "staged"])
 def test_split_graph_equals_eager(granularity):
     d0, d1 = torch.device("cuda:0"), torch.device("cuda:1")
     eager = build(split_model(), mode="eager")
@@ -34,7 +34,8 @@ def test_split_graph_equals_eager(granularity):
     # h and pos go to cuda:1 once (pos is not re-copied for layer3); h comes back for the head
     cross = [(h.name, h.consumer) for b in graph.plan.before for h in b if h.cross_device]
     assert cross == [("h", "layer2"), ("pos", "layer2"), ("h", "head")]
-    assert graph.n_graphs == (6 if granularity == "segment" else 3)
+    # staged: [embed, layer0] [layer1] on cuda:0, [layer2, layer3] on cuda:1, [head]
+    assert graph.n_graphs == {"segment": 6, "device": 3, "staged": 4}[granularity]
     assert set(graph.capture_seconds) == {"cuda:0", "cuda:1"}
     assert all(s > 0 for s in graph.capture_seconds.values())
     assert_graph_equals_eager(eager, graph, N_STEPS)

@@ -6,7 +6,7 @@ import torch
 from graphs_toy import ToyModel
 
 from graphs import (BufferError, ConfigError, CUDAGraphDecoder, PlanError, Segment, plan_handoffs)
-from graphs.placement import INPUT_STAGE, device_units
+from graphs.placement import INPUT_STAGE, device_units, staged_pieces
 
 CPU = torch.device("cpu")
 
@@ -152,7 +152,15 @@ def test_device_units_group_consecutive_segments():
     segs = model.segments()
     plan = plan_handoffs(segs, model.inputs())
     assert device_units(segs, plan) == [[0, 1, 2, 3, 4]]
+    assert device_units(segs, plan, staged=True) == [[0, 1], [2, 3, 4]]
     assert plan.primary == CPU and plan.devices == (CPU,)
+
+
+def test_staged_pieces_double():
+    assert staged_pieces(list(range(16))) == [[0, 1], [2, 3, 4, 5], list(range(6, 14)), [14, 15]]
+    assert staged_pieces([7]) == [[7]] and staged_pieces([]) == []
+    # a step of 12 layers (embed, layers, head and the sampling segment: 15 segments): 4 graphs
+    assert [len(p) for p in staged_pieces(list(range(15)))] == [2, 4, 8, 1]
 
 
 def test_balanced_placement_splits_contiguously_with_the_head_on_the_primary():

@@ -32,7 +32,7 @@ def _run(s, prompt, n):
 PROMPT = list(range(100, 140))
 
 
-@pytest.mark.parametrize("granularity", ["segment", "device"])
+@pytest.mark.parametrize("granularity", ["segment", "device", "staged"])
 def test_graph_equals_eager_bitwise_300_steps(ckpt, granularity):
     e = _run(_session(ckpt, "eager"), PROMPT, 320)
     g_s = _session(ckpt, "graph", granularity=granularity, debug=True)
