@@ -47,6 +47,7 @@ def test_json_contract(ckpt):
         assert k in out["timings"]
     assert out["prompt_ids"] == [5, 6, 7, 8] and len(out["output_ids"]) <= 6
     assert out["seed"] == 123 and out["mode"] == "eager" and out["device"] == "cpu"
+    assert out["granularity"] is None                    # no graphs in eager mode
     again = json.loads(run("--ckpt", str(ckpt), "--prompt-ids", "5,6,7,8", "--max-new-tokens", "6",
                            "--json", "--temperature", "0.7", "--seed", "123").stdout)
     assert again["output_ids"] == out["output_ids"]      # seeded sampling is reproducible
@@ -168,6 +169,20 @@ def test_prefill_chunk_same_tokens_and_progress(ckpt):
     assert shown.returncode == 0 and "prefill:" in shown.stderr and "prefill" in shown.stderr
 
 
+def test_granularity_auto_is_staged_unless_profiling():
+    """--granularity auto (the default): staged graphs, or one graph per layer when --profile
+    asks for the per-layer ranges and summary; a given value stays."""
+    from dsv4.cli.decode import build_parser
+    from dsv4.cli.options import check_runtime_args
+    for flags, want in (([], "staged"), (["--profile", "torch"], "segment"),
+                        (["--profile", "nsys"], "segment"), (["--granularity", "device"], "device"),
+                        (["--granularity", "segment"], "segment")):
+        args = build_parser().parse_args(["--device", "cpu", *flags])
+        assert args.granularity == ("auto" if not flags or flags[0] == "--profile" else want)
+        check_runtime_args(args)
+        assert args.granularity == want, flags
+
+
 def test_prefill_graphs_flag_checks():
     """--prefill-graphs is checked twice: its value before the devices resolve (a power of two
     passes whatever the device), then against the mode and --speculative."""
@@ -185,8 +200,8 @@ def test_prefill_graphs_flag_checks():
 @pytest.mark.cuda
 def test_cli_on_cuda_flags_give_the_same_tokens(ckpt, tmp_path):
     """dsv4 decode on a GPU as users drive it (no other test runs the CLI there): greedy float32
-    in graph mode, the same prompt twice -> the same logits' bits; eager, --granularity device
-    and --speculative 1 -> the same tokens (the same kernels, or rows kernels that give a single
+    in graph mode (staged graphs, the default), the same prompt twice -> the same logits' bits;
+    eager, --granularity segment / device and --speculative 1 -> the same tokens (the same kernels, or rows kernels that give a single
     row's bits); --prefill-graphs is refused in float32 (the prefill's torch experts read the
     host) and in bfloat16 runs and repeats itself (its pieces may sum in another order than one
     eager chunk: an FP8 rounding may flip). It once never ran from the CLI: its first
@@ -198,20 +213,24 @@ def test_cli_on_cuda_flags_give_the_same_tokens(ckpt, tmp_path):
     base = ["--ckpt", str(ckpt), "--prompt-ids", "5,6,7,8,9,10,11", "--max-new-tokens", "6",
             "--dtype", "float32", "--device", "cuda:0", "--json"]
 
-    def ids(*flags, dump=None):
+    def ids(*flags, dump=None, granularity=None):
         p = run(*base, *flags, *(["--dump-logits", str(dump)] if dump else []))
         assert p.returncode == 0, (flags, p.stderr)
         out = json.loads(p.stdout)
+        if granularity is not None:
+            assert out["granularity"] == granularity, flags
         return out["output_ids"], out["mode"]
 
-    first, mode = ids("--mode", "graph", dump=tmp_path / "a.npy")
+    first, mode = ids("--mode", "graph", dump=tmp_path / "a.npy", granularity="staged")
     again, _ = ids("--mode", "graph", dump=tmp_path / "b.npy")
     assert mode == "graph" and again == first
     a, b = np.load(tmp_path / "a.npy"), np.load(tmp_path / "b.npy")
     assert a.tobytes() == b.tobytes()                  # the same prompt twice: the same bits
-    for flags in (["--mode", "eager"], ["--mode", "graph", "--granularity", "device"],
-                  ["--mode", "graph", "--speculative", "1"]):
-        assert ids(*flags)[0] == first, flags
+    for flags, gran in ((["--mode", "eager"], None),
+                        (["--mode", "graph", "--granularity", "segment"], "segment"),
+                        (["--mode", "graph", "--granularity", "device"], "device"),
+                        (["--mode", "graph", "--speculative", "1"], "staged")):
+        assert ids(*flags, granularity=gran)[0] == first, flags
     # float32 runs the prefill on torch, whose routed experts read the routing on the host: a
     # chunk cannot be captured, and the CLI says so in its flags' words
     line = _one_error_line(run(*base, "--mode", "graph", "--prefill-graphs", "4"),

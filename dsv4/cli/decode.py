@@ -211,7 +211,8 @@ def run(args) -> int:
             print(json.dumps({"prompt_ids": prompt_ids, "output_ids": res.output_ids,
                               "text": tok.decode(text_ids), "finish_reason": res.finish_reason,
                               "interrupted": interrupted, "device": ",".join(devices),
-                              "mode": mode, "dtype": args.dtype, "seed": seed, "timings": timings,
+                              "mode": mode, "granularity": args.granularity if mode == "graph"
+                              else None, "dtype": args.dtype, "seed": seed, "timings": timings,
                               "memory": mem, "profile": prof.summary_path,
                               "backend": session.model.binding.table(),
                               **({k: timings[k] for k in ("speculative", "acceptance_rate",
@@ -277,7 +278,8 @@ def _run_tp(args, ckpt, cap, devices, mode, sampling, seed, prompt_ids, n_new, f
         print(json.dumps({"prompt_ids": prompt_ids, "output_ids": res_ids,
                           "text": tok.decode(text_ids), "finish_reason": finish,
                           "interrupted": False, "device": ",".join(devices), "parallel": "tp",
-                          "mode": mode, "dtype": args.dtype, "seed": seed, "timings": timings,
+                          "mode": mode, "granularity": args.granularity if mode == "graph"
+                          else None, "dtype": args.dtype, "seed": seed, "timings": timings,
                           "memory": mem, "profile": None, "backend": r0["backend"],
                           **({k: timings[k] for k in ("speculative", "acceptance_rate",
                                                       "tokens_per_step") if k in timings})}))

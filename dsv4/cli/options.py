@@ -85,8 +85,12 @@ def add_runtime_args(p: argparse.ArgumentParser, max_seq_len: int | None = None,
                             "--device cuda:0,cuda:1 with NCCL, or cpu,cpu with gloo)")
     r.add_argument("--mode", default="auto", choices=("auto", "graph", "eager"),
                    help="CUDA graphs or eager; auto = graph when CUDA is available")
-    r.add_argument("--granularity", default="segment", choices=("segment", "device"),
-                   help="graph per layer (segment) or per device")
+    r.add_argument("--granularity", default="auto",
+                   choices=("auto", "staged", "segment", "device"),
+                   help="graph mode: each device's run of layers in graphs of 2, 4, 8, ... layers "
+                        "(staged: the device starts while the host launches the rest), one graph "
+                        "per layer (segment: per-layer NVTX ranges and profile summary), or one "
+                        "per device run; auto = segment with --profile, else staged")
     r.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
                    help="activation dtype (float32: the high-precision reference mode)")
     r.add_argument("--max-seq-len", type=int, default=max_seq_len, help=max_seq_len_help)
@@ -136,6 +140,8 @@ def check_runtime_args(args) -> tuple[list[str], str]:
         devices = resolve_devices(args.device)
     mode = resolve_mode(args.mode, devices)
     check_prefill_graphs(args.prefill_graphs, mode, bool(args.speculative))
+    if getattr(args, "granularity", None) == "auto":  # a profile's per-layer ranges need segment
+        args.granularity = "segment" if getattr(args, "profile", "none") != "none" else "staged"
     return devices, mode
 
 
