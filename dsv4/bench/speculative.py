@@ -95,46 +95,8 @@ def run(model, context: int, seed: int, plain_ms: float | None, log, reps: int =
         + (f" ({follow_ms / plain_ms:.3f}x the plain step)" if plain_ms else ""))
     model.reset()
 
-    # the speculative step's device work alone: its segments replayed back to back (no read by
-    # the host between steps; drafts of token 0, rejected), against the verify pass of T = 2
-    b = s.spec.bufs
-    s.spec.set_oracle((), -1.0)
-    fill_state(model, context, seed)
-    b.pos.fill_(context)
-    b.limit.fill_(2)
-    b.drafts.zero_()
-    s.spec.decoder.step()
-    b.pos.fill_(context)
-    device_ms = statistics.median(time_steps(s.spec.decoder.step, n, devices))
-    log(f"speculative step on the device (segments back to back, no host read): {device_ms:.3f} "
-        f"ms = verify T=2 {verify_ms[2]:.3f} + MTP block, its head and the draft "
-        f"{device_ms - verify_ms[2]:.3f}")
-    step_top, host_gaps = {}, None
-    if kernels and hd.type == "cuda" and 2 in verify_top:
-        top = {}
-        b.pos.fill_(context)
-        count_kernels(s.spec.decoder.step, devices, top)
-        step_top = {timeline.short_name(k): v for k, v in top.items()}
-        log("the speculative step against the verify pass of T=2, device us by kernel (what the "
-            "MTP segment adds):")
-        extra = {k: v[1] - verify_top[2].get(k, [0, 0.0])[1] for k, v in step_top.items()}
-        for k in sorted(extra, key=lambda k: -extra[k])[:12]:
-            n2 = verify_top[2].get(k, [0, 0.0])[0]
-            log(f"  {k:<48} +{extra[k]:7.1f} us  ({step_top[k][0] - n2:+d} launches)")
-        # steps as decoding takes them (the host reads each step's output, then launches the
-        # next): where the device has no kernel to run
-        events, steps = [], 3
-        s.spec.policy = SpecPolicy(0.0)             # every step speculative
-        b.pos.fill_(context)
-        s.spec.step(2, None)                        # (drafts from the MTP block's last row)
-        count_kernels(lambda: [s.spec.step(2, None) for _ in range(steps)], devices, {},
-                      events=events)
-        tl = timeline.analyze(events, steps)
-        host_gaps = timeline.gaps(events)
-        log(f"{steps} speculative steps as decoding takes them (profiled): a step's span "
-            f"{tl['span_us_per_layer']:.1f} us, no kernel running {tl['no_kernel_us_per_layer']:.1f}"
-            f" us; the longest waits: " + "; ".join(f"{g[0]:.1f} us after {g[1]} before {g[2]}"
-                                                    for g in host_gaps[:6]))
+    device_ms, step_top, host_gaps = _split_step(s, model, context, seed, n, devices,
+                                                 verify_ms[2], verify_top.get(2), log)
     model.reset()
 
     e2e, same = {}, True
@@ -185,3 +147,50 @@ def run(model, context: int, seed: int, plain_ms: float | None, log, reps: int =
                                               key=lambda r: -r[2])[:30]
                                     for T, t in verify_top.items()} or None,
             "spec_verify2_over_plain": verify_ms[2] / plain_ms if plain_ms else None}
+
+
+def _split_step(s, model, context: int, seed: int, n: int, devices, verify2_ms: float,
+                verify2_top: dict | None, log) -> tuple[float, dict, list | None]:
+    """The speculative session s's step split: its device work alone (the segments replayed back
+    to back, no read by the host between steps; drafts of token 0, rejected) against the verify
+    pass of T = 2 (verify2_ms); with verify2_top (its kernels by name, CUDA), what the MTP segment
+    adds by kernel name, and three steps as decoding takes them (the host reads each step's
+    output, then launches the next) with the longest stretches no kernel runs.
+    -> (device ms, the step's kernels by name, those stretches)."""
+    b = s.spec.bufs
+    s.spec.set_oracle((), -1.0)
+    fill_state(model, context, seed)
+    b.pos.fill_(context)
+    b.limit.fill_(2)
+    b.drafts.zero_()
+    s.spec.decoder.step()
+    b.pos.fill_(context)
+    device_ms = statistics.median(time_steps(s.spec.decoder.step, n, devices))
+    log(f"speculative step on the device (segments back to back, no host read): {device_ms:.3f} "
+        f"ms = verify T=2 {verify2_ms:.3f} + MTP block, its head and the draft "
+        f"{device_ms - verify2_ms:.3f}")
+    if verify2_top is None:
+        return device_ms, {}, None
+    top = {}
+    b.pos.fill_(context)
+    count_kernels(s.spec.decoder.step, devices, top)
+    step_top = {timeline.short_name(k): v for k, v in top.items()}
+    log("the speculative step against the verify pass of T=2, device us by kernel (what the "
+        "MTP segment adds):")
+    extra = {k: v[1] - verify2_top.get(k, [0, 0.0])[1] for k, v in step_top.items()}
+    for k in sorted(extra, key=lambda k: -extra[k])[:12]:
+        n2 = verify2_top.get(k, [0, 0.0])[0]
+        log(f"  {k:<48} +{extra[k]:7.1f} us  ({step_top[k][0] - n2:+d} launches)")
+    events, steps = [], 3
+    s.spec.policy = SpecPolicy(0.0)             # every step speculative
+    b.pos.fill_(context)
+    s.spec.step(2, None)                        # (drafts from the MTP block's last row)
+    count_kernels(lambda: [s.spec.step(2, None) for _ in range(steps)], devices, {},
+                  events=events)
+    tl = timeline.analyze(events, steps)        # its "per layer" figures: per step here
+    gaps = timeline.gaps(events)
+    log(f"{steps} speculative steps as decoding takes them (profiled): a step's span "
+        f"{tl['span_us_per_layer']:.1f} us, no kernel running {tl['no_kernel_us_per_layer']:.1f}"
+        f" us; the longest waits: " + "; ".join(f"{g[0]:.1f} us after {g[1]} before {g[2]}"
+                                                for g in gaps[:6]))
+    return device_ms, step_top, gaps

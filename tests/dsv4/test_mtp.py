@@ -2,6 +2,7 @@
 greedy output equals plain decoding, the state after accepted and rejected drafts equals plain
 decoding's, and the speculative sampler draws from the plain sampling distribution."""
 import json
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -104,15 +105,20 @@ def plain_runs(small):
 # The verify pass runs its rows through the decode path at the same positions as plain decoding
 # and the journal restores rejected rows' slots exactly: the logits are plain decoding's, bit for
 # bit, whatever was accepted (so the comparison holds past near-ties and through FP8 rounding).
-@pytest.mark.parametrize("weights,n_new", [("bf16", 260), ("fp8", 256)])
-@pytest.mark.parametrize("a", [0.0, 0.6, 1.0])
+# Lengths: past the window (16) and many ratio-16 emissions; fp8 at a = 0 runs the default
+# policy's whole schedule (probes between plain runs of 16, 32, 64 and 128 steps: 256 tokens),
+# whose plain run's first tokens are the shorter cases' plain runs (greedy decoding is a prefix)
+@pytest.mark.parametrize("weights,a,n_new", [("bf16", 0.0, 96), ("bf16", 0.6, 96),
+                                             ("bf16", 1.0, 96), ("fp8", 0.0, 256),
+                                             ("fp8", 0.6, 128), ("fp8", 1.0, 128)])
 def test_speculative_greedy_equals_plain(small, plain_runs, weights, n_new, a):
     """Every step speculative (min acceptance 0), and (fp8) the default policy, which turns to
     plain steps with the MTP block following while the drafts fail: the same tokens and
     logits."""
     m = _model(small[weights])
     prompt = list(range(5, 45))
-    plain = plain_runs(weights, prompt, n_new, keep_logits=True)
+    full = plain_runs(weights, prompt, {"bf16": 96, "fp8": 256}[weights], keep_logits=True)
+    plain = SimpleNamespace(output_ids=full.output_ids[:n_new], logits=full.logits[:n_new])
     # a = 1: every draft accepted, so the default policy never turns to plain steps and its run
     # is min acceptance 0's, step for step (the policy there: test_spec_policy, test_bench)
     for min_acc in (0.0, DEFAULT_MIN_ACCEPTANCE) if weights == "fp8" and a < 1 else (0.0,):
