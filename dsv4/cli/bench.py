@@ -34,11 +34,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=10, help="untimed steps first")
     p.add_argument("--mode", default="both", choices=("both", "eager", "graph"),
                    help="eager steps, CUDA graph replays, or both")
-    p.add_argument("--granularity", default="segment",
-                   choices=("segment", "device", "staged", "both", "all"),
-                   help="graph mode: one graph per layer (segment), per device run, per device "
-                        "run in pieces of 2, 4, 8, ... segments (staged), segment and device "
-                        "(both), or all three")
+    p.add_argument("--granularity", default="staged",
+                   choices=("staged", "segment", "device", "both", "all"),
+                   help="graph mode: each device run as graphs of 2, 4, 8, ... segments "
+                        "(staged: what decode, chat and serve replay), one graph per layer "
+                        "(segment), per device run, segment and device (both), or all three")
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES), help="activation dtype")
     p.add_argument("--seed", type=int, default=0, help="weight / state seed")
     p.add_argument("--json", default=None, metavar="PATH|-", help="write the report as JSON "
