@@ -1,5 +1,6 @@
 """CUDAGraphDecoder: a model-agnostic decode step over segments, replayed from CUDA graphs
-(one per segment, or one per device run) or run eagerly: allocate -> warmup -> capture -> step -> close.
+(one per segment, one per device run, or a device run in staged pieces) or run eagerly:
+allocate -> warmup -> capture -> step -> close.
 """
 from __future__ import annotations
 
@@ -318,7 +319,8 @@ class CUDAGraphDecoder:
                 raise DebugPointerError(when, moved)
 
     def _unit_fn(self, unit: list[int]) -> Callable[[], None]:
-        """Device granularity: same-device hand-offs and segment calls of one run, in order."""
+        """Device / staged granularity: same-device hand-offs and segment calls of one unit, in
+        order."""
         plan, calls = self._plan, []
         for i in unit:
             calls += [h.run for h in plan.before[i] if not h.cross_device]
