@@ -40,6 +40,8 @@ ENV = {
     "DSV4_PREFILL_CUBLAS": "0: the FP8 prefill linears stay on the Triton GEMM",
     "DSV4_SPLIT_PROGRAMS": f"the prefill GEMMs' split-K target in programs (default "
                            f"{SPLIT_PROGRAMS})",
+    "DSV4_DRAFT_FP8": "0: the MTP block drafts from the bf16 head, not from its e4m3 copy (half "
+                      "the bytes; drafts are proposals, the verify pass keeps the output exact)",
     "TRITON_INTERPRET": "1: Triton's interpreter (Triton's own switch)",
 }
 
@@ -62,6 +64,7 @@ class Options:
     prefill_mma: tuple = ()              # DSV4_PREFILL_MMA: ((format, "fp8" | "bf16"), ...)
     prefill_cublas: bool = True          # DSV4_PREFILL_CUBLAS
     split_programs: int = SPLIT_PROGRAMS  # DSV4_SPLIT_PROGRAMS
+    draft_fp8: bool = True               # DSV4_DRAFT_FP8
     interpret: bool = False              # TRITON_INTERPRET == "1"
 
     @classmethod
@@ -93,6 +96,7 @@ class Options:
                    prefill_mma=tuple(mma),
                    prefill_cublas=not off("DSV4_PREFILL_CUBLAS"),
                    split_programs=int(env.get("DSV4_SPLIT_PROGRAMS", SPLIT_PROGRAMS)),
+                   draft_fp8=not off("DSV4_DRAFT_FP8"),
                    interpret=env.get("TRITON_INTERPRET", "0") == "1")
 
     def replace(self, **changes) -> "Options":

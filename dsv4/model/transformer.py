@@ -19,8 +19,10 @@ from ..errors import CapacityError, ConfigError
 from ..numerics.mhc import hc_head, rms_norm
 from ..numerics.quant import hadamard_matrix
 from ..weights.config import ModelConfig
+from ..weights.formats import FP8_BLOCK, quantize_fp8_weight
 from ..weights.parts import Part
 from .block import Block
+from .linear import Linear
 from .sharding import rank_place
 from .state import LayerState
 
@@ -55,6 +57,9 @@ class Transformer:
         self.binding = None
         self.head_in_rows = self.head_in_rows_reference
         self.head_matmul = self.head_matmul_reference
+        # the head's e4m3 copy the MTP block drafts from (ensure_draft_head), and its matmul
+        self.draft_head: Linear | None = None
+        self.draft_matmul = self.draft_matmul_reference
         hdev = self.head_device
         D, V = cfg.dim, cfg.vocab_size
         v0, v1 = self.tp.vocab_rows(V) if self.tp else (0, V)   # the head's rows held here
@@ -136,19 +141,23 @@ class Transformer:
             for name, dst in items:
                 source.load_into(name, dst, **({"part": parts[name]} if name in parts else {}))
         self._reset_dense_caches()
+        if self.draft_head is not None:          # in place: captured steps keep its address
+            self._fill_draft_head()
 
     def _reset_dense_caches(self) -> None:
         """On the CPU, keep dequantized weights (op overhead, not bytes, bounds small models there);
         on GPUs weights stay in their stored formats and are dequantized on use."""
-        on = self.rt.cache_dense if self.rt.cache_dense is not None else all(
-            d.type == "cpu" for d in self.rt.devices)
-
+        on = self._dense_on()
         for blk in self.layers:
             for w in blk.weights():
                 w.dense_cache = {} if on else None
         if self.mtp is not None:
             for w in self.mtp.weights():
                 w.dense_cache = {} if on else None
+
+    def _dense_on(self) -> bool:
+        return self.rt.cache_dense if self.rt.cache_dense is not None else all(
+            d.type == "cpu" for d in self.rt.devices)
 
     def weight_bytes(self, layer: int | None = None) -> int:
         tensors = self.layers[layer].tensors("") if layer is not None else self.tensors()
@@ -194,6 +203,43 @@ class Transformer:
         """h [1, c, D] (last position) -> logits [V] f32 (hc_head, final norm, head in fp32).
         head: (hc_head_* tensors, norm) other than the model's (the MTP block's)."""
         return self.vocab_logits(self.head_in_rows(h, head))[0]
+
+    def ensure_draft_head(self) -> None:
+        """Before a speculative step is built: the e4m3 copy of the head (128x128 ue8m0 scales,
+        the checkpoint's FP8 format) that the MTP block drafts from, half the bf16 head's bytes,
+        where the backend's switch has it (Options.draft_fp8, DSV4_DRAFT_FP8) and the head's
+        rows here split into 128x128 blocks. Made once; load() refills it in place. Drafts are
+        proposals: the verify pass keeps the output exact whichever head drafts."""
+        opts = self.binding.options if self.binding is not None else None
+        if self.draft_head is not None or self.mtp is None or opts is None or not opts.draft_fp8:
+            return
+        rows, D = self.head.shape
+        if rows % FP8_BLOCK or D % FP8_BLOCK:
+            return
+        self.draft_head = Linear(rows, D, "fp8", self.head_device)
+        self._fill_draft_head()
+
+    def _fill_draft_head(self) -> None:
+        w, step = self.draft_head, 64 * FP8_BLOCK         # rows a piece (bounds the float32 copy)
+        for i in range(0, w.out_features, step):
+            q, s = quantize_fp8_weight(self.head[i:i + step])
+            w.weight[i:i + step].copy_(q)
+            w.scale[i // FP8_BLOCK:(i + step) // FP8_BLOCK].copy_(s)
+        w.dense_cache = {} if self._dense_on() else None  # the CPU keeps it dequantized
+
+    def draft_matmul_reference(self, x: torch.Tensor) -> torch.Tensor:
+        """x [1, D] float32 -> [1, Vh] float32 through the e4m3 head: W8A8 (x to e4m3 per 128,
+        as the FP8 linears), float32 accumulation."""
+        return self.draft_head.reference(x, torch.float32)
+
+    def draft_logits(self, hm: torch.Tensor) -> torch.Tensor:
+        """The MTP block's row hm [1, c, D] -> its logits [V] float32 as drafting takes them:
+        through the head's e4m3 copy where there is one (ensure_draft_head), else the MTP head's
+        logits (logits(hm, head=mtp.head())). Capture-safe."""
+        if self.draft_head is None:
+            return self.logits(hm, head=self.mtp.head())
+        y = self.draft_matmul(self.head_in_rows(hm, self.mtp.head()))
+        return (y if self.tp is None else self.tp.gather(y, self.cfg.vocab_size))[0]
 
     def logits_rows(self, h: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """h [T, c, D] (decode rows) -> logits [T, V] float32, row t with the bits of
@@ -333,14 +379,15 @@ class Transformer:
         self.mtp_len = first + toks.shape[0]
         self.h_last = hd[-1:] if self.mtp_len < pos0 + hd.shape[0] else None
 
-    def mtp_follow_token(self, token: torch.Tensor) -> torch.Tensor:
+    def mtp_follow_token(self, token: torch.Tensor, draft: bool = False) -> torch.Tensor:
         """The token after the waiting row (h_last) was chosen: token [1] -> the MTP logits [V]
-        f32 of that row (the prediction of the token after `token`)."""
+        f32 of that row (the prediction of the token after `token`; draft: as drafting takes
+        them, draft_logits)."""
         if self.h_last is None:
             raise ConfigError("no main row waits for the MTP block (prefill with mtp=True first)")
         hm = self.mtp.prefill(self.h_last, self.embed.index_select(0, token), token, self.mtp_len)
         self.mtp_len, self.h_last = self.mtp_len + 1, None
-        return self.logits(hm, head=self.mtp.head())
+        return self.draft_logits(hm) if draft else self.logits(hm, head=self.mtp.head())
 
     def mtp_commit(self, length: int) -> None:
         """The MTP block has read positions < length (no row waits)."""

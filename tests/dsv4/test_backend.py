@@ -51,6 +51,9 @@ def test_options_from_env_as_the_runtime_read_them():
     assert Options.from_env({}).fuse_post is True
     assert Options.from_env({"DSV4_FUSE_POST": "0"}).fuse_post is False
     assert Options.from_env({"DSV4_FUSE_POST": "yes"}).fuse_post is True
+    # the MTP block's drafts through the head's e4m3 copy: on unless "0"
+    assert Options.from_env({}).draft_fp8 is True
+    assert Options.from_env({"DSV4_DRAFT_FP8": "0"}).draft_fp8 is False
 
 
 def test_cpu_and_meta_take_torch_everywhere():

@@ -64,6 +64,59 @@ def test_mtp_parity(mode, device):
         assert not np.any(sure & (got.argmax(1) != golden.argmax(1)))
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_drafts_from_the_heads_e4m3_copy(device):
+    """The MTP block drafts through an e4m3 copy of the head (Transformer.ensure_draft_head: the
+    checkpoint's FP8 format, half the bf16 head's bytes): its weights within e4m3's rounding of
+    the head's, its logits within a few percent of the MTP head's exact ones and with their top
+    token where that leads clearly (on CUDA through the FP8 GEMV, within float32 summation of
+    the torch reference, the same bits twice); DSV4_DRAFT_FP8=0 (Options.draft_fp8) keeps the
+    exact ones."""
+    from dsv4.backend.options import Options
+    from dsv4.weights.formats import dequantize_fp8_weight
+    d = parity_case_dir("p3-mtp")
+    case = json.loads((d / "case.json").read_text())
+    tokens = np.load(d / "golden-mtp-fp32.npz")["tokens"].tolist()
+    m, ck = load_model(d, RuntimeConfig(max_seq_len=128, dtype=torch.float32, mtp=True,
+                                        devices=(device,)))
+    ck.close()
+    assert m.draft_head is None                          # made for a speculative step only
+    m.ensure_draft_head()
+    w = m.draft_head
+    assert w is not None and w.weight.dtype == torch.float8_e4m3fn
+    deq = dequantize_fp8_weight(w.weight, w.scale)
+    head = m.head.float()
+    blockmax = head.abs().reshape(head.shape[0] // 128, 128, -1, 128).amax(dim=(1, 3))
+    bound = blockmax.repeat_interleave(128, 0).repeat_interleave(128, 1) * 2 ** -8 + \
+        head.abs() * 2 ** -4                             # e4m3: 3 mantissa bits, subnormals
+    assert ((deq - head).abs() <= bound).all()
+    s, tok = len(case["prompt_ids"]), torch.tensor(tokens, device=device)
+    with torch.inference_mode():
+        hm = m.mtp.prefill(m.hidden(tok[:s], 0), m.embed.index_select(0, tok[1:s + 1]),
+                           tok[1:s + 1], 0)
+        exact = torch.stack([m.logits(hm[i:i + 1], head=m.mtp.head()) for i in range(s)])
+        draft = torch.stack([m.draft_logits(hm[i:i + 1]) for i in range(s)])
+        assert ((draft - exact).norm(dim=1) <= 0.06 * exact.norm(dim=1)).all()
+        top2 = exact.topk(2, dim=1).values
+        clear = (top2[:, 0] - top2[:, 1]) > 0.1 * exact.std()
+        assert clear.sum() >= s // 2
+        assert torch.equal(draft.argmax(1)[clear], exact.argmax(1)[clear])
+        if device == "cuda":                             # the FP8 GEMV against the reference
+            x = m.head_in_rows(hm[:4], m.mtp.head())
+            got = torch.cat([m.draft_matmul(x[i:i + 1]) for i in range(4)])
+            ref = m.draft_matmul_reference(x)
+            assert (got - ref).abs().max() <= 1e-5 * ref.abs().max() * x.shape[1] ** 0.5
+            assert torch.equal(got[:1], m.draft_matmul(x[:1]))
+        # the switch off: the MTP head's exact logits
+        m2, ck = load_model(d, RuntimeConfig(max_seq_len=128, dtype=torch.float32, mtp=True,
+                                              devices=(device,),
+                                              options=Options(draft_fp8=False)))
+        ck.close()
+        m2.ensure_draft_head()
+        assert m2.draft_head is None
+        assert torch.equal(m2.draft_logits(hm[:1]), m2.logits(hm[:1], head=m2.mtp.head()))
+
+
 # ---- speculative decoding ---------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def small(tmp_path_factory):

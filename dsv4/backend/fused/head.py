@@ -35,6 +35,12 @@ def head_matmul_per_row(model, ops: Ops, x: torch.Tensor, out: torch.Tensor | No
     return out
 
 
+def draft_matmul(model, ops: Ops, x: torch.Tensor) -> torch.Tensor:
+    """Transformer.draft_matmul_reference on the FP8 GEMV: x [1, D] float32 -> [1, Vh] float32."""
+    w = model.draft_head
+    return ops.fp8_linear(x, w.weight, w.scale, out_dtype=torch.float32)
+
+
 def bind(model, ops: Ops) -> None:
     """head_in_rows on the fused mHC where the head device has it; head_matmul on the GEMV where
     the kernels run there (all rows at once with the fused mHC, else row by row)."""
@@ -44,3 +50,5 @@ def bind(model, ops: Ops) -> None:
     model.head_matmul = (functools.partial(head_matmul, model, ops) if be.mhc_decode
                          else functools.partial(head_matmul_per_row, model, ops) if be.kernels
                          else model.head_matmul_reference)
+    model.draft_matmul = (functools.partial(draft_matmul, model, ops) if be.kernels
+                          else model.draft_matmul_reference)

@@ -168,7 +168,7 @@ def _mtp_fn(model, bufs, params, journal):
         emb = model.embed.index_select(0, y)                                # [T, D]
         mtp.decode_rows(h, emb, y, pos, out=bufs.hm)
         journal.rewind(pos, keep)
-        logits = model.logits(bufs.hm.index_select(0, keep), head=mtp.head())
+        logits = model.draft_logits(bufs.hm.index_select(0, keep))
         next_draft(model, bufs, params, logits, y.index_select(0, keep), pos + keep + 1)
     return fn
 
@@ -211,7 +211,7 @@ def plain_segments(model: Transformer, bufs: SpecBuffers, plain: DecodeBuffers, 
         bufs.pos.copy_(plain.pos)
 
     def redraft():
-        set_draft(model, bufs, params, model.logits(bufs.hm[:1], head=mtp.head()), bufs.pos)
+        set_draft(model, bufs, params, model.draft_logits(bufs.hm[:1]), bufs.pos)
 
     return (Segment("mtp_follow", hd, follow,
                     reads={"h": h, "token": plain.token, "ppos": plain.pos},
@@ -268,6 +268,7 @@ class SpecStep:
             raise ConfigError(f"speculative = {k}: only 1 draft token per step is implemented "
                               f"(0 = off)")
         self.model, self.params, self.k = model, params, k
+        model.ensure_draft_head()       # before any step is captured (its address is fixed)
         self.policy = SpecPolicy(min_acceptance if plain is not None else 0.0)
         T = k + 1
         self.bufs = SpecBuffers.allocate(model, k)
@@ -329,7 +330,7 @@ class SpecStep:
         block reads its waiting row with it and drafts the next token. Eager (once per
         generate)."""
         m = self.model
-        next_draft(m, self.bufs, self.params, m.mtp_follow_token(token), token,
+        next_draft(m, self.bufs, self.params, m.mtp_follow_token(token, draft=True), token,
                    torch.tensor([pos], dtype=torch.int64, device=m.head_device))
         self._drafted = True
 
