@@ -131,9 +131,11 @@ TUNED_MMA: dict[tuple, MmaConfig | None] = {
     (4096, 8192, 0, 1): MmaConfig(4, 16, 132),  # wo_b      13.51 / 14.68 (11.61 / 18.30)
     (2048, 4096, 0, 2): MmaConfig(2, 16),     # shared w1+w3 6.81 / 7.18  (6.88 / 8.94)
     (4096, 2048, 0, 1): MmaConfig(4, 4),      # shared w2    4.06 / 4.01  (3.79 / 6.17)
-    # the draft head (an e4m3 copy of the head the MTP block drafts from; Flash's vocabulary x
-    # D = 4096): 8,080 tiles streamed on two CTAs an SM, 132.7 -> 122.3 us (one H200, 2026-11-29)
+    # the draft head (an e4m3 copy of the head the MTP block drafts from: the vocabulary x D):
+    # 8,080 tiles streamed on two CTAs an SM (one H200, 2026-11-29, alone: Flash 132.7 -> 121.7
+    # us, Pro 251.0 -> 223.9 us in the sweep)
     (129280, 4096, 0, 1): MmaConfig(2, 16, 264),
+    (129280, 7168, 0, 1): MmaConfig(4, 14, 264),
     # tensor-parallel shard shapes where the CUDA-core kernel is faster at T = 1 (TUNED_CUDA):
     # a TP rank decodes one row a step (its verify rows would pay the CUDA-core kernel's ~1.5x)
     **{key: None for key in ((4096, 4096, 1024, 1), (1024, 4096, 0, 2), (4096, 1024, 0, 1),
