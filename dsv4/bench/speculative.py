@@ -61,7 +61,7 @@ def run(model, context: int, seed: int, plain_ms: float | None, log, reps: int =
             if kernels and hd.type == "cuda":
                 top, events = {}, []
                 count_kernels(dec.step, devices, top, events=events)
-                verify_top[T] = {timeline.short_name(k): v for k, v in top.items()}
+                verify_top[T] = timeline.by_short_name(top)
                 verify_tl[T] = timeline.analyze(events, model.cfg.n_layers)
                 log(f"verify T={T}: {timeline.format_line(verify_tl[T])}")
             dec.close()
@@ -174,7 +174,7 @@ def _split_step(s, model, context: int, seed: int, n: int, devices, verify2_ms: 
     top = {}
     b.pos.fill_(context)
     count_kernels(s.spec.decoder.step, devices, top)
-    step_top = {timeline.short_name(k): v for k, v in top.items()}
+    step_top = timeline.by_short_name(top)
     log("the speculative step against the verify pass of T=2, device us by kernel (what the "
         "MTP segment adds):")
     extra = {k: v[1] - verify2_top.get(k, [0, 0.0])[1] for k, v in step_top.items()}

@@ -30,6 +30,18 @@ def short_name(name: str, width: int = 48) -> str:
     return (base or name)[:width]
 
 
+def by_short_name(top: dict) -> dict:
+    """count_kernels' `top` (kernel name -> [launches, device us]) keyed by short_name, the
+    instances of one template (fp8_mma_kernel<2, true> and <4, false>, say) summed into one
+    entry."""
+    out: dict = {}
+    for name, (n, us) in top.items():
+        t = out.setdefault(short_name(name), [0, 0.0])
+        t[0] += n
+        t[1] += us
+    return out
+
+
 def analyze(events: list[tuple], layers: int = 1, top: int = 12) -> dict:
     """events [(device, start_us, end_us, name)] of one step -> the step's timeline: per device
     and summed over devices (a pipeline's devices run one after the other): `span_us` (first

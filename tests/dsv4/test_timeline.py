@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from dsv4.bench.timeline import NO_KERNEL, analyze, format_line, gaps, short_name
+from dsv4.bench.timeline import NO_KERNEL, analyze, by_short_name, format_line, gaps, short_name
 
 GEMV = "void (anonymous namespace)::fp8_gemv_kernel<8, 2, true>(ArgsA)"
 UP = "void (anonymous namespace)::fp4_up_stream_kernel<2>(ArgsB)"
@@ -65,6 +65,19 @@ def test_short_names():
     assert short_name(UP) == "fp4_up_stream_kernel"
     assert short_name("_pre_finish_kernel") == "_pre_finish_kernel"
     assert short_name("void gemv2T_kernel_val<int, int, __nv_bfloat16>(params)") == "gemv2T_kernel_val"
+
+
+def test_by_short_name_sums_a_templates_instances():
+    """Two instances of one template (the draft head's fp8_mma_stream_kernel<2, ..> beside wo_b's
+    <4, ..>) are one entry with both launches and times, not the last one seen."""
+    top = {"void (anonymous namespace)::fp8_mma_stream_kernel<4, false>(Args)": [12, 173.2],
+           "void (anonymous namespace)::fp8_mma_stream_kernel<2, false>(Args)": [1, 121.7],
+           "_pre_finish_kernel": [49, 254.9]}
+    merged = by_short_name(top)
+    assert merged.keys() == {"fp8_mma_stream_kernel", "_pre_finish_kernel"}
+    assert merged["fp8_mma_stream_kernel"][0] == 13
+    assert abs(merged["fp8_mma_stream_kernel"][1] - 294.9) < 1e-9
+    assert merged["_pre_finish_kernel"] == [49, 254.9]
 
 
 def test_kernel_events_after_a_host_range_leave_out_what_ran_before_it():
