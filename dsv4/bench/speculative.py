@@ -161,7 +161,7 @@ def _split_step(s, model, context: int, seed: int, n: int, devices, verify2_ms: 
     s.spec.set_oracle((), -1.0)
     fill_state(model, context, seed)
     b.pos.fill_(context)
-    b.limit.fill_(2)
+    s.spec.set_stop(2, None)
     b.drafts.zero_()
     s.spec.decoder.step()
     b.pos.fill_(context)

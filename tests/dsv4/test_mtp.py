@@ -269,6 +269,27 @@ def test_state_after_rejections_equals_plain(small, plain_runs, decoded_states, 
         assert torch.equal(a, b)
 
 
+def test_each_request_stops_at_its_own_eos(small, plain_runs):
+    """A step's cap and EOS reach the device only when they change (SpecStep.set_stop): requests
+    in one session, with different EOS ids or none, each stop where plain decoding does. Every
+    draft right (two tokens a step), so one of the EOS positions 9 and 10 is a step's first
+    token, where the step must drop its second."""
+    m = _model(small["bf16"])
+    prompt = list(range(5, 45))
+    ids = plain_runs("bf16", prompt, 96, keep_logits=True).output_ids
+    s = Session(m, SamplingParams(), speculative=1, spec_min_acceptance=0.0)
+    s.spec.set_oracle(prompt + ids, 1.0)
+    for eos_at, n in ((9, 30), (10, 30), (None, 30), (None, 7), (9, 30)):
+        eos = None if eos_at is None else ids[eos_at]
+        end = n if eos is None else min(n, ids.index(eos) + 1)
+        out = s.generate(prompt, n, eos_id=eos)
+        assert out.output_ids == ids[:end], (eos_at, n)
+    s.spec.set_stop(5, None)
+    assert int(s.spec.bufs.limit) == 2 and int(s.spec.bufs.eos) == -1   # any cap >= T is T
+    s.spec.set_stop(1, ids[3])
+    assert int(s.spec.bufs.limit) == 1 and int(s.spec.bufs.eos) == ids[3]
+
+
 def test_continue_a_speculative_sequence(small, no_fake_quant):
     m = _model(small["fp8"])
     a, b = list(range(3, 30)), list(range(40, 52))

@@ -300,6 +300,7 @@ class SpecStep:
         # buffers hold the pending token and its position
         self._drafted = False
         self._last = 0                  # rows of the last step's logits (spec > 0, plain 0)
+        self._stop = (None, None)       # (limit, eos) as last written to bufs (set_stop)
         pinned = model.head_device.type == "cuda"
         self._host = torch.zeros(1 + T, dtype=torch.int64, pin_memory=pinned)
 
@@ -324,6 +325,19 @@ class SpecStep:
         self.bufs.reset()
         self.policy.reset()
         self._drafted = False
+        self._stop = (None, None)
+
+    def set_stop(self, limit: int, eos_id: int | None) -> None:
+        """The next steps' output cap (limit >= 1 tokens) and EOS (None: none) in bufs, each
+        written only when it changes: accept reads limit only as limit - 1 against at most K
+        accepted drafts, so every limit >= T is T, and a request's EOS stays. Most steps then
+        launch no fill between the host's read and the step's first graph."""
+        limit, eos = min(limit, self.k + 1), -1 if eos_id is None else eos_id
+        if limit != self._stop[0]:
+            self.bufs.limit.fill_(limit)
+        if eos != self._stop[1]:
+            self.bufs.eos.fill_(eos)
+        self._stop = (limit, eos)
 
     def start(self, token: torch.Tensor, pos: int) -> None:
         """The token [1] chosen at pos - 1 (after a prefill that the MTP block followed): the MTP
@@ -354,8 +368,7 @@ class SpecStep:
         b = self.bufs
         if not self._drafted:           # after plain steps: draft from the MTP block's last row
             self.redraft.step()
-        b.limit.fill_(limit)
-        b.eos.fill_(-1 if eos_id is None else eos_id)
+        self.set_stop(limit, eos_id)
         self.decoder.step()
         self._drafted = True
         rec = self._read(b.record)
