@@ -193,7 +193,7 @@ def run(args, command: str = "") -> dict:
         spec = bench_spec.run(model, args.context, args.seed, graph_ms, _log,
                               reps=min(bench_spec.REPS, args.steps), n_new=args.spec_tokens,
                               kernels=not args.no_kernels,
-                              granularity=graph["granularity"] if graph else "segment")
+                              granularity=graph["granularity"] if graph else grans[0])
     layers = None
     if args.layer_kernels:
         if not on_cuda:

@@ -38,7 +38,8 @@ def run(model, context: int, seed: int, plain_ms: float | None, log, reps: int =
     """kernels (CUDA): also one profiled replay of each verify pass: its timeline (weights
     streaming / not, dsv4.bench.timeline) and its kernels by name, T = 2's beside T = 1's; and
     of the speculative step, what its MTP segment adds and where the device waits for the host.
-    granularity: of every graph (that of the plain step plain_ms was measured with)."""
+    granularity: of every graph (that of the plain step plain_ms was measured with; without a
+    graph row, the first one --granularity names)."""
     hd, V = model.head_device, model.cfg.vocab_size
     devices = [hd] + sorted({*model.placement} - {hd}, key=str)
     mode = "graph" if hd.type == "cuda" else "eager"
