@@ -20,6 +20,24 @@ def run(*args, env=None, timeout=300):
                           timeout=timeout, env=e)
 
 
+def run_here(*args):
+    """scripts/decode.py's main in this process (sys.exit(main()) there: its return value, or
+    argparse's SystemExit code, is the exit status; stdout / stderr as the script prints them),
+    for the runs that stop at an error: a subprocess adds ~4 s of imports to each. The script
+    itself exits 2 with one error line in test_a_bad_flag_exits_2_from_the_script and
+    tests/test_cli_startup.py."""
+    import contextlib
+    import io
+    from dsv4.cli.decode import main
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            rc = main(list(args))
+        except SystemExit as e:
+            rc = e.code
+    return subprocess.CompletedProcess([SCRIPT, *args], rc, out.getvalue(), err.getvalue())
+
+
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     return small_checkpoint(tmp_path_factory.mktemp("cli"), "fp8")
@@ -93,48 +111,58 @@ def test_force_ids_run_exactly_that_many_steps(ckpt, tmp_path):
      ["--speculative-min-acceptance 1.5", "[0, 1]"]),
 ])
 def test_bad_inputs_exit_2(ckpt, args, words):
-    _one_error_line(run("--ckpt", str(ckpt), *args), *words)
+    _one_error_line(run_here("--ckpt", str(ckpt), *args), *words)
+
+
+def test_a_bad_flag_exits_2_from_the_script(ckpt):
+    """The script as users run it: exit status 2 and one error line (the cases above call its
+    main in this process)."""
+    _one_error_line(run("--ckpt", str(ckpt), "--prompt-ids", "1,2", "--bogus"), "--bogus")
 
 
 def test_a_prompt_file_that_is_not_utf8_exits_2(ckpt, tmp_path):
     """(It was exit 1, `runtime error: UnicodeDecodeError`.)"""
     bad = tmp_path / "latin1.txt"
     bad.write_bytes("caf\u00e9".encode("latin-1"))
-    _one_error_line(run("--ckpt", str(ckpt), "--prompt-file", str(bad)),
+    _one_error_line(run_here("--ckpt", str(ckpt), "--prompt-file", str(bad)),
                     "--prompt-file", "not UTF-8", "0xe9", "offset 3")
 
 
 def test_no_prompt_with_ckpt(ckpt):
-    _one_error_line(run("--ckpt", str(ckpt)), "no prompt")
+    _one_error_line(run_here("--ckpt", str(ckpt)), "no prompt")
 
 
 def test_bad_checkpoints_exit_2(ckpt, tmp_path):
-    _one_error_line(run("--ckpt", str(tmp_path / "missing"), "--prompt-ids", "1,2"), str(tmp_path / "missing"))
+    _one_error_line(run_here("--ckpt", str(tmp_path / "missing"), "--prompt-ids", "1,2"),
+                    str(tmp_path / "missing"))
     bad = tmp_path / "c1"
     shutil.copytree(ckpt, bad)
     (bad / "config.json").unlink()
-    _one_error_line(run("--ckpt", str(bad), "--prompt-ids", "1,2"), "config")
+    _one_error_line(run_here("--ckpt", str(bad), "--prompt-ids", "1,2"), "config")
     bad = tmp_path / "c2"
     shutil.copytree(ckpt, bad)
     (bad / "model-00002-of-00002.safetensors").unlink()
-    _one_error_line(run("--ckpt", str(bad), "--prompt-ids", "1,2"), "model-00002-of-00002.safetensors")
+    _one_error_line(run_here("--ckpt", str(bad), "--prompt-ids", "1,2"),
+                    "model-00002-of-00002.safetensors")
     bad = tmp_path / "c3"
     shutil.copytree(ckpt, bad)
     f = bad / "model-00001-of-00002.safetensors"
     f.write_bytes(f.read_bytes()[:-1000])
-    _one_error_line(run("--ckpt", str(bad), "--prompt-ids", "1,2"), "model-00001-of-00002.safetensors")
+    _one_error_line(run_here("--ckpt", str(bad), "--prompt-ids", "1,2"),
+                    "model-00001-of-00002.safetensors")
     bad = tmp_path / "c4"
     shutil.copytree(ckpt, bad)
     cfg = json.loads((bad / "config.json").read_text())
     cfg["scoring_func"] = "tanh"
     (bad / "config.json").write_text(json.dumps(cfg))
-    _one_error_line(run("--ckpt", str(bad), "--prompt-ids", "1,2"), "scoring_func", "tanh", "config.json")
+    _one_error_line(run_here("--ckpt", str(bad), "--prompt-ids", "1,2"), "scoring_func", "tanh",
+                    "config.json")
     bad = tmp_path / "c5"
     shutil.copytree(ckpt, bad)
     cfg = json.loads((bad / "config.json").read_text())
     cfg["moe_intermediate_size"] = 256              # every expert tensor now has the wrong shape
     (bad / "config.json").write_text(json.dumps(cfg))
-    _one_error_line(run("--ckpt", str(bad), "--prompt-ids", "1,2"), "expected", "found")
+    _one_error_line(run_here("--ckpt", str(bad), "--prompt-ids", "1,2"), "expected", "found")
 
 
 def test_demo_builds_once_and_runs(tmp_path):
@@ -285,13 +313,13 @@ def _edited(ckpt, tmp_path, **changes):
                             "config.json says hidden_size = 256"]),
 ])
 def test_config_errors_in_the_users_words(ckpt, tmp_path, changes, words):
-    line = _one_error_line(run("--ckpt", str(_edited(ckpt, tmp_path, **changes)), "--prompt-ids",
-                               "1,2"), *words)
+    line = _one_error_line(run_here("--ckpt", str(_edited(ckpt, tmp_path, **changes)),
+                                    "--prompt-ids", "1,2"), *words)
     assert "expert_dtype" not in line and not re.search(r"\b(dim|n_heads) = ", line), line
 
 
 def test_a_file_as_ckpt_is_not_a_directory(ckpt):
-    _one_error_line(run("--ckpt", str(ckpt / "config.json"), "--prompt-ids", "1,2"),
+    _one_error_line(run_here("--ckpt", str(ckpt / "config.json"), "--prompt-ids", "1,2"),
                     "config.json is not a directory", "--ckpt")
 
 
@@ -371,7 +399,8 @@ def test_dspark_checkpoint_decodes_its_backbone(dspark_ckpt):
     assert len(notes) == 1 and notes[0].startswith("[dsv4] notice: DSpark checkpoint")
     for part in ("mtp.0-2", "main_proj", "markov_head", "confidence_head", "not supported yet"):
         assert part in notes[0], part
-    _one_error_line(run("--ckpt", str(dspark_ckpt), "--prompt-ids", "5,6", "--speculative", "1"),
+    _one_error_line(run_here("--ckpt", str(dspark_ckpt), "--prompt-ids", "5,6", "--speculative",
+                             "1"),
                     "--speculative 1", "DSpark drafting is not supported yet", "--speculative 0")
 
 

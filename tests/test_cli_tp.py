@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from helpers import SMALL, small_checkpoint
-from test_cli import _one_error_line, run
+from test_cli import _one_error_line, run, run_here
 
 TP_CFG = SMALL.replace(vocab_size=2047, moe_inter_dim=256)     # splits over two ranks
 FLIP_BOUND = 0.15       # tests/dsv4/test_prefill.py
@@ -48,14 +48,15 @@ def test_tp_decode_on_two_cpu_ranks(ckpt, tmp_path):
      ["--prefill-graphs 8 needs graph mode", "--prefill-graphs 0"]),   # CPU ranks: eager
 ])
 def test_tp_bad_flags_fail_before_loading(ckpt, flags, words):
-    _one_error_line(run("--ckpt", str(ckpt), "--prompt-ids", "5,6", "--parallel", "tp", *flags),
-                    *words)
+    _one_error_line(run_here("--ckpt", str(ckpt), "--prompt-ids", "5,6", "--parallel", "tp",
+                             *flags), *words)
 
 
 def test_tp_refuses_a_checkpoint_it_cannot_split(tmp_path):
     fp8 = small_checkpoint(tmp_path, "fp8")         # expert rows of 64 per rank: not whole blocks
-    _one_error_line(run("--ckpt", str(fp8), "--prompt-ids", "5,6", "--parallel", "tp",
-                        "--device", "cpu,cpu"), "cannot be split over 2 ranks", "--parallel pipeline")
+    _one_error_line(run_here("--ckpt", str(fp8), "--prompt-ids", "5,6", "--parallel", "tp",
+                             "--device", "cpu,cpu"), "cannot be split over 2 ranks",
+                    "--parallel pipeline")
 
 
 def _chat(ckpt, *flags):
