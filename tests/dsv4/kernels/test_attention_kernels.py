@@ -503,9 +503,13 @@ def _run_interp(group: str, seed: int) -> None:
 
 
 # Fixed inputs, so that CI is repeatable: 40578 is the case where the online softmax's rounding
-# moved the output most (layer 2, an r = 16 emission step: the new compressed row takes the max).
-# DSV4_TEST_SEED replaces both with its one seed. Each seed is a test of its own (one process),
-# so that pytest-xdist's workers share them.
+# moved the output most (layer 2, an r = 16 emission step: the new compressed row takes the max),
+# a case of the decode group (Attention.decode fused vs torch), which runs both seeds. The kernel
+# group runs the first only: its positions, ratios, row counts and configs are fixed (every mask,
+# ring wrap, split-K and tile path is reached whatever the seed), the seed draws the values, and
+# a second draw cost ~31 s of the suite's time on a 2-core CPU (DSV4_TEST_SEED=random draws
+# others). DSV4_TEST_SEED replaces both with its one seed. Each seed is a test of its own (one
+# process), so that pytest-xdist's workers share them.
 INTERP_SEEDS = (1, 40578)
 _SEEDS = [pytest.param(i, id=f"seed{s}") for i, s in enumerate(INTERP_SEEDS)]
 
@@ -520,7 +524,7 @@ def _interp_seed(i: int) -> int:
 
 
 @needs_interpreter
-@pytest.mark.parametrize("i", _SEEDS)
+@pytest.mark.parametrize("i", _SEEDS[:1])
 def test_attention_kernels_interpreter(i):
     _run_interp("kernels", _interp_seed(i))
 
