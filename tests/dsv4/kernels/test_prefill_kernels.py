@@ -515,18 +515,31 @@ def check_mhc_rows(dev, gen, S=33, D=128):
     assert torch.equal(x1, x[:1]), "row 0 == the decode kernel"
 
 
+def layers_cfg():
+    """The model check_layers builds: SMALL's first three layers, one of each kind (the hash
+    layer, window-only; ratio 4 with the indexer; ratio 16) and the MTP block. SMALL's fourth
+    layer is a second ratio-4 layer with the indexer: the same chunk path on other weights, 25-35
+    s of the interpreter (a layer's inputs and state are its own)."""
+    sys.path.insert(0, str(REPO / "tests"))
+    from helpers import SMALL
+    from dsv4.weights.presets import truncate_layers
+    cfg = truncate_layers(SMALL, 3)
+    assert [cfg.ratio(i) for i in range(cfg.n_layers)] == [0, 4, 16] and cfg.n_hash_layers == 1
+    return cfg
+
+
 def check_layers(dev, tmp, seed, layers=None):
     """Each layer's chunk path with kernels == without, on the same input and state (bf16, so
     within rounding: a wrong row, position or offset moves it by 0.3 or more), for chunks at
-    several offsets. `layers`: the layer ids to check (None: all; each layer's inputs and state
-    are its own, so checking them in parts checks the same things)."""
+    several offsets, on layers_cfg()'s model (a layer of each kind). `layers`: the layer ids to
+    check (None: all; each layer's inputs and state are its own, so checking them in parts checks
+    the same things)."""
     sys.path.insert(0, str(REPO / "tests"))
     from helpers import small_checkpoint
     from dsv4.runtime.config import RuntimeConfig
     from dsv4.runtime.session import load_model
-    m, ck = load_model(small_checkpoint(tmp, "fp8"), RuntimeConfig(max_seq_len=256,
-                                                                  dtype=torch.bfloat16,
-                                                                  devices=(dev,)))
+    m, ck = load_model(small_checkpoint(tmp, "fp8", cfg=layers_cfg()),
+                       RuntimeConfig(max_seq_len=256, dtype=torch.bfloat16, devices=(dev,)))
     ck.close()
     if layers is not None:                # every layer asked for is one of the model's
         assert set(layers) <= {blk.layer_id for blk in m.layers}, layers
@@ -672,7 +685,7 @@ def check_all(dev, seed, tmp, parts=("gemm", "rows", "layers", "parity"), layers
 # layers' chunk paths are most of it: 80-100 s a layer on one core, the GEMMs ~60 s, parity ~65 s),
 # none much longer than the other tests' longest, so that pytest-xdist's workers finish together
 INTERP_SPLIT = ((("gemm", "layers"), (0,)), (("layers",), (1,)), (("layers",), (2,)),
-                (("layers",), (3,)), (("rows", "parity"), ()))
+                (("rows", "parity"), ()))
 
 
 def _interp_main(seed: int, tmp: str, parts: str, layers: str) -> None:
@@ -691,8 +704,8 @@ def test_prefill_kernels_interpreter(tmp_path, case):
     test, instead of one worker running several processes while the other worker runs more
     tests: three busy processes on a 2-core machine); every layer of the model is checked by one
     of them."""
-    from helpers import SMALL             # the model check_layers builds: each layer once
-    assert sorted(sum((ls for _, ls in INTERP_SPLIT), ())) == list(range(SMALL.n_layers))
+    # the model check_layers builds: each layer once
+    assert sorted(sum((ls for _, ls in INTERP_SPLIT), ())) == list(range(layers_cfg().n_layers))
     parts = [p for ps, _ in INTERP_SPLIT for p in ps if p != "layers"]
     assert sorted(parts) == sorted(("gemm", "rows", "parity"))    # every other part, once
     assert all(("layers" in ps) == bool(ls) for ps, ls in INTERP_SPLIT)
