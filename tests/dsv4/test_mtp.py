@@ -120,9 +120,16 @@ def test_drafts_from_the_heads_e4m3_copy(device):
 # ---- speculative decoding ---------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def small(tmp_path_factory):
-    from helpers import small_checkpoint
+    """SMALL's first three layers, one of each kind (the hash layer, window-only; ratio 4 with the
+    indexer; ratio 16) and its MTP block: every kind of state a rejected row writes and the
+    journal restores (SMALL's fourth layer is a second ratio-4 layer: a quarter of each step's
+    time, no state of another kind)."""
+    from helpers import SMALL, small_checkpoint
+    from dsv4.weights.presets import truncate_layers
+    cfg = truncate_layers(SMALL, 3)
+    assert [cfg.ratio(i) for i in range(cfg.n_layers)] == [0, 4, 16] and cfg.n_mtp_layers == 1
     root = tmp_path_factory.mktemp("mtp")
-    return {"fp8": small_checkpoint(root, "fp8"), "bf16": small_checkpoint(root, "bf16")}
+    return {w: small_checkpoint(root, w, cfg=cfg) for w in ("fp8", "bf16")}
 
 
 def _model(path, cap=320, dtype=torch.float32, sharpen=30.0):
@@ -158,9 +165,12 @@ def plain_runs(small):
 # The verify pass runs its rows through the decode path at the same positions as plain decoding
 # and the journal restores rejected rows' slots exactly: the logits are plain decoding's, bit for
 # bit, whatever was accepted (so the comparison holds past near-ties and through FP8 rounding).
-# Lengths: past the window (16) and many ratio-16 emissions; fp8 at a = 0 runs the default
-# policy's whole schedule (probes between plain runs of 16, 32, 64 and 128 steps: 256 tokens),
-# whose plain run's first tokens are the shorter cases' plain runs (greedy decoding is a prefix)
+# Lengths: past the window (16) and many ratio-16 emissions (SPEC_LEN: 128 tokens, 8 of them);
+# fp8 at a = 0 runs the default policy's whole schedule (probes between plain runs of 16, 32, 64
+# and 128 steps: 256 tokens), and every step speculative over the first SPEC_LEN of them (the
+# schedule is the default policy's only), whose plain run's first tokens are the shorter runs'
+# plain runs (greedy decoding is a prefix)
+SPEC_LEN = 128
 @pytest.mark.parametrize("weights,a,n_new", [("bf16", 0.0, 96), ("bf16", 0.6, 96),
                                              ("bf16", 1.0, 96), ("fp8", 0.0, 256),
                                              ("fp8", 0.6, 128), ("fp8", 1.0, 128)])
@@ -178,12 +188,13 @@ def test_speculative_greedy_equals_plain(small, plain_runs, weights, n_new, a):
         s = Session(m, SamplingParams(), speculative=1, spec_min_acceptance=min_acc)
         if a:   # the MTP block of a random checkpoint never guesses right: an oracle drafts
             s.spec.set_oracle(prompt + plain.output_ids, a)
-        spec = s.generate(prompt, n_new, keep_logits=True)
-        assert spec.output_ids == plain.output_ids, min_acc
-        assert torch.equal(spec.logits, plain.logits), min_acc
+        n = n_new if min_acc else min(n_new, SPEC_LEN)
+        spec = s.generate(prompt, n, keep_logits=True)
+        assert spec.output_ids == plain.output_ids[:n], min_acc
+        assert torch.equal(spec.logits, plain.logits[:n]), min_acc
         t = spec.timings
         if a == 0:
-            assert t["steps"] == n_new - 1 and t["acceptance_rate"] == 0.0
+            assert t["steps"] == n - 1 and t["acceptance_rate"] == 0.0
         # a last step that may output one token only is a plain one
         if min_acc == 0 or a == 1.0:    # never below the bar: every other step drafts
             assert t["speculative_steps"] == t["steps"] - 1, t
@@ -386,15 +397,20 @@ def _plain_first_two(m, prompt, temperature, seeds):
     return counts
 
 
-def test_speculative_sampling_matches_plain_on_a_model(small):
+def test_speculative_sampling_matches_plain_on_a_model():
     """A small-vocabulary model: the second generated token (the first a speculative step
-    emits) has the same distribution with and without speculation over many seeds."""
+    emits) has the same distribution with and without speculation over many seeds. One main
+    layer (SMALL's first, the hash layer) and the MTP block: the runs read 6 positions, where
+    the compressed layers hardly take part, and 600 runs of SMALL's four layers took ~45 s (the
+    state a rejection leaves: test_state_after_rejections_equals_plain)."""
     from dsv4.runtime.session import Session as S
+    from dsv4.weights.presets import truncate_layers
     from dsv4.weights.synthetic import write_checkpoint
     from helpers import SMALL
     import tempfile
     with tempfile.TemporaryDirectory() as tmp:
-        path = write_checkpoint(SMALL.replace(vocab_size=16), tmp, weights="bf16", seed=1)
+        path = write_checkpoint(truncate_layers(SMALL.replace(vocab_size=16), 1), tmp,
+                                weights="bf16", seed=1)
         m = _model(path, cap=32, sharpen=1.0)
         V = m.cfg.vocab_size
         counts = {0: _plain_first_two(m, [1, 2, 3], 3.0, range(300)), 1: np.zeros((V, V))}
