@@ -62,8 +62,10 @@ def test_tp_bench_speculative_on_two_cpu_ranks(capfd):
     """--speculative in TP: every rank builds its MTP block and runs the same verify passes and
     sessions (the oracle's drafts keyed by position: the same on every rank); the report has
     rank 0's figures, every rank's verify times, and the tokens of plain decoding on every
-    rank."""
-    rc = bench.main(["--preset", "tiny-tp", "--speculative", "--spec-tokens", "12", *FAST])
+    rank. The preset's first two layers (the hash layer, ratio 4 with the indexer: the one-process
+    speculative bench's depth; all four in test_tp_bench_on_two_cpu_ranks)."""
+    rc = bench.main(["--preset", "tiny-tp", "--layers", "2", "--speculative", "--spec-tokens",
+                     "12", *FAST])
     out, err = capfd.readouterr()          # the ranks log from their own processes
     assert rc == 0, err
     rep = json.loads(out)
