@@ -52,7 +52,9 @@ def test_results_come_back_in_rank_order():
 
 def test_a_port_taken_before_the_ranks_bind_it_starts_them_again(monkeypatch):
     """The rendezvous port is free when chosen and bound seconds later by rank 0: when another
-    process took it meanwhile (EADDRINUSE), every rank ends and all start again on another port."""
+    process took it meanwhile (EADDRINUSE), every rank ends and all start again on another port.
+    (grace_s 2, as the other tests here: rank 1, waiting for rank 0, is terminated after it; the
+    default 10 s was most of this test's time.)"""
     import importlib
     import socket
 
@@ -65,7 +67,8 @@ def test_a_port_taken_before_the_ranks_bind_it_starts_them_again(monkeypatch):
     monkeypatch.setattr(launch_mod, "free_port",
                         lambda host="127.0.0.1": ports.pop() if ports else real(host))
     try:
-        got = launch(parallel_ranks.describe, ["cpu", "cpu"], timeout_s=20, deadline_s=120)
+        got = launch(parallel_ranks.describe, ["cpu", "cpu"], timeout_s=20, grace_s=2,
+                     deadline_s=120)
     finally:
         held.close()
     assert [r["rank"] for r in got] == [0, 1] and not ports
