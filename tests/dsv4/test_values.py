@@ -38,10 +38,28 @@ def corrupted(ckpt, tmp_path, edit) -> "Path":
     return out
 
 
+ARGS = ("--prompt-ids", "5,6,7", "--max-new-tokens", "2", "--device", "cpu")
+
+
 def decode(ckpt):
-    return subprocess.run([sys.executable, "-m", "dsv4", "decode", "--ckpt", str(ckpt),
-                           "--prompt-ids", "5,6,7", "--max-new-tokens", "2", "--device", "cpu"],
+    """`dsv4 decode` on ckpt as users run it (a subprocess: ~4 s of imports)."""
+    return subprocess.run([sys.executable, "-m", "dsv4", "decode", "--ckpt", str(ckpt), *ARGS],
                           capture_output=True, text=True, timeout=300, cwd=REPO)
+
+
+def decode_here(ckpt):
+    """The same command's main in this process (its exit status and what it prints): the other
+    corrupt values, whose error line is all that is read."""
+    import contextlib
+    import io
+    from dsv4.cli.main import main
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            rc = main(["decode", "--ckpt", str(ckpt), *ARGS])
+        except SystemExit as e:
+            rc = e.code
+    return subprocess.CompletedProcess(["dsv4", "decode"], rc, out.getvalue(), err.getvalue())
 
 
 def error_line(p) -> str:
@@ -66,7 +84,7 @@ def test_random_bytes_in_a_shard_name_a_tensor_and_the_file(ckpt, tmp_path):
         if fname == SHARD1:
             r = random.Random(0)
             raw[base:] = bytes(r.getrandbits(8) for _ in range(len(raw) - base))
-    line = error_line(decode(corrupted(ckpt, tmp_path, noise)))
+    line = error_line(decode_here(corrupted(ckpt, tmp_path, noise)))
     assert f"ckpt/{SHARD1}: tensor " in line and "download it again" in line, line
 
 
@@ -83,13 +101,13 @@ def test_a_routing_table_of_minus_ones(ckpt, tmp_path):
 
 def test_a_nan_scale(ckpt, tmp_path):
     name = "layers.1.ffn.experts.3.w2.scale"           # FP4 expert scales: e8m0, 0xFF is NaN
-    line = error_line(decode(corrupted(ckpt, tmp_path, fill(name, 0xFF, count=2))))
+    line = error_line(decode_here(corrupted(ckpt, tmp_path, fill(name, 0xFF, count=2))))
     assert f"tensor {name} holds 2 NaN scale(s) (e8m0 byte 0xFF)" in line, line
 
 
 def test_a_nan_in_a_small_float_tensor(ckpt, tmp_path):
     name = "layers.2.attn.attn_sink"                   # F32 [n_heads]
-    line = error_line(decode(corrupted(ckpt, tmp_path, fill(name, 0xFF, count=4))))
+    line = error_line(decode_here(corrupted(ckpt, tmp_path, fill(name, 0xFF, count=4))))
     assert f"tensor {name} holds 1 non-finite value(s)" in line, line
 
 
