@@ -20,21 +20,32 @@ def run(*args, env=None, timeout=300):
                           timeout=timeout, env=e)
 
 
-def run_here(*args):
+def run_here(*args, env=None):
     """scripts/decode.py's main in this process (sys.exit(main()) there: its return value, or
-    argparse's SystemExit code, is the exit status; stdout / stderr as the script prints them),
-    for the runs that stop at an error: a subprocess adds ~4 s of imports to each. The script
+    argparse's SystemExit code, is the exit status; stdout / stderr as the script prints them;
+    `env` set for the call), for the runs that stop at an error and the reference runs a test
+    compares the script's output with: a subprocess adds ~4 s of imports to each. The script
     itself exits 2 with one error line in test_a_bad_flag_exits_2_from_the_script and
-    tests/test_cli_startup.py."""
+    tests/test_cli_startup.py, and every test here runs it at least once."""
     import contextlib
     import io
+    import os
     from dsv4.cli.decode import main
     out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            rc = main(list(args))
-        except SystemExit as e:
-            rc = e.code
+    saved = {k: os.environ.get(k) for k in (env or {})}
+    os.environ.update(env or {})
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                rc = main(list(args))
+            except SystemExit as e:
+                rc = e.code
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     return subprocess.CompletedProcess([SCRIPT, *args], rc, out.getvalue(), err.getvalue())
 
 
@@ -66,8 +77,8 @@ def test_json_contract(ckpt):
     assert out["prompt_ids"] == [5, 6, 7, 8] and len(out["output_ids"]) <= 6
     assert out["seed"] == 123 and out["mode"] == "eager" and out["device"] == "cpu"
     assert out["granularity"] is None                    # no graphs in eager mode
-    again = json.loads(run("--ckpt", str(ckpt), "--prompt-ids", "5,6,7,8", "--max-new-tokens", "6",
-                           "--json", "--temperature", "0.7", "--seed", "123").stdout)
+    again = json.loads(run_here("--ckpt", str(ckpt), "--prompt-ids", "5,6,7,8", "--max-new-tokens",
+                                "6", "--json", "--temperature", "0.7", "--seed", "123").stdout)
     assert again["output_ids"] == out["output_ids"]      # seeded sampling is reproducible
 
 
@@ -172,7 +183,7 @@ def test_demo_builds_once_and_runs(tmp_path):
     assert (tmp_path / "dsv4" / "demo-tiny-v1" / "tokenizer.json").exists()
     out = json.loads(p.stdout)
     assert out["prompt_ids"][0] == 0 and out["prompt_ids"].count(0) == 1   # exactly one BOS
-    p2 = run("--max-new-tokens", "2", env=env)                             # demo is the default
+    p2 = run_here("--max-new-tokens", "2", env=env)                        # demo is the default
     assert p2.returncode == 0 and "building" not in p2.stderr and "demo" in p2.stderr
     # chat-encoded text prompt on the real-vocabulary model: streams, then the summary
     p3 = run("--prompt", "Hello there", "--system", "Be brief.", "--thinking", "--max-new-tokens",
@@ -188,8 +199,8 @@ def test_prefill_chunk_same_tokens_and_progress(ckpt):
     ids = ",".join(str(i) for i in range(100, 140))
     base = ["--ckpt", str(ckpt), "--prompt-ids", ids, "--max-new-tokens", "6", "--dtype",
             "float32", "--temperature", "0"]
-    one = run(*base, "--json")
-    chunked = run(*base, "--json", "--prefill-chunk", "7")
+    one = run_here(*base, "--json")
+    chunked = run_here(*base, "--json", "--prefill-chunk", "7")
     assert one.returncode == 0 and chunked.returncode == 0, chunked.stderr
     assert json.loads(one.stdout)["output_ids"] == json.loads(chunked.stdout)["output_ids"]
     assert "prefill:" not in chunked.stderr
@@ -278,7 +289,7 @@ def test_speculative_cli(ckpt):
     acceptance rate and tokens per step in the JSON object and the stats line."""
     base = ["--ckpt", str(ckpt), "--prompt-ids", "5,6,7,8,9", "--max-new-tokens", "12",
             "--dtype", "float32", "--temperature", "0", "--device", "cpu"]
-    plain, spec = run(*base, "--json"), run(*base, "--json", "--speculative", "1")
+    plain, spec = run_here(*base, "--json"), run(*base, "--json", "--speculative", "1")
     assert plain.returncode == 0 and spec.returncode == 0, spec.stderr
     a, b = json.loads(plain.stdout), json.loads(spec.stdout)
     assert b["output_ids"] == a["output_ids"] and b["mode"] == "eager" and b["speculative"] == 1
@@ -289,7 +300,7 @@ def test_speculative_cli(ckpt):
     shown = run(*base, "--speculative", "1")
     assert shown.returncode == 0
     assert "acceptance rate" in shown.stderr and "drafting" in shown.stderr
-    always = run(*base, "--json", "--speculative", "1", "--speculative-min-acceptance", "0")
+    always = run_here(*base, "--json", "--speculative", "1", "--speculative-min-acceptance", "0")
     c = json.loads(always.stdout)
     assert c["output_ids"] == a["output_ids"]
     assert c["timings"]["speculative_steps"] >= c["timings"]["steps"] - 1   # a last one: plain
