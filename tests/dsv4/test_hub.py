@@ -50,6 +50,21 @@ def dsv4(*args, env=None, prelude: str = ""):
                           timeout=300, env=e, cwd=REPO)
 
 
+def dsv4_here(*args):
+    """The same command's main in this process (its exit status and what it prints), where no
+    HF_* variable is involved (huggingface_hub reads them when it is imported)."""
+    import contextlib
+    import io
+    from dsv4.cli.main import main
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            rc = main(list(args))
+        except SystemExit as e:
+            rc = e.code
+    return subprocess.CompletedProcess(["dsv4", *args], rc, out.getvalue(), err.getvalue())
+
+
 def error_line(p) -> str:
     assert p.returncode == 2, (p.returncode, p.stderr)
     lines = [ln for ln in p.stderr.splitlines() if ln.startswith("error:")]
@@ -69,7 +84,7 @@ def test_a_repo_id_decodes_from_the_cache_offline(ckpt, tmp_path):
     args = ("--prompt-ids", "5,6,7", "--max-new-tokens", "3", "--json", "--device", "cpu")
     by_id = dsv4("decode", "--ckpt", "acme/tiny-v4", *args, env=env)
     assert by_id.returncode == 0, by_id.stderr
-    by_dir = dsv4("decode", "--ckpt", str(ckpt), *args)
+    by_dir = dsv4_here("decode", "--ckpt", str(ckpt), *args)     # the reference: a folder
     assert json.loads(by_id.stdout)["output_ids"] == json.loads(by_dir.stdout)["output_ids"]
 
 
@@ -130,5 +145,5 @@ def test_what_reads_as_a_repo_id():
 
 
 def test_a_missing_folder_that_is_no_repo_id(tmp_path):
-    line = error_line(dsv4("decode", "--ckpt", str(tmp_path / "none"), "--prompt-ids", "1"))
+    line = error_line(dsv4_here("decode", "--ckpt", str(tmp_path / "none"), "--prompt-ids", "1"))
     assert str(tmp_path / "none") in line and "Hugging Face repo id" in line, line
