@@ -25,8 +25,8 @@ def run_here(*args, env=None):
     argparse's SystemExit code, is the exit status; stdout / stderr as the script prints them;
     `env` set for the call), for the runs that stop at an error and the reference runs a test
     compares the script's output with: a subprocess adds ~4 s of imports to each. The script
-    itself exits 2 with one error line in test_a_bad_flag_exits_2_from_the_script and
-    tests/test_cli_startup.py, and every test here runs it at least once."""
+    itself exits 2 with one error line in test_a_bad_flag_exits_2_from_the_script (`python -m
+    dsv4 serve` in tests/test_cli_startup.py), and every other test here runs it at least once."""
     import contextlib
     import io
     import os

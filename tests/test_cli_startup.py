@@ -30,6 +30,21 @@ def dsv4(*args, timeout=300, **kw):
                           timeout=timeout, cwd=REPO, **kw)
 
 
+def dsv4_here(*args):
+    """`dsv4 ...`'s main in this process: its exit status and what it prints (a subprocess
+    importing torch takes ~4 s; the serve test below runs one as users do)."""
+    import contextlib
+    import io
+    from dsv4.cli.main import main
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            rc = main(list(args))
+        except SystemExit as e:
+            rc = e.code
+    return subprocess.CompletedProcess(["dsv4", *args], rc, out.getvalue(), err.getvalue())
+
+
 def error_line(p) -> str:
     assert p.returncode == 2, (p.returncode, p.stderr)
     lines = [ln for ln in p.stderr.splitlines() if ln.startswith("error:")]
@@ -68,8 +83,8 @@ def test_make_checkpoint_weight_choices_are_the_writers():
 def test_an_output_path_is_checked_before_anything_loads(path, words):
     """--dump-logits is checked first: even with a checkpoint that does not exist, the error is
     the output path's (nothing was resolved, downloaded or loaded)."""
-    line = error_line(dsv4("decode", "--ckpt", "/nonexistent-ckpt", "--prompt-ids", "1",
-                           "--dump-logits", path))
+    line = error_line(dsv4_here("decode", "--ckpt", "/nonexistent-ckpt", "--prompt-ids", "1",
+                                "--dump-logits", path))
     assert "--dump-logits" in line and all(w in line for w in words), line
 
 
