@@ -259,9 +259,15 @@ def test_script_bad_input(tmp_path):
     bad = SMALL.to_hf_dict()
     bad["num_attention_heads"] = 0
     (tmp_path / "bad.json").write_text(json.dumps(bad))
-    r = _script("--config", str(tmp_path / "bad.json"), "--out", str(tmp_path / "x"), cwd=tmp_path)
-    assert r.returncode == 2 and "n_heads = 0" in r.stderr
-    assert len(r.stderr.strip().splitlines()) == 1
+    # the script's main in this process (a second subprocess importing torch: ~4 s)
+    import contextlib
+    import io
+    from dsv4.cli.main import make_checkpoint
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        rc = make_checkpoint(["--config", str(tmp_path / "bad.json"), "--out", str(tmp_path / "x")])
+    assert rc == 2 and "n_heads = 0" in err.getvalue()
+    assert len(err.getvalue().strip().splitlines()) == 1
     assert not (tmp_path / "x").exists()
 
 
