@@ -343,21 +343,23 @@ CHI2_999 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32
                                     SamplingParams(temperature=1.3, top_p=0.8, seed=2)])
 def test_rejection_sampling_keeps_the_distribution(params):
     """Each output token of a step follows plain sampling: the first from the target row given a
-    draft from another distribution; the second (after an acceptance) from the next row."""
+    draft from another distribution; the second (after an acceptance) from the next row. (Under
+    inference mode, as a Session runs them: 6,000 steps of small ops, ~20% less dispatch.)"""
     g = torch.Generator().manual_seed(0)
     V, N = 8, 6000
     lp = torch.randn(2, V, generator=g) * 1.5            # target rows (pos, pos + 1)
     lq = torch.randn(V, generator=g) * 1.5                # the draft model's row
     p0, p1 = filtered_probs(lp[0], params), filtered_probs(lp[1], params)
     first, second = np.zeros(V), np.zeros(V)
-    for i in range(N):
-        pos = 10 * i + 3
-        d, q = draft(lq, torch.tensor([pos]), params)
-        y, keep = accept(lp, d, q[None], torch.tensor([pos]), params, torch.tensor([2]),
-                         torch.tensor([-1]))
-        first[int(y[0])] += 1
-        if int(keep) == 1:
-            second[int(y[1])] += 1
+    with torch.inference_mode():
+        for i in range(N):
+            pos = 10 * i + 3
+            d, q = draft(lq, torch.tensor([pos]), params)
+            y, keep = accept(lp, d, q[None], torch.tensor([pos]), params, torch.tensor([2]),
+                             torch.tensor([-1]))
+            first[int(y[0])] += 1
+            if int(keep) == 1:
+                second[int(y[1])] += 1
     for counts, p in ((first, p0), (second, p1)):
         stat, df = _chi2(counts, p.double().numpy())
         assert stat < CHI2_999[df], (stat, df, counts, p)
