@@ -5,12 +5,10 @@ machine), again from the prefix cache, with log-probabilities; a streamed chat; 
 (each token's mask sent to the follower) that parses and validates; a token-id prompt scored with
 echo; SIGTERM ends both ranks with exit status 0."""
 import json
-import subprocess
-import sys
 
 import pytest
 
-from serving import REPO, ServerProcess, openai_client, require_serve_packages
+from serving import ServerProcess, openai_client, require_serve_packages
 
 require_serve_packages()
 
@@ -49,11 +47,12 @@ def test_tp_server_answers_as_tp_decode(server, ckpt):
     lp = first.choices[0].logprobs
     assert len(lp.tokens) == 5 and all(len(t) >= 1 for t in lp.top_logprobs)
     assert lp.token_logprobs == again.choices[0].logprobs.token_logprobs
-    d = subprocess.run([sys.executable, str(REPO / "scripts" / "decode.py"), "--ckpt", str(ckpt),
-                        "--prompt-ids", ",".join(map(str, PROMPT)), "--max-new-tokens", "5",
-                        "--dtype", "float32", "--parallel", "tp", "--device", "cpu,cpu",
-                        "--json"], capture_output=True, text=True, timeout=300,
-                       env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    # `dsv4 decode --parallel tp` (its main in this process: it launches its two ranks; the CLI
+    # as users run it is tests/test_cli_tp.py's)
+    from test_cli import run_here
+    d = run_here("--ckpt", str(ckpt), "--prompt-ids", ",".join(map(str, PROMPT)),
+                 "--max-new-tokens", "5", "--dtype", "float32", "--parallel", "tp", "--device",
+                 "cpu,cpu", "--json", env={"OMP_NUM_THREADS": "1"})
     assert d.returncode == 0, d.stderr
     out = json.loads(d.stdout)
     if out["finish_reason"] == "length":
