@@ -19,6 +19,27 @@ def small_checkpoint(root: Path, weights: str = "fp8", cfg=SMALL, seed: int = 0)
     return out
 
 
+def once_per_run(tmp_path_factory, name: str, make):
+    """make() -> a JSON-able value, computed once per test run and shared by every pytest-xdist
+    worker (a module fixture runs again on each worker its tests land on): kept as name.json in
+    the run's temporary root, which the workers share, made under a lock by the first worker
+    that asks (the others wait for it). A failure is not kept: the next to ask tries again."""
+    import fcntl
+    import json
+    import os
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent                       # popen-gw<i>'s parent: this run's, shared
+    path = root / f"{name}.json"
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if path.is_file():
+            return json.loads(path.read_text())
+        value = make()
+        path.write_text(json.dumps(value))
+        return value
+
+
 def disable_fake_quant(setattr_fn=setattr) -> None:
     """The KV fake-quant off (conftest's no_fake_quant; a test server's launcher): the FP8 / FP4
     roundings of the cached KV and index entries become identities."""

@@ -84,11 +84,17 @@ TP_DECODE = ["--prompt", "Hello there", "--max-new-tokens", "5", "--dtype", "flo
 
 
 @pytest.fixture(scope="module")
-def tp_decode(tiny_tp):
-    """`dsv4 decode TP_DECODE` on tiny_tp, run once for the module: its JSON object."""
-    d = run("--ckpt", str(tiny_tp), *TP_DECODE, env={"OMP_NUM_THREADS": "1"})
-    assert d.returncode == 0, d.stderr
-    return json.loads(d.stdout)
+def tp_decode(tiny_tp, tmp_path_factory):
+    """`dsv4 decode TP_DECODE` on tiny_tp (TINY_TP's checkpoint, the same bytes wherever it is
+    written), run once for the test run (pytest-xdist may hand the two tests that read it to
+    different workers): its JSON object."""
+    from helpers import once_per_run
+
+    def make():
+        d = run("--ckpt", str(tiny_tp), *TP_DECODE, env={"OMP_NUM_THREADS": "1"})
+        assert d.returncode == 0, d.stderr
+        return json.loads(d.stdout)
+    return once_per_run(tmp_path_factory, "cli-tp-decode", make)
 
 
 def test_tp_chat_answers_as_tp_decode(tiny_tp, tp_decode):
