@@ -5,10 +5,15 @@ from pathlib import Path
 
 import torch
 
-from dsv4.weights.presets import TINY
+from dsv4.weights.presets import TINY, truncate_layers
 
 # TINY's architecture (hash layer, window-only, ratio 4 + indexer, ratio 16, MTP) at vocab 2048
 SMALL = TINY.replace(vocab_size=2048)
+# SMALL's first three layers, one of each kind (SMALL's fourth is a second ratio-4 layer with the
+# indexer) and the MTP block: for tests whose time is the model's steps
+SMALL3 = truncate_layers(SMALL, 3)
+assert (SMALL3.compress_ratios, SMALL3.n_hash_layers, SMALL3.n_mtp_layers) == ((0, 4, 16, 0), 1, 1), \
+    (SMALL3.compress_ratios, SMALL3.n_hash_layers, SMALL3.n_mtp_layers)
 
 
 def small_checkpoint(root: Path, weights: str = "fp8", cfg=SMALL, seed: int = 0) -> Path:

@@ -7,13 +7,14 @@ from conftest import parity_case_dir
 from dsv4.runtime.config import RuntimeConfig
 from dsv4.runtime.sampling import SamplingParams, sample, uniform_noise
 from dsv4.runtime.session import Session, load_model
-from helpers import GAP, small_checkpoint
+from helpers import GAP, SMALL3, small_checkpoint
 
 
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
     root = tmp_path_factory.mktemp("ckpt")
-    return {"bf16": small_checkpoint(root, "bf16"), "fp8": small_checkpoint(root, "fp8")}
+    return {"bf16": small_checkpoint(root, "bf16", cfg=SMALL3),
+            "fp8": small_checkpoint(root, "fp8", cfg=SMALL3)}
 
 
 def _model(path, dtype=torch.float32, cap=256):

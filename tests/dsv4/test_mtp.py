@@ -124,12 +124,9 @@ def small(tmp_path_factory):
     indexer; ratio 16) and its MTP block: every kind of state a rejected row writes and the
     journal restores (SMALL's fourth layer is a second ratio-4 layer: a quarter of each step's
     time, no state of another kind)."""
-    from helpers import SMALL, small_checkpoint
-    from dsv4.weights.presets import truncate_layers
-    cfg = truncate_layers(SMALL, 3)
-    assert [cfg.ratio(i) for i in range(cfg.n_layers)] == [0, 4, 16] and cfg.n_mtp_layers == 1
+    from helpers import SMALL3, small_checkpoint
     root = tmp_path_factory.mktemp("mtp")
-    return {w: small_checkpoint(root, w, cfg=cfg) for w in ("fp8", "bf16")}
+    return {w: small_checkpoint(root, w, cfg=SMALL3) for w in ("fp8", "bf16")}
 
 
 def _model(path, cap=320, dtype=torch.float32, sharpen=30.0):

@@ -8,14 +8,15 @@ from dsv4.errors import CapacityError, InputError
 from dsv4.runtime.config import RuntimeConfig
 from dsv4.runtime.sampling import SamplingParams
 from dsv4.runtime.session import Session, load_model
-from helpers import GAP, live_state, small_checkpoint
+from helpers import GAP, SMALL3, live_state, small_checkpoint
 from helpers import assert_state_close as _assert_state_close
 
 
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
     root = tmp_path_factory.mktemp("ckpt")
-    return {"bf16": small_checkpoint(root, "bf16"), "fp8": small_checkpoint(root, "fp8")}
+    return {"bf16": small_checkpoint(root, "bf16", cfg=SMALL3),
+            "fp8": small_checkpoint(root, "fp8", cfg=SMALL3)}
 
 
 def _model(path, dtype=torch.float32, cap=256, chunk=4096):

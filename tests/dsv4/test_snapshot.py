@@ -10,14 +10,14 @@ from dsv4.runtime.config import RuntimeConfig
 from dsv4.runtime.sampling import SamplingParams
 from dsv4.runtime.session import Session, load_model
 from dsv4.runtime.snapshot import StateSnapshot
-from helpers import small_checkpoint
+from helpers import SMALL3, small_checkpoint
 
 CAP = 128
 
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    return small_checkpoint(tmp_path_factory.mktemp("snap"), "fp8")
+    return small_checkpoint(tmp_path_factory.mktemp("snap"), "fp8", cfg=SMALL3)
 
 
 def _session(path, dtype, speculative=0, params=SamplingParams(0.9, top_p=0.95, seed=5)):
