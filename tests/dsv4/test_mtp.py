@@ -243,8 +243,9 @@ def test_state_after_rejections_equals_plain(small, plain_runs, decoded_states, 
     block following leave the state a speculative step would."""
     from helpers import live_state
     m = _model(small["fp8"])
-    prompt = list(range(7, 40))
-    plain = plain_runs("fp8", prompt, 150)
+    prompt = list(range(5, 45))         # the greedy cases' prompt: the first 150 of their plain run
+    plain = SimpleNamespace(output_ids=plain_runs("fp8", prompt, 256, keep_logits=True)
+                            .output_ids[:150])
     s = Session(m, SamplingParams(), speculative=1, spec_min_acceptance=min_acc)
     s.spec.set_oracle(prompt + plain.output_ids, 0.5)
     out = s.generate(prompt, 150)
