@@ -186,8 +186,8 @@ def test_demo_builds_once_and_runs(tmp_path):
     p2 = run_here("--max-new-tokens", "2", env=env)                        # demo is the default
     assert p2.returncode == 0 and "building" not in p2.stderr and "demo" in p2.stderr
     # chat-encoded text prompt on the real-vocabulary model: streams, then the summary
-    p3 = run("--prompt", "Hello there", "--system", "Be brief.", "--thinking", "--max-new-tokens",
-             "4", "--mode", "auto", env=env)
+    p3 = run_here("--prompt", "Hello there", "--system", "Be brief.", "--thinking",
+                  "--max-new-tokens", "4", "--mode", "auto", env=env)
     assert p3.returncode == 0, p3.stderr
     assert "ms/token" in p3.stderr and "load" in p3.stderr
     assert " greedy " in p3.stderr and "seed" not in p3.stderr    # a greedy run draws no seed
@@ -297,7 +297,7 @@ def test_speculative_cli(ckpt):
     assert b["timings"]["acceptance_rate"] == b["acceptance_rate"]
     assert "acceptance_rate" not in a and "tokens_per_step" not in a["timings"]
     assert 1 <= b["timings"]["speculative_steps"] <= b["timings"]["steps"]
-    shown = run(*base, "--speculative", "1")
+    shown = run_here(*base, "--speculative", "1")
     assert shown.returncode == 0
     assert "acceptance rate" in shown.stderr and "drafting" in shown.stderr
     always = run_here(*base, "--json", "--speculative", "1", "--speculative-min-acceptance", "0")
