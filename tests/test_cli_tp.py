@@ -90,8 +90,8 @@ def tp_decode(tiny_tp, tmp_path_factory):
     different workers): its JSON object."""
     from helpers import once_per_run
 
-    def make():
-        d = run("--ckpt", str(tiny_tp), *TP_DECODE, env={"OMP_NUM_THREADS": "1"})
+    def make():     # decode's main here: it launches its two ranks (the user's run: the tests)
+        d = run_here("--ckpt", str(tiny_tp), *TP_DECODE, env={"OMP_NUM_THREADS": "1"})
         assert d.returncode == 0, d.stderr
         return json.loads(d.stdout)
     return once_per_run(tmp_path_factory, "cli-tp-decode", make)
