@@ -12,8 +12,8 @@ SMALL = TINY.replace(vocab_size=2048)
 # SMALL's first three layers, one of each kind (SMALL's fourth is a second ratio-4 layer with the
 # indexer) and the MTP block: for tests whose time is the model's steps
 SMALL3 = truncate_layers(SMALL, 3)
-assert (SMALL3.compress_ratios, SMALL3.n_hash_layers, SMALL3.n_mtp_layers) == ((0, 4, 16, 0), 1, 1), \
-    (SMALL3.compress_ratios, SMALL3.n_hash_layers, SMALL3.n_mtp_layers)
+_KINDS = (SMALL3.compress_ratios, SMALL3.n_hash_layers, SMALL3.n_mtp_layers)
+assert _KINDS == ((0, 4, 16, 0), 1, 1), _KINDS        # ratios (the MTP block's last), hash, MTP
 
 
 def small_checkpoint(root: Path, weights: str = "fp8", cfg=SMALL, seed: int = 0) -> Path:

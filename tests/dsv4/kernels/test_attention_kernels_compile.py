@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import subprocess
 import sys
 
 import pytest
@@ -74,14 +73,15 @@ def _compile_all():
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
 def test_attention_kernels_compile_sm90():
-    """Every kernel compiles for sm_90 at the Flash shapes (in a subprocess without the interpreter;
-    no GPU needed when triton ships ptxas)."""
+    """Every kernel compiles for sm_90 at the Flash shapes (here, or in a subprocess without the
+    interpreter where it is on: conftest.compile_here_or_apart; no GPU needed when triton ships
+    ptxas)."""
+    from conftest import compile_here_or_apart
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests"),
                                                        str(REPO / "tests/dsv4/kernels")]))
     env.pop("TRITON_INTERPRET", None)
     code = "import test_attention_kernels_compile as T; T._compile_all()"
-    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                       timeout=600)
+    p = compile_here_or_apart(_compile_all, [sys.executable, "-c", code], env, timeout=600)
     if p.returncode and "ptxas" in p.stderr and "not found" in p.stderr.lower():
         pytest.skip("no ptxas for an sm_90 compile")
     assert p.returncode == 0 and "ok" in p.stdout, p.stderr[-4000:]

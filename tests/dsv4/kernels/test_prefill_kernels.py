@@ -863,13 +863,16 @@ def _compile_main() -> None:
 
 @needs_triton
 def test_prefill_kernels_compile_sm90():
-    """Every prefill kernel compiles for sm_90 at the Flash shapes without register spills (in a
-    subprocess without the interpreter; no GPU needed when triton ships ptxas)."""
+    """Every prefill kernel compiles for sm_90 at the Flash shapes without register spills (here,
+    or in a subprocess without the interpreter where it is on: conftest.compile_here_or_apart; no
+    GPU needed when triton ships ptxas)."""
+    from conftest import compile_here_or_apart
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests"),
                                                        str(REPO / "tests/dsv4/kernels")]))
     env.pop("TRITON_INTERPRET", None)
-    p = subprocess.run([sys.executable, "-c", "import test_prefill_kernels as T; T._compile_main()"],
-                       env=env, capture_output=True, text=True, timeout=900)
+    p = compile_here_or_apart(
+        _compile_main, [sys.executable, "-c", "import test_prefill_kernels as T; T._compile_main()"],
+        env)
     if p.returncode and "ptxas" in p.stderr and "not found" in p.stderr.lower():
         pytest.skip("no ptxas for an sm_90 compile")
     assert p.returncode == 0 and "ok" in p.stdout, p.stderr[-4000:]
