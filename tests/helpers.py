@@ -127,3 +127,31 @@ class NearTies:
 # The smallest top-k gap at which tests assert float32 agreement: ten times the noise measured
 # between chunkings (<= 1e-6 of a value, 1 or 2 threads, AVX2 / AVX-512 / no vector kernels).
 GAP = 1e-5
+
+
+def run_main(main, args, argv0: list, env: dict | None = None):
+    """A command's main(args) in this process, as its process would end: main's return value, or
+    a SystemExit's code, is the exit status; stdout / stderr as it prints them; `env` set for the
+    call, then put back. -> subprocess.CompletedProcess(argv0 + args, ...). For the runs whose
+    status and printed lines are all a test reads (a subprocess adds ~4 s of imports to each);
+    each command also runs as users run it, in a subprocess, in its own tests."""
+    import contextlib
+    import io
+    import os
+    import subprocess
+    out, err = io.StringIO(), io.StringIO()
+    saved = {k: os.environ.get(k) for k in (env or {})}
+    os.environ.update(env or {})
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                rc = main(list(args))
+            except SystemExit as e:
+                rc = e.code
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return subprocess.CompletedProcess([*argv0, *args], rc, out.getvalue(), err.getvalue())

@@ -27,26 +27,9 @@ def run_here(*args, env=None):
     compares the script's output with: a subprocess adds ~4 s of imports to each. The script
     itself exits 2 with one error line in test_a_bad_flag_exits_2_from_the_script (`python -m
     dsv4 serve` in tests/test_cli_startup.py), and every other test here runs it at least once."""
-    import contextlib
-    import io
-    import os
     from dsv4.cli.decode import main
-    out, err = io.StringIO(), io.StringIO()
-    saved = {k: os.environ.get(k) for k in (env or {})}
-    os.environ.update(env or {})
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            try:
-                rc = main(list(args))
-            except SystemExit as e:
-                rc = e.code
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-    return subprocess.CompletedProcess([SCRIPT, *args], rc, out.getvalue(), err.getvalue())
+    from helpers import run_main
+    return run_main(main, args, [SCRIPT], env)
 
 
 @pytest.fixture(scope="module")

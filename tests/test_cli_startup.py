@@ -33,16 +33,9 @@ def dsv4(*args, timeout=300, **kw):
 def dsv4_here(*args):
     """`dsv4 ...`'s main in this process: its exit status and what it prints (a subprocess
     importing torch takes ~4 s; the serve test below runs one as users do)."""
-    import contextlib
-    import io
     from dsv4.cli.main import main
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            rc = main(list(args))
-        except SystemExit as e:
-            rc = e.code
-    return subprocess.CompletedProcess(["dsv4", *args], rc, out.getvalue(), err.getvalue())
+    from helpers import run_main
+    return run_main(main, args, ["dsv4"])
 
 
 def error_line(p) -> str:

@@ -53,16 +53,9 @@ def dsv4(*args, env=None, prelude: str = ""):
 def dsv4_here(*args):
     """The same command's main in this process (its exit status and what it prints), where no
     HF_* variable is involved (huggingface_hub reads them when it is imported)."""
-    import contextlib
-    import io
     from dsv4.cli.main import main
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            rc = main(list(args))
-        except SystemExit as e:
-            rc = e.code
-    return subprocess.CompletedProcess(["dsv4", *args], rc, out.getvalue(), err.getvalue())
+    from helpers import run_main
+    return run_main(main, args, ["dsv4"])
 
 
 def error_line(p) -> str:

@@ -50,16 +50,9 @@ def decode(ckpt):
 def decode_here(ckpt):
     """The same command's main in this process (its exit status and what it prints): the other
     corrupt values, whose error line is all that is read."""
-    import contextlib
-    import io
     from dsv4.cli.main import main
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            rc = main(["decode", "--ckpt", str(ckpt), *ARGS])
-        except SystemExit as e:
-            rc = e.code
-    return subprocess.CompletedProcess(["dsv4", "decode"], rc, out.getvalue(), err.getvalue())
+    from helpers import run_main
+    return run_main(main, ["decode", "--ckpt", str(ckpt), *ARGS], ["dsv4"])
 
 
 def error_line(p) -> str:
