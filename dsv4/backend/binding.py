@@ -17,6 +17,7 @@ from .fused import head as fused_head
 from .fused import indexer as fused_indexer
 from .fused import linear as fused_linear
 from .fused import moe as fused_moe
+from .fused import mtp as fused_mtp
 from .ops import Ops
 from .options import Options
 
@@ -60,6 +61,7 @@ def bind(model, options: Options | None = None) -> Binding:
         bind_block(model.mtp.block, head)
         for lin in (model.mtp.e_proj, model.mtp.h_proj):
             fused_linear.bind(lin, head)
+        fused_mtp.bind(model.mtp, head)
     model.binding = Binding(options, ops_on)
     return model.binding
 

@@ -37,6 +37,7 @@ class MTPBlock:
                         "hc_head_base": torch.empty(cfg.hc_mult, **f32),
                         "hc_head_scale": torch.empty(1, **f32)}
         self.state = LayerState.allocate(cfg, cfg.ratio(layer_id), capacity, act, device)
+        self.input_rows = self.input_rows_reference      # bound (dsv4.backend.fused.mtp)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         p = f"mtp.{self.index}"
@@ -76,17 +77,21 @@ class MTPBlock:
             self.state.reset()
         return self.block.prefill(self._input(h, emb), ids, self.state, start, {})
 
+    def input_rows_reference(self, h: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
+        """The block's input of decode rows (h [T, c, D], emb [T, D]) -> [T, c, D], row by row,
+        row t with the bits of a one-row call (the bound kernels take all rows in each launch)."""
+        return torch.cat([self._input(h[t:t + 1], emb[t:t + 1]) for t in range(h.shape[0])])
+
     def decode(self, h: torch.Tensor, emb: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor
                ) -> torch.Tensor:
         """One row at device position pos ([1] int64): h [1, c, D] -> [1, c, D]. Capture-safe."""
-        return self.block.decode(self._input(h, emb), ids, pos, self.state)
+        return self.block.decode(self.input_rows(h, emb), ids, pos, self.state)
 
     def decode_rows(self, h: torch.Tensor, emb: torch.Tensor, ids: torch.Tensor,
                     pos: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """T rows at positions pos .. pos+T-1 (the speculative step's rows): each row as decode
-        after the rows before it, bit for bit (Block.decode_rows; the inputs row by row)."""
-        x = torch.cat([self._input(h[t:t + 1], emb[t:t + 1]) for t in range(h.shape[0])])
-        return self.block.decode_rows(x, ids, pos, self.state, out=out)
+        after the rows before it, bit for bit (Block.decode_rows; input_rows)."""
+        return self.block.decode_rows(self.input_rows(h, emb), ids, pos, self.state, out=out)
 
     def reset(self) -> None:
         self.state.reset()

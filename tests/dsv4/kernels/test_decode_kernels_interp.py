@@ -403,6 +403,42 @@ def test_moe_and_linear_kernel_paths_match_the_torch_path(monkeypatch):
     assert gate._gemv(x.float(), torch.float32) is None          # float32 mode stays on torch
 
 
+def test_mtp_input_rows_on_the_kernels(monkeypatch):
+    """The MTP block's input of decode rows on the kernels (dsv4.backend.fused.mtp: one RMSNorm
+    launch each for enorm / hnorm, one GEMV launch each for e_proj / h_proj over every row) is
+    the torch reference's within bf16 rounding, and row t has the bits of a one-row call (the
+    plain steps' MTP follow and the speculative step's rows keep one state)."""
+    from dsv4.backend.fused import mtp as fused_mtp
+    from dsv4.backend.fused.linear import KernelLinear
+    from dsv4.backend.ops import Ops
+    from dsv4.kernels.decode import fp8_linear as fl
+    from dsv4.model.mtp import MTPBlock
+    from dsv4.weights.device_weights import DeviceWeights
+    from dsv4.weights.presets import get_preset
+    from test_decode_kernels import SEED
+    monkeypatch.setattr(fl, "fp8_config", lambda *a, **k: Config(64, 1))
+    cfg = get_preset("tiny")
+    mtp = MTPBlock(cfg, 0, "cpu", 64, torch.bfloat16)
+    src = DeviceWeights(cfg, seed=SEED)
+    for name, t in mtp.tensors().items():
+        if "block" not in name and ".attn." not in name and ".ffn." not in name:
+            src.load_into(name, t)
+    ops = Ops.for_device("cpu", cfg=cfg)                        # the kernels, interpreted
+    for lin in (mtp.e_proj, mtp.h_proj):
+        k = KernelLinear(lin, ops, True, False)
+        lin.forward, lin.forward_rows = k, k.rows
+    T, c, D = 2, cfg.hc_mult, cfg.dim
+    h = torch.randn(T, c, D, generator=GEN).to(torch.bfloat16)
+    emb = torch.randn(T, D, generator=GEN).to(torch.bfloat16)
+    got = fused_mtp.input_rows(mtp, ops, h, emb)
+    one = torch.cat([fused_mtp.input_rows(mtp, ops, h[t:t + 1], emb[t:t + 1]) for t in range(T)])
+    assert torch.equal(got, one)
+    ref = mtp.input_rows_reference(h, emb)
+    assert got.shape == ref.shape == (T, c, D) and got.dtype == torch.bfloat16
+    rel = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
+    assert rel < 1e-2, (rel, SEED)
+
+
 # ---- the greedy pick ----------------------------------------------------------------------------
 
 def _argmax_cases():
