@@ -214,6 +214,14 @@ def layer_kernels(model, layer: int, context: int, copy_tbps: float, reps: int =
     filled, dsv4.bench.common.fill_state); copy_tbps: the device's measured copy bandwidth; rows:
     the step's rows (T > 1: a speculative verify step of T rows at context .. context + T - 1).
     The layer's binding is restored afterwards."""
+    # the ops alone are launched outside the model's own device guards: on the layer's device
+    # (Triton reads a tensor of cuda:1 from the current device cuda:0 as a host pointer)
+    with torch.cuda.device(model.layers[layer].device):
+        return _layer_kernels(model, layer, context, copy_tbps, reps, rows)
+
+
+def _layer_kernels(model, layer: int, context: int, copy_tbps: float, reps: int,
+                   rows: int) -> dict:
     from . import common
     blk, st, dev = model.layers[layer], model.states[layer], model.layers[layer].device
     ops = model.binding.ops(dev)

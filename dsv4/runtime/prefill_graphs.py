@@ -118,10 +118,23 @@ def capture_blocker(model) -> str | None:
             f"reads the routing on the host: a chunk cannot be captured")
 
 
-def _timed(fn, devices) -> float:
-    """Host wall time of fn() in ms, the devices synchronized before and after (build time only)."""
+def _meet(model):
+    """The ranks' meeting before a timed piece (None in one process): a tensor-parallel rank's
+    chunk waits in its all-reduces for the slowest rank to arrive, which its own clock would
+    count as the chunk's time."""
+    tp = model.tp
+    return None if tp is None or tp.comm is None else tp.comm.group.barrier
+
+
+def _timed(fn, devices, meet=None) -> float:
+    """Host wall time of fn() in ms, the devices synchronized before and after, and the ranks
+    met (`meet`) before it starts (build time only)."""
     for d in devices:
         torch.cuda.synchronize(d)
+    if meet is not None:
+        meet()
+        for d in devices:
+            torch.cuda.synchronize(d)
     t = time.perf_counter()
     fn()
     for d in devices:
@@ -175,7 +188,12 @@ class _ChunkGraphs:
         # chunk are not scanned), then the replay
         self.eager_ms = _eager_chunk_ms(model, S)
         self.decoder.capture()
-        self.replay_ms = _timed(self.decoder.step, list(dict.fromkeys([hd] + model.placement)))
+        # the first replay uploads the graph (milliseconds, once): timed is the second, as a
+        # prefill replays it
+        self.decoder.step()
+        model.reset()
+        self.replay_ms = _timed(self.decoder.step, list(dict.fromkeys([hd] + model.placement)),
+                                _meet(model))
         model.reset()
 
 
@@ -191,7 +209,7 @@ def _eager_chunk_ms(model, S: int) -> float:
     model.reset()
     eager()                                   # compiles the kernels of this size
     model.reset()
-    ms = _timed(eager, list(dict.fromkeys([hd] + model.placement)))
+    ms = _timed(eager, list(dict.fromkeys([hd] + model.placement)), _meet(model))
     model.reset()
     return ms
 

@@ -271,6 +271,19 @@ def test_prefill_graphs_bench_cuda(capsys):
 
 
 @pytest.mark.cuda
+def test_layer_kernels_on_the_last_device_cuda(capsys):
+    """--layer-kernels on a device other than the current one (cuda:1 of two: each op alone was
+    launched from cuda:0 and Triton refused its pointers): every op of each kind's first layer
+    timed, the layer whole, the sum; on one GPU this is cuda:0."""
+    dev = f"cuda:{torch.cuda.device_count() - 1}"
+    rep = _run(capsys, "--device", dev, "--mode", "graph", "--steps", "3", "--warmup", "1",
+               "--context", "40", "--no-kernels", "--layer-kernels", "--json", "-")
+    lks = rep["layer_kernels"]
+    assert lks and all(lk["ops"] and lk["layer_us"] > 0 for lk in lks)
+    assert all(r["us"] > 0 for lk in lks for r in lk["ops"])
+
+
+@pytest.mark.cuda
 def test_graph_step_timeline_cuda(capsys):
     """A profiled graph step's timeline (dsv4.bench.timeline): its span split into weights
     streaming and not, the idle part held by named kernels."""

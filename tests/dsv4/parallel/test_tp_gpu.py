@@ -73,7 +73,9 @@ def test_tp2_prefill_graphs_plan_alike_and_decode_as_eager_pieces(tmp_path):
     got = launch(tp_ranks.prefill_graphs_rank, ["cuda:0", "cuda:1"], str(d), prompt, 8,
                  deadline_s=240)
     assert got[0]["plan"] == got[1]["plan"] and got[0]["replay_ms"] == got[1]["replay_ms"]
-    assert got[0]["plan"] == [(8, True), (4, True)], got[0]    # a tiny model: replays are faster
+    # a tiny model: replays are faster
+    assert got[0]["plan"] == [(8, True), (4, True)], (got[0]["plan"], got[0]["replay_ms"],
+                                                      got[0]["eager_ms"])
     assert all(r["released"] for r in got)
     for r in got:
         w, wo = r["with"], r["without"]

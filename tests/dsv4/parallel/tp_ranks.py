@@ -266,6 +266,7 @@ def prefill_graphs_rank(group, ckpt_dir: str, prompt: list, n_new: int) -> dict:
             if graphs:
                 pg = model.prefill_graphs
                 out["plan"], out["replay_ms"] = pg.plan(len(prompt)), pg.replay_ms
+                out["eager_ms"] = pg.eager_ms
                 pg = None
                 r = s.generate(prompt, n_new, keep_logits=True)
             else:
