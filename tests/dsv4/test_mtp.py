@@ -10,10 +10,10 @@ import torch
 
 from conftest import parity_case_dir
 from dsv4.runtime.config import RuntimeConfig
-from dsv4.runtime.sampling import SamplingParams, filtered_probs
+from dsv4.runtime.sampling import SamplingParams, filtered_probs, uniform_noise
 from dsv4.runtime.session import Session, load_model
 from dsv4.runtime.speculative.policy import DEFAULT_MIN_ACCEPTANCE
-from dsv4.runtime.speculative.verify import accept, draft
+from dsv4.runtime.speculative.verify import accept, draft, oracle_draft, oracle_table, stream_seed
 
 DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16}
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
@@ -334,6 +334,27 @@ def _chi2(counts, probs):
 
 # chi-square critical values at p = 0.001 by degrees of freedom
 CHI2_999 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32}
+
+
+def test_the_oracles_table_is_its_draw_at_each_position():
+    """The benchmarks' oracle (SpecStep.set_oracle): its draft of position p, looked up in the
+    table made once, is the draw keyed by p alone (seq[p] with probability a, else seq[p] + 1
+    mod the vocabulary), as if drawn at p; a step with the oracle off keeps its own draft."""
+    V, n = 50, 300
+    seq = torch.randint(0, V, (n,), generator=torch.Generator().manual_seed(3))
+    seq[-40:] = V - 1                                      # the wrap of a wrong draft
+    for a in (0.0, 0.3, 1.0):
+        table = oracle_table(seq, a, V)
+        right = 0
+        for p in range(n):
+            u = uniform_noise(stream_seed(0, "oracle"), torch.tensor([p]), 1)
+            want = int(seq[p]) if float(u) < a else (int(seq[p]) + 1) % V
+            got = oracle_draft(torch.tensor([7]), torch.tensor([p]), table, torch.tensor([True]))
+            assert int(got) == want, (a, p)
+            right += want == int(seq[p])
+        assert right == {0.0: 0, 1.0: n}.get(a, right) and (a != 0.3 or 0.2 * n < right < 0.4 * n)
+        off = oracle_draft(torch.tensor([7]), torch.tensor([5]), table, torch.tensor([False]))
+        assert int(off) == 7
 
 
 @pytest.mark.parametrize("params", [SamplingParams(temperature=1.0, seed=5),

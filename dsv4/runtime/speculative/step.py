@@ -28,13 +28,13 @@ from ..passes import DecodeBuffers, DeviceBuffers, pass_segments
 from ..sampling import SamplingKnobs, SamplingParams, fixed
 from .journal import Journal
 from .policy import DEFAULT_MIN_ACCEPTANCE, SpecPolicy
-from .verify import accept, draft, oracle_draft
+from .verify import accept, draft, oracle_draft, oracle_table
 
 
 @dataclass
 class SpecBuffers:
     """Static buffers of a speculative step (fill values in allocate: pending 0, pos 1, drafts 0,
-    q 0, limit T, eos -1, oracle_a -1 (off), the rest 0)."""
+    q 0, limit T, eos -1, the oracle off, the rest 0)."""
     pending: torch.Tensor            # [1] int64: the token chosen at pos - 1, fed at pos
     pos: torch.Tensor                # [1] int64: its position
     drafts: torch.Tensor             # [K] int64: the drafts of the tokens at pos + 1 ..
@@ -47,8 +47,8 @@ class SpecBuffers:
     keep: torch.Tensor               # [1] int64: rows kept - 1 (= drafts accepted)
     record: torch.Tensor             # [1 + T] int64: keep + 1, then y (what the host reads)
     hm: torch.Tensor                 # [T, c, D]: the MTP block's rows
-    oracle_seq: torch.Tensor         # [capacity + 2] int64: tests / benchmarks, see oracle_draft
-    oracle_a: torch.Tensor           # [1] f32: the oracle's probability (< 0: off)
+    oracle: torch.Tensor             # [capacity + 2] int64: tests / benchmarks (oracle_table)
+    oracle_on: torch.Tensor          # [1] bool: the drafts are the oracle's
     h: dict = field(default_factory=dict)        # device -> [T, c, D] rows
     ids_on: dict = field(default_factory=dict)   # device -> copy of ids
     pos_on: dict = field(default_factory=dict)   # device -> copy of pos
@@ -71,8 +71,8 @@ class SpecBuffers:
                    y=torch.zeros(T, **i64), keep=rows.head("keep"),
                    record=torch.zeros(1 + T, **i64),
                    hm=torch.zeros(T, c, D, dtype=model.act, device=hd),
-                   oracle_seq=torch.zeros(model.rt.max_seq_len + 2, **i64),
-                   oracle_a=torch.full((1,), -1.0, dtype=torch.float32, device=hd),
+                   oracle=torch.zeros(model.rt.max_seq_len + 2, **i64),
+                   oracle_on=torch.zeros(1, dtype=torch.bool, device=hd),
                    h=rows.h, ids_on=rows.on["ids"], pos_on=rows.on["pos"],
                    keep_on=rows.on["keep"])
 
@@ -187,8 +187,7 @@ def set_draft(model, bufs: SpecBuffers, params: SamplingParams, logits: torch.Te
     """The MTP logits [V] of the row before the pending token's position pos ([1] int64) -> the
     buffers' draft (the oracle's, when on) and q. Capture-safe."""
     d, q = draft(logits, pos, params)
-    bufs.drafts.copy_(oracle_draft(d, pos + 1, bufs.oracle_seq, bufs.oracle_a,
-                                   model.cfg.vocab_size))
+    bufs.drafts.copy_(oracle_draft(d, pos + 1, bufs.oracle, bufs.oracle_on))
     if q is not None:
         bufs.q[0].copy_(q)
 
@@ -315,11 +314,12 @@ class SpecStep:
     def set_oracle(self, seq, a: float) -> None:
         """Tests / benchmarks: draft seq[p] at position p with probability a (a < 0: off)."""
         b = self.bufs
-        b.oracle_a.fill_(a)
+        b.oracle_on.fill_(a >= 0)
         if a >= 0:
-            s = torch.as_tensor(list(seq)[:b.oracle_seq.shape[0]], dtype=torch.int64)
-            b.oracle_seq.zero_()
-            b.oracle_seq[:s.shape[0]].copy_(s)
+            s = torch.zeros_like(b.oracle)
+            got = torch.as_tensor(list(seq)[:s.shape[0]], dtype=torch.int64)
+            s[:got.shape[0]].copy_(got)
+            b.oracle.copy_(oracle_table(s, a, self.model.cfg.vocab_size))
 
     def reset(self) -> None:
         self.bufs.reset()

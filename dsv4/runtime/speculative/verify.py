@@ -51,17 +51,23 @@ def draft(logits: torch.Tensor, pos: torch.Tensor, params: SamplingParams | Samp
     return race(q, stream_seed(params.seed, "draft"), pos), q
 
 
-def oracle_draft(d: torch.Tensor, pos: torch.Tensor, seq: torch.Tensor, a: torch.Tensor,
-                 vocab: int) -> torch.Tensor:
-    """Tests and benchmarks: the MTP block of a random checkpoint never guesses right, so a draft
-    override makes the draft of the token at `pos` ([1]) equal seq[pos] with probability a (else
-    seq[pos] + 1, a wrong one); a < 0 leaves the draft d [1] alone. seq [n] int64 (the output of a
-    plain run, whose tokens speculation must reproduce), a [1] float32. Capture-safe."""
-    n = seq.shape[0]
-    t = torch.where(pos < n, seq.index_select(0, pos.clamp(max=n - 1)), 0)
-    u = uniform_noise(stream_seed(0, "oracle"), pos, 1)
-    forced = torch.where(u < a, t, (t + 1) % vocab)
-    return torch.where(a < 0, d, forced)
+def oracle_table(seq: torch.Tensor, a: float, vocab: int) -> torch.Tensor:
+    """Tests and benchmarks: the MTP block of a random checkpoint never guesses right, so an
+    oracle overrides the draft: the draft of the token at position p is seq[p] with probability a
+    (else seq[p] + 1, a wrong one), the noise keyed by p. seq [n] int64 (the output of a plain
+    run, whose tokens speculation must reproduce, zero past it) -> the oracle's draft of every
+    position [n] int64, made once when the oracle is set, so that a step only looks its draft
+    up (oracle_draft: a few launches, where drawing it there took ~60 small ones)."""
+    p = torch.arange(seq.shape[0], device=seq.device, dtype=torch.int64)
+    u = uniform_noise(stream_seed(0, "oracle"), p, 1)
+    return torch.where(u < a, seq, (seq + 1) % vocab)
+
+
+def oracle_draft(d: torch.Tensor, pos: torch.Tensor, table: torch.Tensor, on: torch.Tensor
+                 ) -> torch.Tensor:
+    """The draft d [1] of the token at `pos` ([1] int64), or the oracle's (oracle_table) where
+    on ([1] bool) is set. Capture-safe."""
+    return torch.where(on, table.index_select(0, pos.clamp(max=table.shape[0] - 1)), d)
 
 
 def accept(logits: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor | None, pos: torch.Tensor,
