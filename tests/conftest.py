@@ -74,21 +74,21 @@ def compile_here_or_apart(fn, cmd: list, env: dict, timeout: float = 900):
     than interprets (TRITON_INTERPRET is not "1" here: a subprocess importing torch and triton is
     ~3.5 s), else `cmd` in a subprocess with `env` (which has TRITON_INTERPRET removed). ->
     CompletedProcess (returncode 1 and the traceback on stderr where fn raised)."""
-    import contextlib
-    import io
     import subprocess
     import traceback
+
+    from helpers import run_main
     if os.environ.get("TRITON_INTERPRET") == "1":
         return subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True,
                               timeout=timeout)
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+
+    def here(_args):
         try:
-            rc = fn() or 0
+            return fn() or 0
         except Exception as e:          # noqa: BLE001: the caller reads it as a failed run
             traceback.print_exception(e)
-            rc = 1
-    return subprocess.CompletedProcess(cmd, rc, out.getvalue(), err.getvalue())
+            return 1
+    return run_main(here, [], cmd)
 
 
 if os.environ.get("TRITON_INTERPRET") == "1":      # the interpreter tests' subprocesses
