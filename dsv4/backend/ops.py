@@ -206,7 +206,10 @@ class Ops:
         return self._fp8.fp8_swiglu(x, w1, s1, w3, s3, limit, impl=self.impl, pdl=self.pdl)
 
     def bf16_linear(self, x, w, **kw):
-        return self._bf16.bf16_linear(x, w, pdl=self.pdl, **kw)
+        """The head-sized ones on the CUDA C++ kernel where the backend has it (the head's
+        switch: Options.head_cuda, DSV4_HEAD_CUDA), the rest on Triton."""
+        impl = self.impl if self.backend.options.head_cuda else "triton"
+        return self._bf16.bf16_linear(x, w, impl=impl, pdl=self.pdl, **kw)
 
     def bf16_linear_multi(self, x, ws, dtypes):
         return self._bf16.bf16_linear_multi(x, ws, dtypes, pdl=self.pdl)

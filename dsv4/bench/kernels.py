@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels.common import INDEX_SCORES_TRANS, Config, CudaConfig
+from ..kernels.cuda.bf16 import Bf16CudaConfig
+from ..kernels.cuda.bf16 import fits as bf16_cuda_fits
 from ..kernels.cuda.experts import (
     CUDA_DOWN_VARIANTS,
     CUDA_UP_VARIANTS,
@@ -222,8 +224,12 @@ def bf16_case(name, n, k, dev, gen, x_dtype=torch.bfloat16) -> Case:
             return lambda: torch.cat([w[i:i + 16384].float() @ x[0].float()
                                       for i in range(0, n, 16384)])
         return lambda: F.linear(x.float(), w.float())
+    # the CUDA C++ kernel where the backend's head takes it (kernels/cuda/bf16.py); its sweep: the
+    # fixed grid's CTAs (one to four an SM of an H100 / H200), which change no bit
+    cuda = Bf16CudaConfig() if bf16_cuda_fits(n, k, 1, torch.float32, x_dtype) else None
     return Case(name, f"[{n}, {k}]", nbytes, lambda c, config: (lambda: bf16_linear(
-        x, ws[c], config=config)), cfg, torch_path, copies, _neighbours(cfg, 16))
+        x, ws[c], config=config)), cfg, torch_path, copies, _neighbours(cfg, 16), cuda,
+        [Bf16CudaConfig(c) for c in (132, 264, 396, 528)] if cuda else [])
 
 
 def expert_cases(E, inter, dim, k, dev, gen) -> list[Case]:
