@@ -93,8 +93,8 @@ def test_gpu_table(gpu):
     for op in ("decode.mhc", "decode.attention", "decode.compressor", "decode.indexer",
                "decode.linear_bf16", "speculative.journal"):
         assert t[op] == "triton", op
-    for op in ("decode.head", "decode.indexer_topk", "decode.linear_fp8", "decode.wo_a", "decode.moe_route",
-               "decode.moe_experts", "decode.moe_shared", "prefill.moe_route"):
+    for op in ("decode.head", "decode.indexer_topk", "decode.linear_fp8", "decode.wo_a",
+               "decode.moe_route", "decode.moe_experts", "decode.moe_shared", "prefill.moe_route"):
         assert t[op] == "cuda", op
     for op in ("prefill.mhc", "prefill.attention", "prefill.compressor", "prefill.indexer",
                "prefill.linear", "prefill.wo_a", "prefill.moe"):

@@ -26,8 +26,8 @@ import torch
 ABI = 16
 CSRC = Path(__file__).resolve().parents[3] / "csrc"
 # the kernel families and the C interface, compiled into one library (the headers are in the key)
-SOURCES = ("fp8_gemv.cu", "fp8_mma.cu", "bf16_gemv.cu", "route.cu", "fp4_up.cu", "fp4_up_wg.cu", "fp4_down.cu",
-           "topk.cu", "allreduce.cu", "prefetch.cu", "dsv4_api.cu")
+SOURCES = ("fp8_gemv.cu", "fp8_mma.cu", "bf16_gemv.cu", "route.cu", "fp4_up.cu", "fp4_up_wg.cu",
+           "fp4_down.cu", "topk.cu", "allreduce.cu", "prefetch.cu", "dsv4_api.cu")
 HEADERS = ("dsv4_common.cuh", "fp8.cuh", "fp4_experts.cuh", "tma.cuh", "dsv4_api.h")
 MIN_CAPABILITY = (8, 9)        # cvt e4m3x2 (sm_89); PDL needs sm_90 and is compiled out below
 

@@ -1,6 +1,6 @@
-"""bf16-weight GEMV for a few activation rows (router gate, compressor, indexer weights_proj, LM head;
-the head on the CUDA C++ kernel where the backend has it, kernels/cuda/bf16.py):
-x [T, K] (bf16 or float32 values) @ w [N, K] bf16 -> [T, N], float32 accumulation, any N (T = 1 in
+"""bf16-weight GEMV for a few activation rows (router gate, compressor, indexer weights_proj, LM
+head; the head on the CUDA C++ kernel where the backend has it, kernels/cuda/bf16.py): x [T, K]
+(bf16 or float32 values) @ w [N, K] bf16 -> [T, N], float32 accumulation, any N (T = 1 in
 decoding; T > 1: the speculative verify rows, each with the bits of a one-row launch; a program
 takes up to 4 rows, reading its weight tile once for them).
 Test: `python -m pytest tests/dsv4/kernels/test_decode_kernels.py`; bench: `python scripts/bench_kernels.py`.
