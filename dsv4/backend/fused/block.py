@@ -1,7 +1,8 @@
 """The block's fused mHC kernels (dsv4/kernels/decode/mhc.py, prefill/mhc.py): hc_pre's mixes in
 one launch, x + RMSNorm and the Sinkhorn in another, hc_post in one (or in the launch before it:
-bind_fused_post; in one process the attention's post also makes the FFN's mixes: hc_post_mix); in a captured decode step each Sinkhorn runs beside its sublayer (a parallel
-branch on lane 2), and the L2 prefetch of each half's first weights beside its mHC (lane 3:
+bind_fused_post; in one process the attention's post also makes the FFN's mixes: hc_post_mix);
+in a captured decode step each Sinkhorn runs beside its sublayer (a parallel branch on lane 2),
+and the L2 prefetch of each half's first weights beside its mHC (lane 3:
 dsv4.backend.fused.prefetch)."""
 from __future__ import annotations
 

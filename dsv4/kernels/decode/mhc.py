@@ -153,7 +153,8 @@ def _post_mix_kernel(x_ptr, res_ptr, post_ptr, comb_ptr, out_ptr, fn_ptr, part_p
     x = tl.load(x_ptr + d).to(tl.float32)
     res = tl.load(res_ptr + kc[:, None] * D + d[None, :]).to(tl.float32)
     comb = tl.load(comb_ptr + kc[:, None] * C + kc[None, :])                 # [i, j]
-    y = tl.load(post_ptr + kc)[:, None] * x[None, :] + tl.sum(comb[:, :, None] * res[:, None, :], axis=0)
+    y = (tl.load(post_ptr + kc)[:, None] * x[None, :]
+         + tl.sum(comb[:, :, None] * res[:, None, :], axis=0))
     if ROUND:
         y = round_bf16(y)
     y = y.to(out_ptr.dtype.element_ty)
