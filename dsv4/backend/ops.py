@@ -128,13 +128,21 @@ class Ops:
                                  split_programs=o.split_programs)
 
     # ---- mHC -----------------------------------------------------------------------------------
-    def hc_pre_norm(self, h, fn, scale, base, norm, cfg, branch=None):
-        """Decode rows h [T, c, D] -> (RMSNorm(hc_pre(h)) [T, D], post [T, c], comb [T, c, c])."""
+    def hc_pre_norm(self, h, fn, scale, base, norm, cfg, branch=None, mixed=None):
+        """Decode rows h [T, c, D] -> (RMSNorm(hc_pre(h)) [T, D], post [T, c], comb [T, c, c]);
+        mixed: h's partial mixes from hc_post_mix."""
         return self._mhc.hc_pre_norm(h, fn, scale, base, norm, cfg.norm_eps, cfg.hc_eps,
-                                     cfg.hc_sinkhorn_iters, branch, pdl=self.pdl)
+                                     cfg.hc_sinkhorn_iters, branch, pdl=self.pdl, mixed=mixed)
 
     def hc_post(self, x, res, post, comb, out=None):
         return self._mhc.hc_post(x, res, post, comb, out=out, pdl=self.pdl)
+
+    def hc_post_mix(self, x, res, post, comb, fn):
+        """hc_post and the next hc_pre's partial mixes of its output (fn) in one launch -> (the
+        streams, hc_pre_norm's mixed); None where the shapes do not fit it."""
+        if not self._mhc.post_mix_fits(res.shape[-1], fn.shape[0]):
+            return None
+        return self._mhc.hc_post_mix(x, res, post, comb, fn, pdl=self.pdl)
 
     def hc_head_norm(self, h, fn, scale, base, norm, norm_eps, hc_eps):
         return self._mhc.hc_head_norm(h, fn, scale, base, norm, norm_eps, hc_eps, pdl=self.pdl)

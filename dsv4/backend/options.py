@@ -44,6 +44,8 @@ ENV = {
                       "the bytes; drafts are proposals, the verify pass keeps the output exact)",
     "DSV4_HEAD_CUDA": "0: the LM head's GEMV on the Triton kernel, not the CUDA C++ one "
                       "(kernels/cuda/bf16.py)",
+    "DSV4_FUSE_MIX": "0: in one process the attention's mHC post and the FFN's partial mixes "
+                     "as two launches, not one (hc_post_mix)",
     "TRITON_INTERPRET": "1: Triton's interpreter (Triton's own switch)",
 }
 
@@ -68,6 +70,7 @@ class Options:
     split_programs: int = SPLIT_PROGRAMS  # DSV4_SPLIT_PROGRAMS
     draft_fp8: bool = True               # DSV4_DRAFT_FP8
     head_cuda: bool = True               # DSV4_HEAD_CUDA
+    fuse_mix: bool = True                # DSV4_FUSE_MIX
     interpret: bool = False              # TRITON_INTERPRET == "1"
 
     @classmethod
@@ -101,6 +104,7 @@ class Options:
                    split_programs=int(env.get("DSV4_SPLIT_PROGRAMS", SPLIT_PROGRAMS)),
                    draft_fp8=not off("DSV4_DRAFT_FP8"),
                    head_cuda=not off("DSV4_HEAD_CUDA"),
+                   fuse_mix=not off("DSV4_FUSE_MIX"),
                    interpret=env.get("TRITON_INTERPRET", "0") == "1")
 
     def replace(self, **changes) -> "Options":

@@ -33,12 +33,14 @@ def test_options_from_env_as_the_runtime_read_them():
                           "DSV4_CUDA_KERNELS": "0", "DSV4_CUDA_LIB": "/x/lib.so", "DSV4_PDL": "0",
                           "DSV4_OVERLAP": "moe", "DSV4_PREFILL_MMA": "fp4=fp8, fp8 = bf16,bad=x",
                           "DSV4_PREFILL_CUBLAS": "0", "DSV4_SPLIT_PROGRAMS": "128",
-                          "DSV4_HEAD_CUDA": "0", "TRITON_INTERPRET": "1"})
+                          "DSV4_HEAD_CUDA": "0", "DSV4_FUSE_MIX": "0",
+                          "TRITON_INTERPRET": "1"})
     assert (o.kernels, o.prefill_kernels, o.cuda_kernels, o.cuda_lib, o.pdl) == \
         ("0", False, False, "/x/lib.so", False)
     assert o.overlap == {"moe"} and o.prefill_mma == (("fp4", "fp8"), ("fp8", "bf16"))
     assert (o.prefill_cublas, o.split_programs, o.interpret) == (False, 128, True)
     assert not o.head_cuda and Options.from_env({}).head_cuda
+    assert not o.fuse_mix and Options.from_env({}).fuse_mix
     # anything but "0" leaves a switch on (as before: DSV4_PDL=yes is on)
     assert Options.from_env({"DSV4_PDL": "yes", "DSV4_KERNELS": "interpret"}).pdl
     assert Options.from_env({"DSV4_OVERLAP": "0"}).overlap == frozenset()
