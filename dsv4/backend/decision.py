@@ -95,6 +95,7 @@ class Backend:
             "prefill.moe": self.prefill if self.moe_prefill else off,
             "prefill.moe_route": k if self.rows else off,   # the decode rows' routing kernel
             "speculative.journal": "triton" if self.kernels else off,
+            "speculative.accept": "triton" if self.kernels else off,   # greedy: one launch
             "launch.pdl": "on" if self.pdl else "off",
             "launch.branches": ",".join(sorted(self.branches)) or "none",
             "launch.prefetch": ",".join(sorted(self.prefetch)) or "none",

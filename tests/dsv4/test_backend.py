@@ -93,7 +93,7 @@ def test_gpu_table(gpu):
     be = resolve("cuda:0", torch.bfloat16, TINY, Options(prefetch=frozenset(PREFETCH)))
     assert be.table()["launch.prefetch"] == "attn,ffn,layer"
     for op in ("decode.mhc", "decode.attention", "decode.compressor", "decode.indexer",
-               "decode.linear_bf16", "speculative.journal"):
+               "decode.linear_bf16", "speculative.journal", "speculative.accept"):
         assert t[op] == "triton", op
     for op in ("decode.head", "decode.indexer_topk", "decode.linear_fp8", "decode.wo_a",
                "decode.moe_route", "decode.moe_experts", "decode.moe_shared", "prefill.moe_route"):
