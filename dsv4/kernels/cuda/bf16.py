@@ -22,7 +22,8 @@ HEAD_MIN_ELEMENTS = 1 << 26     # 128 MB of bf16: Flash's head is 529.6 M weight
 SLICE = 512                     # K elements a warp (csrc: BF16_SLICE)
 MAX_X = 4                       # activation rows a launch (csrc: BF16_MAX_X)
 ROWS = 4                        # rows a tile (csrc: BF16_RT)
-CTAS_PER_SM = 2                 # the fixed grid: two CTAs an SM (K = 4,096: 120 registers a thread)
+CTAS_PER_SM = 2                 # the fixed grid: two CTAs an SM up to 8 warps (K = 4,096; 120
+                                # registers a thread), else one (Pro's 7,168: 14 warps)
 
 
 @dataclass(frozen=True)
@@ -51,7 +52,7 @@ def launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, cfg: Bf16CudaCon
         raise ValueError(f"bf16 GEMV (CUDA): w {tuple(w.shape)}, x {x.dtype}, out {out.dtype}; "
                          f"expected K a multiple of {SLICE} up to {16 * SLICE}, float32 out")
     x = x.contiguous()
-    ctas = cfg.ctas or CTAS_PER_SM * device_sms(out.device)
+    ctas = cfg.ctas or (CTAS_PER_SM if K // SLICE <= 8 else 1) * device_sms(out.device)
     lib = cuda_cpp.lib_for(out.device)
     with on_device(out):
         for t0 in range(0, T, MAX_X):
