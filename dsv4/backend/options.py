@@ -44,8 +44,9 @@ ENV = {
                       "the bytes; drafts are proposals, the verify pass keeps the output exact)",
     "DSV4_HEAD_CUDA": "0: the LM head's GEMV on the Triton kernel, not the CUDA C++ one "
                       "(kernels/cuda/bf16.py)",
-    "DSV4_FUSE_MIX": "0: in one process the attention's mHC post and the FFN's partial mixes "
-                     "as two launches, not one (hc_post_mix)",
+    "DSV4_FUSE_MIX": "0: the attention's mHC post (where it is a launch of its own: one process, "
+                     "or tensor parallel with DSV4_FUSE_POST=0) and the FFN's partial mixes as "
+                     "two launches, not one (hc_post_mix)",
     "TRITON_INTERPRET": "1: Triton's interpreter (Triton's own switch)",
 }
 

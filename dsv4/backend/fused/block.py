@@ -37,7 +37,8 @@ def decode_rows(blk, ops: Ops, h: torch.Tensor, ids: torch.Tensor, pos: torch.Te
     a = blk.attn.decode_rows(x, pos, st, **part)
     sk.join()
     mix = blk.mix_weights("ffn")
-    # in one process the attention's post also makes the FFN's partial mixes (Options.fuse_mix)
+    # where the attention's post is a launch of its own (one process, or no all-reduce that takes
+    # it), it also makes the FFN's partial mixes (Options.fuse_mix)
     both = (ops.hc_post_mix(a, h, post, comb, mix[0])
             if tp is None and ops.backend.options.fuse_mix else None)
     h, mixed = both if both is not None else (post_of(a, h, post, comb), None)
