@@ -123,15 +123,9 @@ int dsv4_bf16_gemv(const void* w, const void* x, void* y, int N, int K, int nx, 
   const int tiles = (N + BF16_RT - 1) / BF16_RT;
   const int grid = ctas < tiles ? ctas : tiles;
   const size_t smem = (size_t(nx) * K + 2 * size_t(warps) * nx * BF16_RT) * sizeof(float);
-  const void* fn = reinterpret_cast<const void*>(bf16_gemv_kernel<BF16_RT>);
-  if (smem > 48 * 1024) {   // above the default limit: opt in (no stream operation: capture-safe)
-    const cudaError_t err =
-        cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
-    if (err != cudaSuccess) {
-      (void)cudaGetLastError();
-      return err;
-    }
-  }
+  const cudaError_t err =
+      smem_opt_in(reinterpret_cast<const void*>(bf16_gemv_kernel<BF16_RT>), smem);
+  if (err != cudaSuccess) return err;
   return launch(bf16_gemv_kernel<BF16_RT>, dim3(grid), dim3(32 * warps), smem,
                 static_cast<cudaStream_t>(stream), pdl, static_cast<const __nv_bfloat16*>(w), x,
                 static_cast<float*>(y), N, K, nx, x_f32, tiles);
