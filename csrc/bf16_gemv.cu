@@ -18,6 +18,8 @@
 #include "dsv4_api.h"
 #include "dsv4_common.cuh"
 
+#include <type_traits>
+
 namespace {
 
 constexpr int BF16_MAX_X = 4;          // activation rows a launch (the verify rows)
@@ -52,33 +54,60 @@ __global__ void __launch_bounds__(512) bf16_gemv_kernel(const __nv_bfloat16* __r
       wv[r][1] = ld_stream(p + 256);
     }
   };
+  // rows t0 .. t0 + NT - 1 of x against the tile: x read once per chunk for the RT weight rows,
+  // each weight pair unpacked once for the NT rows, the sums stored after every product (a
+  // sum's order is the same as one row alone: chunk 0's 8 products, then chunk 1's, in order)
+  auto rows_of_x = [&](const uint4(&wv)[RT][2], float* red, auto nt_tag, int t0) {
+    constexpr int NT = decltype(nt_tag)::value;
+    float p[NT][RT];
+#pragma unroll
+    for (int t = 0; t < NT; ++t)
+#pragma unroll
+      for (int r = 0; r < RT; ++r) p[t][r] = 0.0f;
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      float xv[NT][8];
+#pragma unroll
+      for (int t = 0; t < NT; ++t) {
+        const float* xt = xs + size_t(t0 + t) * K + k0 + 256 * c;
+        const float4 xa = *reinterpret_cast<const float4*>(xt);
+        const float4 xb = *reinterpret_cast<const float4*>(xt + 4);
+        xv[t][0] = xa.x; xv[t][1] = xa.y; xv[t][2] = xa.z; xv[t][3] = xa.w;
+        xv[t][4] = xb.x; xv[t][5] = xb.y; xv[t][6] = xb.z; xv[t][7] = xb.w;
+      }
+#pragma unroll
+      for (int r = 0; r < RT; ++r) {
+        const uint32_t u[4] = {wv[r][c].x, wv[r][c].y, wv[r][c].z, wv[r][c].w};
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+          const float wf = (e & 1) ? bf16_hi(u[e >> 1]) : bf16_lo(u[e >> 1]);
+#pragma unroll
+          for (int t = 0; t < NT; ++t) p[t][r] = __fadd_rn(p[t][r], __fmul_rn(wf, xv[t][e]));
+        }
+      }
+    }
+#pragma unroll
+    for (int t = 0; t < NT; ++t)
+#pragma unroll
+      for (int r = 0; r < RT; ++r) {
+        float q = p[t][r];
+#pragma unroll
+        for (int off = 16; off >= 1; off >>= 1) q = __fadd_rn(q, __shfl_xor_sync(FULL, q, off));
+        p[t][r] = q;
+      }
+    if (lane == 0) {
+#pragma unroll
+      for (int t = 0; t < NT; ++t)
+#pragma unroll
+        for (int r = 0; r < RT; ++r) red[(warp * nx + t0 + t) * RT + r] = p[t][r];
+    }
+  };
   auto compute = [&](const uint4(&wv)[RT][2], int i) {
     const int row0 = (int(blockIdx.x) + i * G) * RT;
     float* red = red0 + (i & 1) * rsz;
-    for (int t = 0; t < nx; ++t) {
-      const float* xt = xs + size_t(t) * K + k0;
-#pragma unroll
-      for (int r = 0; r < RT; ++r) {
-        float p = 0.0f;
-#pragma unroll
-        for (int c = 0; c < 2; ++c) {
-          const float4 xa = *reinterpret_cast<const float4*>(xt + 256 * c);
-          const float4 xb = *reinterpret_cast<const float4*>(xt + 256 * c + 4);
-          const uint4 v = wv[r][c];
-          p = __fadd_rn(p, __fmul_rn(bf16_lo(v.x), xa.x));
-          p = __fadd_rn(p, __fmul_rn(bf16_hi(v.x), xa.y));
-          p = __fadd_rn(p, __fmul_rn(bf16_lo(v.y), xa.z));
-          p = __fadd_rn(p, __fmul_rn(bf16_hi(v.y), xa.w));
-          p = __fadd_rn(p, __fmul_rn(bf16_lo(v.z), xb.x));
-          p = __fadd_rn(p, __fmul_rn(bf16_hi(v.z), xb.y));
-          p = __fadd_rn(p, __fmul_rn(bf16_lo(v.w), xb.z));
-          p = __fadd_rn(p, __fmul_rn(bf16_hi(v.w), xb.w));
-        }
-#pragma unroll
-        for (int off = 16; off >= 1; off >>= 1) p = __fadd_rn(p, __shfl_xor_sync(FULL, p, off));
-        if (lane == 0) red[(warp * nx + t) * RT + r] = p;
-      }
-    }
+    int t0 = 0;
+    for (; t0 + 2 <= nx; t0 += 2) rows_of_x(wv, red, std::integral_constant<int, 2>{}, t0);
+    if (t0 < nx) rows_of_x(wv, red, std::integral_constant<int, 1>{}, t0);
     __syncthreads();
     for (int j = threadIdx.x; j < nx * RT; j += blockDim.x) {
       const int t = j / RT, r = j % RT;
