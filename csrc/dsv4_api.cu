@@ -6,7 +6,7 @@
 extern "C" {
 
 // Version of this ABI (checked by the loader).
-int dsv4_abi_version() { return 15; }
+int dsv4_abi_version() { return 16; }
 
 const char* dsv4_error_string(int code) { return cudaGetErrorString(static_cast<cudaError_t>(code)); }
 

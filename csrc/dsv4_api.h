@@ -1,8 +1,8 @@
 // The C interface of the dsv4 CUDA C++ library (ctypes: dsv4/kernels/cuda/lib.py): plain
 // pointers, sizes, the CUDA stream and a PDL switch. Every launcher returns 0, a cudaError_t, or
 // -1 when no kernel is instantiated for the asked config. One file per kernel family implements
-// its launchers (fp8_gemv.cu, fp8_mma.cu, route.cu, fp4_up.cu, fp4_up_wg.cu, fp4_down.cu, topk.cu,
-// allreduce.cu);
+// its launchers (fp8_gemv.cu, fp8_mma.cu, bf16_gemv.cu, route.cu, fp4_up.cu, fp4_up_wg.cu,
+// fp4_down.cu, topk.cu, allreduce.cu);
 // prefetch.cu the L2 prefetch; dsv4_api.cu the version and the error strings.
 #pragma once
 
@@ -33,6 +33,14 @@ int dsv4_fp8_gemv_mma(const void* w0, const void* s0, void* y0, const void* w1, 
                       void* y1, const void* x, int n0, int K, int ng, float limit, int flags,
                       int swiglu, int spw, int warps, int blocks, int nx, int xs, int ys0, int ys1,
                       int ctas, void* stream, int pdl);
+
+
+// y [nx, N] float32 = x [nx, K] (float32 if x_f32, else bf16) @ w [N, K]^T bf16 on CUDA cores
+// (the LM head): 1 <= nx <= 4, K a multiple of 512 up to 8,192; ctas CTAs streaming tiles of 4
+// rows. Each product and sum rounded to float32 in one fixed order: the bits depend on neither
+// ctas nor nx.
+int dsv4_bf16_gemv(const void* w, const void* x, void* y, int N, int K, int nx, int x_f32,
+                   int ctas, void* stream, int pdl);
 
 
 // a [k, I] bf16 from x [D] bf16 and the routing idx [k] int64 / rw [k] float32; grid (I / 16, k),

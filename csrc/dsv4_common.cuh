@@ -161,6 +161,16 @@ DEV uint32_t f32x2_to_e4m3_f16x2(float lo, float hi) {
 
 // ---- launching -----------------------------------------------------------------------------------
 
+// Dynamic shared memory above the default 48 KB: opt the kernel in (not a stream operation:
+// capture-safe). cudaSuccess, or the error (cleared: not sticky).
+inline cudaError_t smem_opt_in(const void* fn, size_t smem) {
+  if (smem <= 48 * 1024) return cudaSuccess;
+  const cudaError_t err =
+      cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+  if (err != cudaSuccess) (void)cudaGetLastError();
+  return err;
+}
+
 template <typename... KArgs, typename... Args>
 cudaError_t launch(void (*kern)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t st,
                    int pdl, Args... args) {

@@ -375,15 +375,8 @@ cudaError_t down_ring_launch(const __nv_bfloat16* ap, const int64_t* ip, const u
   }
   const size_t smem = down_ring_smem<SPW, NE, G>(wg, I, nbuf);
   const auto fn = fp4_down_ring_kernel<SPW, NE, G, POST>;
-  if (smem > 48 * 1024) {   // above the default limit: opt in (no stream operation: capture-safe)
-    const cudaError_t err = cudaFuncSetAttribute(reinterpret_cast<const void*>(fn),
-                                                 cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                 int(smem));
-    if (err != cudaSuccess) {
-      (void)cudaGetLastError();
-      return err;
-    }
-  }
+  const cudaError_t err = smem_opt_in(reinterpret_cast<const void*>(fn), smem);
+  if (err != cudaSuccess) return err;
   return launch(fn, dim3(ctas), dim3(32 * (wg * G + 1)), smem, st, pdl, ap, ip, wp, sp, dp, y, D,
                 I, y_f32, early, rp, post, comb, nbuf, rows);
 }

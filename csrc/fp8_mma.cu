@@ -368,14 +368,8 @@ cudaError_t fp8_mma_launch(const Fp8Args& a, int blocks, int warps, int ctas, cu
   const size_t smem = fp8_mma_smem<SPW, NM>(warps, a.nx) + (stream ? size_t(warps) * NM * 512 : 0);
   const void* fn = stream ? reinterpret_cast<const void*>(fp8_mma_stream_kernel<SPW, SW>)
                           : reinterpret_cast<const void*>(fp8_mma_kernel<SPW, SW>);
-  if (smem > 48 * 1024) {   // above the default limit: opt in (no stream operation: capture-safe)
-    const cudaError_t err =
-        cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
-    if (err != cudaSuccess) {
-      (void)cudaGetLastError();
-      return err;
-    }
-  }
+  const cudaError_t err = smem_opt_in(fn, smem);
+  if (err != cudaSuccess) return err;
   if (stream)
     return launch(fp8_mma_stream_kernel<SPW, SW>, dim3(ctas), dim3(32 * warps), smem, st, pdl, a,
                   blocks);

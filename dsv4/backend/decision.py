@@ -83,7 +83,9 @@ class Backend:
             "decode.moe_route": k if self.moe_decode else off,
             "decode.moe_experts": k if self.moe_decode else off,
             "decode.moe_shared": (k if lin == "fp8" else off) if self.moe_decode else off,
-            "decode.head": "triton" if self.kernels else off,
+            # the head's GEMV: the CUDA C++ kernel where the library serves the device and the
+            # switch is on (DSV4_HEAD_CUDA; kernels/cuda/bf16.py), else Triton
+            "decode.head": (k if self.options.head_cuda else "triton") if self.kernels else off,
             "prefill.mhc": self.prefill if self.mhc_prefill else off,
             "prefill.attention": self.prefill,      # prep rows, sparse attention rows
             "prefill.compressor": self.prefill,
@@ -93,6 +95,7 @@ class Backend:
             "prefill.moe": self.prefill if self.moe_prefill else off,
             "prefill.moe_route": k if self.rows else off,   # the decode rows' routing kernel
             "speculative.journal": "triton" if self.kernels else off,
+            "speculative.accept": "triton" if self.kernels else off,   # greedy: one launch
             "launch.pdl": "on" if self.pdl else "off",
             "launch.branches": ",".join(sorted(self.branches)) or "none",
             "launch.prefetch": ",".join(sorted(self.prefetch)) or "none",

@@ -128,13 +128,21 @@ class Ops:
                                  split_programs=o.split_programs)
 
     # ---- mHC -----------------------------------------------------------------------------------
-    def hc_pre_norm(self, h, fn, scale, base, norm, cfg, branch=None):
-        """Decode rows h [T, c, D] -> (RMSNorm(hc_pre(h)) [T, D], post [T, c], comb [T, c, c])."""
+    def hc_pre_norm(self, h, fn, scale, base, norm, cfg, branch=None, mixed=None):
+        """Decode rows h [T, c, D] -> (RMSNorm(hc_pre(h)) [T, D], post [T, c], comb [T, c, c]);
+        mixed: h's partial mixes from hc_post_mix."""
         return self._mhc.hc_pre_norm(h, fn, scale, base, norm, cfg.norm_eps, cfg.hc_eps,
-                                     cfg.hc_sinkhorn_iters, branch, pdl=self.pdl)
+                                     cfg.hc_sinkhorn_iters, branch, pdl=self.pdl, mixed=mixed)
 
     def hc_post(self, x, res, post, comb, out=None):
         return self._mhc.hc_post(x, res, post, comb, out=out, pdl=self.pdl)
+
+    def hc_post_mix(self, x, res, post, comb, fn):
+        """hc_post and the next hc_pre's partial mixes of its output (fn) in one launch -> (the
+        streams, hc_pre_norm's mixed); None where the shapes do not fit it."""
+        if not self._mhc.post_mix_fits(res.shape[-1], fn.shape[0]):
+            return None
+        return self._mhc.hc_post_mix(x, res, post, comb, fn, pdl=self.pdl)
 
     def hc_head_norm(self, h, fn, scale, base, norm, norm_eps, hc_eps):
         return self._mhc.hc_head_norm(h, fn, scale, base, norm, norm_eps, hc_eps, pdl=self.pdl)
@@ -206,7 +214,10 @@ class Ops:
         return self._fp8.fp8_swiglu(x, w1, s1, w3, s3, limit, impl=self.impl, pdl=self.pdl)
 
     def bf16_linear(self, x, w, **kw):
-        return self._bf16.bf16_linear(x, w, pdl=self.pdl, **kw)
+        """The head-sized ones on the CUDA C++ kernel where the backend has it (the head's
+        switch: Options.head_cuda, DSV4_HEAD_CUDA), the rest on Triton."""
+        impl = self.impl if self.backend.options.head_cuda else "triton"
+        return self._bf16.bf16_linear(x, w, impl=impl, pdl=self.pdl, **kw)
 
     def bf16_linear_multi(self, x, ws, dtypes):
         return self._bf16.bf16_linear_multi(x, ws, dtypes, pdl=self.pdl)
@@ -257,6 +268,16 @@ class Ops:
                         threads=threads, piece=piece)
 
     # ---- speculative decoding ------------------------------------------------------------------
+    def accept_greedy(self, am, drafts, limit, eos, y, keep, record) -> bool:
+        """A speculative step's greedy acceptance in one launch (kernels.decode.accept) from the
+        rows' argmax am; False where the kernels do not serve this device (verify.accept's torch
+        ops then)."""
+        if not self.backend.kernels:
+            return False
+        from ..kernels.decode import accept
+        accept.accept_greedy(am, drafts, limit, eos, y, keep, record)
+        return True
+
     def journal(self, entries):
         """The one-launch journal of a layer's state slots (dsv4.runtime.speculative.journal), or
         None where the kernels do not serve this device (the torch loop then)."""

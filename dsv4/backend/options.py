@@ -42,6 +42,11 @@ ENV = {
                            f"{SPLIT_PROGRAMS})",
     "DSV4_DRAFT_FP8": "0: the MTP block drafts from the bf16 head, not from its e4m3 copy (half "
                       "the bytes; drafts are proposals, the verify pass keeps the output exact)",
+    "DSV4_HEAD_CUDA": "0: the LM head's GEMV on the Triton kernel, not the CUDA C++ one "
+                      "(kernels/cuda/bf16.py)",
+    "DSV4_FUSE_MIX": "0: the attention's mHC post (where it is a launch of its own: one process, "
+                     "or tensor parallel with DSV4_FUSE_POST=0) and the FFN's partial mixes as "
+                     "two launches, not one (hc_post_mix)",
     "TRITON_INTERPRET": "1: Triton's interpreter (Triton's own switch)",
 }
 
@@ -65,6 +70,8 @@ class Options:
     prefill_cublas: bool = True          # DSV4_PREFILL_CUBLAS
     split_programs: int = SPLIT_PROGRAMS  # DSV4_SPLIT_PROGRAMS
     draft_fp8: bool = True               # DSV4_DRAFT_FP8
+    head_cuda: bool = True               # DSV4_HEAD_CUDA
+    fuse_mix: bool = True                # DSV4_FUSE_MIX
     interpret: bool = False              # TRITON_INTERPRET == "1"
 
     @classmethod
@@ -97,6 +104,8 @@ class Options:
                    prefill_cublas=not off("DSV4_PREFILL_CUBLAS"),
                    split_programs=int(env.get("DSV4_SPLIT_PROGRAMS", SPLIT_PROGRAMS)),
                    draft_fp8=not off("DSV4_DRAFT_FP8"),
+                   head_cuda=not off("DSV4_HEAD_CUDA"),
+                   fuse_mix=not off("DSV4_FUSE_MIX"),
                    interpret=env.get("TRITON_INTERPRET", "0") == "1")
 
     def replace(self, **changes) -> "Options":

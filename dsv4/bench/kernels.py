@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels.common import INDEX_SCORES_TRANS, Config, CudaConfig
+from ..kernels.cuda.bf16 import Bf16CudaConfig
+from ..kernels.cuda.bf16 import fits as bf16_cuda_fits
 from ..kernels.cuda.experts import (
     CUDA_DOWN_VARIANTS,
     CUDA_UP_VARIANTS,
@@ -136,8 +138,8 @@ def _fp4(E, n, k, dev, gen):
     return w, s.view(torch.float8_e8m0fnu)
 
 
-def _x(k, dev, gen, dtype=torch.bfloat16):
-    return torch.randn(1, k, device=dev, generator=gen).to(dtype)
+def _x(k, dev, gen, dtype=torch.bfloat16, rows=1):
+    return torch.randn(rows, k, device=dev, generator=gen).to(dtype)
 
 
 def _neighbours(cfg: Config, bn_max: int = 128, prefetch=(False,)) -> list[Config]:
@@ -208,22 +210,27 @@ def fp8_case(name, n, k, dev, gen, groups=1, dual=False) -> Case:
                 + (mma_configs(k, nm) + mma_stream_configs(n, k, nm) if ng % 16 == 0 else []))
 
 
-def bf16_case(name, n, k, dev, gen, x_dtype=torch.bfloat16) -> Case:
+def bf16_case(name, n, k, dev, gen, x_dtype=torch.bfloat16, rows=1) -> Case:
+    """rows: activation rows a launch (2: the speculative verify's head, the weight read once)."""
     nbytes = n * k * 2
     copies = n_copies(nbytes)
     ws = [(torch.randn(n, k, device=dev, generator=gen) / 64).to(torch.bfloat16)
           for _ in range(copies)]
-    x = _x(k, dev, gen, x_dtype)
+    x = _x(k, dev, gen, x_dtype, rows)
     cfg = bf16_config(n, k)
 
     def torch_path(c):
         w = ws[c]
         if n > 16384:   # the model's chunked float32 head
-            return lambda: torch.cat([w[i:i + 16384].float() @ x[0].float()
-                                      for i in range(0, n, 16384)])
+            return lambda: torch.cat([x.float() @ w[i:i + 16384].float().T
+                                      for i in range(0, n, 16384)], dim=1)
         return lambda: F.linear(x.float(), w.float())
+    # the CUDA C++ kernel where the backend's head takes it (kernels/cuda/bf16.py); its sweep: the
+    # fixed grid's CTAs (one to four an SM of an H100 / H200), which change no bit
+    cuda = Bf16CudaConfig() if bf16_cuda_fits(n, k, rows, torch.float32, x_dtype) else None
     return Case(name, f"[{n}, {k}]", nbytes, lambda c, config: (lambda: bf16_linear(
-        x, ws[c], config=config)), cfg, torch_path, copies, _neighbours(cfg, 16))
+        x, ws[c], config=config)), cfg, torch_path, copies, _neighbours(cfg, 16), cuda,
+        [Bf16CudaConfig(c) for c in (132, 264, 396, 528)] if cuda else [])
 
 
 def expert_cases(E, inter, dim, k, dev, gen) -> list[Case]:
@@ -398,8 +405,9 @@ def build_cases(preset: str, dev, only=(), seed: int = 0, tp: int = 1,
         ("side.r4", lambda: [bf16_case("side.r4", 4 * Dh + 4 * cfg.index_head_dim
                                        + cfg.index_n_heads, D, dev, gen)]),
         ("weights_proj", lambda: [bf16_case("weights_proj", cfg.index_n_heads, D, dev, gen)]),
-        ("head", lambda: [bf16_case("head", -(-cfg.vocab_size // tp), D, dev, gen,
-                                    torch.float32)]),
+        ("head head.T2", lambda: [bf16_case(name, -(-cfg.vocab_size // tp), D, dev, gen,
+                                            torch.float32, rows)
+                                  for name, rows in (("head", 1), ("head.T2", 2))]),
         # the head's e4m3 copy the MTP block drafts from (Transformer.ensure_draft_head)
         ("draft_head", lambda: [fp8_case("draft_head", 128 * -(-cfg.vocab_size // tp // 128),
                                          D, dev, gen)]),

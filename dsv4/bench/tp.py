@@ -15,9 +15,10 @@ row: a chunk split by rows all-gathers and reduce-scatters where an unsplit one 
 with --speculative (every rank's MTP block built) the speculative mechanism's measurements
 (dsv4.bench.speculative: verify T = 1..4, the speculative step, end to end with an oracle
 drafting), every rank running the same sessions: rank 0's figures, every rank's verify times;
-with --prefill-graphs N (CUDA) every rank's prefill chunk graphs, built together and planned
-alike (dsv4.runtime.prefill_graphs.agreed_ms): each prompt's TTFT through them and as eager
-chunks only.
+with --layer-kernels (CUDA) every rank the same layers' ops alone and whole (layer_kernels), rank
+0's shard reported; with --prefill-graphs N (CUDA) every rank's prefill chunk graphs, built
+together and planned alike (dsv4.runtime.prefill_graphs.agreed_ms): each prompt's TTFT through
+them and as eager chunks only.
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ import time
 
 import torch
 
-from ..errors import InputError
+from ..errors import DeviceError, InputError
 from ..runtime.config import DTYPES, RuntimeConfig, resolve_tp_devices
 from ..weights.presets import get_preset
 from . import MIN_STEPS
@@ -46,11 +47,11 @@ def run(args, command: str = "") -> dict:
     devices = resolve_tp_devices(args.device)
     on_cuda = devices[0].startswith("cuda")
     modes, grans, lengths, notes = _plan(args, on_cuda)
-    for flag, on in (("--layer-kernels", args.layer_kernels),
-                     ("--prefill-kernels off", args.prefill_kernels == "off")):
-        if on:
-            raise InputError(f"{flag} with --parallel tp: not measured in tensor-parallel mode "
-                             f"yet; run it in one process (--parallel pipeline)")
+    if args.prefill_kernels == "off":
+        raise InputError("--prefill-kernels off with --parallel tp: not measured in tensor-"
+                         "parallel mode yet; run it in one process (--parallel pipeline)")
+    if args.layer_kernels and not on_cuda:
+        raise DeviceError("--layer-kernels needs CUDA devices")
     if args.prefill_graphs and not on_cuda:
         raise InputError(f"--prefill-graphs {args.prefill_graphs}: chunk graphs are CUDA graphs, "
                          f"the ranks are on {','.join(devices)}; use --prefill-graphs 0")
@@ -69,7 +70,8 @@ def run(args, command: str = "") -> dict:
            "grans": grans, "kernels": not args.no_kernels, "lengths": lengths,
            "prefill_reps": args.prefill_reps, "prefill_chunk": args.prefill_chunk,
            "prefill_profile": profile, "prefill_graphs": args.prefill_graphs, "trace": args.trace,
-           "speculative": bool(args.speculative), "spec_tokens": args.spec_tokens}
+           "speculative": bool(args.speculative), "spec_tokens": args.spec_tokens,
+           "layer_kernels": args.layer_kernels, "layer_rows": args.layer_rows}
     t0 = time.perf_counter()
     ranks = launch(_rank, devices, job)
     r0 = ranks[0]
@@ -109,6 +111,9 @@ def run(args, command: str = "") -> dict:
             "allreduces_per_layer": ALLREDUCES_PER_LAYER,
             "extrapolated": {"method": EXTRAPOLATION, "layers": full.n_layers} if partial else None,
             **(_spec_report(ranks) if args.speculative else {}),
+            # rank 0's shard: each op alone and the layer whole (its all-reduces wait for the
+            # other ranks, which replay the same layer alike)
+            "layer_kernels": r0["layer_kernels"],
             "load_s": r0["load_s"], "wall_s": time.perf_counter() - t0, **r0["versions"],
             "command": command, "valid": on_cuda and args.steps >= MIN_STEPS, "notes": notes}
 
@@ -184,6 +189,17 @@ def _rank(group, job: dict) -> dict:
                               graph["ms_per_token"] if graph else None,
                               _log if group.rank == 0 else lambda line: None,
                               reps=min(bench_spec.REPS, job["steps"]), n_new=job["spec_tokens"])
+    lks = None
+    if job["layer_kernels"]:     # every rank the same replays: the layer's all-reduces meet
+        from . import layer_kernels as lk
+        fill_state(model, job["context"], job["seed"])
+        lks = []
+        for l in lk.representative_layers(model):
+            if group.rank == 0:
+                _log(f"layer {l}: each kernel alone, then the layer whole, on "
+                     f"{group.world_size} ranks")
+            group.barrier()
+            lks.append(lk.layer_kernels(model, l, job["context"], copy, rows=job["layer_rows"]))
     ar_us = comm_latency_us(group, comm, cfg.dim) if dev.type == "cuda" else None
     comm.check()
     out = {"rank": group.rank, "runs": runs, "bytes": nbytes, "copy_TBps": copy,
@@ -191,7 +207,7 @@ def _rank(group, job: dict) -> dict:
            "prefill_chunk": job["prefill_chunk"] or model.rt.prefill_chunk,
            "floor_ms": nbytes / (copy * 1e12) * 1e3 if copy else None, "capacity": cap,
            "load_s": load_s, "allreduce": comm.table(), "versions": _versions([dev]),
-           "spec": spec, "step_events": steps}
+           "spec": spec, "step_events": steps, "layer_kernels": lks}
     comm.close()
     return out
 
@@ -304,6 +320,11 @@ def format_table(rep: dict) -> str:
                              for i, q in enumerate(p["profile_per_rank"])))
             lines.append("  rank 0's kernels by device time:")
             lines += [f"  {ms:9.3f} ms {c:6d}x {name}" for name, c, ms in p["profile"]["top"]]
+    if rep.get("layer_kernels"):
+        from .layer_kernels import format_rows
+        lines.append("rank 0's shard, each op alone and the layer whole:")
+        for lk in rep["layer_kernels"]:
+            lines += format_rows(lk)
     for n in rep["notes"]:
         lines.append(f"note: {n}")
     return "\n".join(lines)

@@ -33,11 +33,14 @@ def test_options_from_env_as_the_runtime_read_them():
                           "DSV4_CUDA_KERNELS": "0", "DSV4_CUDA_LIB": "/x/lib.so", "DSV4_PDL": "0",
                           "DSV4_OVERLAP": "moe", "DSV4_PREFILL_MMA": "fp4=fp8, fp8 = bf16,bad=x",
                           "DSV4_PREFILL_CUBLAS": "0", "DSV4_SPLIT_PROGRAMS": "128",
+                          "DSV4_HEAD_CUDA": "0", "DSV4_FUSE_MIX": "0",
                           "TRITON_INTERPRET": "1"})
     assert (o.kernels, o.prefill_kernels, o.cuda_kernels, o.cuda_lib, o.pdl) == \
         ("0", False, False, "/x/lib.so", False)
     assert o.overlap == {"moe"} and o.prefill_mma == (("fp4", "fp8"), ("fp8", "bf16"))
     assert (o.prefill_cublas, o.split_programs, o.interpret) == (False, 128, True)
+    assert not o.head_cuda and Options.from_env({}).head_cuda
+    assert not o.fuse_mix and Options.from_env({}).fuse_mix
     # anything but "0" leaves a switch on (as before: DSV4_PDL=yes is on)
     assert Options.from_env({"DSV4_PDL": "yes", "DSV4_KERNELS": "interpret"}).pdl
     assert Options.from_env({"DSV4_OVERLAP": "0"}).overlap == frozenset()
@@ -90,10 +93,10 @@ def test_gpu_table(gpu):
     be = resolve("cuda:0", torch.bfloat16, TINY, Options(prefetch=frozenset(PREFETCH)))
     assert be.table()["launch.prefetch"] == "attn,ffn,layer"
     for op in ("decode.mhc", "decode.attention", "decode.compressor", "decode.indexer",
-               "decode.linear_bf16", "decode.head", "speculative.journal"):
+               "decode.linear_bf16", "speculative.journal", "speculative.accept"):
         assert t[op] == "triton", op
-    for op in ("decode.indexer_topk", "decode.linear_fp8", "decode.wo_a", "decode.moe_route",
-               "decode.moe_experts", "decode.moe_shared", "prefill.moe_route"):
+    for op in ("decode.head", "decode.indexer_topk", "decode.linear_fp8", "decode.wo_a",
+               "decode.moe_route", "decode.moe_experts", "decode.moe_shared", "prefill.moe_route"):
         assert t[op] == "cuda", op
     for op in ("prefill.mhc", "prefill.attention", "prefill.compressor", "prefill.indexer",
                "prefill.linear", "prefill.wo_a", "prefill.moe"):
@@ -101,13 +104,14 @@ def test_gpu_table(gpu):
     # the switches, each decided here
     assert resolve("cuda:0", options=Options(cuda_kernels=False)).table()["decode.linear_fp8"] \
         == "triton"
+    assert resolve("cuda:0", options=Options(head_cuda=False)).table()["decode.head"] == "triton"
     assert not resolve("cuda:0", options=Options(pdl=False)).pdl
     assert resolve("cuda:0", options=Options(overlap=frozenset({"moe"}))).branches == {"moe"}
     off = resolve("cuda:0", torch.bfloat16, TINY, Options(kernels="0")).table()
     assert all(v in ("torch", "-") for k, v in off.items() if k.startswith(("decode.", "prefill.")))
     f32 = resolve("cuda:0", torch.float32, TINY, Options())
     assert f32.kernels and not f32.fused_decode and not f32.rows and not f32.mhc_decode
-    assert f32.table()["decode.head"] == "triton"       # the head GEMV takes float32 rows too
+    assert f32.table()["decode.head"] == "cuda"         # the head GEMV takes float32 rows too
 
 
 def test_model_decisions_follow_the_config(gpu):

@@ -1,7 +1,8 @@
 """The block's fused mHC kernels (dsv4/kernels/decode/mhc.py, prefill/mhc.py): hc_pre's mixes in
 one launch, x + RMSNorm and the Sinkhorn in another, hc_post in one (or in the launch before it:
-bind_fused_post); in a captured decode step each Sinkhorn runs beside its sublayer (a parallel
-branch on lane 2), and the L2 prefetch of each half's first weights beside its mHC (lane 3:
+bind_fused_post; in one process the attention's post also makes the FFN's mixes: hc_post_mix);
+in a captured decode step each Sinkhorn runs beside its sublayer (a parallel branch on lane 2),
+and the L2 prefetch of each half's first weights beside its mHC (lane 3:
 dsv4.backend.fused.prefetch)."""
 from __future__ import annotations
 
@@ -35,10 +36,15 @@ def decode_rows(blk, ops: Ops, h: torch.Tensor, ids: torch.Tensor, pos: torch.Te
     x, post, comb = ops.hc_pre_norm(h, *blk.mix_weights("attn"), blk.attn_norm, cfg, sk)
     a = blk.attn.decode_rows(x, pos, st, **part)
     sk.join()
-    h = post_of(a, h, post, comb)
+    mix = blk.mix_weights("ffn")
+    # where the attention's post is a launch of its own (one process, or no all-reduce that takes
+    # it), it also makes the FFN's partial mixes (Options.fuse_mix)
+    both = (ops.hc_post_mix(a, h, post, comb, mix[0])
+            if tp is None and ops.backend.options.fuse_mix else None)
+    h, mixed = both if both is not None else (post_of(a, h, post, comb), None)
     pf.start("ffn", h, ffn_weights(blk.ffn))
     sk = branches.Branch(h, "mhc", ops.backend.branches, lane=2, fork=False)
-    x, post, comb = ops.hc_pre_norm(h, *blk.mix_weights("ffn"), blk.ffn_norm, cfg, sk)
+    x, post, comb = ops.hc_pre_norm(h, *mix, blk.ffn_norm, cfg, sk, mixed=mixed)
     if blk.post_in_down:    # down's launch takes the post (and joins the Sinkhorn before it)
         f = blk.ffn.decode_rows(x, ids, post=functools.partial(take_post, sk, h, post, comb, out))
         pf.join()

@@ -23,11 +23,11 @@ from pathlib import Path
 
 import torch
 
-ABI = 15
+ABI = 16
 CSRC = Path(__file__).resolve().parents[3] / "csrc"
 # the kernel families and the C interface, compiled into one library (the headers are in the key)
-SOURCES = ("fp8_gemv.cu", "fp8_mma.cu", "route.cu", "fp4_up.cu", "fp4_up_wg.cu", "fp4_down.cu",
-           "topk.cu", "allreduce.cu", "prefetch.cu", "dsv4_api.cu")
+SOURCES = ("fp8_gemv.cu", "fp8_mma.cu", "bf16_gemv.cu", "route.cu", "fp4_up.cu", "fp4_up_wg.cu",
+           "fp4_down.cu", "topk.cu", "allreduce.cu", "prefetch.cu", "dsv4_api.cu")
 HEADERS = ("dsv4_common.cuh", "fp8.cuh", "fp4_experts.cuh", "tma.cuh", "dsv4_api.h")
 MIN_CAPABILITY = (8, 9)        # cvt e4m3x2 (sm_89); PDL needs sm_90 and is compiled out below
 
@@ -97,6 +97,8 @@ def _declare(lib) -> None:
     lib.dsv4_fp8_gemv_mma.restype = i
     lib.dsv4_fp8_gemv_mma.argtypes = [p, p, p, p, p, p, p, i, i, i, f, i, i, i, i, i, i, i, i, i,
                                        i, p, i]
+    lib.dsv4_bf16_gemv.restype = i
+    lib.dsv4_bf16_gemv.argtypes = [p, p, p, i, i, i, i, i, p, i]
     lib.dsv4_fp4_up.restype = i
     lib.dsv4_fp4_up.argtypes = [p, p, p, p, p, p, p, p, f, i, i, i, i, i, i, i, i, p, i]
     lib.dsv4_fp4_up_wg.restype = i
@@ -258,6 +260,15 @@ def fp8_gemv_mma(lib, x, w0, s0, y0, w1, s1, y1, *, n0: int, rows: int, K: int, 
                                 flags, int(swiglu), cfg.spw, cfg.warps, rows // cfg.rows, nx, xs,
                                 ys0, ys1, cfg.ctas, _stream(y0), int(pdl))
     _check(err, "fp8 GEMV (CUDA, tensor cores)", lib)
+
+
+def bf16_gemv(lib, x, w, y, *, nx: int, ctas: int, pdl: bool) -> None:
+    """dsv4_bf16_gemv (see csrc): y [nx, N] float32 = x [nx, K] (float32 or bf16) @ w^T, on ctas
+    CTAs."""
+    N, K = w.shape
+    err = lib.dsv4_bf16_gemv(w.data_ptr(), x.data_ptr(), y.data_ptr(), N, K, nx,
+                             int(x.dtype == torch.float32), ctas, _stream(y), int(pdl))
+    _check(err, "bf16 GEMV (CUDA)", lib)
 
 
 def _ptr(t) -> int:

@@ -1,5 +1,6 @@
-"""bf16-weight GEMV for a few activation rows (router gate, compressor, indexer weights_proj, LM head):
-x [T, K] (bf16 or float32 values) @ w [N, K] bf16 -> [T, N], float32 accumulation, any N (T = 1 in
+"""bf16-weight GEMV for a few activation rows (router gate, compressor, indexer weights_proj, LM
+head; the head on the CUDA C++ kernel where the backend has it, kernels/cuda/bf16.py): x [T, K]
+(bf16 or float32 values) @ w [N, K] bf16 -> [T, N], float32 accumulation, any N (T = 1 in
 decoding; T > 1: the speculative verify rows, each with the bits of a one-row launch; a program
 takes up to 4 rows, reading its weight tile once for them).
 Test: `python -m pytest tests/dsv4/kernels/test_decode_kernels.py`; bench: `python scripts/bench_kernels.py`.
@@ -11,6 +12,9 @@ import triton
 import triton.language as tl
 
 from ..common import Config, launch_args, on_device, pdl_wait, pick_config, round_bf16
+from ..cuda import bf16 as bf16_cuda
+from ..cuda import lib as cuda_cpp
+from ..cuda.bf16 import Bf16CudaConfig
 
 TILE_BYTES = 16384   # weight bytes per program and step
 BN_MAX = 16
@@ -196,12 +200,15 @@ def bf16_linear_multi(x: torch.Tensor, weights: list, out_dtypes: list, *,
 
 
 def bf16_linear(x: torch.Tensor, w: torch.Tensor, *, out_dtype: torch.dtype = torch.float32,
-                out: torch.Tensor | None = None, config: Config | None = None,
-                pdl: bool = True) -> torch.Tensor:
-    """y [T, N] = x [T, K] @ w^T, float32 accumulation of the exact products, rounded to
-    out_dtype (T = 1 in decoding; each row of a T-row launch has the bits of a one-row launch). x
-    is used at its own precision (bf16 or float32). pdl: launch with PDL where the device has it
-    (the backend's switch). Capture-safe, deterministic."""
+                out: torch.Tensor | None = None, config: Config | Bf16CudaConfig | None = None,
+                impl: str = "triton", pdl: bool = True) -> torch.Tensor:
+    """y [T, N] = x [T, K] @ w^T, float32 products and sums (each rounded), rounded to out_dtype
+    (T = 1 in decoding; each row of a T-row launch has the bits of a one-row launch). x is used
+    at its own precision (bf16 or float32). impl "cuda" (the backend's decision): head-sized
+    matrices on the CUDA C++ kernel (kernels/cuda/bf16.py: its own fixed order, other bits than
+    the Triton kernel's), the rest on Triton; a Bf16CudaConfig asks for the CUDA kernel. pdl:
+    launch with PDL where the device has it (the backend's switch). Capture-safe,
+    deterministic."""
     N, K = w.shape
     if w.dtype != torch.bfloat16:
         raise ValueError(f"bf16_linear: weight {tuple(w.shape)} {w.dtype}, x {tuple(x.shape)}; "
@@ -209,12 +216,17 @@ def bf16_linear(x: torch.Tensor, w: torch.Tensor, *, out_dtype: torch.dtype = to
     T = _rows(x, K)
     if N * K >= 2 ** 31:
         raise ValueError(f"bf16_linear: weight {tuple(w.shape)} too large for int32 offsets")
-    cfg = config or bf16_config(N, K)
-    bk = cfg.nb * 128
     if out is None:
         out = torch.empty(T, N, dtype=out_dtype, device=x.device)
     elif out.numel() != T * N or not out.is_contiguous():
         raise ValueError(f"bf16_linear: out {tuple(out.shape)}; expected a contiguous {T}x{N}")
+    asked = isinstance(config, Bf16CudaConfig)
+    x = x.contiguous()
+    if cuda_cpp.pick("bf16 GEMV", "cuda" if asked else impl, x, w, out, strict=asked,
+                     fits=asked or bf16_cuda.fits(N, K, T, out.dtype, x.dtype)):
+        return bf16_cuda.launch(x, w, out, config if asked else Bf16CudaConfig(), pdl)
+    cfg = config or bf16_config(N, K)
+    bk = cfg.nb * 128
     tr = rows_per_program(T)
     with on_device(out):
         _bf16_gemv_kernel[_grid(T // tr, triton.cdiv(N, cfg.bn))](

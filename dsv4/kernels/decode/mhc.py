@@ -125,6 +125,48 @@ def _post_kernel(x_ptr, res_ptr, post_ptr, comb_ptr, out_ptr, D: tl.constexpr, C
     tl.store(out_ptr + kc[:, None] * D + d[None, :], y.to(out_ptr.dtype.element_ty), mask=dm[None, :])
 
 
+@triton.jit
+def _post_mix_kernel(x_ptr, res_ptr, post_ptr, comb_ptr, out_ptr, fn_ptr, part_ptr,
+                     D: tl.constexpr, C: tl.constexpr, BD: tl.constexpr, M: tl.constexpr,
+                     MP: tl.constexpr, ROUND: tl.constexpr, PDL: tl.constexpr):
+    # _post_kernel's out (the same expression), then the next hc_pre's partial mixes of it, a
+    # chunk per stream j and program p (BD columns; chunk j * (D / BD) + p of the flattened
+    # streams, in their order): part[chunk, :M] = fn[:, chunk] @ out[j, cols], part[chunk, MP] =
+    # sum(out[j, cols]^2) (float32; _mix_partial_kernel's expressions on chunks of BD elements)
+    p = tl.program_id(0)
+    row = tl.program_id(1)
+    NP: tl.constexpr = D // BD
+    K: tl.constexpr = C * D
+    d = p * BD + tl.arange(0, BD)
+    kc = tl.arange(0, C)
+    m = tl.arange(0, MP)
+    # fn is a weight: its tiles (C x [MP, BD]) are loaded before the wait
+    f = tl.load(fn_ptr + m[None, :, None] * K + kc[:, None, None] * D + d[None, None, :],
+                mask=(m < M)[None, :, None], other=0.0)                      # [C, MP, BD]
+    pdl_wait(PDL)
+    x_ptr += row * D
+    res_ptr += row * (C * D)
+    post_ptr += row * C
+    comb_ptr += row * (C * C)
+    out_ptr += row * (C * D)
+    part_ptr += row * (C * NP * (MP + 1))
+    x = tl.load(x_ptr + d).to(tl.float32)
+    res = tl.load(res_ptr + kc[:, None] * D + d[None, :]).to(tl.float32)
+    comb = tl.load(comb_ptr + kc[:, None] * C + kc[None, :])                 # [i, j]
+    y = (tl.load(post_ptr + kc)[:, None] * x[None, :]
+         + tl.sum(comb[:, :, None] * res[:, None, :], axis=0))
+    if ROUND:
+        y = round_bf16(y)
+    y = y.to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + kc[:, None] * D + d[None, :], y)
+    h = y.to(tl.float32)                                                     # [C, BD], as stored
+    dots = tl.sum(f * h[:, None, :], axis=2)                                 # [C, MP]
+    sq = tl.sum(h * h, axis=1)                                               # [C]
+    chunk = kc * NP + p
+    tl.store(part_ptr + chunk[:, None] * (MP + 1) + m[None, :], dots)
+    tl.store(part_ptr + chunk * (MP + 1) + MP, sq)
+
+
 def _mix(h2, fn, pdl=True):
     """h2 [T, c*D] (decode rows) -> the partial mixes [T, nch, MP + 1]."""
     T, K = h2.shape
@@ -137,19 +179,21 @@ def _mix(h2, fn, pdl=True):
     return part, nch, MP
 
 
-def hc_pre_norm(h, fn, scale, base, norm_w, norm_eps, hc_eps, iters, branch=None, pdl=True):
+def hc_pre_norm(h, fn, scale, base, norm_w, norm_eps, hc_eps, iters, branch=None, pdl=True,
+                mixed=None):
     """h [T, c, D] -> (RMSNorm(hc_pre(h)) [T, D] in h's dtype, post [T, c], comb [T, c, c] f32).
     T = 1 in decoding; T decode rows (the speculative verify rows) run one binary per row, so
     row t has the bits of a one-row call. branch: an overlap.Branch made with fork=False; when it
     is on (capturing), it forks after the mix and the Sinkhorn (post, comb) runs as a launch of its
     own on its side stream, so the main chain waits for x only; join it before post / comb are
     read. Otherwise both in one launch (the same bits). pdl: launch with PDL where the device has
-    it (the backend's switch; as every decode kernel's `pdl`)."""
+    it (the backend's switch; as every decode kernel's `pdl`). mixed: the partial mixes of h
+    already made (hc_post_mix's (part, nch, MP), the launch that wrote h): no mix launch."""
     T, C, D = h.shape
-    if (C * D) % BK:
+    if mixed is None and (C * D) % BK:
         raise ValueError(f"hc_pre_norm: c*D = {C * D} must be a multiple of {BK}")
     h2 = h.reshape(T, C * D).contiguous()
-    part, nch, MP = _mix(h2, fn, pdl)
+    part, nch, MP = mixed if mixed is not None else _mix(h2, fn, pdl)
     x = torch.empty(T, D, dtype=h.dtype, device=h.device)
     post = torch.empty(T, C, dtype=torch.float32, device=h.device)
     comb = torch.empty(T, C, C, dtype=torch.float32, device=h.device)
@@ -199,6 +243,36 @@ def hc_post(x, res, post, comb, out=None, pdl=True):
                                            ROUND=x.dtype == torch.bfloat16, num_warps=4,
                                            **launch_args(out, pdl))
     return out
+
+
+POST_MIX_BD = 64    # columns a program of hc_post_mix (64 programs for Flash's 4,096)
+
+
+def post_mix_fits(D: int, M: int) -> bool:
+    """hc_post_mix takes streams of D columns and a mix of M outputs."""
+    return D % POST_MIX_BD == 0 and M <= triton.next_power_of_2(M) <= 32
+
+
+def hc_post_mix(x, res, post, comb, fn, pdl=True):
+    """hc_post and the partial mixes of its output for the next hc_pre (fn [M, c*D]) in one
+    launch: -> (out [T, c, D] as hc_post's, the mixed argument of hc_pre_norm). The partials are
+    on chunks of POST_MIX_BD elements (c * D / 64 of them), not _mix's 256: hc_pre_norm's x,
+    post and comb from them are within rounding of the two-launch path's, not its bits; each of T
+    rows has the bits of a one-row call."""
+    T, C, D = res.shape
+    M = fn.shape[0]
+    if not post_mix_fits(D, M) or tuple(fn.shape) != (M, C * D):
+        raise ValueError(f"hc_post_mix: D = {D}, fn {tuple(fn.shape)}; expected D a multiple of "
+                         f"{POST_MIX_BD} and fn [<= 32, {C * D}]")
+    MP = triton.next_power_of_2(M)
+    nch = C * D // POST_MIX_BD
+    out = torch.empty_like(res)
+    part = torch.empty(T, nch, MP + 1, dtype=torch.float32, device=res.device)
+    _post_mix_kernel[(D // POST_MIX_BD, T)](x, res.contiguous(), post, comb, out, fn, part, D=D,
+                                             C=C, BD=POST_MIX_BD, M=M, MP=MP,
+                                             ROUND=x.dtype == torch.bfloat16, num_warps=4,
+                                             **launch_args(out, pdl))
+    return out, (part, nch, MP)
 
 
 def post_streams(post: tuple, rows: int, D: int, who: str, out_dtype, out) -> torch.Tensor:

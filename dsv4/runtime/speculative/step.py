@@ -25,7 +25,7 @@ from graphs import BufferSpec, CUDAGraphDecoder, Segment
 from ...errors import ConfigError
 from ...model.transformer import Transformer
 from ..passes import DecodeBuffers, DeviceBuffers, pass_segments
-from ..sampling import SamplingKnobs, SamplingParams, fixed
+from ..sampling import SamplingKnobs, SamplingParams, first_argmax, fixed
 from .journal import Journal
 from .policy import DEFAULT_MIN_ACCEPTANCE, SpecPolicy
 from .verify import accept, draft, oracle_draft, oracle_table
@@ -121,7 +121,7 @@ def build_spec_segments(model: Transformer, bufs: SpecBuffers,
     segs = pass_segments(model, bufs.device_buffers(), embed,
                          ({"pending": bufs.pending, "drafts": bufs.drafts}, {"ids": bufs.ids}),
                          layer, ("ids", "pos"), lm_head, {"logits": bufs.logits}, branches=True)
-    segs.append(Segment("accept", hd, _accept_fn(bufs, params),
+    segs.append(Segment("accept", hd, _accept_fn(bufs, params, model.binding.ops(hd)),
                         reads={"logits": bufs.logits, "drafts": bufs.drafts, "q": bufs.q,
                                "pos": bufs.pos, "limit": bufs.limit, "eos": bufs.eos},
                         writes={"y": bufs.y, "keep": bufs.keep, "record": bufs.record}))
@@ -140,9 +140,13 @@ def build_spec_segments(model: Transformer, bufs: SpecBuffers,
     return segs
 
 
-def _accept_fn(bufs, params):
+def _accept_fn(bufs, params, ops):
     def fn():
         p = fixed(params)
+        if (not isinstance(p, SamplingKnobs) and p.greedy and ops.accept_greedy(
+                first_argmax(bufs.logits), bufs.drafts, bufs.limit, bufs.eos, bufs.y, bufs.keep,
+                bufs.record)):
+            return              # greedy: one launch after the argmax (kernels.decode.accept)
         q = bufs.q if isinstance(p, SamplingKnobs) or not p.greedy else None
         y, keep = accept(bufs.logits, bufs.drafts, q, bufs.pos,
                          params, bufs.limit, bufs.eos)

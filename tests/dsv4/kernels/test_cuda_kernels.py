@@ -292,6 +292,46 @@ def test_fp8_mma_stream_gives_the_per_tile_bits():
 
 
 @pytest.mark.cuda
+def test_bf16_head_gemv_cuda():
+    """The LM head's GEMV on the CUDA C++ kernel (csrc/bf16_gemv.cu, kernels/cuda/bf16.py), at a
+    TP2 rank's head rows, Pro's K with an odd N (a tail tile) and a small K: every output written
+    (poisoned out) and within float32 rounding of the float64 sum, for float32 and bf16 x; rows
+    1..4 and 6 (two launches) each with the bits of its one-row launch; the same bits on 1, 7 and
+    the default number of CTAs; a CUDA graph's replay gives the eager bits; bf16_linear with impl
+    "cuda" takes it for a head-sized matrix and leaves a smaller one to Triton."""
+    from dsv4.kernels.cuda.bf16 import HEAD_MIN_ELEMENTS, Bf16CudaConfig
+    from dsv4.kernels.decode.bf16_linear import bf16_linear, bf16_linear_reference
+    _need_lib()
+    dev, gen = torch.device("cuda"), fresh_gen("cuda")
+    cfg = Bf16CudaConfig()
+    for n, k in ((64640, 4096), (4099, 7168), (1000, 512)):
+        w = (torch.randn(n, k, generator=gen, device=dev) * k ** -0.5).to(torch.bfloat16)
+        for xdt in (torch.float32, torch.bfloat16):
+            x = torch.randn(6, k, generator=gen, device=dev).to(xdt)
+            y = bf16_linear(x, w, config=cfg, out=poisoned(6, n, dtype=torch.float32, device=dev))
+            ref = bf16_linear_reference(x, w).double()
+            absdot = x.double().abs() @ w.double().abs().T
+            assert not y.isnan().any(), (n, k)
+            assert ((y.double() - ref).abs() <= 1e-5 * absdot).all(), (n, k, xdt)
+            for T in (1, 2, 3, 4, 6):
+                yt = bf16_linear(x[:T], w, config=cfg)
+                for t in range(T):
+                    assert torch.equal(yt[t], bf16_linear(x[t:t + 1], w, config=cfg)[0]), (n, T, t)
+            for ctas in (1, 7):
+                assert torch.equal(bf16_linear(x, w, config=Bf16CudaConfig(ctas)), y), (n, ctas)
+        if n * k >= HEAD_MIN_ELEMENTS:       # what the backend's head takes by default
+            assert torch.equal(bf16_linear(x, w, impl="cuda"), y)
+        else:
+            assert torch.equal(bf16_linear(x, w, impl="cuda"), bf16_linear(x, w, impl="triton"))
+    x1 = x[:2].float().contiguous()
+    g, outs = capture_step(lambda: (bf16_linear(x1, w, config=cfg),))
+    x1.copy_(torch.randn(2, x1.shape[1], generator=gen, device=dev))   # the replay reads x1 now
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(outs[0], bf16_linear(x1, w, config=cfg))
+
+
+@pytest.mark.cuda
 def test_fp8_mma_two_matrices_and_swiglu():
     """The tensor-core GEMV with two matrices on one x (wq_a + wkv) equals their own launches, and
     its fused SwiGLU meets the reference, for every config, 3 rows."""

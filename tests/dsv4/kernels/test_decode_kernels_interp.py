@@ -476,3 +476,35 @@ def test_argmax_rows_is_torchs_argmax():
         got = argmax_rows(x)
         assert got.dtype == torch.int64 and got.shape == (*x.shape[:-1], 1)
         assert torch.equal(got, argmax_reference(x)), (x.shape, x.dtype)
+
+
+def test_accept_greedy_is_verify_accept():
+    """The speculative step's greedy acceptance in one launch (kernels.decode.accept) against
+    verify.accept (greedy) and the record the step writes, over T = 2..4 rows: every number of
+    matched drafts, an EOS before, at and after the first miss (and none), caps below and above."""
+    from dsv4.kernels.decode.accept import accept_greedy
+    from dsv4.runtime.sampling import SamplingParams
+    from dsv4.runtime.speculative.verify import accept
+    V = 50
+    cases = 0
+    for T in (2, 3, 4):
+        for matched in range(T):
+            for eos_row in (-1, *range(T)):
+                for limit in (1, 2, T, T + 3):
+                    logits = torch.randn(T, V, generator=GEN)
+                    am = logits.argmax(-1)
+                    drafts = am[:T - 1].clone()
+                    if matched < T - 1:                         # the first miss at row `matched`
+                        drafts[matched] = (drafts[matched] + 1) % V
+                    eos = torch.tensor([int(am[eos_row]) if eos_row >= 0 else -1])
+                    lim = torch.tensor([limit])
+                    pos = torch.tensor([5])
+                    y_ref, keep_ref = accept(logits, drafts, None, pos, SamplingParams(), lim, eos)
+                    y, keep = torch.full((T,), -7), torch.full((1,), -7)
+                    rec = torch.full((1 + T,), -7)
+                    accept_greedy(am.view(T, 1), drafts, lim, eos, y, keep, rec)
+                    assert torch.equal(y, y_ref) and torch.equal(keep, keep_ref), \
+                        (T, matched, eos_row, limit, y, keep, keep_ref)
+                    assert torch.equal(rec, torch.cat((keep_ref + 1, y_ref)))
+                    cases += 1
+    assert cases == sum(T * (T + 1) * 4 for T in (2, 3, 4))

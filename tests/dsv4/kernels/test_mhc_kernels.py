@@ -38,6 +38,30 @@ CHECK = textwrap.dedent("""
                 raise AssertionError("hc_post accepted a bad out")
             except ValueError:
                 pass
+        # the attention's post with the FFN's partial mixes in one launch (hc_post_mix): the
+        # streams of hc_post (its bits in the interpreter: the same expression), x / post / comb
+        # within rounding of the two-launch path and of the reference; rows as one-row calls
+        both, mixed = K.hc_post_mix(x, h, post, comb, fn)
+        if sys.argv[4] == "1":
+            assert torch.equal(both, out), D
+        else:
+            assert (both.float() - out.float()).abs().max() <= 2 ** -7 * out.float().abs().max()
+        fx, fp, fc = K.hc_pre_norm(both, fn, scale, base, w, 1e-6, 1e-6, 20, mixed=mixed)
+        for want in (K.hc_pre_norm(both, fn, scale, base, w, 1e-6, 1e-6, 20),
+                     K.hc_pre_norm_reference(both, fn, scale, base, w, 1e-6, 1e-6, 20)):
+            wx = want[0].float()
+            assert (fx.float() - wx).abs().max() <= 2 ** -7 * wx.abs().max()
+            assert torch.allclose(fp, want[1], atol=1e-5) and torch.allclose(fc, want[2], atol=1e-5)
+        hs3 = torch.randn(3, 4, D, generator=g).bfloat16().to(dev)
+        x3 = torch.randn(3, D, generator=g).bfloat16().to(dev)
+        p3, c3 = post.expand(3, 4).contiguous(), comb.expand(3, 4, 4).contiguous()
+        b3, m3 = K.hc_post_mix(x3, hs3, p3, c3, fn)
+        r3 = K.hc_pre_norm(b3, fn, scale, base, w, 1e-6, 1e-6, 20, mixed=m3)
+        for t in range(3):
+            b1, m1 = K.hc_post_mix(x3[t:t + 1], hs3[t:t + 1], p3[t:t + 1], c3[t:t + 1], fn)
+            assert torch.equal(b3[t:t + 1], b1) and torch.equal(m3[0][t:t + 1], m1[0]), D
+            r1 = K.hc_pre_norm(b1, fn, scale, base, w, 1e-6, 1e-6, 20, mixed=m1)
+            assert all(torch.equal(a[t:t + 1], b) for a, b in zip(r3, r1)), D
         fh = (torch.randn(4, 4 * D, generator=g) / (4 * D) ** 0.5).to(dev)
         y = K.hc_head_norm(h, fh, scale[:1], base[:4], w, 1e-6, 1e-6)
         yr = K.hc_head_norm_reference(h, fh, scale[:1], base[:4], w, 1e-6, 1e-6)
@@ -64,7 +88,8 @@ def _run(dev, dims, interp):
     if interp:
         env["TRITON_INTERPRET"] = "1"
     seed = str(input_seed(1))
-    p = subprocess.run([sys.executable, "-c", CHECK, seed, dev, dims], env=env, capture_output=True,
+    p = subprocess.run([sys.executable, "-c", CHECK, seed, dev, dims, "1" if interp else "0"],
+                       env=env, capture_output=True,
                        text=True, timeout=300)
     assert p.returncode == 0 and "ok" in p.stdout, p.stderr[-3000:]
 

@@ -88,6 +88,8 @@ def test_tp_bench_refuses_what_it_does_not_measure(capsys):
     assert "above the model's 1048576 positions" in capsys.readouterr()[1]
     assert bench.main(["--preset", "tiny-tp", *FAST[:1], "cpu", *FAST[2:]]) == 2
     assert "at least two" in capsys.readouterr()[1]
+    assert bench.main(["--preset", "tiny-tp", "--layer-kernels", *FAST]) == 2
+    assert "--layer-kernels needs CUDA devices" in capsys.readouterr()[1]
 
 
 def test_kernel_cases_of_a_rank_have_its_shard_shapes(monkeypatch):
@@ -194,6 +196,24 @@ def test_tp_bench_prefill_graphs_on_two_gpus(capfd):
     assert pg["built_replay_ms"]["16"] > 0 and pg["built_eager_ms"]["16"] > 0
     assert f"chunk graphs only {p['replay_ttft_ms']:.1f} ms" in err
     assert f"replay {pg['built_replay_ms']['16']:.1f} / eager " in err
+
+
+@pytest.mark.multigpu
+def test_tp_bench_layer_kernels_on_two_gpus(capfd):
+    """--layer-kernels in TP: both ranks replay each kind's first layer op by op and whole (the
+    whole layer's all-reduces meet), rank 0's shard in the report and the table."""
+    import torch
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"needs 2 GPUs, {torch.cuda.device_count()} visible")
+    rc = bench.main(["--preset", "tiny-tp", "--device", "cuda:0,cuda:1", "--parallel", "tp",
+                     "--mode", "graph", "--granularity", "device", "--steps", "3", "--warmup",
+                     "1", "--context", "40", "--no-kernels", "--layer-kernels", "--json", "-"])
+    out, err = capfd.readouterr()
+    assert rc == 0, err
+    lks = json.loads(out)["layer_kernels"]
+    assert lks and all(lk["ops"] and lk["layer_us"] > 0 for lk in lks)
+    assert all(r["us"] > 0 for lk in lks for r in lk["ops"])
+    assert "rank 0's shard, each op alone and the layer whole:" in err
 
 
 @pytest.mark.multigpu
