@@ -341,6 +341,25 @@ def test_a_step_launched_past_the_end(small, plain_runs):
             == ref.generate(more, 12, continue_sequence=True).output_ids)
 
 
+def test_the_next_step_is_launched_before_the_last_is_read(small):
+    """The speculative loop's order of launches and reads (SpecStep.launch / finish): each step
+    is launched before the host reads the one before it while 2T or more tokens are left (and
+    logits are not kept); the last steps, which may reach the limit, and every step with
+    keep_logits are read before the next launch."""
+    s = Session(_model(small["bf16"]), SamplingParams(), speculative=1, spec_min_acceptance=0.0)
+    order = []
+    launch, finish = s.spec.launch, s.spec.finish
+    s.spec.launch = lambda *a: (order.append("L"), launch(*a))[1]
+    s.spec.finish = lambda run: (order.append("F"), finish(run))[1]
+    prompt = list(range(5, 45))
+    s.generate(prompt, 12)              # a = 0: one token a step, 11 steps
+    # steps 2..9 launched before the read of 1..8 (11..4 tokens left); 10 and 11 after a read
+    assert "".join(order) == "LL" + "FL" * 7 + "FF" + "LF" * 2, "".join(order)
+    order.clear()
+    s.generate(prompt, 12, keep_logits=True)
+    assert "".join(order) == "LF" * 11
+
+
 def test_continue_a_speculative_sequence(small, no_fake_quant):
     m = _model(small["fp8"])
     a, b = list(range(3, 30)), list(range(40, 52))
