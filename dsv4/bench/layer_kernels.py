@@ -29,8 +29,9 @@ from ..backend.ops import Ops
 # the Ops methods that launch kernels
 OPS = ("hc_pre_norm", "hc_post", "hc_post_mix", "rms_norm_row", "attention_prep",
        "attention_prep_rows", "sparse_attention_decode", "sparse_attention_decode_rows",
-       "compressor_decode", "index_query", "index_scores", "index_topk", "fp8_linear", "fp8_linear2", "fp8_swiglu",
-       "bf16_linear", "bf16_linear_multi", "route_decode", "fp4_experts_up", "fp4_experts_down")
+       "compressor_decode", "index_query", "index_scores", "index_topk", "fp8_linear",
+       "fp8_linear2", "fp8_swiglu", "bf16_linear", "bf16_linear_multi", "route_decode",
+       "fp4_experts_up", "fp4_experts_down")
 FLUSH_BYTES = 256 << 20      # read before each replay: evicts the 50-60 MB L2 of an H100 / H200
 PAUSE_CYCLES = 40_000        # ~20 us at 1.98 GHz: between a prefetch and its op
 

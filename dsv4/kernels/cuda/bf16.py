@@ -33,12 +33,17 @@ class Bf16CudaConfig:
     ctas: int = 0
 
 
+def _takes(K: int, out_dtype: torch.dtype, x_dtype: torch.dtype) -> bool:
+    """What the kernel can run at all: K a multiple of 512 up to 8,192, float32 out, float32 or
+    bf16 x."""
+    return (K % SLICE == 0 and K // SLICE <= 16 and out_dtype == torch.float32
+            and x_dtype in (torch.float32, torch.bfloat16))
+
+
 def fits(N: int, K: int, T: int, out_dtype: torch.dtype, x_dtype: torch.dtype) -> bool:
     """Whether the CUDA kernel takes y [T, N] out_dtype = x [T, K] @ w [N, K]^T by default: a
-    head-sized matrix, K a multiple of 512 up to 8,192, float32 out, float32 or bf16 x (T rows in
-    launches of MAX_X)."""
-    return (N * K >= HEAD_MIN_ELEMENTS and K % SLICE == 0 and K // SLICE <= 16 and T >= 1
-            and out_dtype == torch.float32 and x_dtype in (torch.float32, torch.bfloat16))
+    head-sized matrix it can run (_takes; T rows in launches of MAX_X)."""
+    return N * K >= HEAD_MIN_ELEMENTS and T >= 1 and _takes(K, out_dtype, x_dtype)
 
 
 def launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, cfg: Bf16CudaConfig,
@@ -47,8 +52,7 @@ def launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, cfg: Bf16CudaCon
     MAX_X (a row's bits do not depend on the others); pdl_on: the backend's PDL switch."""
     N, K = w.shape
     T = x.numel() // K
-    if (K % SLICE or K // SLICE > 16 or out.dtype != torch.float32
-            or x.dtype not in (torch.float32, torch.bfloat16)):
+    if not _takes(K, out.dtype, x.dtype):
         raise ValueError(f"bf16 GEMV (CUDA): w {tuple(w.shape)}, x {x.dtype}, out {out.dtype}; "
                          f"expected K a multiple of {SLICE} up to {16 * SLICE}, float32 out")
     x = x.contiguous()

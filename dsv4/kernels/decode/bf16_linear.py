@@ -230,7 +230,7 @@ def bf16_linear(x: torch.Tensor, w: torch.Tensor, *, out_dtype: torch.dtype = to
     tr = rows_per_program(T)
     with on_device(out):
         _bf16_gemv_kernel[_grid(T // tr, triton.cdiv(N, cfg.bn))](
-            x.contiguous(), w, out, w, out, w, out, w, out, w, out, N0=N, N1=0, N2=0, N3=0, N4=0,
+            x, w, out, w, out, w, out, w, out, w, out, N0=N, N1=0, N2=0, N3=0, N4=0,
             NSEG=1, K=K, BN=cfg.bn, BK=bk, EVEN_K=K % bk == 0, TR=tr, num_warps=cfg.num_warps,
             enable_fp_fusion=FP_FUSION, **launch_args(out, pdl))
     return out
