@@ -341,8 +341,11 @@ class Session:
         """generate() with the MTP block's drafts: prefill (the MTP block following), the first
         token and its draft, then speculative steps (graphs or eager, like the plain loop) of up
         to 1 + k tokens each, or plain steps with the MTP block following where the policy
-        says so. The host reads each step's output before the next one: it sets the next step's
-        limit, and the state must end exactly at the output's end."""
+        says so. The next step is launched before the host reads a step's output wherever that
+        step cannot reach the limit (SpecStep.launch): a step launched past an EOS feeds it and
+        keeps nothing more (the state then holds the EOS, pending none, as plain decoding's
+        one-late step leaves it); one launched past on_token's stop outputs its tokens too
+        (output_ids ends with them, as with a step's later tokens)."""
         model, spec, hd = self.model, self.spec, self.model.head_device
         sync = torch.cuda.synchronize if hd.type == "cuda" else (lambda: None)
         steps0, spec0, prop0, acc0 = spec.steps, spec.spec_steps, spec.proposed, spec.accepted
@@ -360,15 +363,30 @@ class Session:
         t1 = time.perf_counter()
         stopped = on_token is not None and bool(on_token(out[0]))
         stop = stopped or (eos_id is not None and out[0] == eos_id)
-        pos = p0
-        while not stop and len(out) < max_new_tokens:
-            i = spec.steps - steps0 + 1                 # this call's step number (profiling)
+        pos, fed = p0, 0                # fed: a step past the end fed the EOS (pending none)
+        left = max_new_tokens - len(out)
+
+        def launch(j: int, limit: int):  # step j of this call (profiling hooks, NVTX)
             if self.step_hook is not None:
-                self.step_hook(i, True)
-            with nvtx_range(f"decode/spec{i}"):
-                ys = spec.step(max_new_tokens - len(out), eos_id)
+                self.step_hook(j, True)
+            with nvtx_range(f"decode/spec{j}"):
+                return spec.launch(limit, eos_id)
+
+        def done(j: int) -> None:
             if self.step_hook is not None:
-                self.step_hook(i, False)
+                self.step_hook(j, False)
+
+        run = launch(1, left) if not stop and left > 0 else None
+        i = 1
+        while run is not None:
+            nxt = None
+            # the next step goes in before this one is read (the host's turn-around hidden behind
+            # the device) where this one cannot end the output at the limit; logits are read
+            # from the step's buffers, so keep_logits reads each step first
+            if left >= 2 * (spec.k + 1) and not keep_logits:
+                nxt = launch(i + 1, left - spec.k - 1)
+            ys = spec.finish(run)
+            done(i)
             for tid in ys:              # all of them are in the state (the last one pending)
                 out.append(tid)
                 if on_token is not None and not stopped and on_token(tid):
@@ -376,11 +394,28 @@ class Session:
             if keep_logits:
                 rows += list(spec.logits().to("cpu", copy=True))
             pos += len(ys)
-            stop = stopped or (eos_id is not None and ys[-1] == eos_id)
+            left -= len(ys)
+            eos_end = eos_id is not None and ys[-1] == eos_id
+            stop = stopped or eos_end
+            if stop and nxt is not None:
+                if eos_end:             # it fed the EOS and kept nothing more (verify.accept)
+                    spec.abandon(nxt)
+                    fed = 1
+                else:                   # stopped by on_token: its tokens are in the state too
+                    ys = spec.finish(nxt)
+                    out += ys
+                    pos += len(ys)
+                done(i + 1)
+                nxt = None
+            if stop or left <= 0:
+                break
+            run = nxt if nxt is not None else launch(i + 1, left)
+            i += 1
+        spec.settle()
         sync()
         t2 = time.perf_counter()
-        model.mtp_commit(pos)             # the MTP block read the rows < pos; none waits
-        self.length, self.pending = pos, out[-1]
+        model.mtp_commit(pos + fed)       # the MTP block read the rows < pos (+ the EOS fed)
+        self.length, self.pending = pos + fed, None if fed else out[-1]
         n_dec, steps = len(out) - 1, spec.steps - steps0
         proposed, accepted = spec.proposed - prop0, spec.accepted - acc0
         timings = {**_timings(len(feed), n_dec, t0, t1, t2), "speculative": spec.k, "steps": steps,

@@ -195,8 +195,10 @@ def test_speculative_greedy_equals_plain(small, plain_runs, weights, n_new, a):
         # a last step that may output one token only is a plain one
         if min_acc == 0 or a == 1.0:    # never below the bar: every other step drafts
             assert t["speculative_steps"] == t["steps"] - 1, t
-        elif a == 0:    # probes of 4 steps between plain runs of 16, 32, 64 and 128 steps
-            assert t["speculative_steps"] == 16, t
+        elif a == 0:    # probes of 4 steps between plain runs of 16, 32, 64 and 128 steps;
+            # the first probe runs 5: a step's drafts reach the policy two launches later
+            # (SpecStep.launch), so the 5th is launched before the 4th is judged
+            assert t["speculative_steps"] == 17, t
         if a == 1.0:       # every draft right: two tokens per step (the last step may be single)
             assert t["acceptance_rate"] > 0.99 and t["tokens_per_step"] > 1.95
         if a == 0.6 and min_acc == 0:
@@ -297,6 +299,65 @@ def test_each_request_stops_at_its_own_eos(small, plain_runs):
     assert int(s.spec.bufs.limit) == 2 and int(s.spec.bufs.eos) == -1   # any cap >= T is T
     s.spec.set_stop(1, ids[3])
     assert int(s.spec.bufs.limit) == 1 and int(s.spec.bufs.eos) == ids[3]
+
+
+def test_a_step_launched_past_the_end(small, plain_runs):
+    """The speculative loop launches a step before it reads the last one (SpecStep.launch). Where
+    that last one ends at the EOS, the step past it feeds the EOS and keeps nothing more: the
+    state is plain decoding's after its own one-late step, bit for bit, and both sequences go on
+    alike. Where on_token stops, the step past it outputs its tokens too: output_ids ends with
+    them and the state holds all but the last, as a continuation shows."""
+    from helpers import live_state
+    prompt, more = list(range(5, 45)), list(range(60, 66))
+    ids = plain_runs("bf16", prompt, 96, keep_logits=True).output_ids
+    for a, eos_at in ((1.0, 9), (1.0, 10), (0.5, 17)):
+        s = Session(_model(small["bf16"]), SamplingParams(), speculative=1,
+                    spec_min_acceptance=0.0)
+        s.spec.set_oracle(prompt + ids, a)
+        ref = Session(_model(small["bf16"]), SamplingParams())
+        eos = ids[eos_at]
+        out = s.generate(prompt, 30, eos_id=eos)
+        want = ref.generate(prompt, 30, eos_id=eos)
+        assert out.output_ids == want.output_ids == ids[:ids.index(eos) + 1]
+        assert (s.length, s.pending) == (ref.length, ref.pending) == (
+            len(prompt) + len(out.output_ids), None), (a, eos_at)
+        for x, y in zip(live_state(s.model), live_state(ref.model)):
+            assert torch.equal(x, y), (a, eos_at)
+        assert (s.generate(more, 12, continue_sequence=True).output_ids
+                == ref.generate(more, 12, continue_sequence=True).output_ids)
+    s = Session(_model(small["bf16"]), SamplingParams(), speculative=1, spec_min_acceptance=0.0)
+    s.spec.set_oracle(prompt + ids, 1.0)
+    seen = []
+    out = s.generate(prompt, 30, on_token=lambda t: seen.append(t) or len(seen) == 8)
+    assert out.finish_reason == "stopped" and seen == ids[:8]
+    assert 8 < len(out.output_ids) <= 8 + 1 + 2 and out.output_ids == ids[:len(out.output_ids)]
+    assert (s.length, s.pending) == (len(prompt) + len(out.output_ids) - 1, out.output_ids[-1])
+    ref = Session(_model(small["bf16"]), SamplingParams())     # the same tokens, fed by plain steps
+    ref.generate(prompt, len(out.output_ids), force_ids=out.output_ids)
+    assert (ref.length, ref.pending) == (s.length, s.pending)
+    for x, y in zip(live_state(s.model), live_state(ref.model)):
+        assert torch.equal(x, y)
+    assert (s.generate(more, 12, continue_sequence=True).output_ids
+            == ref.generate(more, 12, continue_sequence=True).output_ids)
+
+
+def test_the_next_step_is_launched_before_the_last_is_read(small):
+    """The speculative loop's order of launches and reads (SpecStep.launch / finish): each step
+    is launched before the host reads the one before it while 2T or more tokens are left (and
+    logits are not kept); the last steps, which may reach the limit, and every step with
+    keep_logits are read before the next launch."""
+    s = Session(_model(small["bf16"]), SamplingParams(), speculative=1, spec_min_acceptance=0.0)
+    order = []
+    launch, finish = s.spec.launch, s.spec.finish
+    s.spec.launch = lambda *a: (order.append("L"), launch(*a))[1]
+    s.spec.finish = lambda run: (order.append("F"), finish(run))[1]
+    prompt = list(range(5, 45))
+    s.generate(prompt, 12)              # a = 0: one token a step, 11 steps
+    # steps 2..9 launched before the read of 1..8 (11..4 tokens left); 10 and 11 after a read
+    assert "".join(order) == "LL" + "FL" * 7 + "FF" + "LF" * 2, "".join(order)
+    order.clear()
+    s.generate(prompt, 12, keep_logits=True)
+    assert "".join(order) == "LF" * 11
 
 
 def test_continue_a_speculative_sequence(small, no_fake_quant):

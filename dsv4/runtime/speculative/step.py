@@ -11,8 +11,10 @@ its row keep; the pending token and position advance). Every fn is capture-safe,
 step replays from CUDA graphs (graphs.CUDAGraphDecoder) and runs the same functions eagerly on
 the CPU.
 
-The host reads `record` ([keep + 1, y...]) after each step: the output of a step is known only
-on the device, and the next step's limit (tokens still wanted) depends on it.
+The host reads `record` ([keep + 1, y...]) of each step: the output of a step is known only on
+the device. The next step can be launched before that read (SpecStep.launch / finish) where its
+limit (tokens still wanted) holds whatever the step outputs; a step launched past the EOS keeps
+its row 0 only (verify.accept).
 """
 from __future__ import annotations
 
@@ -123,7 +125,8 @@ def build_spec_segments(model: Transformer, bufs: SpecBuffers,
                          layer, ("ids", "pos"), lm_head, {"logits": bufs.logits}, branches=True)
     segs.append(Segment("accept", hd, _accept_fn(bufs, params, model.binding.ops(hd)),
                         reads={"logits": bufs.logits, "drafts": bufs.drafts, "q": bufs.q,
-                               "pos": bufs.pos, "limit": bufs.limit, "eos": bufs.eos},
+                               "pos": bufs.pos, "limit": bufs.limit, "eos": bufs.eos,
+                               "pending": bufs.pending},
                         writes={"y": bufs.y, "keep": bufs.keep, "record": bufs.record}))
     for i, (dev, journal) in enumerate(journals.items()):
         segs.append(Segment(f"rewind{i}", dev,
@@ -144,12 +147,12 @@ def _accept_fn(bufs, params, ops):
     def fn():
         p = fixed(params)
         if (not isinstance(p, SamplingKnobs) and p.greedy and ops.accept_greedy(
-                first_argmax(bufs.logits), bufs.drafts, bufs.limit, bufs.eos, bufs.y, bufs.keep,
-                bufs.record)):
+                first_argmax(bufs.logits), bufs.drafts, bufs.limit, bufs.eos, bufs.pending,
+                bufs.y, bufs.keep, bufs.record)):
             return              # greedy: one launch after the argmax (kernels.decode.accept)
         q = bufs.q if isinstance(p, SamplingKnobs) or not p.greedy else None
         y, keep = accept(bufs.logits, bufs.drafts, q, bufs.pos,
-                         params, bufs.limit, bufs.eos)
+                         params, bufs.limit, bufs.eos, bufs.pending)
         bufs.y.copy_(y)
         bufs.keep.copy_(keep)
         bufs.record[:1].copy_(keep + 1)
@@ -304,8 +307,10 @@ class SpecStep:
         self._drafted = False
         self._last = 0                  # rows of the last step's logits (spec > 0, plain 0)
         self._stop = (None, None)       # (limit, eos) as last written to bufs (set_stop)
-        pinned = model.head_device.type == "cuda"
-        self._host = torch.zeros(1 + T, dtype=torch.int64, pin_memory=pinned)
+        # two host slots: a step's output copy lands in its own while the next step runs
+        self._slots = [_HostSlot(1 + T, model.head_device) for _ in range(2)]
+        self._launched = 0              # steps launched (their index)
+        self._done: list = []           # (index, accepted, proposed) not yet given to the policy
 
     def decoders(self) -> list[CUDAGraphDecoder]:
         return [d for d in (self.decoder, self.follow, self.redraft) if d is not None]
@@ -328,6 +333,7 @@ class SpecStep:
     def reset(self) -> None:
         self.bufs.reset()
         self.policy.reset()
+        self._done.clear()
         self._drafted = False
         self._stop = (None, None)
 
@@ -357,10 +363,52 @@ class SpecStep:
         decoder, where only one more token is wanted); -> its output tokens (1 .. min(limit, T);
         the last one is the new pending token, not fed). Waits for the device (the output
         decides the next step's limit)."""
+        return self.finish(self.launch(limit, eos_id))
+
+    def launch(self, limit: int, eos_id: int | None) -> "Launched":
+        """Launch one step (as step) without waiting for it; its output's copy to the host is
+        queued behind it. Another step may be launched before finish() reads this one: it feeds
+        this one's last output token (the device's pending), and its limit must hold whatever
+        this one outputs. If this one ends the output at eos_id, that step keeps its row 0 only
+        (verify.accept): the state then holds the EOS fed, as after plain decoding's one-late
+        step. The policy's choice of each step's kind sees the steps finished two launches
+        before (the same choices however the host interleaves launches and reads)."""
+        self._launched += 1
+        while self._done and self._done[0][0] <= self._launched - 2:
+            _, accepted, proposed = self._done.pop(0)
+            self.policy.spec_step(accepted, proposed)
         self.steps += 1
+        slot = self._slots[self._launched % len(self._slots)]
         if self.plain is None or (limit > 1 and self.policy.speculate()):
-            return self._speculative_step(limit, eos_id)
-        return self._plain_step()
+            return self._speculative_launch(limit, eos_id, slot)
+        return self._plain_launch(slot)
+
+    def finish(self, run: "Launched") -> list[int]:
+        """Wait for a launched step -> its output tokens (as step's); counts its drafts."""
+        rec = run.read()
+        if not run.speculative:
+            self._last = 0
+            return rec[:1]
+        n = rec[0]
+        self.spec_steps += 1
+        self.proposed += run.proposed
+        self.accepted += n - 1
+        self._done.append((run.index, n - 1, run.proposed))
+        self._last = n
+        return rec[1:1 + n]
+
+    def abandon(self, run: "Launched") -> None:
+        """A launched step that followed the end of the output (its pending token the EOS: it fed
+        that token and kept nothing else): wait for it; neither its tokens nor its drafts
+        count."""
+        run.read()
+        self.steps -= 1
+
+    def settle(self) -> None:
+        """The end of a generate(): the policy takes every finished step's drafts."""
+        for _, accepted, proposed in self._done:
+            self.policy.spec_step(accepted, proposed)
+        self._done.clear()
 
     def logits(self) -> torch.Tensor:
         """The main logits [n, V] of the last step's output tokens (views of static buffers)."""
@@ -368,24 +416,16 @@ class SpecStep:
             return self.plain[1].logits[None]
         return self.bufs.logits[:self._last]
 
-    def _speculative_step(self, limit: int, eos_id: int | None) -> list[int]:
+    def _speculative_launch(self, limit: int, eos_id: int | None, slot) -> "Launched":
         b = self.bufs
         if not self._drafted:           # after plain steps: draft from the MTP block's last row
             self.redraft.step()
         self.set_stop(limit, eos_id)
         self.decoder.step()
         self._drafted = True
-        rec = self._read(b.record)
-        n = rec[0]
-        proposed = min(self.k, limit - 1)
-        self.spec_steps += 1
-        self.proposed += proposed
-        self.accepted += n - 1
-        self.policy.spec_step(n - 1, proposed)
-        self._last = n
-        return rec[1:1 + n]
+        return Launched(self._launched, True, min(self.k, limit - 1), *slot.queue(b.record))
 
-    def _plain_step(self) -> list[int]:
+    def _plain_launch(self, slot) -> "Launched":
         if self.plain is None:
             raise ConfigError("a plain step needs the session's plain decoder (SpecStep(plain=))")
         dec, pb = self.plain
@@ -397,17 +437,47 @@ class SpecStep:
         self.follow.step()              # the MTP block reads the row; pending and pos move on
         self._drafted = False
         self.policy.plain_step()
-        self._last = 0
-        return self._read(b.pending)
-
-    def _read(self, t: torch.Tensor) -> list[int]:
-        """A step's output [n] int64 on the host (the per-step token stream read)."""
-        host = self._host[:t.shape[0]]
-        host.copy_(t, non_blocking=host.is_pinned())
-        if host.is_pinned():
-            torch.cuda.current_stream(t.device).synchronize()
-        return host.tolist()
+        return Launched(self._launched, False, 0, *slot.queue(b.pending))
 
     def close(self) -> None:
         for d in self.decoders():
             d.close()
+
+
+class _HostSlot:
+    """A pinned host buffer (CUDA) a step's output is copied into, with the event that says the
+    copy is done."""
+
+    def __init__(self, n: int, device: torch.device):
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.host = torch.zeros(n, dtype=torch.int64, pin_memory=self.cuda)
+
+    def queue(self, t: torch.Tensor) -> tuple:
+        """Queue the copy of t [n] int64 (on the stream the steps run on) -> (host view, event or
+        None)."""
+        host = self.host[:t.shape[0]]
+        if not self.cuda:
+            host.copy_(t)
+            return host, None
+        with torch.cuda.device(self.device):
+            host.copy_(t, non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(torch.cuda.current_stream(self.device))
+        return host, ev
+
+
+@dataclass
+class Launched:
+    """A launched step (SpecStep.launch): its index, kind, drafts proposed, and its output's host
+    copy with the event that says it landed."""
+    index: int
+    speculative: bool
+    proposed: int
+    host: torch.Tensor
+    event: object = None
+
+    def read(self) -> list[int]:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host.tolist()

@@ -71,15 +71,17 @@ def oracle_draft(d: torch.Tensor, pos: torch.Tensor, table: torch.Tensor, on: to
 
 
 def accept(logits: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor | None, pos: torch.Tensor,
-           params: SamplingParams | SamplingKnobs, limit: torch.Tensor, eos: torch.Tensor
-           ) -> tuple[torch.Tensor, torch.Tensor]:
+           params: SamplingParams | SamplingKnobs, limit: torch.Tensor, eos: torch.Tensor,
+           pending: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Verify: logits [T, V] f32 of the rows at pos ([1] int64) .. pos+T-1 (row i follows draft
     i), drafts [T-1] int64, q [T-1, V] their distributions (None: greedy; with knobs always
     given, unused where greedy) -> (y [T] int64, keep [1] int64): the step outputs y[:keep+1], the first `keep` drafts and then the main model's own
     choice (a correction after a rejection, a bonus token after full acceptance); its state keeps
     rows 0..keep. keep is also capped so that the output holds at most limit[0] (>= 1) tokens and
-    ends at the first eos (eos[0] < 0: none). Each output token follows plain sampling given the
-    tokens before it. Capture-safe."""
+    ends at the first eos (eos[0] < 0: none). pending ([1] int64, row 0's token): where it is
+    the eos, the output had ended before this step (a step launched before the host read the
+    last one's output: Session's pipelined loop), and the step keeps row 0 only (keep 0). Each
+    output token follows plain sampling given the tokens before it. Capture-safe."""
     T, dev = logits.shape[0], logits.device
     rows = torch.arange(T, device=dev)
     params = fixed(params)
@@ -105,5 +107,7 @@ def accept(logits: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor | None, p
         y, ok = y_greedy, ok_greedy
     n = ok.to(torch.int64).cumprod(dim=0).sum().reshape(1)            # leading accepted drafts
     first_eos = torch.where((y == eos) & (eos >= 0), rows, T).min().reshape(1)
+    if pending is not None:
+        limit = torch.where((pending == eos) & (eos >= 0), 1, limit)
     keep = torch.minimum(torch.minimum(n, limit - 1), first_eos)
     return y, keep

@@ -481,7 +481,9 @@ def test_argmax_rows_is_torchs_argmax():
 def test_accept_greedy_is_verify_accept():
     """The speculative step's greedy acceptance in one launch (kernels.decode.accept) against
     verify.accept (greedy) and the record the step writes, over T = 2..4 rows: every number of
-    matched drafts, an EOS before, at and after the first miss (and none), caps below and above."""
+    matched drafts, an EOS before, at and after the first miss (and none), caps below and above,
+    and a pending token that is the EOS (a step launched after the output ended: keep 0) or
+    not."""
     from dsv4.kernels.decode.accept import accept_greedy
     from dsv4.runtime.sampling import SamplingParams
     from dsv4.runtime.speculative.verify import accept
@@ -499,12 +501,16 @@ def test_accept_greedy_is_verify_accept():
                     eos = torch.tensor([int(am[eos_row]) if eos_row >= 0 else -1])
                     lim = torch.tensor([limit])
                     pos = torch.tensor([5])
-                    y_ref, keep_ref = accept(logits, drafts, None, pos, SamplingParams(), lim, eos)
-                    y, keep = torch.full((T,), -7), torch.full((1,), -7)
-                    rec = torch.full((1 + T,), -7)
-                    accept_greedy(am.view(T, 1), drafts, lim, eos, y, keep, rec)
-                    assert torch.equal(y, y_ref) and torch.equal(keep, keep_ref), \
-                        (T, matched, eos_row, limit, y, keep, keep_ref)
-                    assert torch.equal(rec, torch.cat((keep_ref + 1, y_ref)))
-                    cases += 1
-    assert cases == sum(T * (T + 1) * 4 for T in (2, 3, 4))
+                    for pending in (torch.tensor([V + 1]), eos.clone()):
+                        y_ref, keep_ref = accept(logits, drafts, None, pos, SamplingParams(), lim,
+                                                 eos, pending)
+                        if int(pending) == int(eos) >= 0:
+                            assert int(keep_ref) == 0
+                        y, keep = torch.full((T,), -7), torch.full((1,), -7)
+                        rec = torch.full((1 + T,), -7)
+                        accept_greedy(am.view(T, 1), drafts, lim, eos, pending, y, keep, rec)
+                        assert torch.equal(y, y_ref) and torch.equal(keep, keep_ref), \
+                            (T, matched, eos_row, limit, int(pending), y, keep, keep_ref)
+                        assert torch.equal(rec, torch.cat((keep_ref + 1, y_ref)))
+                        cases += 1
+    assert cases == sum(2 * T * (T + 1) * 4 for T in (2, 3, 4))
