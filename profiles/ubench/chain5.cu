@@ -11,10 +11,15 @@
 // up to 192 KB an SM, 25 MB over 132 SMs, more than a 16.8 MB stage) hides a latency-bound step
 // between two stages, where a graph of PDL launches pays it. Against a graph of PDL launches of
 // the same unit GEMV reading global memory, the partial sums checked bit for bit against it, and
-// stage 0 against a float64 host reference. Build and run: profiles/ubench/run.sh chain5
+// stage 0 against a float64 host reference. Then (`chain5 RINGS... -- PF...`) the producer also
+// asks for units PF uses ahead of the one it copies into L2 (one bulk prefetch a unit): a CTA's
+// share of a 16.8 MB stage is 8 units and its ring holds 8-12, so without it the rest of the next
+// stage is read from memory only after the consumers free their slots, behind the dependency; with
+// it that rest comes from L2. Build and run: profiles/ubench/run.sh chain5
 #include <cuda_runtime.h>
 #include <cstdio>
 #include <cstdint>
+#include <string>
 
 #include "fp8chain.cuh"
 
@@ -122,12 +127,14 @@ __global__ void __launch_bounds__(STHREADS, 1) stage_fp8(const uint8_t* W, const
 // handed over: the last unit of a row tile to finish (a ticket a tile) sums the tile's partials
 // and writes its 16 values of x as f16 (xg), so after the barrier each CTA loads K halves (8 KB)
 // instead of reducing K x 4 partials (64 KB). M = 1: one stage, the floor of this kernel.
+// pf > 0 (modes 1, 2 and 6): before copying use u, the producer asks for use u + pf (and every use
+// up to it not yet asked for) to be brought into L2.
 template <int MODE>
 __global__ void __launch_bounds__((CONS + 1) * 32, 1) chain_fp8(const uint8_t* const* Ws, const float* const* Ss,
                                                                 const float* x0, float* parts, int M, int N, int K,
                                                                 int nbuf, unsigned* bar, unsigned epoch,
                                                                 float* xn, unsigned* flag, __half* xg,
-                                                                unsigned* tick) {
+                                                                unsigned* tick, int pf) {
   constexpr bool GAP = MODE == 2, SOLO = MODE == 3, EMPTY = MODE == 4 || MODE == 5, RELOAD = MODE != 5;
   const bool handoff = MODE == 6 && N == K;
   extern __shared__ __align__(128) unsigned char sm[];
@@ -139,10 +146,16 @@ __global__ void __launch_bounds__((CONS + 1) * 32, 1) chain_fp8(const uint8_t* c
   const int units = EMPTY ? 0 : (t1 - t0) * CHUNKS, u0 = t0 * CHUNKS;
   if (warp == CONS) {
     if (lane == 0) {
+      const int total = (SOLO ? 1 : M) * units;
+      auto src = [&](int use) { return Ws[use / max(units, 1)] + size_t(u0 + use % max(units, 1)) * UNITB; };
+      int asked = 1;             // uses up to here asked for (use 0 is copied at once)
       int use = 0;
       for (int s = 0; s < (SOLO ? 1 : M); ++s)
-        for (int j = 0; j < (SOLO ? min(units, nbuf) : units); ++j)
-          g.fill(g.acquire(use++), Ws[s] + size_t(u0 + j) * UNITB);
+        for (int j = 0; j < (SOLO ? min(units, nbuf) : units); ++j, ++use) {
+          if (!SOLO && !EMPTY)
+            for (; asked < total && asked <= use + pf; ++asked) l2_bulk_prefetch(src(asked), UNITB);
+          g.fill(g.acquire(use), src(use));
+        }
     }
     return;
   }
@@ -193,9 +206,13 @@ __global__ void __launch_bounds__((CONS + 1) * 32, 1) chain_fp8(const uint8_t* c
   }
 }
 
-int main(int argc, char** argv) {   // argv: the ring sizes in units (default 8 12)
-  std::vector<int> nbufs;
-  for (int i = 1; i < argc; ++i) nbufs.push_back(atoi(argv[i]));
+int main(int argc, char** argv) {   // argv: the ring sizes in units (default 8 12), then -- and the
+  std::vector<int> nbufs, pfs;       // producer's L2 prefetch distances in units (default none)
+  bool after = false;
+  for (int i = 1; i < argc; ++i) {
+    if (std::string(argv[i]) == "--") { after = true; continue; }
+    (after ? pfs : nbufs).push_back(atoi(argv[i]));
+  }
   if (nbufs.empty()) nbufs = {8, 12};
   const int sms = chain_start("chain5: FP8 units on mma.sync, persistent producer + ring against PDL launches");
   Timer T;
@@ -266,8 +283,9 @@ int main(int argc, char** argv) {   // argv: the ring sizes in units (default 8 
       CK(cudaMalloc(&xg, size_t(c.M) * c.K * 2));
       CK(cudaMalloc(&tick, size_t(c.M) * (c.N / 16) * 4));
       CK(cudaMemset(tick, 0, size_t(c.M) * (c.N / 16) * 4));
+      int pf = 0;                // the producer's L2 prefetch distance of the runs below
       auto run = [&](auto kern, int k, int M, int N, unsigned* b, unsigned ep) {
-        kern<<<sms, threads, smem, st>>>(C.Ws(k), C.Ss(k), C.x0, ps2, M, N, c.K, nbuf, b, ep, C.xn2, C.flag, xg, tick);
+        kern<<<sms, threads, smem, st>>>(C.Ws(k), C.Ss(k), C.x0, ps2, M, N, c.K, nbuf, b, ep, C.xn2, C.flag, xg, tick, pf);
       };
       // the consumers alone: M stages' worth of units from the ring's one fill
       const float t_solo = T.time([&](int i) { run(chain_fp8<3>, i % COPIES, c.M, c.N, C.bar, 0); });
@@ -305,6 +323,23 @@ int main(int argc, char** argv) {   // argv: the ring sizes in units (default 8 
       if (chained)
         time_gap_chain(T, c.M, [&](int k, unsigned* b, unsigned ep) { run(chain_fp8<2>, k, c.M, c.N, b, ep); }, ps2, G,
                        C.flag, t_dep);
+      // the producer asking for the units pf ahead into L2: the chain, then through the step
+      for (int p : pfs) {
+        pf = p;
+        const float t_one_pf = T.time([&](int i) { run(chain_fp8<1>, i % COPIES, 1, c.N * c.M, C.bar, 0); });
+        const float t_pf = T.time([&](int i) { run(chain_fp8<1>, i % COPIES, c.M, c.N, C.bar, epoch++); });
+        CK(cudaMemset(ps2, 0xFF, ref.size() * 4));
+        run(chain_fp8<1>, 0, c.M, c.N, C.bar, epoch++);
+        const char* same_pf = check(ref);
+        printf("    L2 prefetch %2d units ahead (%.1f MB over the grid): one stage of all rows %.1f us (%.0f%% of the read) "
+               "| %d stages %.1f us (%.0f%% of the read; %.2f us a dependency) | same bits %s\n", p,
+               double(p) * UNITB * sms / 1e6, t_one_pf, 100.0 * t_read / t_one_pf, c.M, t_pf, 100.0 * t_read / t_pf,
+               (t_pf - t_one_pf) / (c.M - 1), same_pf);
+        if (chained)
+          time_gap_chain(T, c.M, [&](int k, unsigned* b, unsigned ep) { run(chain_fp8<2>, k, c.M, c.N, b, ep); }, ps2,
+                         G, C.flag, t_pf);
+        pf = 0;
+      }
     }
     CK(cudaFree(ps)); CK(cudaFree(ps2));
   }

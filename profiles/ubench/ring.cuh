@@ -1,5 +1,5 @@
-// The persistent chains' pieces (chain3.cu, chain4.cu): mbarriers, a bulk copy (TMA, 1-D) into
-// shared memory that completes on an mbarrier, the consumer warps' named barrier, and the ring of
+// The persistent chains' pieces (chain3.cu, chain4.cu, chain5.cu): mbarriers, a bulk copy (TMA,
+// 1-D) into shared memory that completes on an mbarrier, a bulk prefetch into L2, the consumer warps' named barrier, and the ring of
 // row slots a producer warp fills and consumer warps drain.
 #pragma once
 #include "ubench.cuh"
@@ -22,6 +22,10 @@ __device__ __forceinline__ void mbar_expect(uint64_t* b, unsigned bytes) {
 __device__ __forceinline__ void bulk_g2s(void* dst, const void* src, unsigned bytes, uint64_t* b) {
   asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
                ::"r"(smem_u32(dst)), "l"(src), "r"(bytes), "r"(smem_u32(b)) : "memory");
+}
+// one bulk prefetch of [p, p + bytes) into L2 (the copy engine; p 16-byte aligned, bytes a multiple of 16)
+__device__ __forceinline__ void l2_bulk_prefetch(const void* p, unsigned bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(p), "r"(bytes) : "memory");
 }
 template <int CONS> __device__ __forceinline__ void cons_sync() { asm volatile("bar.sync 1, %0;\n" ::"n"(CONS * 32) : "memory"); }
 
