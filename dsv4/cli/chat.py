@@ -192,10 +192,11 @@ class Conversation:
                       f"new conversation (or restart with a larger --max-seq-len)")
             return None
         stream = ReplyStream(self.out, self.tok, self.thinking, self.tty)
-        stop = self.interrupt
+        stop, pushed = self.interrupt, []
 
         def push(tid: int) -> bool:    # truthy: the session stops after this token
             stream.push(tid)
+            pushed.append(tid)
             return stop.requested
         try:
             with stop:
@@ -206,6 +207,11 @@ class Conversation:
             self.reset()
             self._say("interrupted twice: the conversation was reset")
             return None
+        # a speculative step outputs all of its tokens, also past the one at which Ctrl-C
+        # stopped it (and the step launched before that one was read): they are in the
+        # sequence the next turn continues, so the answer shows and keeps them too
+        for tid in res.output_ids[len(pushed):]:
+            stream.push(tid)
         stream.finish()
         finish = "interrupted" if res.finish_reason == "stopped" else res.finish_reason
         if self.system and not self.messages:

@@ -180,6 +180,48 @@ def test_ctrl_c_stops_the_answer_and_keeps_the_conversation(tok, demo, terminal_
     session.close()
 
 
+def test_ctrl_c_in_a_speculative_answer_keeps_what_the_sequence_holds(tok, demo,
+                                                                     terminal_sigint):
+    """With speculative decoding a Ctrl-C stops the answer at the end of the steps in flight
+    (the step being read and the one launched before it): the tokens past the one it stopped at
+    are in the sequence the next turn continues, so the answer shows them and the conversation
+    keeps them; the stats count the same tokens."""
+    from dsv4.runtime.config import RuntimeConfig
+    from dsv4.runtime.sampling import SamplingParams
+    from dsv4.runtime.session import Session, load_model
+    model, ck = load_model(demo[0], RuntimeConfig(max_seq_len=160, dtype=torch.float32, mtp=True))
+    ck.close()
+    session = Session(model, SamplingParams(), speculative=1, spec_min_acceptance=0.0)
+    out, err = io.StringIO(), io.StringIO()
+    chat = Conversation(session, tok, system=None, thinking=False, max_new=24, out=out, err=err)
+    generate, seen, got = session.generate, [], []
+
+    def interrupting(ids, n, on_token, **kw):
+        def push(tid):
+            seen.append(tid)
+            if len(seen) == 3:         # what a terminal's Ctrl-C delivers, mid-answer
+                signal.raise_signal(signal.SIGINT)
+            return on_token(tid)
+        got.append(generate(ids, n, on_token=push, **kw))
+        return got[-1]
+    session.generate = interrupting
+    stats = chat.turn("Tell me a long story.")
+    res = got[0]
+    assert stats["finish_reason"] == "interrupted" and len(seen) == 3
+    assert 3 <= len(res.output_ids) <= 3 + 3 and res.output_ids[:3] == seen
+    assert stats["tokens"] == len(res.output_ids)
+    kept = [t for t in res.output_ids if t != tok.eos_id]
+    assert chat.messages[1]["content"] == tok.decode(kept)
+    assert tok.decode(kept) in out.getvalue()
+    # the state holds every output token but the pending last one
+    assert session.length + (session.pending is not None) == stats["cached"] + stats[
+        "prefilled"] + len(res.output_ids)
+    session.generate = generate
+    again = chat.turn("Go on.")
+    assert again["finish_reason"] in ("eos", "length", "interrupted")
+    session.close()
+
+
 def _read_until(fd, pattern: str, seen: bytearray, timeout: float = 300) -> str:
     """Read the terminal's output into `seen` until `pattern` (a regex) matches the text after
     the previous match; -> that text (ANSI sequences and \\r removed)."""
