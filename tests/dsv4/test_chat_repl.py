@@ -141,6 +141,21 @@ def terminal_sigint():
     signal.signal(signal.SIGINT, old)
 
 
+def _interrupting(generate, seen: list, got: list):
+    """Session.generate with a SIGINT raised at the third token on_token sees (what a
+    terminal's Ctrl-C delivers, mid-answer): the tokens on_token saw into `seen`, the
+    results into `got`."""
+    def interrupting(ids, n, on_token, **kw):
+        def push(tid):
+            seen.append(tid)
+            if len(seen) == 3:
+                signal.raise_signal(signal.SIGINT)
+            return on_token(tid)
+        got.append(generate(ids, n, on_token=push, **kw))
+        return got[-1]
+    return interrupting
+
+
 def test_ctrl_c_stops_the_answer_and_keeps_the_conversation(tok, demo, terminal_sigint):
     """A SIGINT while an answer streams stops it at the next token: the conversation keeps the
     cut answer (and its turn), the next turn continues the sequence; a refused turn on a pipe
@@ -154,15 +169,7 @@ def test_ctrl_c_stops_the_answer_and_keeps_the_conversation(tok, demo, terminal_
     out, err = io.StringIO(), io.StringIO()
     chat = Conversation(session, tok, system=None, thinking=False, max_new=6, out=out, err=err)
     generate, seen = session.generate, []
-
-    def interrupting(ids, n, on_token, **kw):
-        def push(tid):
-            seen.append(tid)
-            if len(seen) == 3:         # what a terminal's Ctrl-C delivers, mid-answer
-                signal.raise_signal(signal.SIGINT)
-            return on_token(tid)
-        return generate(ids, n, on_token=push, **kw)
-    session.generate = interrupting
+    session.generate = _interrupting(generate, seen, [])
     stats = chat.turn("Tell me a long story.")
     assert stats["finish_reason"] == "interrupted" and stats["tokens"] == 3 == len(seen)
     assert "answer stopped (Ctrl-C)" in err.getvalue()
@@ -195,16 +202,7 @@ def test_ctrl_c_in_a_speculative_answer_keeps_what_the_sequence_holds(tok, demo,
     out, err = io.StringIO(), io.StringIO()
     chat = Conversation(session, tok, system=None, thinking=False, max_new=24, out=out, err=err)
     generate, seen, got = session.generate, [], []
-
-    def interrupting(ids, n, on_token, **kw):
-        def push(tid):
-            seen.append(tid)
-            if len(seen) == 3:         # what a terminal's Ctrl-C delivers, mid-answer
-                signal.raise_signal(signal.SIGINT)
-            return on_token(tid)
-        got.append(generate(ids, n, on_token=push, **kw))
-        return got[-1]
-    session.generate = interrupting
+    session.generate = _interrupting(generate, seen, got)
     stats = chat.turn("Tell me a long story.")
     res = got[0]
     assert stats["finish_reason"] == "interrupted" and len(seen) == 3
