@@ -155,8 +155,9 @@ def _split_step(s, model, context: int, seed: int, n: int, devices, verify2_ms: 
     """The speculative session s's step split: its device work alone (the segments replayed back
     to back, no read by the host between steps; drafts of token 0, rejected) against the verify
     pass of T = 2 (verify2_ms); with verify2_top (its kernels by name, CUDA), what the MTP segment
-    adds by kernel name, and three steps as decoding takes them (the host reads each step's
-    output, then launches the next) with the longest stretches no kernel runs.
+    adds by kernel name, and three steps as decoding takes them (as the Session's loop: each
+    step launched before the host reads the one before it) with the longest stretches no kernel
+    runs.
     -> (device ms, the step's kernels by name, those stretches)."""
     b = s.spec.bufs
     s.spec.set_oracle((), -1.0)
@@ -186,8 +187,15 @@ def _split_step(s, model, context: int, seed: int, n: int, devices, verify2_ms: 
     s.spec.policy = SpecPolicy(0.0)             # every step speculative
     b.pos.fill_(context)
     s.spec.step(2, None)                        # (drafts from the MTP block's last row)
-    count_kernels(lambda: [s.spec.step(2, None) for _ in range(steps)], devices, {},
-                  events=events)
+
+    def as_decoding():                          # Session._generate_speculative's order
+        run = s.spec.launch(2 * (s.spec.k + 1), None)
+        for _ in range(steps - 1):
+            nxt = s.spec.launch(2 * (s.spec.k + 1), None)
+            s.spec.finish(run)
+            run = nxt
+        s.spec.finish(run)
+    count_kernels(as_decoding, devices, {}, events=events)
     tl = timeline.analyze(events, steps)        # its "per layer" figures: per step here
     gaps = timeline.gaps(events)
     log(f"{steps} speculative steps as decoding takes them (profiled): a step's span "
