@@ -152,7 +152,7 @@ __global__ void __launch_bounds__((CONS + 1) * 32, 1) chain_fp8(const uint8_t* c
       int use = 0;
       for (int s = 0; s < (SOLO ? 1 : M); ++s)
         for (int j = 0; j < (SOLO ? min(units, nbuf) : units); ++j, ++use) {
-          if (!SOLO && !EMPTY)
+          if (!SOLO && !EMPTY && pf > 0)
             for (; asked < total && asked <= use + pf; ++asked) l2_bulk_prefetch(src(asked), UNITB);
           g.fill(g.acquire(use), src(use));
         }
