@@ -217,7 +217,9 @@ class Conversation:
         if self.system and not self.messages:
             self.messages.append({"role": "system", "content": self.system})
         self.messages += [user, stream.message()]
-        self.needs_eos = res.finish_reason != "eos"
+        # an answer that already holds its EOS (a speculative step's, past the stop) needs none
+        self.needs_eos = (res.finish_reason != "eos"
+                          and res.output_ids[-1:] != [self.tok.eos_id])
         t = res.timings
         stats = {"tokens": len(res.output_ids), "finish_reason": finish,
                  "decode_tok_per_s": t["decode_tok_per_s"], "cached": cached,

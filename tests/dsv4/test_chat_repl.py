@@ -220,6 +220,35 @@ def test_ctrl_c_in_a_speculative_answer_keeps_what_the_sequence_holds(tok, demo,
     session.close()
 
 
+def test_an_answer_stopped_with_its_eos_past_the_stop_gets_no_second_eos(tok):
+    """A speculative step can output the EOS right after the token at which Ctrl-C stopped the
+    answer (finish "stopped", the EOS the pending token, fed by the next turn): that turn then
+    adds no EOS of its own before the user's message."""
+    from types import SimpleNamespace
+    from dsv4.runtime.session import GenerationResult
+    words = tok.encode(" once upon")
+    timings = {"decode_tok_per_s": 1.0, "prefill_tok_per_s": 1.0}
+
+    class Stub:                        # the Session surface Conversation uses
+        model = SimpleNamespace(rt=SimpleNamespace(max_seq_len=4096))
+        length, pending = 0, None
+
+        def generate(self, ids, n, eos_id, on_token, continue_sequence=False):
+            out = words + [eos_id]
+            on_token(out[0])           # stopped at the first token (a Ctrl-C)
+            self.length, self.pending = len(ids) + len(out) - 1, eos_id
+            return GenerationResult(list(ids), out, "stopped", None, timings)
+
+        def reset(self):
+            self.length, self.pending = 0, None
+    chat = Conversation(Stub(), tok, system=None, thinking=False, max_new=8, out=io.StringIO(),
+                        err=io.StringIO())
+    stats = chat.turn("Tell me a story.")
+    assert stats["finish_reason"] == "interrupted" and stats["tokens"] == len(words) + 1
+    assert chat.messages[1]["content"] == tok.decode(words) and not chat.needs_eos
+    assert chat._ids({"role": "user", "content": "Go on."})[0] != tok.eos_id
+
+
 def _read_until(fd, pattern: str, seen: bytearray, timeout: float = 300) -> str:
     """Read the terminal's output into `seen` until `pattern` (a regex) matches the text after
     the previous match; -> that text (ANSI sequences and \\r removed)."""
