@@ -268,14 +268,15 @@ class Ops:
                         threads=threads, piece=piece)
 
     # ---- speculative decoding ------------------------------------------------------------------
-    def accept_greedy(self, am, drafts, limit, eos, pending, y, keep, record) -> bool:
-        """A speculative step's greedy acceptance in one launch (kernels.decode.accept) from the
-        rows' argmax am; False where the kernels do not serve this device (verify.accept's torch
-        ops then)."""
+    def accept_greedy(self, logits, drafts, limit, eos, pending, y, keep, record) -> bool:
+        """A speculative step's greedy acceptance in one launch (kernels.decode.accept) after the
+        rows' argmax of logits [T, V]; False, with nothing computed, where the kernels do not
+        serve this device (verify.accept's torch ops then)."""
         if not self.backend.kernels:
             return False
         from ..kernels.decode import accept
-        accept.accept_greedy(am, drafts, limit, eos, pending, y, keep, record)
+        accept.accept_greedy(self.argmax_rows(logits), drafts, limit, eos, pending, y, keep,
+                             record)
         return True
 
     def journal(self, entries):

@@ -27,7 +27,7 @@ from graphs import BufferSpec, CUDAGraphDecoder, Segment
 from ...errors import ConfigError
 from ...model.transformer import Transformer
 from ..passes import DecodeBuffers, DeviceBuffers, pass_segments
-from ..sampling import SamplingKnobs, SamplingParams, first_argmax, fixed
+from ..sampling import SamplingKnobs, SamplingParams, fixed
 from .journal import Journal
 from .policy import DEFAULT_MIN_ACCEPTANCE, SpecPolicy
 from .verify import accept, draft, oracle_draft, oracle_table
@@ -147,7 +147,7 @@ def _accept_fn(bufs, params, ops):
     def fn():
         p = fixed(params)
         if (not isinstance(p, SamplingKnobs) and p.greedy and ops.accept_greedy(
-                first_argmax(bufs.logits), bufs.drafts, bufs.limit, bufs.eos, bufs.pending,
+                bufs.logits, bufs.drafts, bufs.limit, bufs.eos, bufs.pending,
                 bufs.y, bufs.keep, bufs.record)):
             return              # greedy: one launch after the argmax (kernels.decode.accept)
         q = bufs.q if isinstance(p, SamplingKnobs) or not p.greedy else None
