@@ -250,7 +250,7 @@ POST_MIX_BD = 64    # columns a program of hc_post_mix (64 programs for Flash's 
 
 def post_mix_fits(D: int, M: int) -> bool:
     """hc_post_mix takes streams of D columns and a mix of M outputs."""
-    return D % POST_MIX_BD == 0 and M <= triton.next_power_of_2(M) <= 32
+    return D % POST_MIX_BD == 0 and M <= 32
 
 
 def hc_post_mix(x, res, post, comb, fn, pdl=True):
