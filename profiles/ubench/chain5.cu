@@ -15,11 +15,18 @@
 // asks for units PF uses ahead of the one it copies into L2 (one bulk prefetch a unit): a CTA's
 // share of a 16.8 MB stage is 8 units and its ring holds 8-12, so without it the rest of the next
 // stage is read from memory only after the consumers free their slots, behind the dependency; with
-// it that rest comes from L2. Build and run: profiles/ubench/run.sh chain5
+// it that rest comes from L2. `chain5 RINGS -- PF... -- PACE...`: the producer's copies at least
+// PACE ns apart (no catching up after a wait), alone and with each PF: does a stream that keeps a
+// whole stage of requests in flight queue the grid barrier and x's reload behind them? After each
+// chained run, the timeline of one more (TL_*: a CTA's clock64 at each phase of a stage) says
+// where a dependent stage's time goes. Build and run: profiles/ubench/run.sh chain5
 #include <cuda_runtime.h>
 #include <cstdio>
 #include <cstdint>
 #include <string>
+#include <algorithm>
+#include <climits>
+#include <vector>
 
 #include "fp8chain.cuh"
 
@@ -115,6 +122,12 @@ __global__ void __launch_bounds__(STHREADS, 1) stage_fp8(const uint8_t* W, const
   }
 }
 
+// the persistent kernel's timeline (chain5 ... with a run of MODE 1 given tl): a CTA's clock64 at
+// each stage's start (after the barrier before it), x loaded, each consumer warp's unit ready (its
+// ring wait passed) and done (released), the consumers' sync before the barrier, the barrier
+// passed; the producer's acquire of the stage's first and last slot (before its copy)
+enum { TL_START, TL_X, TL_READY, TL_DONE = TL_READY + CONS, TL_SYNC = TL_DONE + CONS, TL_BAR, TL_P0, TL_P1, TLW };
+
 // all stages in one kernel: tiles split evenly over the CTAs, the producer warp (warp CONS)
 // streams this CTA's units of every stage through a ring of nbuf 16 KB slots (one bulk copy a
 // unit); the consumers take units j = warp, warp + CONS, ... (nbuf >= CONS, any: Ring::wait_after)
@@ -134,7 +147,7 @@ __global__ void __launch_bounds__((CONS + 1) * 32, 1) chain_fp8(const uint8_t* c
                                                                 const float* x0, float* parts, int M, int N, int K,
                                                                 int nbuf, unsigned* bar, unsigned epoch,
                                                                 float* xn, unsigned* flag, __half* xg,
-                                                                unsigned* tick, int pf) {
+                                                                unsigned* tick, int pf, long long* tl, int pace) {
   constexpr bool GAP = MODE == 2, SOLO = MODE == 3, EMPTY = MODE == 4 || MODE == 5, RELOAD = MODE != 5;
   const bool handoff = MODE == 6 && N == K;
   extern __shared__ __align__(128) unsigned char sm[];
@@ -144,17 +157,27 @@ __global__ void __launch_bounds__((CONS + 1) * 32, 1) chain_fp8(const uint8_t* c
   int t0, t1;
   even_rows(N / 16, t0, t1);
   const int units = EMPTY ? 0 : (t1 - t0) * CHUNKS, u0 = t0 * CHUNKS;
+  // the timeline (tl, MODE 1): clock64 stamps [CTA][stage][TLW] (see TL_*)
+  auto stamp = [&](int s, int k) { return (size_t(blockIdx.x) * M + s) * TLW + k; };
   if (warp == CONS) {
     if (lane == 0) {
       const int total = (SOLO ? 1 : M) * units;
       auto src = [&](int use) { return Ws[use / max(units, 1)] + size_t(u0 + use % max(units, 1)) * UNITB; };
       int asked = 1;             // uses up to here asked for (use 0 is copied at once)
+      long long issued = 0;      // the clock of the last copy (pacing)
       int use = 0;
       for (int s = 0; s < (SOLO ? 1 : M); ++s)
         for (int j = 0; j < (SOLO ? min(units, nbuf) : units); ++j, ++use) {
           if (!SOLO && !EMPTY && pf > 0)
             for (; asked < total && asked <= use + pf; ++asked) l2_bulk_prefetch(src(asked), UNITB);
-          g.fill(g.acquire(use), src(use));
+          const int slot = g.acquire(use);
+          if (pace > 0) {         // at least pace cycles after the copy before
+            long long now;
+            while ((now = clock64()) < issued + pace) {}
+            issued = now;
+          }
+          if (tl && (j == 0 || j == units - 1)) tl[stamp(s, j == 0 ? TL_P0 : TL_P1)] = clock64();
+          g.fill(slot, src(use));
         }
     }
     return;
@@ -162,6 +185,7 @@ __global__ void __launch_bounds__((CONS + 1) * 32, 1) chain_fp8(const uint8_t* c
   if (SOLO)                       // every warp reads every filled slot: wait for them all
     for (int j = 0; j < min(units, nbuf); ++j) g.wait(j);
   for (int s = 0; s < M; ++s) {
+    if (tl && threadIdx.x == 0) tl[stamp(s, TL_START)] = clock64();
     if (s == 0 || (!SOLO && RELOAD)) {
       const bool first = s == 0 || SOLO || N != K;   // x0 (unchained: every stage, as the graph)
       const float* x = first ? x0 : GAP ? xn + size_t(s - 1) * K : parts + size_t(s - 1) * N * CHUNKS;
@@ -174,10 +198,12 @@ __global__ void __launch_bounds__((CONS + 1) * 32, 1) chain_fp8(const uint8_t* c
       }
       cons_sync<CONS>();
     }
+    if (tl && threadIdx.x == 0) tl[stamp(s, TL_X)] = clock64();
     float* part = parts + size_t(SOLO ? 0 : s) * N * CHUNKS;
     for (int j = warp; j < units; j += CONS) {
       const int u = u0 + j, tile = u / CHUNKS, c = u % CHUNKS;
       const int slot = SOLO ? j % min(units, nbuf) : g.wait_after(s * units + j);
+      if (tl && lane == 0 && j < CONS) tl[stamp(s, TL_READY + warp)] = clock64();
       const unsigned char* row = static_cast<const unsigned char*>(g.row(slot));
       const float* sc = Ss[SOLO ? 0 : s] + size_t(tile * 16 / 128) * (K / 128) + c * (KC / 128);
       const float2 p = unit_dot([&](int b, int r) {
@@ -185,6 +211,7 @@ __global__ void __launch_bounds__((CONS + 1) * 32, 1) chain_fp8(const uint8_t* c
       }, xh + c * KC, sc);
       __syncwarp();
       if (!SOLO && lane == 0) g.release(slot);
+      if (tl && lane == 0 && j < CONS) tl[stamp(s, TL_DONE + warp)] = clock64();
       store_unit(part, u, p);
       if (handoff && s + 1 < M) {   // the tile's last unit: its 16 values of x for the next stage
         __threadfence();
@@ -199,19 +226,21 @@ __global__ void __launch_bounds__((CONS + 1) * 32, 1) chain_fp8(const uint8_t* c
     }
     if (SOLO || s + 1 == M) continue;
     cons_sync<CONS>();
+    if (tl && threadIdx.x == 0) tl[stamp(s, TL_SYNC)] = clock64();
     if (threadIdx.x == 0) grid_wait(bar, (epoch * (M - 1) + s + 1) * gridDim.x);
     cons_sync<CONS>();
+    if (tl && threadIdx.x == 0) tl[stamp(s, TL_BAR)] = clock64();
     if (GAP) gap_in_grid<CONS>(parts + size_t(s) * N * CHUNKS, CHUNKS, xn + size_t(s) * K, K, flag,
                                 epoch * (M - 1) + s + 1);
   }
 }
 
 int main(int argc, char** argv) {   // argv: the ring sizes in units (default 8 12), then -- and the
-  std::vector<int> nbufs, pfs;       // producer's L2 prefetch distances in units (default none)
-  bool after = false;
+  std::vector<int> nbufs, pfs, paces; // producer's L2 prefetch distances in units (default none), then
+  int group = 0;                      // -- and its pacing: the least ns between two of its copies
   for (int i = 1; i < argc; ++i) {
-    if (std::string(argv[i]) == "--") { after = true; continue; }
-    (after ? pfs : nbufs).push_back(atoi(argv[i]));
+    if (std::string(argv[i]) == "--") { ++group; continue; }
+    (group == 0 ? nbufs : group == 1 ? pfs : paces).push_back(atoi(argv[i]));
   }
   if (nbufs.empty()) nbufs = {8, 12};
   const int sms = chain_start("chain5: FP8 units on mma.sync, persistent producer + ring against PDL launches");
@@ -284,8 +313,11 @@ int main(int argc, char** argv) {   // argv: the ring sizes in units (default 8 
       CK(cudaMalloc(&tick, size_t(c.M) * (c.N / 16) * 4));
       CK(cudaMemset(tick, 0, size_t(c.M) * (c.N / 16) * 4));
       int pf = 0;                // the producer's L2 prefetch distance of the runs below
+      long long* tlp = nullptr;  // the timeline of one run (timeline() below)
+      int pace = 0;              // the producer's pacing of the runs below (cycles)
       auto run = [&](auto kern, int k, int M, int N, unsigned* b, unsigned ep) {
-        kern<<<sms, threads, smem, st>>>(C.Ws(k), C.Ss(k), C.x0, ps2, M, N, c.K, nbuf, b, ep, C.xn2, C.flag, xg, tick, pf);
+        kern<<<sms, threads, smem, st>>>(C.Ws(k), C.Ss(k), C.x0, ps2, M, N, c.K, nbuf, b, ep, C.xn2, C.flag, xg, tick, pf,
+                                         tlp, pace);
       };
       // the consumers alone: M stages' worth of units from the ring's one fill
       const float t_solo = T.time([&](int i) { run(chain_fp8<3>, i % COPIES, c.M, c.N, C.bar, 0); });
@@ -299,10 +331,66 @@ int main(int argc, char** argv) {   // argv: the ring sizes in units (default 8 
       CK(cudaMemset(ps2, 0xFF, ref.size() * 4));
       run(chain_fp8<1>, 0, c.M, c.N, C.bar, epoch++);
       const char* same = check(ref);
+      // where a dependent stage's time goes: one run with the timeline, the phases of stages 1 ..
+      // M - 1 of every CTA holding CONS units (the median over them; the worst CTA's median)
+      auto timeline = [&](const char* what) {
+        if (!chained || c.M < 3) return;
+        const size_t n = size_t(sms) * c.M * TLW;
+        long long* d;
+        CK(cudaMalloc(&d, n * 8));
+        CK(cudaMemset(d, 0, n * 8));
+        tlp = d;
+        run(chain_fp8<1>, 0, c.M, c.N, C.bar, epoch++);
+        tlp = nullptr;
+        CK(cudaStreamSynchronize(st));
+        std::vector<long long> h(n);
+        CK(cudaMemcpy(h.data(), d, n * 8, cudaMemcpyDeviceToHost));
+        CK(cudaFree(d));
+        int khz = 0;
+        CK(cudaDeviceGetAttribute(&khz, cudaDevAttrClockRate, 0));
+        const double us = 1e3 / khz;    // a cycle in us (the clock's rated rate)
+        enum { RELOAD, LATE, UNIT, SPAN, TAIL, BAR, PERIOD, READ, NPH };
+        const char* names[NPH] = {"x's reload", "data late after x", "a warp's unit", "x to the last unit done",
+                                  "store + sync", "grid barrier", "stage period", "producer: stage's first copy to x"};
+        std::vector<double> all[NPH], worst[NPH];
+        auto med = [](std::vector<double> v) { if (v.empty()) return 0.0; std::sort(v.begin(), v.end()); return v[v.size() / 2]; };
+        for (int b = 0; b < sms; ++b) {
+          std::vector<double> mine[NPH];
+          for (int s = 1; s + 1 < c.M; ++s) {
+            const long long* T = &h[(size_t(b) * c.M + s) * TLW];
+            bool full = true;
+            for (int w = 0; w < CONS; ++w) full = full && T[TL_READY + w] && T[TL_DONE + w];
+            if (!full) continue;       // a CTA with fewer units than warps
+            long long late = LLONG_MIN, last = 0;
+            for (int w = 0; w < CONS; ++w) {
+              late = std::max(late, T[TL_READY + w] - T[TL_X]);
+              last = std::max(last, T[TL_DONE + w]);
+              mine[UNIT].push_back((T[TL_DONE + w] - std::max(T[TL_READY + w], T[TL_X])) * us);
+            }
+            mine[RELOAD].push_back((T[TL_X] - T[TL_START]) * us);
+            mine[LATE].push_back(std::max(0LL, late) * us);
+            mine[SPAN].push_back((last - T[TL_X]) * us);
+            mine[TAIL].push_back((T[TL_SYNC] - last) * us);
+            mine[BAR].push_back((T[TL_BAR] - T[TL_SYNC]) * us);
+            mine[PERIOD].push_back((T[TLW + TL_START] - T[TL_START]) * us);
+            mine[READ].push_back((T[TL_X] - T[TL_P0]) * us);
+          }
+          for (int k = 0; k < NPH; ++k) {
+            all[k].insert(all[k].end(), mine[k].begin(), mine[k].end());
+            if (!mine[k].empty()) worst[k].push_back(med(mine[k]));
+          }
+        }
+        printf("    timeline (%s; stages 1-%d, us: median | the worst CTA's median):", what, c.M - 2);
+        for (int k = 0; k < NPH; ++k)
+          printf("%s %s %.2f | %.2f", k ? ";" : "", names[k], med(all[k]),
+                 worst[k].empty() ? 0.0 : *std::max_element(worst[k].begin(), worst[k].end()));
+        printf("\n");
+      };
       printf("  persistent, ring %2d units (%3zu KB): the consumers alone %.1f us (%.2f TB/s of units) | one stage of all "
              "rows %.1f us (%.0f%% of the read) | %d stages with the dependency %.1f us (%.2f us a dependency) | same bits %s\n",
              nbuf, smem / 1024, t_solo, C.bytes / t_solo / 1e6, t_one, 100.0 * t_read / t_one, c.M, t_dep,
              (t_dep - t_one) / (c.M - 1), same);
+      timeline("no prefetch");
       if (chained) {   // x handed over by each row tile's last unit
         const float t_hand = T.time([&](int i) { run(chain_fp8<6>, i % COPIES, c.M, c.N, C.bar, epoch++); });
         CK(cudaMemset(ps2, 0xFF, ref.size() * 4));
@@ -323,22 +411,36 @@ int main(int argc, char** argv) {   // argv: the ring sizes in units (default 8 
       if (chained)
         time_gap_chain(T, c.M, [&](int k, unsigned* b, unsigned ep) { run(chain_fp8<2>, k, c.M, c.N, b, ep); }, ps2, G,
                        C.flag, t_dep);
-      // the producer asking for the units pf ahead into L2: the chain, then through the step
-      for (int p : pfs) {
+      // the producer asking for the units pf ahead into L2, or pacing its copies: the chain, then
+      // through the step
+      std::vector<std::pair<int, int>> variants;     // (pf, pace): each given, and every pair
+      for (int p : pfs) variants.push_back({p, 0});
+      for (int q : paces) variants.push_back({0, q});
+      for (int p : pfs)
+        for (int q : paces) variants.push_back({p, q});
+      int khz = 0;
+      CK(cudaDeviceGetAttribute(&khz, cudaDevAttrClockRate, 0));
+      for (auto [p, q] : variants) {
         pf = p;
+        pace = int(double(q) * khz / 1e6);
+        const std::string what = (p ? "L2 prefetch " + std::to_string(p) : std::string()) + (p && q ? ", " : "") +
+                                 (q ? "copies paced " + std::to_string(q) + " ns" : std::string());
         const float t_one_pf = T.time([&](int i) { run(chain_fp8<1>, i % COPIES, 1, c.N * c.M, C.bar, 0); });
         const float t_pf = T.time([&](int i) { run(chain_fp8<1>, i % COPIES, c.M, c.N, C.bar, epoch++); });
         CK(cudaMemset(ps2, 0xFF, ref.size() * 4));
         run(chain_fp8<1>, 0, c.M, c.N, C.bar, epoch++);
         const char* same_pf = check(ref);
-        printf("    L2 prefetch %2d units ahead (%.1f MB over the grid): one stage of all rows %.1f us (%.0f%% of the read) "
-               "| %d stages %.1f us (%.0f%% of the read; %.2f us a dependency) | same bits %s\n", p,
-               double(p) * UNITB * sms / 1e6, t_one_pf, 100.0 * t_read / t_one_pf, c.M, t_pf, 100.0 * t_read / t_pf,
+        printf("   ");
+        if (p) printf(" L2 prefetch %2d units ahead (%.1f MB over the grid)", p, double(p) * UNITB * sms / 1e6);
+        if (q) printf(" copies paced >= %d ns apart (%.2f TB/s over the grid at most)", q, double(UNITB) * sms / q / 1e3);
+        printf(": one stage of all rows %.1f us (%.0f%% of the read) | %d stages %.1f us (%.0f%% of the read; %.2f us a "
+               "dependency) | same bits %s\n", t_one_pf, 100.0 * t_read / t_one_pf, c.M, t_pf, 100.0 * t_read / t_pf,
                (t_pf - t_one_pf) / (c.M - 1), same_pf);
+        timeline(what.c_str());
         if (chained)
           time_gap_chain(T, c.M, [&](int k, unsigned* b, unsigned ep) { run(chain_fp8<2>, k, c.M, c.N, b, ep); }, ps2,
                          G, C.flag, t_pf);
-        pf = 0;
+        pf = pace = 0;
       }
     }
     CK(cudaFree(ps)); CK(cudaFree(ps2));
