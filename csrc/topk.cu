@@ -1,6 +1,7 @@
 // The lightning indexer's top-k of decode rows (dsv4_topk_bf16): a radix select over the scores'
 // order-preserving keys (a 12-bit then a 4-bit digit, 16-byte loads, a compaction in index order):
-// one CTA per row of bf16 scores; on sm_90 from 16,384 scores a cluster of CTAs per row, its keys
+// one CTA per row of bf16 scores (its keys in registers up to 8,192 scores); on sm_90 from 16,384
+// scores a cluster of CTAs per row, its keys
 // held in registers up to 262,144 scores (a 1M-token context's ratio-4 index), read again each
 // pass beyond.
 #include "dsv4_api.h"
@@ -190,6 +191,66 @@ __global__ void __launch_bounds__(1024) topk_bf16_kernel(const uint16_t* sc, int
   }
 }
 
+
+// As topk_bf16_kernel (the same output, index for index) for a row of at most PER * blockDim.x
+// scores (PER = 8: 16-byte loads, the row 16-byte aligned, n % 8 == 0; else 1): a thread's PER
+// keys are read once into registers for both histograms and the compaction, and the CTA has only
+// as many threads as hold keys (128 for a 4K context's 1,024 scores, not 1,024 threads reading
+// the row three times). Its shared histogram is cleared before the PDL wait.
+template <int PER>
+__global__ void __launch_bounds__(1024) topk_bf16_reg_kernel(const uint16_t* sc, int n, int k, int64_t* out) {
+  __shared__ int hist[NHI];
+  __shared__ int wsum[32];
+  __shared__ int bin, above;
+  const int tid = threadIdx.x, nt = blockDim.x, i0 = PER * tid;
+  sc += size_t(blockIdx.x) * n;
+  out += size_t(blockIdx.x) * k;
+  for (int i = tid; i < NHI; i += nt) hist[i] = 0;
+  pdl_wait();
+  const bool mine = i0 < n;
+  uint32_t u[PER];
+  if (mine) {
+    if (PER == 8)
+      keys8(sc + i0, u);
+    else
+      u[0] = bf16_key(sc[i0]);
+  }
+  __syncthreads();
+#pragma unroll
+  for (int j = 0; j < PER; ++j) count(hist, mine ? int(u[j] >> LO_BITS) : -1);   // every lane
+  __syncthreads();
+  find_bin(hist, NHI, k, wsum, &bin, &above);
+  const uint32_t hi = uint32_t(bin);
+  const int above1 = above;
+  __syncthreads();                        // everyone has read bin / above and is past hist
+  for (int i = tid; i < NLO; i += nt) hist[i] = 0;
+  __syncthreads();
+#pragma unroll
+  for (int j = 0; j < PER; ++j)
+    count(hist, mine && (u[j] >> LO_BITS) == hi ? int(u[j] & (NLO - 1)) : -1);
+  __syncthreads();
+  find_bin(hist, NLO, k - above1, wsum, &bin, &above);
+  const uint32_t thr = (hi << LO_BITS) | uint32_t(bin);
+  const int n_gt = above1 + above;        // keys above the threshold (< k)
+  int gt = 0, eq = 0;
+  if (mine)
+#pragma unroll
+    for (int j = 0; j < PER; ++j) {
+      gt += u[j] > thr;
+      eq += u[j] == thr;
+    }
+  int tot;                                // gt in the low 16 bits, eq in the high (<= 8192 each)
+  const int off = block_scan(gt | (eq << 16), wsum, &tot);
+  int og = off & 0xFFFF, oe = off >> 16;
+  if (mine)
+#pragma unroll
+    for (int j = 0; j < PER; ++j) {
+      if (u[j] > thr)
+        out[og++] = i0 + j;
+      else if (u[j] == thr && n_gt + oe < k)
+        out[n_gt + oe++] = i0 + j;
+    }
+}
 
 // ---- sm_90: a cluster of CTAs per row ------------------------------------------------------------
 // One CTA streams a long row at a fraction of the GPU's bandwidth (a 262,144-score row of a
@@ -573,7 +634,8 @@ extern "C" {
 
 
 // out [rows, k] int64 = per row, the indices of the k largest of scores [rows, n] bf16
-// (1 <= k <= n), see topk_bf16_kernel. One CTA per row; from CLUSTER_MIN_N scores on a GPU with
+// (1 <= k <= n), see topk_bf16_kernel. One CTA per row (topk_bf16_reg_kernel where the row fits
+// its threads' registers: up to 8,192 scores); from CLUSTER_MIN_N scores on a GPU with
 // thread-block clusters (sm_90), a cluster of CLUSTER CTAs per row: topk_bf16_regs_kernel where a
 // CTA's segment fits its registers (n <= CLUSTER * REG_SEG), else topk_bf16_cluster_kernel. The
 // same output from all three.
@@ -591,8 +653,14 @@ int dsv4_topk_bf16(const void* scores, int n, int k, void* out, int rows, void* 
     return err;
   }
   if (major < 9 || n < CLUSTER_MIN_N) {
-    const int threads = n >= 1024 ? 1024 : ((n + 31) / 32) * 32;
-    return launch(topk_bf16_kernel, dim3(rows), dim3(threads), 0, st, pdl, sc, n, k, o);
+    const bool vec = n % 8 == 0 && (reinterpret_cast<uintptr_t>(sc) & 15) == 0;
+    const int per = vec ? 8 : 1;          // a row of at most per * 1,024 scores: in registers
+    if (n <= per * 1024) {
+      const int threads = ((n + per - 1) / per + 31) / 32 * 32;
+      return vec ? launch(topk_bf16_reg_kernel<8>, dim3(rows), dim3(threads), 0, st, pdl, sc, n, k, o)
+                 : launch(topk_bf16_reg_kernel<1>, dim3(rows), dim3(threads), 0, st, pdl, sc, n, k, o);
+    }
+    return launch(topk_bf16_kernel, dim3(rows), dim3(1024), 0, st, pdl, sc, n, k, o);
   }
   const int seg = ((n + CLUSTER - 1) / CLUSTER + 7) / 8 * 8;
   cudaLaunchConfig_t cfg = {};

@@ -713,12 +713,15 @@ def test_cuda_kernels_capture_and_pdl():
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("n,k", [(1088, 512), (16385, 512), (600, 512), (9, 8), (40, 1), (2048, 2048),
+                                 (1024, 512), (1023, 512), (1025, 512), (8192, 512), (8200, 512),
                                  (262144, 512), (262139, 512), (300000, 512), (300001, 512)])
 def test_index_topk_cuda(n, k):
     """The radix select returns k distinct entries whose scores are the k largest (as a
     multiset, against torch.topk), ties at the threshold resolved to the lowest entries, -inf
     (not yet visible) entries last, in the documented order (those above the threshold in index
-    order, then the ties); deterministic. 262,144: a 1M-token context's ratio-4 index (the
+    order, then the ties); deterministic. Up to 8,192 scores (1,024 without 16-byte loads) one
+    CTA holds the row in registers (1,024: a 4K context's index; 1,023 and 1,025, 8,192 and
+    8,200 the edges of that kernel). 262,144: a 1M-token context's ratio-4 index (the
     16-byte-load path); 262,139 and 16,385: rows the scalar path reads; 16,385 to 262,144: the
     cluster kernel that holds its keys in registers, 300,000 and 300,001: the one that reads
     them again each pass (segments of more than 32,768 scores)."""
