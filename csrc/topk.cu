@@ -75,6 +75,19 @@ DEV void find_bin(const int* hist, int nbins, int k, int* wsum, int* bin, int* a
   __syncthreads();
 }
 
+// After the high digits' histogram hist[0..NHI): the high digit of the k-th largest key (the
+// threshold's), the keys in higher bins into *above1, and hist[0..NLO) cleared for the low digit's.
+// Every thread of the CTA calls it.
+DEV uint32_t high_digit(int* hist, int k, int* wsum, int* bin, int* above, int* above1) {
+  find_bin(hist, NHI, k, wsum, bin, above);
+  const uint32_t hi = uint32_t(*bin);
+  *above1 = *above;
+  __syncthreads();                        // everyone has read bin / above and is past hist
+  for (int i = threadIdx.x; i < NLO; i += blockDim.x) hist[i] = 0;
+  __syncthreads();
+  return hi;
+}
+
 // The eight keys of eight bf16 scores (one 16-byte load).
 DEV void keys8(const uint16_t* p, uint32_t* u) {
   const uint4 v = *reinterpret_cast<const uint4*>(p);
@@ -146,12 +159,8 @@ __global__ void __launch_bounds__(1024) topk_bf16_kernel(const uint16_t* sc, int
   else
     histogram<true, 1>(sc, n, 0, hist);
   __syncthreads();
-  find_bin(hist, NHI, k, wsum, &bin, &above);
-  const uint32_t hi = uint32_t(bin);
-  const int above1 = above;
-  __syncthreads();                        // everyone has read bin / above and is past hist
-  for (int i = tid; i < NLO; i += nt) hist[i] = 0;
-  __syncthreads();
+  int above1;
+  const uint32_t hi = high_digit(hist, k, wsum, &bin, &above, &above1);
   if (vec)
     histogram<false, 8>(sc, n, hi, hist);
   else
@@ -219,12 +228,8 @@ __global__ void __launch_bounds__(1024) topk_bf16_reg_kernel(const uint16_t* sc,
 #pragma unroll
   for (int j = 0; j < PER; ++j) count(hist, mine ? int(u[j] >> LO_BITS) : -1);   // every lane
   __syncthreads();
-  find_bin(hist, NHI, k, wsum, &bin, &above);
-  const uint32_t hi = uint32_t(bin);
-  const int above1 = above;
-  __syncthreads();                        // everyone has read bin / above and is past hist
-  for (int i = tid; i < NLO; i += nt) hist[i] = 0;
-  __syncthreads();
+  int above1;
+  const uint32_t hi = high_digit(hist, k, wsum, &bin, &above, &above1);
 #pragma unroll
   for (int j = 0; j < PER; ++j)
     count(hist, mine && (u[j] >> LO_BITS) == hi ? int(u[j] & (NLO - 1)) : -1);
