@@ -19,7 +19,11 @@
 // PACE ns apart (no catching up after a wait), alone and with each PF: does a stream that keeps a
 // whole stage of requests in flight queue the grid barrier and x's reload behind them? After each
 // chained run, the timeline of one more (TL_*: a CTA's clock64 at each phase of a stage) says
-// where a dependent stage's time goes. Build and run: profiles/ubench/run.sh chain5
+// where a dependent stage's time goes. And each chained run again with no grid barrier (MODE 7):
+// the partials as 64-bit words tagged with their stage (value and tag in one store, as NCCL's LL
+// protocol), the next stage's x read from them once tagged: one loaded L2 round trip a dependency
+// in place of the barrier's arrival, its poll and x's reload. Build and run:
+// profiles/ubench/run.sh chain5
 #include <cuda_runtime.h>
 #include <cstdio>
 #include <cstdint>
@@ -94,6 +98,48 @@ __device__ __forceinline__ void store_unit(float* part, int u, float2 p) {
   }
 }
 
+// MODE 7's partials: part's values as 64-bit words, the float's bits low and the stage's tag
+// high, each written by one store (so a reader that sees the tag sees the value), and x read from
+// them once every word of a value carries the tag: no grid barrier
+__device__ __forceinline__ void store_unit_ll(unsigned long long* ll, int u, float2 p, unsigned tag) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, tile = u / CHUNKS, c = u % CHUNKS;
+  if ((lane & 3) == 0) {
+    const unsigned long long hi = static_cast<unsigned long long>(tag) << 32;
+    __stcg(ll + size_t(tile * 16 + g) * CHUNKS + c, hi | __float_as_uint(p.x));
+    __stcg(ll + size_t(tile * 16 + g + 8) * CHUNKS + c, hi | __float_as_uint(p.y));
+  }
+}
+__device__ __forceinline__ bool tagged(ulonglong2 w, unsigned tag) {
+  return unsigned(w.x >> 32) == tag && unsigned(w.y >> 32) == tag;
+}
+__device__ __forceinline__ float lo_f(unsigned long long w) { return __uint_as_float(unsigned(w)); }
+// x of a stage as f16 from MODE 7's words: a thread's values B at a time, their words requested
+// together, then each re-read (volatile) until it carries the tag; summed in load_xh's order
+__device__ __forceinline__ void load_xh_ll(const unsigned long long* ll, unsigned tag, __half* xh, int K, int nthreads) {
+  constexpr int B = 8;
+  for (int i0 = threadIdx.x; i0 < K; i0 += B * nthreads) {
+    ulonglong2 w[B][2];
+#pragma unroll
+    for (int e = 0; e < B; ++e) {
+      const int i = i0 + e * nthreads;
+      if (i < K) {
+        const ulonglong2* q = reinterpret_cast<const ulonglong2*>(ll + size_t(i) * CHUNKS);
+        w[e][0] = __ldcv(q);
+        w[e][1] = __ldcv(q + 1);
+      }
+    }
+#pragma unroll
+    for (int e = 0; e < B; ++e) {
+      const int i = i0 + e * nthreads;
+      if (i >= K) continue;
+      const ulonglong2* q = reinterpret_cast<const ulonglong2*>(ll + size_t(i) * CHUNKS);
+      while (!tagged(w[e][0], tag)) w[e][0] = __ldcv(q);
+      while (!tagged(w[e][1], tag)) w[e][1] = __ldcv(q + 1);
+      xh[i] = __float2half_rn(((lo_f(w[e][0].x) + lo_f(w[e][0].y)) + lo_f(w[e][1].x)) + lo_f(w[e][1].y));
+    }
+  }
+}
+
 // one stage as its own launch (PDL): a warp a unit, units strided over the grid's warps; the
 // warp's first unit's first two blocks requested before griddepcontrol.wait
 __global__ void __launch_bounds__(STHREADS, 1) stage_fp8(const uint8_t* W, const float* S, const float* x,
@@ -139,7 +185,9 @@ enum { TL_START, TL_X, TL_READY, TL_DONE = TL_READY + CONS, TL_SYNC = TL_DONE + 
 // the partials of the stage before (L2); 5: as 4 without the reload (x0 once); 6: as 1 with x
 // handed over: the last unit of a row tile to finish (a ticket a tile) sums the tile's partials
 // and writes its 16 values of x as f16 (xg), so after the barrier each CTA loads K halves (8 KB)
-// instead of reducing K x 4 partials (64 KB). M = 1: one stage, the floor of this kernel.
+// instead of reducing K x 4 partials (64 KB); 7: as 1 with no grid barrier: the partials also as
+// tagged 64-bit words (ll: store_unit_ll, the tag epoch * M + s + 1), x of the next stage read
+// from them once tagged (load_xh_ll). M = 1: one stage, the floor of this kernel.
 // pf > 0 (modes 1, 2 and 6): before copying use u, the producer asks for use u + pf (and every use
 // up to it not yet asked for) to be brought into L2.
 template <int MODE>
@@ -147,8 +195,9 @@ __global__ void __launch_bounds__((CONS + 1) * 32, 1) chain_fp8(const uint8_t* c
                                                                 const float* x0, float* parts, int M, int N, int K,
                                                                 int nbuf, unsigned* bar, unsigned epoch,
                                                                 float* xn, unsigned* flag, __half* xg,
-                                                                unsigned* tick, int pf, long long* tl, int pace) {
-  constexpr bool GAP = MODE == 2, SOLO = MODE == 3, EMPTY = MODE == 4 || MODE == 5, RELOAD = MODE != 5;
+                                                                unsigned* tick, int pf, long long* tl, int pace,
+                                                                unsigned long long* ll) {
+  constexpr bool GAP = MODE == 2, SOLO = MODE == 3, EMPTY = MODE == 4 || MODE == 5, RELOAD = MODE != 5, LL = MODE == 7;
   const bool handoff = MODE == 6 && N == K;
   extern __shared__ __align__(128) unsigned char sm[];
   Ring g = ring_init(sm, K, size_t(UNITB), nbuf);      // xs: K floats of room, used as K halves
@@ -189,7 +238,9 @@ __global__ void __launch_bounds__((CONS + 1) * 32, 1) chain_fp8(const uint8_t* c
     if (s == 0 || (!SOLO && RELOAD)) {
       const bool first = s == 0 || SOLO || N != K;   // x0 (unchained: every stage, as the graph)
       const float* x = first ? x0 : GAP ? xn + size_t(s - 1) * K : parts + size_t(s - 1) * N * CHUNKS;
-      if (handoff && !first) {
+      if (LL && !first) {
+        load_xh_ll(ll + size_t(s - 1) * N * CHUNKS, epoch * M + s, xh, K, CONS * 32);
+      } else if (handoff && !first) {
         const __half* src = xg + size_t(s - 1) * K;
         for (int i = 8 * threadIdx.x; i < K; i += 8 * CONS * 32)
           *reinterpret_cast<uint4*>(xh + i) = __ldcg(reinterpret_cast<const uint4*>(src + i));
@@ -213,6 +264,7 @@ __global__ void __launch_bounds__((CONS + 1) * 32, 1) chain_fp8(const uint8_t* c
       if (!SOLO && lane == 0) g.release(slot);
       if (tl && lane == 0 && j < CONS) tl[stamp(s, TL_DONE + warp)] = clock64();
       store_unit(part, u, p);
+      if (LL && s + 1 < M) store_unit_ll(ll + size_t(s) * N * CHUNKS, u, p, epoch * M + s + 1);
       if (handoff && s + 1 < M) {   // the tile's last unit: its 16 values of x for the next stage
         __threadfence();
         __syncwarp();
@@ -227,6 +279,10 @@ __global__ void __launch_bounds__((CONS + 1) * 32, 1) chain_fp8(const uint8_t* c
     if (SOLO || s + 1 == M) continue;
     cons_sync<CONS>();
     if (tl && threadIdx.x == 0) tl[stamp(s, TL_SYNC)] = clock64();
+    if (LL) {                       // no barrier: x's words say when they are there
+      if (tl && threadIdx.x == 0) tl[stamp(s, TL_BAR)] = clock64();
+      continue;
+    }
     if (threadIdx.x == 0) grid_wait(bar, (epoch * (M - 1) + s + 1) * gridDim.x);
     cons_sync<CONS>();
     if (tl && threadIdx.x == 0) tl[stamp(s, TL_BAR)] = clock64();
@@ -304,6 +360,7 @@ int main(int argc, char** argv) {   // argv: the ring sizes in units (default 8 
       CK(cudaFuncSetAttribute(chain_fp8<4>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
       CK(cudaFuncSetAttribute(chain_fp8<5>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
       CK(cudaFuncSetAttribute(chain_fp8<6>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+      CK(cudaFuncSetAttribute(chain_fp8<7>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
       const int threads = (CONS + 1) * 32;
       unsigned epoch = 0;
       CK(cudaMemset(C.bar, 0, 4)); CK(cudaMemset(C.flag, 0, 4));
@@ -314,10 +371,13 @@ int main(int argc, char** argv) {   // argv: the ring sizes in units (default 8 
       CK(cudaMemset(tick, 0, size_t(c.M) * (c.N / 16) * 4));
       int pf = 0;                // the producer's L2 prefetch distance of the runs below
       long long* tlp = nullptr;  // the timeline of one run (timeline() below)
+      unsigned long long* llw;   // MODE 7's tagged partials (tags never repeat: the epoch grows)
+      CK(cudaMalloc(&llw, size_t(c.M) * c.N * CHUNKS * 8));
+      CK(cudaMemset(llw, 0, size_t(c.M) * c.N * CHUNKS * 8));
       int pace = 0;              // the producer's pacing of the runs below (cycles)
       auto run = [&](auto kern, int k, int M, int N, unsigned* b, unsigned ep) {
         kern<<<sms, threads, smem, st>>>(C.Ws(k), C.Ss(k), C.x0, ps2, M, N, c.K, nbuf, b, ep, C.xn2, C.flag, xg, tick, pf,
-                                         tlp, pace);
+                                         tlp, pace, llw);
       };
       // the consumers alone: M stages' worth of units from the ring's one fill
       const float t_solo = T.time([&](int i) { run(chain_fp8<3>, i % COPIES, c.M, c.N, C.bar, 0); });
@@ -333,14 +393,15 @@ int main(int argc, char** argv) {   // argv: the ring sizes in units (default 8 
       const char* same = check(ref);
       // where a dependent stage's time goes: one run with the timeline, the phases of stages 1 ..
       // M - 1 of every CTA holding CONS units (the median over them; the worst CTA's median)
-      auto timeline = [&](const char* what) {
+      unsigned llep = 0;         // MODE 7's epochs: its own (it never arrives at the barrier, whose target the epoch sets)
+      auto timeline = [&](auto kern, unsigned& ep, const char* what) {
         if (!chained || c.M < 3) return;
         const size_t n = size_t(sms) * c.M * TLW;
         long long* d;
         CK(cudaMalloc(&d, n * 8));
         CK(cudaMemset(d, 0, n * 8));
         tlp = d;
-        run(chain_fp8<1>, 0, c.M, c.N, C.bar, epoch++);
+        run(kern, 0, c.M, c.N, C.bar, ep++);
         tlp = nullptr;
         CK(cudaStreamSynchronize(st));
         std::vector<long long> h(n);
@@ -390,7 +451,19 @@ int main(int argc, char** argv) {   // argv: the ring sizes in units (default 8 
              "rows %.1f us (%.0f%% of the read) | %d stages with the dependency %.1f us (%.2f us a dependency) | same bits %s\n",
              nbuf, smem / 1024, t_solo, C.bytes / t_solo / 1e6, t_one, 100.0 * t_read / t_one, c.M, t_dep,
              (t_dep - t_one) / (c.M - 1), same);
-      timeline("no prefetch");
+      timeline(chain_fp8<1>, epoch, "no prefetch");
+      // the same chain with x's words tagged in place of the grid barrier
+      auto ll_chain = [&](const char* what, float t_floor) {
+        if (!chained) return;
+        const float t_ll = T.time([&](int i) { run(chain_fp8<7>, i % COPIES, c.M, c.N, C.bar, llep++); });
+        CK(cudaMemset(ps2, 0xFF, ref.size() * 4));
+        run(chain_fp8<7>, 0, c.M, c.N, C.bar, llep++);
+        const char* same_ll = check(ref);
+        printf("    tagged partials, no grid barrier (%s): %d stages %.1f us (%.2f us a dependency) | same bits %s\n", what,
+               c.M, t_ll, (t_ll - t_floor) / (c.M - 1), same_ll);
+        timeline(chain_fp8<7>, llep, (std::string("tagged, ") + what).c_str());
+      };
+      ll_chain("no prefetch", t_one);
       if (chained) {   // x handed over by each row tile's last unit
         const float t_hand = T.time([&](int i) { run(chain_fp8<6>, i % COPIES, c.M, c.N, C.bar, epoch++); });
         CK(cudaMemset(ps2, 0xFF, ref.size() * 4));
@@ -436,12 +509,14 @@ int main(int argc, char** argv) {   // argv: the ring sizes in units (default 8 
         printf(": one stage of all rows %.1f us (%.0f%% of the read) | %d stages %.1f us (%.0f%% of the read; %.2f us a "
                "dependency) | same bits %s\n", t_one_pf, 100.0 * t_read / t_one_pf, c.M, t_pf, 100.0 * t_read / t_pf,
                (t_pf - t_one_pf) / (c.M - 1), same_pf);
-        timeline(what.c_str());
+        timeline(chain_fp8<1>, epoch, what.c_str());
+        ll_chain(what.c_str(), t_one_pf);
         if (chained)
           time_gap_chain(T, c.M, [&](int k, unsigned* b, unsigned ep) { run(chain_fp8<2>, k, c.M, c.N, b, ep); }, ps2,
                          G, C.flag, t_pf);
         pf = pace = 0;
       }
+      CK(cudaFree(llw));
     }
     CK(cudaFree(ps)); CK(cudaFree(ps2));
   }
