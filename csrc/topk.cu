@@ -643,7 +643,7 @@ extern "C" {
 // its threads' registers: up to 8,192 scores); from CLUSTER_MIN_N scores on a GPU with
 // thread-block clusters (sm_90), a cluster of CLUSTER CTAs per row: topk_bf16_regs_kernel where a
 // CTA's segment fits its registers (n <= CLUSTER * REG_SEG), else topk_bf16_cluster_kernel. The
-// same output from all three.
+// same output from all four.
 int dsv4_topk_bf16(const void* scores, int n, int k, void* out, int rows, void* stream, int pdl) {
   constexpr int CLUSTER_MIN_N = 16384;
   if (k < 1 || k > n || rows < 1) return -1;
