@@ -97,14 +97,21 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
+# the largest float32 below 1: the top 64 of the 2^31 draws round up to 1.0 in float32
+_BELOW_ONE = 1.0 - 2.0 ** -24
+
+
 def uniform_noise(seed, pos: torch.Tensor, n: int) -> torch.Tensor:
-    """Uniform (0, 1) float32 [n] from (seed, pos [1] int64 device tensor, index). Capture-safe.
-    seed: an int, or a [1] int64 tensor on pos's device (the same draws)."""
+    """Uniform (0, 1) float32 [n] from (seed, pos [1] int64 device tensor, index), never 0 or 1
+    (race divides by -log u: at u = 1.0 a token of probability 0 came out NaN and won the
+    argmax, about one draw in 250 over a 129,280-token vocabulary). Capture-safe. seed: an int,
+    or a [1] int64 tensor on pos's device (the same draws)."""
     i = torch.arange(n, device=pos.device, dtype=torch.int64)
     h = _mix(i + (seed & _MASK31) * 0x9E37)
     h = _mix(h ^ ((pos * 0x5BD1E99) & _MASK31))
     h = _mix(h ^ ((seed >> 31) & _MASK31))
-    return (h.to(torch.float64) + 0.5).div_(2.0 ** 31).to(torch.float32).clamp_(1e-12, 1.0)
+    return (h.to(torch.float64) + 0.5).div_(2.0 ** 31).to(torch.float32).clamp_(1e-12,
+                                                                                 _BELOW_ONE)
 
 
 def _mass_above(sp: torch.Tensor) -> torch.Tensor:

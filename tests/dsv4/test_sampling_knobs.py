@@ -1,12 +1,20 @@
 """Sampling parameters as device tensors (dsv4.runtime.sampling.SamplingKnobs): the same bits as fixed
 SamplingParams for every kind of parameter (greedy, temperature, top-k, top-p, both, edge values),
 in the sampler, the speculative draft / accept, and a whole per-request-sampling Session; a
-knob step reads no tensor value on the host."""
+knob step reads no tensor value on the host; a token of probability 0 (masked, or outside top-p)
+is never drawn, even where the noise's draw is the largest below 1."""
 import pytest
 import torch
 
 from dsv4.runtime.config import RuntimeConfig
-from dsv4.runtime.sampling import SamplingKnobs, SamplingParams, filtered_probs, sample
+from dsv4.runtime.sampling import (
+    SamplingKnobs,
+    SamplingParams,
+    filtered_probs,
+    race,
+    sample,
+    uniform_noise,
+)
 from dsv4.runtime.session import Session, load_model
 from dsv4.runtime.speculative.verify import accept, draft
 from helpers import small_checkpoint
@@ -53,6 +61,34 @@ def test_speculative_draft_and_accept_with_knobs(params):
                         eos)
         y1, k1 = accept(lg[1:], drafts, q, pos, knobs, limit, eos)
         assert torch.equal(k0, k1) and torch.equal(y0[:int(k0) + 1], y1[:int(k1) + 1])
+
+
+# (seed, position, index) of draws whose noise was 2^31 - 64 or above: 1.0 in float32, so
+# race's -log u was 0 and a token of probability 0 there came out NaN and won the argmax
+# (about one position in 200 over the DSV4 vocabulary; found by scanning positions 0..3000)
+TOP_DRAWS = [(0, 51, 44702), (0, 273, 21090), (0, 659, 59127)]
+
+
+@pytest.mark.parametrize("seed,pos,index", TOP_DRAWS)
+def test_a_token_of_probability_0_is_never_drawn(seed, pos, index):
+    V = 129280
+    p = torch.tensor([pos])
+    u = uniform_noise(seed, p, V)
+    assert float(u.max()) < 1.0 and float(u.min()) > 0.0
+    one_hot = torch.zeros(V)
+    one_hot[7] = 1.0
+    assert int(race(one_hot, seed, p)) == 7          # drew `index` (probability 0) before
+    # a grammar's mask (every token but two at -inf) and a top-p nucleus alike
+    logits = torch.full((V,), float("-inf"))
+    logits[[3, 9]] = torch.tensor([0.5, 0.25])
+    for params in (SamplingParams(1.0, seed=seed), SamplingParams(0.7, top_p=0.9, seed=seed)):
+        assert int(sample(logits, p, params)) in (3, 9)
+        knobs = SamplingKnobs("cpu", params)
+        assert int(sample(logits, p, knobs)) in (3, 9)
+    nucleus = torch.linspace(0, -30, V)       # top_p keeps the first ~3,000; `index` is out
+    params = SamplingParams(1.0, top_p=0.5, seed=seed)
+    kept = filtered_probs(nucleus, params) > 0
+    assert not kept[index] and kept[int(sample(nucleus, p, params))]
 
 
 def test_knobs_reject_a_seed_past_int64():
