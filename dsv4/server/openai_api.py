@@ -78,14 +78,21 @@ def _limits(n_prompt: int, limit: int | None, d: Defaults, param: str) -> int:
 
 
 def _constraint(req, d: Defaults, tok, thinking: bool):
-    """The token mask's Constraint of the request's response_format (None for text / none)."""
-    if req.response_format is None or req.response_format.get("type") == "text":
+    """The token mask's Constraint of the request's response_format, or of its tool_choice where
+    that asks for tool calls (None for text / none)."""
+    forced = getattr(req, "forces_tool", False)
+    param = "tool_choice" if forced else "response_format"
+    if not forced and (req.response_format is None or req.response_format.get("type") == "text"):
         return None
     if req.force_ids is not None:
-        raise ApiError(400, "force_ids decides every token: leave response_format out",
-                       "response_format")
+        raise ApiError(400, f"force_ids decides every token: leave {param} out", param)
     grammar = d.grammar or GrammarCompiler(tok, d.vocab_size)
-    return constraint_for(grammar.compile(req.response_format), tok, thinking)
+    if forced:
+        compiled = grammar.compile_tools(req.tools, req.tool_name,
+                                         req.parallel_tool_calls is not False)
+    else:
+        compiled = grammar.compile(req.response_format)
+    return constraint_for(compiled, tok, thinking, param)
 
 
 def _job_common(req, d: Defaults, loop, prompt: list, limit, parser, param: str) -> Job:

@@ -196,15 +196,52 @@ class ChatRequest(_Sampling):
             raise ApiError(400, f"reasoning_effort {self.effort!r} asks for thinking, but "
                                 f"chat_template_kwargs.thinking is false; drop one of them",
                            "reasoning_effort")
-        if self.tool_choice not in (None, "auto", "none"):
-            raise ApiError(400, f"tool_choice {self.tool_choice!r}: only 'auto' and 'none' are "
-                                f"supported (decoding is not constrained to call a tool); use "
-                                f"'auto'", "tool_choice")
+        self._check_tool_choice()
         for name in ("max_tokens", "max_completion_tokens"):
             v = getattr(self, name)
             if v is not None and v < 1:
                 raise ApiError(400, f"{name} = {v}: must be >= 1", name)
         return self
+
+    def _check_tool_choice(self) -> None:
+        """tool_choice: "auto", "none", "required" or {"type": "function", "function": {"name":
+        one of the tools}}; the last two need tools and leave response_format out (each
+        constrains the whole reply)."""
+        tc, words = self.tool_choice, ("'auto', 'none', 'required' or {'type': 'function', "
+                                       "'function': {'name': ...}}")
+        if isinstance(tc, dict):
+            fn = tc.get("function") if tc.get("type") == "function" else None
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                raise ApiError(400, f"tool_choice {tc!r}: expected {words}", "tool_choice")
+        elif tc not in (None, "auto", "none", "required"):
+            raise ApiError(400, f"tool_choice {tc!r}: expected {words}", "tool_choice")
+        if not self.forces_tool:
+            return
+        if not self.tools:
+            raise ApiError(400, f"tool_choice {tc!r} asks for a tool call, but the request has "
+                                f"no tools; give tools or leave tool_choice out", "tool_choice")
+        fns = [t.get("function", t) for t in self.tools if isinstance(t, dict)]
+        names = [f.get("name") for f in fns if isinstance(f, dict)]
+        if self.tool_name is not None and self.tool_name not in names:
+            raise ApiError(400, f"tool_choice names the function {self.tool_name!r}, which is "
+                                f"not among the tools ({', '.join(map(str, names))})",
+                           "tool_choice")
+        if (self.response_format or {}).get("type", "text") != "text":
+            raise ApiError(400, f"tool_choice {tc!r} and response_format "
+                                f"{self.response_format.get('type')!r} each constrain the whole "
+                                f"reply; give one of them", "tool_choice")
+
+    @property
+    def forces_tool(self) -> bool:
+        """tool_choice "required" or a named function: the reply is tool calls (decoding is
+        constrained to them: dsv4.server.structured.tool_call_grammar)."""
+        return self.tool_choice == "required" or isinstance(self.tool_choice, dict)
+
+    @property
+    def tool_name(self) -> str | None:
+        """The function a named tool_choice asks for (else None)."""
+        tc = self.tool_choice
+        return tc["function"]["name"] if isinstance(tc, dict) else None
 
     @property
     def limit(self) -> int | None:

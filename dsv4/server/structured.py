@@ -1,5 +1,6 @@
-"""Structured output: a request's `response_format` (`json_object`, `json_schema`) as a grammar
-of llguidance (the `serve` extra), and its matcher as the decode loop's Constraint
+"""Structured output: a request's `response_format` (`json_object`, `json_schema`), or its
+`tool_choice` `"required"` / a named function (the reply is DSV4 tool calls: tool_call_grammar),
+as a grammar of llguidance (the `serve` extra), and its matcher as the decode loop's Constraint
 (dsv4.runtime.grammar): before each step it writes the allowed next tokens into the token mask's
 bitmask; each chosen token advances it.
 
@@ -13,10 +14,11 @@ cannot pad it forever) and ends with EOS once the document is complete.
 from __future__ import annotations
 
 import importlib.util
+import json
 import threading
 from pathlib import Path
 
-from ..text.chat import THINK_END
+from ..text.chat import DSML, THINK_END
 from .schemas import ApiError
 
 PACKAGE = "llguidance"
@@ -68,32 +70,119 @@ class GrammarCompiler:
                                     f"object ({{'name': ..., 'schema': {{...}}}})",
                                f"{param}.json_schema")
         from llguidance import LLMatcher
+        return self._build(lambda: LLMatcher.grammar_from_json_schema(
+            schema, defaults={"whitespace_flexible": False}), param, "this JSON schema")
+
+    def compile_tools(self, tools: list[dict], name: str | None, parallel: bool):
+        """-> the grammar of a reply that is tool calls of `tools` (only the function `name` when
+        given; one call unless parallel): tool_call_grammar. ApiError 400 where the library is
+        missing or refuses a tool's parameter schema."""
+        if not available():
+            raise ApiError(400, f"tool_choice 'required' or a named function needs the grammar "
+                                f"library `{PACKAGE}`, which this server lacks: {INSTALL}, then "
+                                f"restart the server (or use tool_choice 'auto')", "tool_choice")
+        from llguidance import LLMatcher
+        return self._build(lambda: LLMatcher.grammar_from_lark(
+            tool_call_grammar(tools, name, parallel)), "tool_choice",
+            "the tools' parameter schemas")
+
+    def _build(self, make, param: str, what: str):
+        """(the tokenizer's tables, make()) once the library validates the grammar; else 400."""
+        from llguidance import LLMatcher
         lltok = self._get()
         try:
-            grammar = LLMatcher.grammar_from_json_schema(
-                schema, defaults={"whitespace_flexible": False})
+            grammar = make()
             why = LLMatcher.validate_grammar(grammar, lltok)
         except Exception as e:          # the library's refusal: say which schema and why
             why = f"{type(e).__name__}: {e}"
         if why:
-            raise ApiError(400, f"{param}: {PACKAGE} cannot compile this JSON schema "
+            raise ApiError(400, f"{param}: {PACKAGE} cannot compile {what} "
                                 f"({why.strip().splitlines()[0]}); simplify the schema (what "
                                 f"it supports: https://github.com/guidance-ai/llguidance/blob/"
                                 f"main/docs/json_schema.md)", param)
         return lltok, grammar
 
 
-class JsonConstraint:
-    """A grammar's matcher as a Constraint. after: a token id that starts the constraint
-    (thinking mode: "</think>"; the reasoning before it is free), or None."""
+# a non-string parameter's JSON as dsv4.text.chat renders it (the official encoder's
+# json.dumps: ", " and ": ", no other whitespace)
+JSON_AS_RENDERED = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
-    def __init__(self, compiled, after: int | None = None):
+
+def _lit(text: str) -> str:
+    """A Lark string literal of text."""
+    return json.dumps(text, ensure_ascii=False)
+
+
+def _is_string(schema: dict) -> bool:
+    """A parameter DSV4 writes as is (string="true"): type "string", or an enum / const of
+    strings only."""
+    if schema.get("type") == "string":
+        return True
+    values = schema.get("enum", [schema["const"]] if "const" in schema else None)
+    return "type" not in schema and bool(values) and all(isinstance(v, str) for v in values)
+
+
+def tool_call_grammar(tools: list[dict], name: str | None, parallel: bool) -> str:
+    """The Lark grammar (llguidance's dialect) of a reply that is DSV4 tool calls and nothing
+    else, as dsv4.text.chat renders them and parse_tool_calls reads them: a blank line and the
+    tool-calls block, one invoke (or several, parallel) of the tools (of `name` only, when
+    given), each invoke's parameters in its schema's order, the required ones always and the
+    others optional; a string parameter (_is_string) as is with string="true" (an enum's or
+    const's values the only choices; otherwise any text up to the parameter's closing tag), every
+    other one as JSON valid for its schema, written as the renderer writes it (JSON_AS_RENDERED),
+    with string="false" (the parameters' $defs
+    carried into it, so that "#/$defs/..." references hold). A tool whose parameters name no
+    properties takes none. The reply then ends (EOS)."""
+    nl, close = "\n", f"</{DSML}parameter>"
+    # any text up to the first closing tag (lazy: a value cannot run past it)
+    rules = ["string_value[lazy]: /(?s:.*)" + close.replace("/", "\\/") + "/"]
+    alts = []
+    for i, t in enumerate(tools):
+        f = t.get("function", t)
+        if name is not None and f.get("name") != name:
+            continue
+        params = f.get("parameters") or {}
+        defs = {k: params[k] for k in ("$defs", "definitions") if k in params}
+        required = set(params.get("required") or ())
+        items = []
+        for key, sch in (params.get("properties") or {}).items():
+            sch = sch if isinstance(sch, dict) else {}
+            head = f'<{DSML}parameter name="{key}" '
+            if _is_string(sch):
+                values = sch.get("enum", [sch["const"]] if "const" in sch else None)
+                value = ("(" + " | ".join(_lit(v + close) for v in values) + ")" if values
+                         else "string_value")
+                item = f'{_lit(head + "string=" + chr(34) + "true" + chr(34) + ">")} {value}'
+            else:
+                sub = {**sch, **defs, "x-guidance": JSON_AS_RENDERED}
+                item = (f'{_lit(head + "string=" + chr(34) + "false" + chr(34) + ">")} '
+                        f"%json {json.dumps(sub, ensure_ascii=False)} {_lit(close)}")
+            items.append(f"({item} {_lit(nl)})" + ("" if key in required else "?"))
+        if not required & set(params.get("properties") or ()):   # no line at all: the renderer's
+            items.append(f"{_lit(nl)}?")                          # empty body is one more newline
+        opener = f'<{DSML}invoke name="{f.get("name")}">' + nl
+        rules.append(f"call{i}: {_lit(opener)} {' '.join(items)} {_lit(f'</{DSML}invoke>')}")
+        alts.append(f"call{i}")
+    more = f" ({_lit(nl)} invoke)*" if parallel else ""
+    # (the newline before the block's end a lexeme of its own, as before another invoke: the
+    # lexer is greedy, so a literal "\n</...>" would shut out "\n<...invoke")
+    return nl.join([f"start: {_lit(nl + nl + f'<{DSML}tool_calls>' + nl)} invoke{more} "
+                    f"{_lit(nl)} {_lit(f'</{DSML}tool_calls>')}",
+                    "invoke: " + " | ".join(alts)] + rules)
+
+
+class GrammarConstraint:
+    """A grammar's matcher as a Constraint. after: a token id that starts the constraint
+    (thinking mode: "</think>"; the reasoning before it is free), or None. param: the request's
+    field the grammar came from (its errors name it)."""
+
+    def __init__(self, compiled, after: int | None = None, param: str = "response_format"):
         from llguidance import LLMatcher
         lltok, grammar = compiled
         self._m = LLMatcher(lltok, grammar)
         if self._m.is_error():
-            raise ApiError(400, f"response_format: {PACKAGE} refused the grammar "
-                                f"({self._m.get_error()})", "response_format")
+            raise ApiError(400, f"{param}: {PACKAGE} refused the grammar "
+                                f"({self._m.get_error()})", param)
         self._waiting = after
         self.rejected = 0               # chosen tokens the matcher refused (never, if masked)
 
@@ -113,7 +202,9 @@ class JsonConstraint:
             self.rejected += 1
 
 
-def constraint_for(compiled, tokenizer, thinking: bool) -> JsonConstraint | None:
+def constraint_for(compiled, tokenizer, thinking: bool, param: str = "response_format"
+                   ) -> GrammarConstraint | None:
     if compiled is None:
         return None
-    return JsonConstraint(compiled, tokenizer.token_to_id(THINK_END) if thinking else None)
+    return GrammarConstraint(compiled, tokenizer.token_to_id(THINK_END) if thinking else None,
+                             param)

@@ -3,7 +3,8 @@
 
 Chat non-streaming and streaming; greedy output == decode.py's; thinking mode's reasoning apart
 from content; a tool call (forced, test-only --allow-force-ids) as tool_calls, streamed whole, and
-its follow-up; completions; eight concurrent clients; a client that disconnects mid-stream; a
+its follow-up; tool_choice "required" and a named function answered with tool calls that follow
+the tools' schemas; completions; eight concurrent clients; a client that disconnects mid-stream; a
 full queue; bad requests (4xx with the OpenAI error object, the server keeps serving); 200
 requests with flat memory; /v1/models, /health, /metrics; SIGTERM mid-stream exits 0.
 """
@@ -156,6 +157,55 @@ def test_tool_call_and_its_follow_up(client, tok):
     assert r2.usage.prompt_tokens_details.cached_tokens == r.usage.prompt_tokens + len(forced) - 1
 
 
+WEATHER_TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Weather of a city",
+    "parameters": {"type": "object", "properties": {
+        "city": {"enum": ["Paris", "Oslo"]}, "days": {"type": "integer", "minimum": 1,
+                                                      "maximum": 7},
+        "detail": {"$ref": "#/$defs/Detail"}},
+        "required": ["city", "days"],
+        "$defs": {"Detail": {"type": "object", "properties": {"wind": {"type": "boolean"}},
+                             "required": ["wind"], "additionalProperties": False}}}}},
+    {"type": "function", "function": {"name": "ping", "parameters": {"type": "object",
+                                                                     "properties": {}}}}]
+
+
+def _valid_weather(args: dict) -> bool:
+    return (set(args) <= {"city", "days", "detail"} and args["city"] in ("Paris", "Oslo")
+            and isinstance(args["days"], int) and 1 <= args["days"] <= 7
+            and ("detail" not in args or set(args["detail"]) == {"wind"}))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_tool_choice_required_and_named_give_tool_calls_at_temperature_1(client, seed):
+    """tool_choice "required" / a named function (LangChain's structured output, agents that
+    insist on a tool): the reply is DSV4 tool calls decoded under the tools' grammar, so even
+    the demo's random model answers with calls whose arguments follow the schemas; streamed,
+    the same calls as deltas."""
+    msgs = [{"role": "user", "content": "Weather in Paris for two days?"}]
+    kw = dict(model="demo-tiny-v1", messages=msgs, tools=WEATHER_TOOLS, max_tokens=100,
+              temperature=1, seed=seed)
+    r = client.chat.completions.create(tool_choice="required", **kw)
+    m = r.choices[0].message
+    assert r.choices[0].finish_reason == "tool_calls" and m.content is None and m.tool_calls
+    for call in m.tool_calls:
+        args = json.loads(call.function.arguments)
+        assert call.function.name == "ping" and args == {} or \
+            call.function.name == "get_weather" and _valid_weather(args)
+    weather = {"type": "function", "function": {"name": "get_weather"}}
+    named = client.chat.completions.create(tool_choice=weather, parallel_tool_calls=False, **kw)
+    (call,) = named.choices[0].message.tool_calls
+    assert call.function.name == "get_weather"
+    assert _valid_weather(json.loads(call.function.arguments))
+    stream = client.chat.completions.create(tool_choice=weather, parallel_tool_calls=False,
+                                            stream=True, **kw)
+    chunks = [c for c in stream if c.choices]
+    calls = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or [])]
+    assert [(c.function.name, c.function.arguments) for c in calls] == \
+        [(call.function.name, call.function.arguments)]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
 def test_completions_text_and_ids(client, tok):
     r = client.completions.create(model="demo-tiny-v1", prompt="The sea is", max_tokens=4,
                                   temperature=0)
@@ -260,7 +310,14 @@ def test_a_full_queue_answers_503_with_retry_after(server, client):
     ({"messages": MESSAGES, "model": "gpt-4o"}, 404, ["gpt-4o", "demo-tiny-v1"]),
     ({"messages": MESSAGES, "temprature": 0}, 400, ["Unrecognized", "temprature"]),
     ({"messages": MESSAGES, "top_p": 0}, 400, ["top_p"]),
-    ({"messages": MESSAGES, "tool_choice": "required", "tools": TOOLS}, 400, ["tool_choice"]),
+    ({"messages": MESSAGES, "tool_choice": "sometimes", "tools": TOOLS}, 400,
+     ["tool_choice 'sometimes'", "'required'"]),
+    ({"messages": MESSAGES, "tool_choice": "required"}, 400, ["no tools"]),
+    ({"messages": MESSAGES, "tools": TOOLS,
+      "tool_choice": {"type": "function", "function": {"name": "get_time"}}}, 400,
+     ["'get_time'", "not among the tools (get_weather)"]),
+    ({"messages": MESSAGES, "tools": TOOLS, "tool_choice": "required",
+      "response_format": {"type": "json_object"}}, 400, ["give one of them"]),
     ({"messages": MESSAGES, "logprobs": True, "top_logprobs": 30}, 400, ["top_logprobs", "0..20"]),
     ({"messages": []}, 400, ["messages"]),
     ({"messages": [{"role": "wizard", "content": "hi"}]}, 400, ["messages.0.role"]),
