@@ -18,7 +18,7 @@ import json
 import threading
 from pathlib import Path
 
-from ..text.chat import DSML, THINK_END
+from ..text.chat import DSML, INVOKE_CLOSE, THINK_END, TOOL_CALLS_CLOSE, TOOL_CALLS_OPEN
 from .schemas import ApiError
 
 PACKAGE = "llguidance"
@@ -113,12 +113,17 @@ def _lit(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)
 
 
+def _choices(schema: dict) -> list | None:
+    """A parameter schema's enum, or its const as the one choice (else None)."""
+    return schema.get("enum", [schema["const"]] if "const" in schema else None)
+
+
 def _is_string(schema: dict) -> bool:
     """A parameter DSV4 writes as is (string="true"): type "string", or an enum / const of
     strings only."""
     if schema.get("type") == "string":
         return True
-    values = schema.get("enum", [schema["const"]] if "const" in schema else None)
+    values = _choices(schema)
     return "type" not in schema and bool(values) and all(isinstance(v, str) for v in values)
 
 
@@ -130,9 +135,9 @@ def tool_call_grammar(tools: list[dict], name: str | None, parallel: bool) -> st
     others optional; a string parameter (_is_string) as is with string="true" (an enum's or
     const's values the only choices; otherwise any text up to the parameter's closing tag), every
     other one as JSON valid for its schema, written as the renderer writes it (JSON_AS_RENDERED),
-    with string="false" (the parameters' $defs
-    carried into it, so that "#/$defs/..." references hold). A tool whose parameters name no
-    properties takes none. The reply then ends (EOS)."""
+    with string="false" (the parameters' $defs carried into it, so that "#/$defs/..."
+    references hold). A tool whose parameters name no properties takes none. The reply then
+    ends (EOS)."""
     nl, close = "\n", f"</{DSML}parameter>"
     # any text up to the first closing tag (lazy: a value cannot run past it)
     rules = ["string_value[lazy]: /(?s:.*)" + close.replace("/", "\\/") + "/"]
@@ -142,32 +147,33 @@ def tool_call_grammar(tools: list[dict], name: str | None, parallel: bool) -> st
         if name is not None and f.get("name") != name:
             continue
         params = f.get("parameters") or {}
+        props = params.get("properties") or {}
         defs = {k: params[k] for k in ("$defs", "definitions") if k in params}
         required = set(params.get("required") or ())
         items = []
-        for key, sch in (params.get("properties") or {}).items():
+        for key, sch in props.items():
             sch = sch if isinstance(sch, dict) else {}
             head = f'<{DSML}parameter name="{key}" '
             if _is_string(sch):
-                values = sch.get("enum", [sch["const"]] if "const" in sch else None)
+                values = _choices(sch)
                 value = ("(" + " | ".join(_lit(v + close) for v in values) + ")" if values
                          else "string_value")
-                item = f'{_lit(head + "string=" + chr(34) + "true" + chr(34) + ">")} {value}'
+                item = _lit(head + 'string="true">') + " " + value
             else:
                 sub = {**sch, **defs, "x-guidance": JSON_AS_RENDERED}
-                item = (f'{_lit(head + "string=" + chr(34) + "false" + chr(34) + ">")} '
-                        f"%json {json.dumps(sub, ensure_ascii=False)} {_lit(close)}")
+                item = (_lit(head + 'string="false">') +
+                        f" %json {json.dumps(sub, ensure_ascii=False)} {_lit(close)}")
             items.append(f"({item} {_lit(nl)})" + ("" if key in required else "?"))
-        if not required & set(params.get("properties") or ()):   # no line at all: the renderer's
-            items.append(f"{_lit(nl)}?")                          # empty body is one more newline
+        if not required & set(props):   # no line at all: the renderer's empty body is one
+            items.append(f"{_lit(nl)}?")  # more newline
         opener = f'<{DSML}invoke name="{f.get("name")}">' + nl
-        rules.append(f"call{i}: {_lit(opener)} {' '.join(items)} {_lit(f'</{DSML}invoke>')}")
+        rules.append(f"call{i}: {_lit(opener)} {' '.join(items)} {_lit(INVOKE_CLOSE)}")
         alts.append(f"call{i}")
     more = f" ({_lit(nl)} invoke)*" if parallel else ""
     # (the newline before the block's end a lexeme of its own, as before another invoke: the
     # lexer is greedy, so a literal "\n</...>" would shut out "\n<...invoke")
-    return nl.join([f"start: {_lit(nl + nl + f'<{DSML}tool_calls>' + nl)} invoke{more} "
-                    f"{_lit(nl)} {_lit(f'</{DSML}tool_calls>')}",
+    return nl.join([f"start: {_lit(nl + nl + TOOL_CALLS_OPEN + nl)} invoke{more} "
+                    f"{_lit(nl)} {_lit(TOOL_CALLS_CLOSE)}",
                     "invoke: " + " | ".join(alts)] + rules)
 
 
