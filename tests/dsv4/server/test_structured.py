@@ -33,33 +33,37 @@ def test_without_the_library_a_request_gets_400_naming_it(monkeypatch):
     assert "pip install" in e.value.message
 
 
-def test_a_schema_allows_a_valid_document_then_only_eos():
+@pytest.fixture(scope="module")
+def compiler():
+    """(tokenizer, its GrammarCompiler, a bitmask): the tokenizer's tables built once."""
     pytest.importorskip("llguidance", reason="structured output needs llguidance")
     import torch
     tok = load_tokenizer()
-    gc = structured.GrammarCompiler(tok, tok.vocab_size)
+    return (tok, structured.GrammarCompiler(tok, tok.vocab_size),
+            torch.zeros(-(-tok.vocab_size // 32), dtype=torch.int32))
+
+
+def _allowed(con, tok, bitmask):
+    con.fill(bitmask)
+    bits = np.unpackbits(bitmask.numpy().view(np.uint8), bitorder="little")
+    return set(np.flatnonzero(bits[:tok.vocab_size]).tolist())
+
+
+def test_a_schema_allows_a_valid_document_then_only_eos(compiler):
+    tok, gc, bitmask = compiler
     con = structured.constraint_for(
         gc.compile({"type": "json_schema", "json_schema": {"name": "c", "schema": SCHEMA}}),
         tok, thinking=False)
-    bitmask = torch.zeros(-(-tok.vocab_size // 32), dtype=torch.int32)
-
-    def allowed():
-        con.fill(bitmask)
-        bits = np.unpackbits(bitmask.numpy().view(np.uint8), bitorder="little")
-        return set(np.flatnonzero(bits[:tok.vocab_size]).tolist())
     for tid in tok.encode('{"color":"red","ok":true}'):
-        ok = allowed()
-        assert tid in ok
+        assert tid in _allowed(con, tok, bitmask)
         con.accept(tid)
-    assert allowed() == {tok.eos_id} and con.rejected == 0
+    assert _allowed(con, tok, bitmask) == {tok.eos_id} and con.rejected == 0
     fresh = structured.constraint_for(
         gc.compile({"type": "json_schema", "json_schema": {"name": "c", "schema": SCHEMA}}),
         tok, thinking=False)
     for tid in tok.encode('{"color":"'):
         fresh.accept(tid)
-    fresh.fill(bitmask)
-    bits = np.unpackbits(bitmask.numpy().view(np.uint8), bitorder="little")
-    assert not bits[tok.encode("blue")[0]]
+    assert tok.encode("blue")[0] not in _allowed(fresh, tok, bitmask)
 
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -72,26 +76,16 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
     {"type": "function", "function": {"name": "ping", "parameters": {"type": "object"}}}]
 
 
-def _allowed(con, tok, bitmask):
-    con.fill(bitmask)
-    bits = np.unpackbits(bitmask.numpy().view(np.uint8), bitorder="little")
-    return set(np.flatnonzero(bits[:tok.vocab_size]).tolist())
-
-
 @pytest.mark.parametrize("name,parallel,calls", [
     (None, True, [("get_weather", {"city": "Paris </b> 2", "unit": "f", "days": 3,
                                    "at": {"hour": 9}}), ("ping", {})]),
     ("get_weather", False, [("get_weather", {"city": "Oslo", "days": 7})]),
     ("ping", False, [("ping", {})])])
-def test_the_tools_grammar_allows_rendered_calls_then_only_eos(name, parallel, calls):
-    pytest.importorskip("llguidance", reason="structured output needs llguidance")
-    import torch
+def test_the_tools_grammar_allows_rendered_calls_then_only_eos(compiler, name, parallel, calls):
     from dsv4.text.chat import _render_tool_calls, parse_tool_calls
-    tok = load_tokenizer()
-    gc = structured.GrammarCompiler(tok, tok.vocab_size)
+    tok, gc, bitmask = compiler
     con = structured.constraint_for(gc.compile_tools(TOOLS, name, parallel), tok,
                                     thinking=False, param="tool_choice")
-    bitmask = torch.zeros(-(-tok.vocab_size // 32), dtype=torch.int32)
     text = _render_tool_calls([{"function": {"name": n, "arguments": a}} for n, a in calls])
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"]))
             for c in parse_tool_calls(text)] == calls
@@ -101,12 +95,8 @@ def test_the_tools_grammar_allows_rendered_calls_then_only_eos(name, parallel, c
     assert _allowed(con, tok, bitmask) == {tok.eos_id} and con.rejected == 0
 
 
-def test_the_tools_grammar_refuses_what_was_not_asked_for():
-    pytest.importorskip("llguidance", reason="structured output needs llguidance")
-    import torch
-    tok = load_tokenizer()
-    gc = structured.GrammarCompiler(tok, tok.vocab_size)
-    bitmask = torch.zeros(-(-tok.vocab_size // 32), dtype=torch.int32)
+def test_the_tools_grammar_refuses_what_was_not_asked_for(compiler):
+    tok, gc, bitmask = compiler
     head = '\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="'
 
     def takes(text, name, parallel=True):
